@@ -1,0 +1,1 @@
+"""Daemon-side clients for workers: the reference worker, SGLang and vLLM."""

@@ -1,0 +1,1 @@
+"""On-disk formats: safetensors headers and Hugging Face checkpoint layout."""

@@ -1,0 +1,1 @@
+"""Weight transports: disk (in-place loader), ipc (CUDA IPC / shared memory), broadcast."""
