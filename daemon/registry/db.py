@@ -1,0 +1,110 @@
+"""Database access: one `Registry` per process wraps the engine, sessions and migrations.
+
+The same code runs on SQLite (default, one file in the state folder) and on
+PostgreSQL (`database.url = "postgresql+psycopg://..."`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy.engine import make_url
+from sqlalchemy.orm import Session, sessionmaker
+
+MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+HEAD_REVISION = "head"
+
+
+class RegistryError(RuntimeError):
+    """The registry database cannot be opened or migrated; the message names the URL."""
+
+
+def redact_url(url: str) -> str:
+    """The URL with any password hidden, for logs and error messages."""
+    try:
+        return make_url(url).render_as_string(hide_password=True)
+    except Exception:  # noqa: BLE001 - a malformed URL is reported as given
+        return url
+
+
+def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
+    # WAL lets the CLI read history while the daemon writes; busy_timeout rides out
+    # short write locks instead of failing; foreign keys are off by default in SQLite.
+    cur = dbapi_conn.cursor()
+    cur.execute("PRAGMA journal_mode=WAL")
+    cur.execute("PRAGMA busy_timeout=10000")
+    cur.execute("PRAGMA foreign_keys=ON")
+    cur.execute("PRAGMA synchronous=NORMAL")
+    cur.close()
+
+
+def make_engine(url: str) -> Engine:
+    parsed = make_url(url)
+    if parsed.get_backend_name() == "sqlite":
+        db = parsed.database
+        if db and db != ":memory:" and not db.startswith("file:"):
+            Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
+        engine = create_engine(url, connect_args={"check_same_thread": False})
+        event.listen(engine, "connect", _sqlite_pragmas)
+        return engine
+    return create_engine(url, pool_pre_ping=True)
+
+
+class Registry:
+    """The registry database: `with registry.session() as s: ...` commits on success."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        try:
+            self.engine = make_engine(url)
+        except Exception as exc:
+            raise RegistryError(f"cannot open database {redact_url(url)}: {exc}") from exc
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+
+    @contextmanager
+    def session(self) -> Iterator[Session]:
+        s = self._sessions()
+        try:
+            yield s
+            s.commit()
+        except BaseException:
+            s.rollback()
+            raise
+        finally:
+            s.close()
+
+    def upgrade(self, revision: str = HEAD_REVISION) -> None:
+        """Apply Alembic migrations up to `revision` (idempotent)."""
+        from alembic import command
+
+        try:
+            with self.engine.begin() as conn:
+                cfg = alembic_config()
+                cfg.attributes["connection"] = conn
+                command.upgrade(cfg, revision)
+        except Exception as exc:
+            raise RegistryError(f"migrating database {redact_url(self.url)} failed: {exc}") from exc
+
+    def current_revision(self) -> str | None:
+        from alembic.runtime.migration import MigrationContext
+
+        with self.engine.connect() as conn:
+            return MigrationContext.configure(conn).get_current_revision()
+
+    def table_names(self) -> list[str]:
+        return inspect(self.engine).get_table_names()
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+
+def alembic_config() -> Any:
+    from alembic.config import Config
+
+    cfg = Config()
+    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    return cfg

@@ -1,0 +1,233 @@
+"""SQLAlchemy 2 models of the registry: every version and every transition is a row.
+
+Statuses are plain strings validated here (not database enums) so that adding a
+status never needs a table rewrite in a migration. All timestamps are UTC and
+timezone-aware in Python on both SQLite and PostgreSQL (see `UTCDateTime`).
+"""
+
+from __future__ import annotations
+
+from datetime import UTC, datetime
+from typing import Any
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    DateTime,
+    Float,
+    ForeignKey,
+    Integer,
+    String,
+    Text,
+    UniqueConstraint,
+)
+from sqlalchemy.engine import Dialect
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
+from sqlalchemy.types import TypeDecorator
+
+CHECKPOINT_STATUSES = (
+    "discovered",
+    "verifying",
+    "verified",
+    "rejected",
+    "deferred",
+    "staged",
+    "deployed",
+    "retired",
+    "superseded",
+    "duplicate",
+)
+WORKER_KINDS = ("builtin", "sglang", "vllm")
+WORKER_STATES = ("UNKNOWN", "RUNNING", "DRAINING", "PAUSED", "UPDATED", "UNHEALTHY", "UNREACHABLE")
+ROLLOUT_TRIGGERS = ("new", "rollback", "manual")
+ROLLOUT_OUTCOMES = ("succeeded", "failed", "rolled_back", "superseded")
+ALIAS_NAMES = ("serving", "last_good", "pinned")
+
+
+def utcnow() -> datetime:
+    return datetime.now(UTC)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python.
+
+    SQLite has no time zone type: values are stored as naive UTC text and get
+    their tzinfo back on the way out. PostgreSQL stores `timestamptz`.
+    Naive datetimes are refused so local times cannot sneak in.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: registry timestamps must be timezone-aware")
+        value = value.astimezone(UTC)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> datetime | None:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            return value.replace(tzinfo=UTC)
+        return value.astimezone(UTC)
+
+
+def _check_choice(
+    field: str, value: str | None, choices: tuple[str, ...], nullable: bool = False
+) -> str | None:
+    if value is None and nullable:
+        return None
+    if value not in choices:
+        raise ValueError(f"{field}={value!r} is not one of {', '.join(choices)}")
+    return value
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
+
+
+class Checkpoint(Base):
+    __tablename__ = "checkpoints"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    version: Mapped[str] = mapped_column(String(255), unique=True)
+    source: Mapped[str] = mapped_column(String(255))  # source name from the config, e.g. "local:/data/ckpt"
+    uri: Mapped[str] = mapped_column(Text)  # where it was found (file:// path, s3:// prefix, push URL)
+    local_path: Mapped[str | None] = mapped_column(Text)
+    commit_signal: Mapped[str | None] = mapped_column(String(32))  # manifest | index | marker | push
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    parent: Mapped[str | None] = mapped_column(String(255))
+    digest: Mapped[str | None] = mapped_column(String(16), index=True)
+    total_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    tensor_count: Mapped[int | None] = mapped_column(Integer)
+    status: Mapped[str] = mapped_column(String(32), index=True, default="discovered")
+    status_message: Mapped[str | None] = mapped_column(Text)
+    discovered_at: Mapped[datetime] = mapped_column(default=utcnow)
+    verified_at: Mapped[datetime | None]
+    deployed_at: Mapped[datetime | None]
+
+    files: Mapped[list[CheckpointFile]] = relationship(
+        back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"
+    )
+    checks: Mapped[list[Check]] = relationship(
+        back_populates="checkpoint", cascade="all, delete-orphan", order_by="Check.id"
+    )
+
+    @validates("status")
+    def _validate_status(self, _key: str, value: str) -> str:
+        return _check_choice("checkpoints.status", value, CHECKPOINT_STATUSES)  # type: ignore[return-value]
+
+    def __repr__(self) -> str:
+        return f"Checkpoint(version={self.version!r}, status={self.status!r})"
+
+
+class CheckpointFile(Base):
+    __tablename__ = "checkpoint_files"
+    __table_args__ = (UniqueConstraint("checkpoint_id", "path"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True)
+    path: Mapped[str] = mapped_column(Text)
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    crc32c: Mapped[str | None] = mapped_column(String(8))
+
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="files")
+
+
+class Check(Base):
+    __tablename__ = "checks"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), index=True)
+    name: Mapped[str] = mapped_column(String(64))
+    ok: Mapped[bool] = mapped_column(Boolean)
+    deferred: Mapped[bool] = mapped_column(Boolean, default=False)
+    detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    duration_ms: Mapped[float] = mapped_column(Float)
+
+    checkpoint: Mapped[Checkpoint] = relationship(back_populates="checks")
+
+
+class Worker(Base):
+    __tablename__ = "workers"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(255), unique=True)
+    kind: Mapped[str] = mapped_column(String(32), default="builtin")
+    url: Mapped[str] = mapped_column(Text)
+    device: Mapped[str | None] = mapped_column(String(64))
+    state: Mapped[str] = mapped_column(String(32), default="UNKNOWN")
+    weight_version: Mapped[str | None] = mapped_column(String(255))
+    last_error: Mapped[str | None] = mapped_column(Text)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    @validates("kind")
+    def _validate_kind(self, _key: str, value: str) -> str:
+        return _check_choice("workers.kind", value, WORKER_KINDS)  # type: ignore[return-value]
+
+    @validates("state")
+    def _validate_state(self, _key: str, value: str) -> str:
+        return _check_choice("workers.state", value, WORKER_STATES)  # type: ignore[return-value]
+
+
+class Rollout(Base):
+    __tablename__ = "rollouts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    trigger: Mapped[str] = mapped_column(String(32), default="new")
+    transport: Mapped[str] = mapped_column(String(32), default="disk")
+    mode: Mapped[str] = mapped_column(String(32), default="copy")
+    started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    finished_at: Mapped[datetime | None]
+    outcome: Mapped[str | None] = mapped_column(String(32))  # NULL while in flight
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+    checkpoint: Mapped[Checkpoint] = relationship()
+
+    @validates("trigger")
+    def _validate_trigger(self, _key: str, value: str) -> str:
+        return _check_choice("rollouts.trigger", value, ROLLOUT_TRIGGERS)  # type: ignore[return-value]
+
+    @validates("outcome")
+    def _validate_outcome(self, _key: str, value: str | None) -> str | None:
+        return _check_choice("rollouts.outcome", value, ROLLOUT_OUTCOMES, nullable=True)
+
+
+class Event(Base):
+    """Append-only log of transitions: worker states during rollouts, and checkpoint statuses.
+
+    A worker transition has `worker` set (and usually `rollout_id`); a checkpoint
+    status change has `checkpoint_id` set and `worker` NULL.
+    """
+
+    __tablename__ = "events"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    rollout_id: Mapped[int | None] = mapped_column(ForeignKey("rollouts.id"), index=True)
+    checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    worker: Mapped[str | None] = mapped_column(String(255))
+    from_state: Mapped[str | None] = mapped_column(String(32))
+    to_state: Mapped[str] = mapped_column(String(32))
+    duration_ms: Mapped[float | None] = mapped_column(Float)
+    detail: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+
+
+class Alias(Base):
+    __tablename__ = "aliases"
+
+    name: Mapped[str] = mapped_column(String(64), primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    checkpoint: Mapped[Checkpoint] = relationship()
+
+    @validates("name")
+    def _validate_name(self, _key: str, value: str) -> str:
+        return _check_choice("aliases.name", value, ALIAS_NAMES)  # type: ignore[return-value]

@@ -1,0 +1,279 @@
+"""The registry questions and writes the coordinator, API and CLI need, in one place.
+
+Every function takes an open `Session`; the caller owns the transaction
+(`with registry.session() as s:`), so a step's writes commit together.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import Column as SAColumn
+from sqlalchemy import Float, Integer, MetaData, String, Table, Text, func, select
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from daemon.registry.models import (
+    CHECKPOINT_STATUSES,
+    Check,
+    Checkpoint,
+    CheckpointFile,
+    Event,
+    UTCDateTime,
+    utcnow,
+)
+
+# Checkpoints in these statuses were being processed when the daemon stopped.
+UNFINISHED_STATUSES = ("discovered", "verifying")
+
+# The views, declared for reading only (their SQL lives in the migrations).
+_views = MetaData()
+version_history = Table(
+    "version_history",
+    _views,
+    SAColumn("checkpoint_id", Integer),
+    SAColumn("version", String),
+    SAColumn("status", String),
+    SAColumn("status_message", Text),
+    SAColumn("step", Integer),
+    SAColumn("parent", String),
+    SAColumn("digest", String),
+    SAColumn("total_bytes", Integer),
+    SAColumn("tensor_count", Integer),
+    SAColumn("source", String),
+    SAColumn("commit_signal", String),
+    SAColumn("local_path", Text),
+    SAColumn("discovered_at", UTCDateTime),
+    SAColumn("verified_at", UTCDateTime),
+    SAColumn("deployed_at", UTCDateTime),
+    SAColumn("verify_ms", Float),
+    SAColumn("rollout_count", Integer),
+    SAColumn("rolled_back_at", UTCDateTime),
+    SAColumn("superseded_at", UTCDateTime),
+    SAColumn("serving", Integer),
+)
+worker_versions = Table(
+    "worker_versions",
+    _views,
+    SAColumn("worker", String),
+    SAColumn("kind", String),
+    SAColumn("url", Text),
+    SAColumn("device", String),
+    SAColumn("state", String),
+    SAColumn("weight_version", String),
+    SAColumn("version_status", String),
+    SAColumn("updated_at", UTCDateTime),
+    SAColumn("last_error", Text),
+)
+
+
+def get_checkpoint(s: Session, version: str) -> Checkpoint | None:
+    return s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
+
+
+def get_checkpoint_by_id(s: Session, checkpoint_id: int) -> Checkpoint | None:
+    return s.get(Checkpoint, checkpoint_id)
+
+
+def register_discovered(
+    s: Session,
+    *,
+    version: str,
+    source: str,
+    uri: str,
+    local_path: str | None,
+    commit_signal: str | None,
+    discovered_at: datetime | None = None,
+) -> Checkpoint | None:
+    """Insert a `discovered` checkpoint; None when the version is already known (a no-op).
+
+    Uniqueness is enforced by the database, so two racing registrations of the
+    same version still produce one row.
+    """
+    if get_checkpoint(s, version) is not None:
+        return None
+    ckpt = Checkpoint(
+        version=version,
+        source=source,
+        uri=uri,
+        local_path=local_path,
+        commit_signal=commit_signal,
+        status="discovered",
+        discovered_at=discovered_at or utcnow(),
+    )
+    try:
+        with s.begin_nested():
+            s.add(ckpt)
+            s.flush()
+    except IntegrityError:
+        return None
+    record_event(
+        s,
+        checkpoint_id=ckpt.id,
+        from_state=None,
+        to_state="discovered",
+        detail={"source": source, "signal": commit_signal},
+    )
+    return ckpt
+
+
+def set_status(
+    s: Session,
+    ckpt: Checkpoint,
+    status: str,
+    message: str | None = None,
+    *,
+    duration_ms: float | None = None,
+    detail: dict[str, Any] | None = None,
+) -> None:
+    """Change a checkpoint's status and append the transition to `events`."""
+    if status not in CHECKPOINT_STATUSES:
+        raise ValueError(f"unknown checkpoint status {status!r}")
+    previous = ckpt.status
+    ckpt.status = status
+    ckpt.status_message = message
+    now = utcnow()
+    if status == "verified":
+        ckpt.verified_at = now
+    elif status == "deployed":
+        ckpt.deployed_at = now
+    record_event(
+        s,
+        checkpoint_id=ckpt.id,
+        from_state=previous,
+        to_state=status,
+        duration_ms=duration_ms,
+        detail=detail or ({"message": message} if message else None),
+    )
+
+
+def record_event(
+    s: Session,
+    *,
+    to_state: str,
+    from_state: str | None = None,
+    checkpoint_id: int | None = None,
+    rollout_id: int | None = None,
+    worker: str | None = None,
+    duration_ms: float | None = None,
+    detail: dict[str, Any] | None = None,
+) -> Event:
+    ev = Event(
+        at=utcnow(),
+        checkpoint_id=checkpoint_id,
+        rollout_id=rollout_id,
+        worker=worker,
+        from_state=from_state,
+        to_state=to_state,
+        duration_ms=duration_ms,
+        detail=detail,
+    )
+    s.add(ev)
+    return ev
+
+
+def add_check(
+    s: Session,
+    checkpoint_id: int,
+    *,
+    name: str,
+    ok: bool,
+    detail: dict[str, Any],
+    started_at: datetime,
+    duration_ms: float,
+    deferred: bool = False,
+) -> Check:
+    row = Check(
+        checkpoint_id=checkpoint_id,
+        name=name,
+        ok=ok,
+        deferred=deferred,
+        detail=_jsonable(detail),
+        started_at=started_at,
+        duration_ms=duration_ms,
+    )
+    s.add(row)
+    return row
+
+
+def replace_files(s: Session, ckpt: Checkpoint, files: Iterable[tuple[str, int, str | None]]) -> None:
+    """Set a checkpoint's file list (path, bytes, crc32c), replacing any earlier one."""
+    ckpt.files.clear()
+    s.flush()
+    for path, size, crc in files:
+        ckpt.files.append(CheckpointFile(path=path, bytes=size, crc32c=crc))
+
+
+def clear_checks(s: Session, checkpoint_id: int) -> None:
+    """Forget check rows of an unfinished verification before it runs again."""
+    for row in s.scalars(select(Check).where(Check.checkpoint_id == checkpoint_id)):
+        s.delete(row)
+
+
+def find_same_digest(s: Session, digest: str, exclude_id: int) -> Checkpoint | None:
+    """An earlier checkpoint (not itself a duplicate or rejected) with the same content."""
+    return s.scalars(
+        select(Checkpoint)
+        .where(
+            Checkpoint.digest == digest,
+            Checkpoint.id != exclude_id,
+            Checkpoint.status.not_in(("duplicate", "rejected", "discovered", "verifying")),
+        )
+        .order_by(Checkpoint.id)
+        .limit(1)
+    ).one_or_none()
+
+
+def unfinished_checkpoints(s: Session) -> Sequence[Checkpoint]:
+    """Checkpoints a stopped daemon left in `discovered`/`verifying`, oldest first."""
+    return s.scalars(
+        select(Checkpoint).where(Checkpoint.status.in_(UNFINISHED_STATUSES)).order_by(Checkpoint.id)
+    ).all()
+
+
+def known_versions(s: Session) -> set[str]:
+    return set(s.scalars(select(Checkpoint.version)))
+
+
+def known_local_paths(s: Session) -> set[str]:
+    return {p for p in s.scalars(select(Checkpoint.local_path)) if p}
+
+
+def status_counts(s: Session) -> dict[str, int]:
+    rows = s.execute(select(Checkpoint.status, func.count()).group_by(Checkpoint.status)).all()
+    return {status: int(n) for status, n in rows}
+
+
+def history(s: Session, limit: int | None = None, newest_first: bool = True) -> list[dict[str, Any]]:
+    """Rows of the `version_history` view as dicts."""
+    order = version_history.c.checkpoint_id.desc() if newest_first else version_history.c.checkpoint_id
+    q = select(version_history).order_by(order)
+    if limit:
+        q = q.limit(limit)
+    return [dict(r) for r in s.execute(q).mappings()]
+
+
+def worker_rows(s: Session) -> list[dict[str, Any]]:
+    return [dict(r) for r in s.execute(select(worker_versions).order_by(worker_versions.c.worker)).mappings()]
+
+
+def checks_of(s: Session, checkpoint_id: int) -> Sequence[Check]:
+    return s.scalars(select(Check).where(Check.checkpoint_id == checkpoint_id).order_by(Check.id)).all()
+
+
+def _jsonable(value: Any) -> Any:
+    """Check details may carry Paths, tuples or numpy scalars; store plain JSON."""
+    if isinstance(value, dict):
+        return {str(k): _jsonable(v) for k, v in value.items()}
+    if isinstance(value, list | tuple | set):
+        return [_jsonable(v) for v in value]
+    if value is None or isinstance(value, bool | int | float | str):
+        return value
+    if hasattr(value, "item"):
+        try:
+            return value.item()
+        except Exception:  # noqa: BLE001
+            pass
+    return str(value)

@@ -1,0 +1,57 @@
+"""Alembic environment for the hotswap registry.
+
+The database URL comes from, in order: a connection handed in by
+`daemon.registry.db.Registry.upgrade()` (config attribute "connection"),
+`alembic -x url=...`, `alembic -x config=/etc/hotswap/config.toml` (its
+`[database] url`), `sqlalchemy.url` in alembic.ini, else the daemon's default.
+"""
+
+from __future__ import annotations
+
+from alembic import context
+from sqlalchemy import create_engine, pool
+
+from daemon.registry.models import Base
+
+target_metadata = Base.metadata
+config = context.config
+
+
+def _url() -> str:
+    x = context.get_x_argument(as_dictionary=True)
+    if x.get("url"):
+        return x["url"]
+    from daemon.config import load_config  # late: only needed on the command line
+
+    if x.get("config"):
+        return load_config(x["config"]).database.url
+    ini_url = config.get_main_option("sqlalchemy.url")
+    if ini_url:
+        return ini_url
+    return load_config(None).database.url
+
+
+def run_migrations_offline() -> None:
+    context.configure(url=_url(), target_metadata=target_metadata, literal_binds=True)
+    with context.begin_transaction():
+        context.run_migrations()
+
+
+def run_migrations_online() -> None:
+    connection = config.attributes.get("connection")
+    if connection is not None:
+        context.configure(connection=connection, target_metadata=target_metadata, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+        return
+    engine = create_engine(_url(), poolclass=pool.NullPool)
+    with engine.connect() as conn:
+        context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
+        with context.begin_transaction():
+            context.run_migrations()
+
+
+if context.is_offline_mode():
+    run_migrations_offline()
+else:
+    run_migrations_online()
