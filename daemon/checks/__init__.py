@@ -1,0 +1,26 @@
+"""The verify stage: prove a checkpoint whole and sane before any worker sees it.
+
+`run_checks(directory, settings, reference=..., on_result=...)` runs, cheap to dear,
+"manifest", "headers", "crc32c", "compat", "finite", "headroom", "forward" and stops
+at the first failure (DESIGN.md "Checks").
+"""
+
+from daemon.checks.base import (
+    CHECK_NAMES,
+    CheckContext,
+    CheckFailed,
+    CheckResult,
+    CheckSettings,
+    VerifyReport,
+)
+from daemon.checks.runner import run_checks
+
+__all__ = [
+    "CHECK_NAMES",
+    "CheckContext",
+    "CheckFailed",
+    "CheckResult",
+    "CheckSettings",
+    "VerifyReport",
+    "run_checks",
+]

@@ -1,0 +1,146 @@
+"""Types shared by every check: settings, one check's result, the whole report, the context."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from daemon.formats.checkpoint import TensorLocation
+from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
+from daemon.manifest import Manifest, ManifestFile
+
+# cheap to dear, the order they run in (DESIGN.md "Checks")
+CHECK_NAMES: tuple[str, ...] = ("manifest", "headers", "crc32c", "compat", "finite", "headroom", "forward")
+
+# fixed token ids used when the checkpoint has no tokenizer; small ids fit any vocabulary >= 64
+DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
+    (1, 17, 42, 5, 33, 8, 21, 60),
+    (1, 3, 3, 3, 9, 27, 11, 2, 44, 19, 7, 50),
+    (1, 63, 0, 31, 12),
+)
+
+
+@dataclass(slots=True)
+class CheckSettings:
+    """What the verify stage runs and with which bounds. Every field has a working default."""
+
+    enabled: tuple[str, ...] = CHECK_NAMES
+    require_manifest: bool = False  # reject index/marker-committed checkpoints (no manifest)
+    hmac_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> shared key file
+    ed25519_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> public key file (PEM or raw)
+    header_cap_bytes: int = HEADER_CAP_BYTES
+    crc_threads: int | None = None  # None: one per CPU core
+    crc_chunk_bytes: int = 8 * 1024 * 1024
+    reference_dir: Path | None = None  # compat/forward reference when the caller passes none
+    finite_chunk_bytes: int = 16 * 1024 * 1024
+    headroom_factor: float = 1.5
+    ipc_enabled: bool = False  # also require GPU memory for staging
+    staging_gpu: str = "cuda:0"
+    forward_device: str = "cpu"
+    forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS
+    forward_top1_min: float | None = None  # e.g. 0.9: share of positions whose argmax matches the reference
+    forward_kl_max: float | None = None  # mean KL(reference || new) per position, nats
+
+    def __post_init__(self) -> None:
+        unknown = [n for n in self.enabled if n not in CHECK_NAMES]
+        if unknown:
+            raise ValueError(f"checks.enabled: unknown check names {unknown}; known: {list(CHECK_NAMES)}")
+        if self.headroom_factor <= 0:
+            raise ValueError(f"checks.headroom_factor must be > 0, got {self.headroom_factor}")
+        if self.crc_chunk_bytes < 4096 or self.finite_chunk_bytes < 4096:
+            raise ValueError("checks.crc_chunk_bytes and checks.finite_chunk_bytes must be >= 4096")
+        if self.forward_top1_min is not None and not 0.0 <= self.forward_top1_min <= 1.0:
+            raise ValueError(f"checks.forward_top1_min must be in [0, 1], got {self.forward_top1_min}")
+        if self.forward_kl_max is not None and self.forward_kl_max < 0:
+            raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
+        if not self.forward_prompts or any(not p for p in self.forward_prompts):
+            raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
+
+    @property
+    def keys_configured(self) -> bool:
+        return bool(self.hmac_keys or self.ed25519_keys)
+
+    @classmethod
+    def from_mapping(cls, raw: Mapping[str, Any], where: str = "checks") -> CheckSettings:
+        """Build from a config table (e.g. TOML `[checks]`); errors name the key."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"{where}: unknown keys {unknown}; known: {sorted(known)}")
+        kw: dict[str, Any] = {}
+        for key, value in raw.items():
+            if key in ("hmac_keys", "ed25519_keys"):
+                if not isinstance(value, Mapping):
+                    raise ValueError(f"{where}.{key}: must map key_id to a key file path")
+                kw[key] = {str(k): Path(v) for k, v in value.items()}
+            elif key == "enabled":
+                kw[key] = tuple(str(v) for v in value)
+            elif key == "reference_dir":
+                kw[key] = None if value in (None, "") else Path(value)
+            elif key == "forward_prompts":
+                kw[key] = tuple(tuple(int(t) for t in p) for p in value)
+            else:
+                kw[key] = value
+        try:
+            return cls(**kw)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"{where}: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    name: str
+    ok: bool
+    detail: dict[str, Any]  # detail["reason"]: one human line when not ok
+    started_at: datetime
+    duration_ms: float
+    deferred: bool = False  # not ok, but retry later (headroom) instead of rejecting
+
+
+@dataclass(frozen=True, slots=True)
+class VerifyReport:
+    ok: bool
+    deferred: bool
+    results: list[CheckResult]
+    reason: str | None  # "<check>: <reason>" of the first failure
+    digest: str | None  # content digest (manifest's, or computed by the crc32c check)
+    total_bytes: int
+    tensor_count: int
+    files: list[ManifestFile] = field(default_factory=list)  # with CRCs when known ("" when not computed)
+    manifest: Manifest | None = None
+
+
+class CheckFailed(Exception):
+    """Raised inside a check: `reason` is the one line a person reads; `detail` adds facts."""
+
+    def __init__(self, reason: str, detail: dict[str, Any] | None = None, *, deferred: bool = False):
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail or {}
+        self.deferred = deferred
+
+
+@dataclass(slots=True)
+class CheckContext:
+    """State one check leaves for the next (file list, tensor table, ...)."""
+
+    directory: Path
+    settings: CheckSettings
+    reference: Path | None
+    manifest: Manifest | None = None
+    files: list[ManifestFile] = field(default_factory=list)  # crc32c "" until computed
+    crcs_known: bool = False
+    digest: str | None = None
+    headers: list[SafetensorsHeader] | None = None
+    table: dict[str, TensorLocation] | None = None
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    @property
+    def weight_bytes(self) -> int:
+        return sum(h.file_size for h in self.headers or [])

@@ -1,0 +1,50 @@
+"""Check "compat": same tensor names, shapes and dtypes as the serving version.
+
+A hot swap writes into the live parameters, so anything else needs a restart rollout.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from daemon.checks.base import CheckContext, CheckFailed
+from daemon.checks.headers import load_table
+from daemon.formats.checkpoint import LayoutError, tensor_table
+from daemon.formats.safetensors import HeaderError
+
+MAX_LISTED = 3  # differences spelled out in the reason; the detail keeps up to 50
+
+
+def check_compat(ctx: CheckContext) -> dict[str, Any]:
+    table = load_table(ctx)
+    ref_dir = ctx.reference
+    if ref_dir is None:
+        return {"skipped": "no serving version or configured reference to compare with"}
+    try:
+        ref_table, _ = tensor_table(ref_dir)
+    except (LayoutError, HeaderError, OSError) as exc:
+        raise CheckFailed(f"reference {ref_dir} unreadable: {exc}", {"reference": str(ref_dir)}) from None
+    diffs: list[str] = []
+    for name in sorted(set(ref_table) | set(table)):
+        ref = ref_table.get(name)
+        new = table.get(name)
+        if new is None:
+            diffs.append(f"tensor {name!r} missing (serving has it)")
+        elif ref is None:
+            diffs.append(f"tensor {name!r} not in the serving version")
+        else:
+            if list(new.entry.shape) != list(ref.entry.shape):
+                diffs.append(
+                    f"tensor {name!r} shape {list(new.entry.shape)} != serving {list(ref.entry.shape)}"
+                )
+            if new.entry.dtype != ref.entry.dtype:
+                diffs.append(f"tensor {name!r} dtype {new.entry.dtype} != serving {ref.entry.dtype}")
+    if diffs:
+        shown = "; ".join(diffs[:MAX_LISTED])
+        more = f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
+        raise CheckFailed(
+            f"incompatible with the serving version ({len(diffs)} differences: {shown}{more}); "
+            "needs a restart rollout",
+            {"reference": str(ref_dir), "differences": diffs[:50], "difference_count": len(diffs)},
+        )
+    return {"reference": str(ref_dir), "tensors": len(table)}

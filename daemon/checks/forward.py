@@ -1,0 +1,134 @@
+"""Check "forward": build the model from config.json, load the new weights, run fixed prompts.
+
+Logits must be finite. When a bound is configured and a reference (serving) version
+is known, the new model's top-1 agreement and mean KL(reference || new) against the
+reference must stay within it. Nothing is downloaded: config and weights come from
+the checkpoint directory; prompts are fixed token ids.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from daemon.checks.base import CheckContext, CheckFailed
+from daemon.checks.headers import load_table
+from daemon.formats.checkpoint import weight_files
+
+if TYPE_CHECKING:
+    import torch
+
+
+def build_model(directory: Path, device: str) -> torch.nn.Module:
+    """The checkpoint's model from its config.json with its own weights, in eval mode."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config_path = directory / "config.json"
+    if not config_path.is_file():
+        raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
+    try:
+        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise CheckFailed(f"{directory.name}/config.json: transformers cannot use it ({exc})") from None
+    dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    try:
+        try:
+            model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        except TypeError:  # transformers < 4.56 names it torch_dtype
+            model = AutoModelForCausalLM.from_config(config, torch_dtype=dtype)
+    except (ValueError, KeyError, TypeError) as exc:
+        raise CheckFailed(f"{directory.name}/config.json: no causal LM for this config ({exc})") from None
+    state: dict[str, torch.Tensor] = {}
+    for shard in weight_files(directory):
+        state.update(load_file(str(shard)))
+    result = model.load_state_dict(state, strict=False)
+    loaded_ptrs = {p.data_ptr() for n, p in model.named_parameters() if n in state}
+    params = dict(model.named_parameters())
+    # tied weights (lm_head = embed_tokens) are absent from the file but share storage
+    missing = [k for k in result.missing_keys if k in params and params[k].data_ptr() not in loaded_ptrs]
+    missing += [k for k in result.missing_keys if k not in params]  # persistent buffers
+    if missing:
+        raise CheckFailed(
+            f"{directory.name}: model needs tensor {missing[0]!r}, not in the checkpoint"
+            + (f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""),
+            {"missing": missing[:20]},
+        )
+    if result.unexpected_keys:
+        bad = result.unexpected_keys
+        raise CheckFailed(
+            f"{directory.name}: tensor {bad[0]!r} is not a parameter of {type(model).__name__}"
+            + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""),
+            {"unexpected": bad[:20]},
+        )
+    return model.to(device).eval()
+
+
+def _logits(model: torch.nn.Module, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
+    import torch
+
+    out = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids], dtype=torch.long, device=device)
+            out.append(model(input_ids=x).logits[0].float().cpu())
+    return out
+
+
+def check_forward(ctx: CheckContext) -> dict[str, Any]:
+    import torch
+
+    load_table(ctx)  # headers are sound before torch reads them
+    settings = ctx.settings
+    device = settings.forward_device
+    config = json.loads((ctx.directory / "config.json").read_bytes()) if (
+        ctx.directory / "config.json"
+    ).is_file() else {}
+    vocab = int(config.get("vocab_size") or 0) or 2**31
+    prompts = [[t % vocab for t in p] for p in settings.forward_prompts]
+    model = build_model(ctx.directory, device)
+    new = _logits(model, prompts, device)
+    del model
+    for i, logits in enumerate(new):
+        finite = torch.isfinite(logits)
+        if not bool(finite.all()):
+            pos = int((~finite).any(dim=-1).nonzero()[0, 0])
+            raise CheckFailed(
+                f"logits contain NaN/Inf (prompt {i}, position {pos}) on {device}",
+                {"prompt": i, "position": pos, "device": device},
+            )
+    detail: dict[str, Any] = {
+        "device": device,
+        "prompts": len(prompts),
+        "positions": sum(len(p) for p in prompts),
+        "max_abs_logit": round(max(float(x.abs().max()) for x in new), 4),
+    }
+    wants_reference = settings.forward_top1_min is not None or settings.forward_kl_max is not None
+    if not wants_reference:
+        return detail
+    if ctx.reference is None:
+        detail["reference"] = "none (no serving version); agreement bounds not applied"
+        return detail
+    ref_model = build_model(ctx.reference, device)
+    ref = _logits(ref_model, prompts, device)
+    del ref_model
+    new_all, ref_all = torch.cat(new), torch.cat(ref)
+    top1 = float((new_all.argmax(-1) == ref_all.argmax(-1)).float().mean())
+    ref_logp, new_logp = ref_all.log_softmax(-1), new_all.log_softmax(-1)
+    kl = float((ref_logp.exp() * (ref_logp - new_logp)).sum(-1).mean())
+    detail.update(reference=str(ctx.reference), top1_agreement=round(top1, 4), kl=round(kl, 6))
+    if settings.forward_top1_min is not None and top1 < settings.forward_top1_min:
+        raise CheckFailed(
+            f"top-1 agreement with the serving version {top1:.3f} "
+            f"< bound {settings.forward_top1_min}",
+            detail,
+        )
+    if settings.forward_kl_max is not None and kl > settings.forward_kl_max:
+        raise CheckFailed(
+            f"KL(serving || new) {kl:.4g} nats > bound {settings.forward_kl_max}", detail
+        )
+    return detail

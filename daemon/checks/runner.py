@@ -1,0 +1,90 @@
+"""The verify stage: run the enabled checks in order, stop at the first failure."""
+
+from __future__ import annotations
+
+import importlib
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from daemon.checks.base import (
+    CHECK_NAMES,
+    CheckContext,
+    CheckFailed,
+    CheckResult,
+    CheckSettings,
+    VerifyReport,
+)
+
+# check name -> "module:function"; imported on first use so cheap checks never pay for torch
+_CHECKS: dict[str, str] = {
+    "manifest": "daemon.checks.completeness:check_manifest",
+    "headers": "daemon.checks.headers:check_headers",
+    "crc32c": "daemon.checks.integrity:check_crc32c",
+    "compat": "daemon.checks.compat:check_compat",
+    "finite": "daemon.checks.finite:check_finite",
+    "headroom": "daemon.checks.headroom:check_headroom",
+    "forward": "daemon.checks.forward:check_forward",
+}
+assert tuple(_CHECKS) == CHECK_NAMES
+
+CheckFn = Callable[[CheckContext], dict[str, Any]]
+
+
+def _resolve(name: str) -> CheckFn:
+    module, func = _CHECKS[name].split(":")
+    fn: CheckFn = getattr(importlib.import_module(module), func)
+    return fn
+
+
+def run_checks(
+    directory: Path,
+    settings: CheckSettings,
+    *,
+    reference: Path | None = None,
+    on_result: Callable[[CheckResult], None] | None = None,
+) -> VerifyReport:
+    """Run every enabled check on `directory`; `reference` is the serving version's directory.
+
+    Each result goes to `on_result` as soon as it is known (the coordinator writes a
+    `checks` row). A failing check stops the run: the report is not ok, and `deferred`
+    says whether to retry later (headroom) rather than reject.
+    """
+    ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
+    results: list[CheckResult] = []
+    failure: CheckResult | None = None
+    for name in CHECK_NAMES:
+        if name not in settings.enabled:
+            continue
+        started = datetime.now(UTC)
+        t0 = time.perf_counter()
+        deferred = False
+        try:
+            detail = _resolve(name)(ctx)
+            ok = True
+        except CheckFailed as exc:
+            detail = {"reason": exc.reason, **exc.detail}
+            ok, deferred = False, exc.deferred
+        except Exception as exc:  # a bug or an OS fault in a check must still reject, with the cause
+            detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
+            ok = False
+        result = CheckResult(name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+        if not ok:
+            failure = result
+            break
+    return VerifyReport(
+        ok=failure is None,
+        deferred=failure is not None and failure.deferred,
+        results=results,
+        reason=None if failure is None else f"{failure.name}: {failure.detail['reason']}",
+        digest=ctx.digest,
+        total_bytes=ctx.total_bytes,
+        tensor_count=len(ctx.table) if ctx.table is not None else 0,
+        files=list(ctx.files),
+        manifest=ctx.manifest,
+    )

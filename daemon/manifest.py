@@ -1,0 +1,365 @@
+"""The checkpoint manifest: what `hotswap publish` writes last and every check starts from.
+
+Format (DESIGN.md): `{"format": "hotswap.manifest/1", "version", "step", "parent",
+"created_at", "files": [{"path", "bytes", "crc32c"}], "signature": {alg, key_id, value}}`.
+The signature covers the canonical JSON (sorted keys, no whitespace, UTF-8) of every
+other field. Paths are relative, normalised and stay inside the checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import posixpath
+import struct
+import sys
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, Protocol
+
+from daemon.crc import crc32c_file, crc32c_files
+from daemon.formats.checkpoint import MANIFEST_NAME
+
+__all__ = [
+    "FORMAT",
+    "MANIFEST_NAME",
+    "MANIFEST_CAP_BYTES",
+    "Manifest",
+    "ManifestError",
+    "ManifestFile",
+    "Signature",
+    "Signer",
+    "canonical_bytes",
+    "check_relative_path",
+    "crc32c_file",
+    "digest",
+    "list_checkpoint_files",
+    "load_manifest",
+    "parse_manifest",
+    "publish",
+    "publish_main",
+]
+
+FORMAT = "hotswap.manifest/1"
+MANIFEST_CAP_BYTES = 64 * 1024 * 1024  # a manifest listing a million files is still far below this
+_TMP_PREFIX = f".{MANIFEST_NAME}.tmp"
+
+
+class ManifestError(ValueError):
+    """A manifest that is missing, malformed or unsafe; the message names the field or path."""
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestFile:
+    path: str  # relative, normalised, '/'-separated
+    bytes: int
+    crc32c: str  # 8 lowercase hex digits
+
+
+@dataclass(frozen=True, slots=True)
+class Signature:
+    alg: str  # "hmac-sha256" or "ed25519"
+    key_id: str
+    value: str  # base64
+
+
+class Signer(Protocol):
+    """Signs the canonical manifest bytes; see daemon.checks.signatures for the two kinds."""
+
+    alg: str
+    key_id: str
+
+    def sign(self, message: bytes) -> str: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Manifest:
+    version: str | None
+    step: int | None
+    parent: str | None
+    created_at: str | None
+    files: list[ManifestFile]
+    signature: Signature | None = None
+    extra: dict[str, Any] = field(default_factory=dict)  # unknown top-level keys, kept so signatures verify
+
+    @property
+    def digest(self) -> str:
+        return digest(self.files)
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files)
+
+    def unsigned_doc(self) -> dict[str, Any]:
+        """Everything the signature covers, as a JSON-ready dict."""
+        doc: dict[str, Any] = dict(self.extra)
+        doc.update(
+            format=FORMAT,
+            version=self.version,
+            step=self.step,
+            parent=self.parent,
+            created_at=self.created_at,
+            files=[{"path": f.path, "bytes": f.bytes, "crc32c": f.crc32c} for f in self.files],
+        )
+        return doc
+
+    def canonical(self) -> bytes:
+        return canonical_bytes(self.unsigned_doc())
+
+    def to_json(self) -> str:
+        doc = self.unsigned_doc()
+        if self.signature is not None:
+            doc["signature"] = {
+                "alg": self.signature.alg,
+                "key_id": self.signature.key_id,
+                "value": self.signature.value,
+            }
+        return json.dumps(doc, indent=1, sort_keys=True, ensure_ascii=False) + "\n"
+
+
+def canonical_bytes(doc: dict[str, Any]) -> bytes:
+    """Sorted keys, no whitespace, UTF-8; `signature` left out."""
+    body = {k: v for k, v in doc.items() if k != "signature"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
+def digest(files: Iterable[ManifestFile]) -> str:
+    """Content digest: CRC32C over each file's CRC (4 bytes, big-endian), files sorted by path."""
+    import crc32c
+
+    ordered = sorted(files, key=lambda f: f.path)
+    packed = b"".join(struct.pack(">I", int(f.crc32c, 16)) for f in ordered)
+    return f"{crc32c.crc32c(packed):08x}"
+
+
+def check_relative_path(path: object, root: Path | None = None) -> str:
+    """Return `path` if it is a safe relative path inside the checkpoint, else raise ManifestError."""
+    if not isinstance(path, str) or not path:
+        raise ManifestError(f"file path {path!r} must be a non-empty string")
+    if "\\" in path or "\x00" in path:
+        raise ManifestError(f"file path {path!r} contains a backslash or NUL")
+    if path.startswith("/"):
+        raise ManifestError(f"file path {path!r} is absolute")
+    parts = path.split("/")
+    if ".." in parts:
+        raise ManifestError(f"file path {path!r} contains '..' (leaves the checkpoint)")
+    if posixpath.normpath(path) != path or "." in parts:
+        raise ManifestError(f"file path {path!r} is not normalised (expected {posixpath.normpath(path)!r})")
+    if root is not None:
+        full = root / path
+        if full.is_symlink() or any((root / "/".join(parts[:i])).is_symlink() for i in range(1, len(parts))):
+            target = full.resolve()
+            if not target.is_relative_to(root.resolve()):
+                raise ManifestError(f"file path {path!r} is a symlink leaving the checkpoint (-> {target})")
+    return path
+
+
+def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_NAME) -> Manifest:
+    """Strictly parse manifest bytes; `root` enables the symlink-out check."""
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise ManifestError(f"{where}: not valid UTF-8 JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise ManifestError(f"{where}: top level is not a JSON object")
+    if doc.get("format") != FORMAT:
+        raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {FORMAT!r}")
+    version = _opt(doc, "version", str, where)
+    step = doc.get("step")
+    if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
+        raise ManifestError(f"{where}: step must be a non-negative integer, got {step!r}")
+    parent = _opt(doc, "parent", str, where)
+    created_at = _opt(doc, "created_at", str, where)
+    if version is not None and (not version or "/" in version or version in (".", "..")):
+        raise ManifestError(f"{where}: version {version!r} is not a usable label")
+    raw_files = doc.get("files")
+    if not isinstance(raw_files, list):
+        raise ManifestError(f"{where}: 'files' must be a list")
+    files: list[ManifestFile] = []
+    seen: set[str] = set()
+    for i, item in enumerate(raw_files):
+        if not isinstance(item, dict) or set(item) != {"path", "bytes", "crc32c"}:
+            raise ManifestError(f"{where}: files[{i}] must have exactly path, bytes, crc32c")
+        path = item["path"]
+        try:
+            check_relative_path(path, root)
+        except ManifestError as exc:
+            raise ManifestError(f"{where}: files[{i}]: {exc}") from None
+        if path == MANIFEST_NAME:
+            raise ManifestError(f"{where}: files[{i}]: the manifest may not list itself")
+        if path in seen:
+            raise ManifestError(f"{where}: file {path!r} listed twice")
+        seen.add(path)
+        size, crc = item["bytes"], item["crc32c"]
+        if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+            raise ManifestError(f"{where}: file {path!r}: bytes must be a non-negative integer")
+        if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
+            raise ManifestError(f"{where}: file {path!r}: crc32c must be 8 lowercase hex digits, got {crc!r}")
+        files.append(ManifestFile(path, size, crc))
+    files.sort(key=lambda f: f.path)
+    signature = None
+    if "signature" in doc and doc["signature"] is not None:
+        sig = doc["signature"]
+        if not isinstance(sig, dict) or not all(
+            isinstance(sig.get(k), str) and sig.get(k) for k in ("alg", "key_id", "value")
+        ):
+            raise ManifestError(f"{where}: signature must have string alg, key_id and value")
+        signature = Signature(sig["alg"], sig["key_id"], sig["value"])
+    known = {"format", "version", "step", "parent", "created_at", "files", "signature"}
+    extra = {k: v for k, v in doc.items() if k not in known}
+    return Manifest(version, step, parent, created_at, files, signature, extra)
+
+
+def _opt(doc: dict[str, Any], key: str, typ: type, where: str) -> Any:
+    value = doc.get(key)
+    if value is not None and not isinstance(value, typ):
+        raise ManifestError(f"{where}: {key} must be a {typ.__name__} or null, got {value!r}")
+    return value
+
+
+def load_manifest(directory: str | Path) -> Manifest:
+    """Read and strictly validate `<directory>/hotswap-manifest.json`."""
+    root = Path(directory)
+    path = root / MANIFEST_NAME
+    try:
+        with open(path, "rb") as f:
+            if not os.path.isfile(path):
+                raise ManifestError(f"{path}: not a regular file")
+            raw = f.read(MANIFEST_CAP_BYTES + 1)
+    except FileNotFoundError:
+        raise ManifestError(f"{path}: no manifest") from None
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable ({exc})") from None
+    if len(raw) > MANIFEST_CAP_BYTES:
+        raise ManifestError(f"{path}: larger than the {MANIFEST_CAP_BYTES}-byte cap")
+    return parse_manifest(raw, root, str(path))
+
+
+def list_checkpoint_files(directory: str | Path) -> list[str]:
+    """Every file under the checkpoint (relative posix paths, sorted) except the manifest and its tmp.
+
+    Symlinks to files inside the checkpoint are listed; symlinks leaving it raise ManifestError.
+    """
+    root = Path(directory)
+    real_root = root.resolve()
+    out: list[str] = []
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=False):
+        base = Path(dirpath)
+        for name in list(dirnames):
+            p = base / name
+            if p.is_symlink():  # os.walk does not descend into it; judge it as an entry
+                filenames.append(name)
+                dirnames.remove(name)
+        for name in filenames:
+            p = base / name
+            rel = p.relative_to(root).as_posix()
+            if rel == MANIFEST_NAME or (base == root and name.startswith(_TMP_PREFIX)):
+                continue
+            if p.is_symlink() and not p.resolve().is_relative_to(real_root):
+                raise ManifestError(f"{rel}: symlink leaving the checkpoint (-> {p.resolve()})")
+            if not p.is_file():
+                raise ManifestError(f"{rel}: not a regular file")
+            out.append(rel)
+    return sorted(out)
+
+
+def publish(
+    directory: str | Path,
+    version: str | None = None,
+    step: int | None = None,
+    parent: str | None = None,
+    signer: Signer | None = None,
+    *,
+    threads: int | None = None,
+) -> Manifest:
+    """Hash every file and write the manifest atomically (tmp + fsync + rename), last.
+
+    The version defaults to the directory name.
+    """
+    root = Path(directory)
+    if not root.is_dir():
+        raise ManifestError(f"{root}: not a directory")
+    rels = list_checkpoint_files(root)
+    if not rels:
+        raise ManifestError(f"{root}: nothing to publish (no files)")
+    sizes = [(root / r).stat().st_size for r in rels]
+    crcs = crc32c_files([root / r for r in rels], threads=threads)
+    files = [ManifestFile(r, s, c) for r, s, c in zip(rels, sizes, crcs, strict=True)]
+    manifest = Manifest(
+        version=version if version is not None else root.resolve().name,
+        step=step,
+        parent=parent,
+        created_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
+        files=files,
+    )
+    if manifest.version is not None:
+        parse_manifest(manifest.to_json().encode(), None, "new manifest")  # same rules as readers apply
+    if signer is not None:
+        value = signer.sign(manifest.canonical())
+        manifest = Manifest(
+            manifest.version, step, parent, manifest.created_at, files, Signature(signer.alg, signer.key_id, value)
+        )
+    _write_atomically(root / MANIFEST_NAME, manifest.to_json().encode("utf-8"))
+    return manifest
+
+
+def _write_atomically(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f"{_TMP_PREFIX}.{os.getpid()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    dfd = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(dfd)  # make the rename itself durable
+    finally:
+        os.close(dfd)
+
+
+def publish_main(argv: Sequence[str] | None = None) -> int:
+    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--key-file F --key-id ID [--alg A]]`."""
+    ap = argparse.ArgumentParser(prog="hotswap publish", description="Write hotswap-manifest.json (last).")
+    ap.add_argument("directory", type=Path)
+    ap.add_argument("--version", help="version label (default: the directory name)")
+    ap.add_argument("--step", type=int)
+    ap.add_argument("--parent")
+    ap.add_argument("--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)")
+    ap.add_argument("--key-id")
+    ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
+    ap.add_argument("--threads", type=int)
+    args = ap.parse_args(argv)
+    signer = None
+    if (args.key_file is None) != (args.key_id is None):
+        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
+        return 2
+    try:
+        if args.key_file is not None:
+            from daemon.checks.signatures import SignatureError, load_signer
+
+            try:
+                signer = load_signer(args.alg, args.key_id, args.key_file)
+            except SignatureError as exc:
+                print(f"hotswap publish: {exc}", file=sys.stderr)
+                return 2
+        m = publish(args.directory, args.version, args.step, args.parent, signer, threads=args.threads)
+    except (ManifestError, OSError) as exc:
+        print(f"hotswap publish: {exc}", file=sys.stderr)
+        return 1
+    signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
+    print(
+        f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}"
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(publish_main())
