@@ -1,0 +1,256 @@
+"""`hotswap <command>`: the one entry point.
+
+    hotswap daemon   [-c config.toml]        run the control plane
+    hotswap publish  DIR [--version V] ...   write hotswap-manifest.json (last)
+    hotswap history  [-c ...] [-n N] [--json] versions and what happened to them
+    hotswap status   [-c ...] [--json]       daemon, checkpoints by status, workers
+    hotswap db upgrade [-c ...]              apply database migrations
+    hotswap verify DIR ...                   run the checks on a directory
+    hotswap worker ... / hotswap loader ...  the reference worker / staging loader
+
+Commands owned by other packages are imported only when used, and parse their own
+arguments. A bad config file is one error line and exit code 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any
+
+from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+
+# command -> "module:function" taking argv (list[str]) and returning an exit code
+DELEGATED: dict[str, tuple[str, str]] = {
+    "worker": ("daemon.worker.server:main", "run the reference serving worker"),
+    "loader": ("daemon.loader.server:main", "run the staging loader (CUDA IPC exporter)"),
+    "verify": ("daemon.checks.cli:main", "run the checks on a checkpoint directory"),
+    "publish": ("daemon.manifest:publish_main", "write hotswap-manifest.json for a checkpoint (last)"),
+}
+
+EXIT_CONFIG = 2
+EXIT_RUNTIME = 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args_list = list(sys.argv[1:] if argv is None else argv)
+    if args_list and args_list[0] in DELEGATED:
+        return _delegate(args_list[0], args_list[1:])
+    parser = _parser()
+    args = parser.parse_args(args_list)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_CONFIG
+    try:
+        return int(args.func(args) or 0)
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_CONFIG)
+    except KeyboardInterrupt:
+        return 130
+    except Exception as exc:  # the daemon logs details; the terminal gets one line
+        from daemon.registry.db import RegistryError
+
+        if isinstance(exc, RegistryError):
+            return _fail(str(exc), EXIT_RUNTIME)
+        raise
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"hotswap: error: {message}", file=sys.stderr)
+    return code
+
+
+def _delegate(command: str, argv: list[str]) -> int:
+    target, _ = DELEGATED[command]
+    module_name, func_name = target.split(":")
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        if exc.name and module_name.startswith(exc.name):
+            return _fail(f"'hotswap {command}' is not available in this install ({module_name} missing)", 1)
+        raise
+    return int(getattr(module, func_name)(argv) or 0)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hotswap", description="Hot-swap LLM weights into running workers.")
+    sub = p.add_subparsers(title="commands", metavar="COMMAND")
+
+    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+        sp.add_argument(
+            "-c",
+            "--config",
+            default=None,
+            help=f"config TOML (default: ${CONFIG_ENV}, else the embedded default: ./state, ./checkpoints)",
+        )
+        return sp
+
+    d = with_config(sub.add_parser("daemon", help="run the daemon (control plane)"))
+    d.set_defaults(func=_cmd_daemon)
+
+    h = with_config(sub.add_parser("history", help="checkpoint versions and what happened to them"))
+    h.add_argument("-n", "--limit", type=int, default=50, help="newest N versions (0 = all)")
+    h.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    h.set_defaults(func=_cmd_history)
+
+    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"))
+    s.add_argument("--json", action="store_true")
+    s.set_defaults(func=_cmd_status)
+
+    db = sub.add_parser("db", help="database maintenance")
+    dbsub = db.add_subparsers(title="db commands", metavar="DBCOMMAND")
+    up = with_config(dbsub.add_parser("upgrade", help="apply migrations up to the newest"))
+    up.add_argument("--revision", default="head")
+    up.set_defaults(func=_cmd_db_upgrade)
+    cur = with_config(dbsub.add_parser("current", help="print the database's migration revision"))
+    cur.set_defaults(func=_cmd_db_current)
+
+    for name, (_, help_text) in DELEGATED.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # dispatched before parsing; listed for --help
+    return p
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return load_config(args.config)
+
+
+def _cmd_daemon(args: argparse.Namespace) -> int:
+    config = _config(args)
+    from daemon.service import run_daemon
+
+    return run_daemon(config)
+
+
+def _registry(config: Config, migrate: bool = False) -> Any:
+    from daemon.registry import Registry
+
+    reg = Registry(config.database_url)
+    if migrate:
+        reg.upgrade()
+    return reg
+
+
+def _cmd_db_upgrade(args: argparse.Namespace) -> int:
+    from daemon.registry.db import redact_url
+
+    config = _config(args)
+    reg = _registry(config)
+    reg.upgrade(args.revision)
+    print(f"{redact_url(config.database_url)}: at revision {reg.current_revision()}")
+    return 0
+
+
+def _cmd_db_current(args: argparse.Namespace) -> int:
+    reg = _registry(_config(args))
+    print(reg.current_revision() or "(empty database)")
+    return 0
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    from daemon.registry import queries as q
+
+    config = _config(args)
+    reg = _registry(config, migrate=True)  # also works before the daemon ever ran
+    with reg.session() as s:
+        rows = q.history(s, limit=args.limit or None)
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: _plain(v) for k, v in r.items()}))
+        return 0
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title=f"hotswap history ({len(rows)} newest)" if args.limit else "hotswap history")
+    for col in ("version", "status", "discovered", "verified", "bytes", "reason"):
+        t.add_column(col, overflow="fold", justify="right" if col == "bytes" else "left")
+    for r in rows:
+        t.add_row(
+            r["version"],
+            _status_style(r["status"]),
+            _ts(r["discovered_at"]),
+            _ts(r["verified_at"]),
+            _bytes(r["total_bytes"]),
+            r["status_message"] or "",
+        )
+    Console().print(t)
+    return 0
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    from daemon.api import ApiState, status_document
+    from daemon.metrics import DaemonMetrics
+    from daemon.service import read_runtime_file
+
+    config = _config(args)
+    reg = _registry(config, migrate=True)
+    doc = status_document(ApiState(reg, DaemonMetrics()))
+    runtime = read_runtime_file(config.state_dir)
+    doc["daemon"] = {"running": _daemon_alive(runtime), **(runtime or {})}
+    if args.json:
+        print(json.dumps(doc, default=_plain))
+        return 0
+    from rich.console import Console
+
+    c = Console()
+    dd = doc["daemon"]
+    state = f"running (pid {dd.get('pid')}, {dd.get('api_url')})" if dd["running"] else "not running"
+    c.print(f"daemon:      {state}")
+    c.print(f"database:    {doc['daemon'].get('database') or config.database_url}")
+    counts = ", ".join(f"{k} {v}" for k, v in sorted(doc["checkpoints"].items())) or "none"
+    c.print(f"checkpoints: {counts}")
+    if doc["latest"]:
+        newest = doc["latest"][0]
+        c.print(f"newest:      {newest['version']} ({newest['status']})")
+    for w in doc["workers"]:
+        c.print(f"worker:      {w['worker']} {w['state']} {w['weight_version'] or '-'}")
+    return 0
+
+
+def _daemon_alive(runtime: dict[str, Any] | None) -> bool:
+    if not runtime or not runtime.get("pid"):
+        return False
+    import os
+
+    try:
+        os.kill(int(runtime["pid"]), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def _plain(v: Any) -> Any:
+    return v.isoformat() if isinstance(v, datetime) else v
+
+
+def _ts(v: datetime | None) -> str:
+    return v.strftime("%Y-%m-%d %H:%M:%S") if v else ""
+
+
+def _bytes(n: int | None) -> str:
+    if not n:
+        return ""
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if n < 1000 or unit == "TB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000  # type: ignore[assignment]
+    return str(n)
+
+
+def _status_style(status: str) -> str:
+    color = {
+        "verified": "green",
+        "deployed": "bold green",
+        "rejected": "red",
+        "deferred": "yellow",
+        "duplicate": "dim",
+        "superseded": "dim",
+    }.get(status)
+    return f"[{color}]{status}[/{color}]" if color else status
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""Local watched folders: every direct subdirectory of a watched folder is a checkpoint.
+
+Filesystem events (watchdog: inotify on Linux) mark a checkpoint directory dirty;
+one checker thread asks the `CommitDetector` about dirty directories shortly
+after (coalescing bursts of writes into one look) and re-asks while a quiet
+period runs. A periodic rescan (APScheduler) marks every not-yet-emitted
+directory dirty as the safety net for missed events (overflowed inotify queues,
+NFS, a folder that did not exist at start). Names starting with "." are ignored
+so writers can build `.tmp-step-100/` and rename it into place.
+"""
+
+from __future__ import annotations
+
+import heapq
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from apscheduler.schedulers.background import BackgroundScheduler
+from watchdog.events import FileSystemEvent, FileSystemEventHandler
+from watchdog.observers import Observer
+
+from daemon.config import SourceConfig
+from daemon.logging import get_logger
+from daemon.sources.commit import CommitDetector, DiscoveredCheckpoint, discovered
+
+COALESCE_S = 0.02  # how long after an event the directory is looked at (bursts become one look)
+
+log = get_logger(__name__)
+
+
+class _Handler(FileSystemEventHandler):
+    def __init__(self, source: LocalSource) -> None:
+        self.source = source
+
+    def on_any_event(self, event: FileSystemEvent) -> None:
+        if event.event_type in ("opened", "closed_no_write"):
+            return
+        for raw in (event.src_path, getattr(event, "dest_path", "")):
+            if raw:
+                self.source.touch_path(Path(raw if isinstance(raw, str) else raw.decode()))
+
+
+class LocalSource:
+    """Watches one folder; calls `emit` once per committed checkpoint directory."""
+
+    def __init__(
+        self,
+        config: SourceConfig,
+        emit: Callable[[DiscoveredCheckpoint], None],
+        scheduler: BackgroundScheduler | None = None,
+    ) -> None:
+        self.config = config
+        self.root = Path(config.path).expanduser().absolute()
+        self.label = config.label
+        self.emit = emit
+        self.detector = CommitDetector(config.commit_signals, config.quiet_period_s, config.marker_names)
+        self._scheduler = scheduler
+        self._own_scheduler = scheduler is None
+        self._observer: Observer | None = None
+        self._emitted: set[Path] = set()
+        self._due: list[tuple[float, str]] = []  # heap of (monotonic due time, directory name)
+        self._scheduled: dict[str, float] = {}
+        self._cv = threading.Condition()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.config.create:
+            self.root.mkdir(parents=True, exist_ok=True)
+        self._thread = threading.Thread(target=self._run, name=f"source-{self.root.name}", daemon=True)
+        self._thread.start()
+        self._start_observer()
+        if self._scheduler is None:
+            self._scheduler = BackgroundScheduler(daemon=True)
+        self._scheduler.add_job(
+            self.rescan,
+            "interval",
+            seconds=self.config.rescan_interval_s,
+            id=f"rescan:{self.root}",
+            max_instances=1,
+            coalesce=True,
+            replace_existing=True,
+        )
+        if self._own_scheduler:
+            self._scheduler.start()
+        self.rescan()
+        log.info(
+            "source started",
+            source=self.label,
+            path=str(self.root),
+            signals=self.config.commit_signals,
+            rescan_s=self.config.rescan_interval_s,
+        )
+
+    def stop(self) -> None:
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        if self._observer is not None:
+            self._observer.stop()
+            self._observer.join(timeout=5)
+        if self._own_scheduler and self._scheduler is not None and self._scheduler.running:
+            self._scheduler.shutdown(wait=False)
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _start_observer(self) -> None:
+        if self._observer is not None or not self.root.is_dir():
+            return  # the rescan retries once the folder exists
+        observer = Observer()
+        observer.schedule(_Handler(self), str(self.root), recursive=True)
+        observer.daemon = True
+        observer.start()
+        self._observer = observer
+
+    # -- events ---------------------------------------------------------------------------
+
+    def touch_path(self, path: Path) -> None:
+        """A filesystem event at `path`: mark its checkpoint directory dirty."""
+        try:
+            rel = path.relative_to(self.root)
+        except ValueError:
+            return
+        if not rel.parts:
+            return
+        if len(rel.parts) == 1 and not path.exists():
+            self._emitted.discard(path)  # removed: a new directory of that name is a new checkpoint
+        self.mark_dirty(rel.parts[0], COALESCE_S)
+
+    def mark_dirty(self, name: str, delay_s: float = 0.0) -> None:
+        if name.startswith(".") or self._stop.is_set():
+            return
+        if self.root / name in self._emitted:
+            return
+        due = time.monotonic() + delay_s
+        with self._cv:
+            current = self._scheduled.get(name)
+            if current is not None and current <= due:
+                return
+            self._scheduled[name] = due
+            heapq.heappush(self._due, (due, name))
+            self._cv.notify()
+
+    def rescan(self) -> None:
+        """The safety net: look at every directory not emitted yet."""
+        if not self.root.is_dir():
+            log.warning("watched folder missing", source=self.label, path=str(self.root))
+            return
+        self._start_observer()
+        try:
+            names = [p.name for p in self.root.iterdir() if p.is_dir()]
+        except OSError as exc:
+            log.warning("cannot list watched folder", source=self.label, path=str(self.root), error=str(exc))
+            return
+        for name in names:
+            self.mark_dirty(name)
+
+    # -- checker thread -------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with self._cv:
+                while not self._stop.is_set():
+                    now = time.monotonic()
+                    while self._due and self._scheduled.get(self._due[0][1]) != self._due[0][0]:
+                        heapq.heappop(self._due)  # superseded entry
+                    if self._due and self._due[0][0] <= now:
+                        _, name = heapq.heappop(self._due)
+                        del self._scheduled[name]
+                        break
+                    self._cv.wait(timeout=(self._due[0][0] - now) if self._due else None)
+                else:
+                    return
+            self._look(name)
+
+    def _look(self, name: str) -> None:
+        directory = self.root / name
+        if directory in self._emitted:
+            return
+        try:
+            decision = self.detector.check(directory)
+        except Exception:  # a broken directory must not stop the source
+            log.exception("commit check failed", source=self.label, directory=str(directory))
+            return
+        if decision.committed:
+            self._emitted.add(directory)
+            item = discovered(self.label, directory, decision)
+            log.debug(
+                "committed",
+                source=self.label,
+                directory=str(directory),
+                signal=decision.signal,
+                version=decision.version,
+            )
+            try:
+                self.emit(item)
+            except Exception:
+                # Not recorded: forget it so the next event or rescan tries again.
+                self._emitted.discard(directory)
+                log.exception("recording a discovered checkpoint failed", version=item.version)
+            return
+        if decision.reason:
+            log.debug("not committed yet", directory=str(directory), reason=decision.reason)
+        if decision.recheck_after_s is not None:
+            self.mark_dirty(name, decision.recheck_after_s)
