@@ -1,0 +1,375 @@
+"""Disk transport: overwrite live parameters in place from a safetensors checkpoint directory.
+
+Every shard header is parsed (strictly) before anything is written, so `table()` gives the whole
+tensor table for `check_table`. `write_into` then writes into the parameters' existing storage;
+no tensor is reallocated, so `data_ptr()`s, CUDA graphs and the caching allocator stay valid.
+
+Two paths, picked per parameter device:
+
+* CUDA (fast path): the shards' data sections are cut into chunks of at most `chunk_bytes`
+  (big tensors span several chunks, small ones share a chunk). Several reader threads each own
+  two buffers of a pinned host pool that is allocated once per process and kept; a reader
+  fills one buffer with `os.preadv` (which releases the GIL) while the copy of the other buffer
+  to the GPU runs on the reader's own side stream; a CUDA event tells when a buffer is free again.
+* CPU (plain path): `os.preadv` straight into the parameter's memory (a memoryview of it).
+
+Errors name the file, the tensor and the offset. A failure part way through leaves the
+parameters partly written: the caller (the worker) restores the previous weights.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table
+from daemon.transport.base import TensorSpec, TransportError
+
+if TYPE_CHECKING:
+    import torch
+
+# From the H200 sweep (bench/RESULTS.md): page-cache reads are the bottleneck, so more readers
+# help up to about the core count; 32 MiB chunks were as good as 64.
+DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
+DEFAULT_READERS = 16
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """Part of one tensor that lies inside one chunk."""
+
+    name: str
+    dst_offset: int  # byte offset inside the parameter
+    buf_offset: int  # byte offset inside the chunk
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    file: Path
+    offset: int  # absolute file offset
+    nbytes: int
+    segments: tuple[Segment, ...]
+
+
+@dataclass(slots=True)
+class WriteStats:
+    bytes: int = 0
+    tensors: int = 0
+    chunks: int = 0
+    seconds: float = 0.0
+    path: str = ""  # "staged" (pinned pool) or "direct"
+    readers: int = 0
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+def plan_chunks(locations: Sequence[TensorLocation], chunk_bytes: int) -> list[Chunk]:
+    """Cut the tensors' file ranges into chunks of at most chunk_bytes, in file order.
+
+    Consecutive tensors of a file share a chunk while they fit, so a file is read in a few
+    large sequential reads no matter how many small tensors (norms) it holds.
+    """
+    if chunk_bytes <= 0:
+        raise ValueError("chunk_bytes must be positive")
+    by_file: dict[Path, list[TensorLocation]] = {}
+    for loc in locations:
+        by_file.setdefault(loc.file, []).append(loc)
+    chunks: list[Chunk] = []
+    for file in sorted(by_file):
+        start = end = -1
+        segs: list[Segment] = []
+        for loc in sorted(by_file[file], key=lambda x: x.entry.start):
+            e = loc.entry
+            pos = e.start
+            while pos < e.end:
+                if not segs or pos != end or end - start >= chunk_bytes:
+                    if segs:
+                        chunks.append(Chunk(file, start, end - start, tuple(segs)))
+                    start = end = pos
+                    segs = []
+                take = min(e.end - pos, chunk_bytes - (end - start))
+                segs.append(Segment(e.name, pos - e.start, pos - start, take))
+                pos += take
+                end = pos
+        if segs:
+            chunks.append(Chunk(file, start, end - start, tuple(segs)))
+    return chunks
+
+
+class PinnedPool:
+    """Page-locked host buffers, allocated once per process and reused by every update."""
+
+    _lock = threading.Lock()
+    _buffers: list[torch.Tensor] = []  # process-wide on purpose
+    _buf_bytes = 0
+
+    @classmethod
+    def get(cls, count: int, buf_bytes: int) -> list[torch.Tensor]:
+        import torch
+
+        with cls._lock:
+            if cls._buffers and cls._buf_bytes < buf_bytes:
+                # a larger chunk size was asked for: replace the pool once
+                cls._buffers = []
+            if not cls._buffers:
+                cls._buf_bytes = buf_bytes
+            pin = torch.cuda.is_available()  # without CUDA (tests) plain host memory stands in
+            while len(cls._buffers) < count:
+                cls._buffers.append(torch.empty(cls._buf_bytes, dtype=torch.uint8, pin_memory=pin))
+            return cls._buffers[:count]
+
+    @classmethod
+    def allocated_bytes(cls) -> int:
+        with cls._lock:
+            return len(cls._buffers) * cls._buf_bytes
+
+
+def _byte_view(t: torch.Tensor) -> torch.Tensor:
+    """The tensor's own storage as a flat uint8 tensor (no copy; the storage must be contiguous)."""
+    import torch
+
+    flat = t.detach().reshape(-1)
+    if flat.data_ptr() != t.data_ptr() or not t.is_contiguous():
+        raise TransportError("parameter is not contiguous")
+    return flat.view(torch.uint8)
+
+
+def _read_exact(fd: int, buf: memoryview, offset: int, file: Path, what: str) -> None:
+    got = 0
+    n = len(buf)
+    while got < n:
+        r = os.preadv(fd, [buf[got:]], offset + got)
+        if r <= 0:
+            raise TransportError(
+                f"{file}: {what}: short read at offset {offset + got}: got {got} of {n} bytes "
+                "(file truncated or replaced since its header was read?)"
+            )
+        got += r
+
+
+class DiskTransport:
+    """A `WeightTransport` over a local checkpoint directory in Hugging Face safetensors layout."""
+
+    name = "disk"
+
+    def __init__(
+        self,
+        directory: str | Path,
+        *,
+        readers: int | None = None,
+        chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+        staged: bool | None = None,
+    ) -> None:
+        """`staged`: None picks the pinned-pool path for CUDA parameters and direct reads for CPU
+        ones; True sends CPU parameters through the pool too (exercises the chunk logic in CI)."""
+        self.directory = Path(directory)
+        self.staged = staged
+        self.readers = max(1, readers or min(DEFAULT_READERS, os.cpu_count() or 1))
+        self.chunk_bytes = chunk_bytes
+        self._locations: dict[str, TensorLocation] | None = None
+        self.last_stats: WriteStats | None = None
+
+    # -- WeightTransport -------------------------------------------------------------------
+    def table(self) -> dict[str, TensorSpec]:
+        """Parse every shard header (strict) and return the full tensor table."""
+        if not self.directory.is_dir():
+            raise TransportError(f"{self.directory}: checkpoint directory does not exist")
+        if self._locations is None:
+            self._locations, _ = tensor_table(self.directory)
+        return {
+            n: TensorSpec(n, loc.entry.dtype, loc.entry.shape, loc.entry.nbytes)
+            for n, loc in self._locations.items()
+        }
+
+    def write_into(self, params: dict[str, torch.Tensor]) -> None:
+        self.last_stats = self.write(params)
+
+    def close(self) -> None:
+        self._locations = None
+
+    # -- details ----------------------------------------------------------------------------
+    def manifest_digest(self) -> str | None:
+        """The checkpoint's manifest digest, or None when it has no manifest."""
+        if not (self.directory / MANIFEST_NAME).exists():
+            return None
+        from daemon.manifest import load_manifest
+
+        return load_manifest(self.directory).digest
+
+    def manifest_version(self) -> str | None:
+        if not (self.directory / MANIFEST_NAME).exists():
+            return None
+        from daemon.manifest import load_manifest
+
+        return load_manifest(self.directory).version
+
+    def write(self, params: dict[str, torch.Tensor]) -> WriteStats:
+        """Write every tensor of the table into `params` (the caller checked the table first)."""
+        if self._locations is None:
+            self.table()
+        assert self._locations is not None
+        missing = sorted(set(self._locations) - set(params))
+        if missing:
+            raise TransportError(f"no live parameter for tensor {missing[0]!r}")
+        # check every destination before the first byte is written
+        views: dict[str, torch.Tensor] = {}
+        for name in self._locations:
+            try:
+                views[name] = _byte_view(params[name])
+            except TransportError as exc:
+                raise TransportError(f"tensor {name!r}: {exc}") from None
+        t0 = time.perf_counter()
+        cuda = {n for n, v in views.items() if v.device.type == "cuda"}
+        other = {n for n, v in views.items() if v.device.type == "cpu"}
+        odd = set(views) - cuda - other
+        if self.staged:
+            cuda, other = cuda | other, set()
+        elif self.staged is False:
+            other, cuda = cuda | other, set()
+        if odd:
+            name = sorted(odd)[0]
+            raise TransportError(f"tensor {name!r}: unsupported device {views[name].device}")
+        stats = WriteStats(readers=self.readers)
+        if cuda:
+            self._write_staged([self._locations[n] for n in sorted(cuda)], views, stats)
+        if other:
+            self._write_direct([self._locations[n] for n in sorted(other)], views, stats)
+        stats.tensors = len(views)
+        stats.seconds = time.perf_counter() - t0
+        stats.path = "staged" if cuda and not other else "direct" if other and not cuda else "mixed"
+        return stats
+
+    def _open_all(self, files: set[Path]) -> dict[Path, int]:
+        fds: dict[Path, int] = {}
+        try:
+            for f in sorted(files):
+                fds[f] = os.open(f, os.O_RDONLY)
+                # a larger readahead window helps the cold (disk-bound) case
+                os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_SEQUENTIAL)
+        except OSError as exc:
+            for fd in fds.values():
+                os.close(fd)
+            raise TransportError(f"{exc.filename}: cannot open ({exc.strerror})") from None
+        return fds
+
+    def _write_direct(
+        self, locations: list[TensorLocation], views: dict[str, torch.Tensor], stats: WriteStats
+    ) -> None:
+        """CPU parameters: read each tensor straight into its memory, a few threads in parallel."""
+        fds = self._open_all({loc.file for loc in locations})
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+        todo = sorted(locations, key=lambda x: (str(x.file), x.entry.start))
+        cursor = iter(todo)
+
+        def work() -> None:
+            while not errors:
+                with lock:
+                    loc = next(cursor, None)
+                if loc is None:
+                    return
+                try:
+                    dst = memoryview(views[loc.entry.name].numpy())
+                    _read_exact(fds[loc.file], dst, loc.entry.start, loc.file, f"tensor {loc.entry.name!r}")
+                except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                    errors.append(exc)
+                    return
+
+        try:
+            threads = [threading.Thread(target=work, daemon=True) for _ in range(min(self.readers, 4))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if errors:
+            raise _as_transport_error(errors[0])
+        stats.bytes += sum(loc.entry.nbytes for loc in locations)
+
+    def _write_staged(
+        self, locations: list[TensorLocation], views: dict[str, torch.Tensor], stats: WriteStats
+    ) -> None:
+        """CUDA parameters: readers fill pinned buffers; each copies to the GPU on its own stream."""
+        import contextlib
+
+        import torch
+
+        chunks = plan_chunks(locations, self.chunk_bytes)
+        readers = max(1, min(self.readers, len(chunks)))
+        buf_bytes = max(c.nbytes for c in chunks) if chunks else 0
+        buf_bytes = max(buf_bytes, min(self.chunk_bytes, DEFAULT_CHUNK_BYTES))
+        pool = PinnedPool.get(2 * readers, buf_bytes)
+        device = views[locations[0].entry.name].device
+        on_gpu = device.type == "cuda"
+        fds = self._open_all({c.file for c in chunks})
+        errors: list[BaseException] = []
+        lock = threading.Lock()
+        cursor = iter(chunks)
+        read_s = [0.0] * readers
+
+        def work(r: int) -> None:
+            stream = torch.cuda.Stream(device=device) if on_gpu else None
+            bufs = pool[2 * r : 2 * r + 2]
+            events: list[torch.cuda.Event | None] = [None, None]
+            arrays = [memoryview(b.numpy()) for b in bufs]
+            k = 0
+            try:
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    while not errors:
+                        with lock:
+                            chunk = next(cursor, None)
+                        if chunk is None:
+                            break
+                        ev = events[k]
+                        if ev is not None:
+                            ev.synchronize()  # the copy out of this buffer has finished
+                        t = time.perf_counter()
+                        first = chunk.segments[0].name
+                        _read_exact(
+                            fds[chunk.file], arrays[k][: chunk.nbytes], chunk.offset, chunk.file, f"tensor {first!r}"
+                        )
+                        read_s[r] += time.perf_counter() - t
+                        for s in chunk.segments:
+                            dst = views[s.name][s.dst_offset : s.dst_offset + s.nbytes]
+                            dst.copy_(bufs[k][s.buf_offset : s.buf_offset + s.nbytes], non_blocking=True)
+                        if stream is not None:
+                            e = torch.cuda.Event()
+                            e.record(stream)
+                            events[k] = e
+                        k ^= 1
+                if stream is not None:
+                    stream.synchronize()
+            except BaseException as exc:  # noqa: BLE001 - reported by the caller
+                errors.append(exc)
+                if stream is not None:
+                    with contextlib.suppress(Exception):
+                        stream.synchronize()
+
+        try:
+            threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(readers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        finally:
+            for fd in fds.values():
+                os.close(fd)
+        if errors:
+            raise _as_transport_error(errors[0])
+        stats.bytes += sum(c.nbytes for c in chunks)
+        stats.chunks += len(chunks)
+        stats.readers = readers
+        stats.extra["read_thread_s_max"] = max(read_s) if read_s else 0.0
+
+
+def _as_transport_error(exc: BaseException) -> TransportError:
+    if isinstance(exc, TransportError):
+        return exc
+    return TransportError(f"{type(exc).__name__}: {exc}")
