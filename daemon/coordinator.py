@@ -90,6 +90,10 @@ class Coordinator:
         self._stopping = threading.Event()
         self._busy = threading.Lock()
         self.test_verify_delay_s = float(os.environ.get(TEST_VERIFY_DELAY_ENV, "0") or 0)
+        # Run first on the coordinator's thread (e.g. importing torch for the forward check):
+        # importing transformers from two threads at once can fail, so the checks never
+        # race a background import.
+        self.warmup: Callable[[], None] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -113,6 +117,11 @@ class Coordinator:
         return self._queue.unfinished_tasks == 0
 
     def _run(self) -> None:
+        if self.warmup is not None:
+            try:
+                self.warmup()
+            except Exception:
+                log.exception("warm-up failed")
         while True:
             checkpoint_id = self._queue.get()
             try:

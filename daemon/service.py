@@ -106,8 +106,9 @@ class Daemon:
             return q.status_counts(s)
 
     def _preload_checks(self) -> None:
-        # torch + transformers take seconds to import: load them in the background at
-        # start so the first checkpoint's forward check does not pay for it.
+        # torch + transformers take seconds to import: load them on the coordinator's thread
+        # as soon as it starts, so the first checkpoint's forward check does not pay for it
+        # (while registration, on the source threads, is never held up).
         if "forward" not in self.config.checks.enabled:
             return
 
@@ -121,7 +122,7 @@ class Daemon:
                 return
             log.debug("forward check preloaded", seconds=round(time.perf_counter() - t0, 2))
 
-        threading.Thread(target=load, name="preload", daemon=True).start()
+        self.coordinator.warmup = load
 
     def _write_runtime_file(self) -> None:
         doc: dict[str, Any] = {
