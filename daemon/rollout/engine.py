@@ -1,0 +1,162 @@
+"""A rolling update of the whole fleet to one checkpoint, and its failure path.
+
+`deploy` opens a `rollouts` row, prepares the transport (the loader stages the
+version before any worker leaves RUNNING), then walks the plan's batches. When a
+worker fails a step it is restored to the fallback version (or restarted), every
+worker this rollout already moved is rolled back to the fallback too, and only
+then is the rollout closed as `failed`: no mixed versions after a failed rollout.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+from daemon.logging import get_logger
+from daemon.rollout.driver import StepFailed, Target, WorkerDriver
+from daemon.rollout.fleet import Fleet, WorkerHandle
+from daemon.rollout.journal import CheckpointRef, Journal
+from daemon.rollout.planner import Batch, modes_of, plan
+from daemon.rollout.settings import RolloutMode, RolloutSettings
+from daemon.rollout.stage import StageError, Stager
+
+log = get_logger(__name__)
+
+
+@dataclass
+class RolloutResult:
+    rollout_id: int
+    outcome: str  # succeeded | failed | superseded
+    reason: str | None = None
+    moved: list[str] = field(default_factory=list)  # workers this rollout put on the target
+    unrecovered: list[str] = field(default_factory=list)  # workers left UNHEALTHY after a failure
+
+
+class RolloutEngine:
+    def __init__(self, journal: Journal, fleet: Fleet, settings: RolloutSettings, driver: WorkerDriver, stager: Stager):
+        self.journal = journal
+        self.fleet = fleet
+        self.settings = settings
+        self.driver = driver
+        self.stager = stager
+
+    def deploy(
+        self,
+        ckpt: CheckpointRef,
+        *,
+        trigger: str,
+        fallback: CheckpointRef | None,
+        should_yield: Callable[[], bool] = lambda: False,
+        only: Collection[str] | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> RolloutResult:
+        batches = plan(self.fleet.specs, self.settings, only)
+        rid = self.journal.start_rollout(
+            ckpt.id,
+            trigger=trigger,
+            transport=self.stager.transport,
+            mode=modes_of(batches),
+            detail={
+                "version": ckpt.version,
+                "fallback": fallback.version if fallback else None,
+                "workers": [w for b in batches for w in b.workers],
+                "update_mode": self.settings.update_mode,
+                **(detail or {}),
+            },
+        )
+        log.info("rollout_started", rollout=rid, version=ckpt.version, trigger=trigger, fallback=str(fallback))
+        try:
+            target = self.stager.target(ckpt)
+        except StageError as exc:
+            self.journal.finish_rollout(rid, "failed", {"reason": str(exc), "step": "stage"})
+            log.warning("rollout_failed", rollout=rid, version=ckpt.version, reason=str(exc))
+            return RolloutResult(rid, "failed", str(exc))
+        if ckpt.status == "verified" and self.stager.transport == "ipc":
+            self.journal.set_status(ckpt.id, "staged", f"staged in the loader for rollout {rid}")
+
+        moved: list[tuple[WorkerHandle, RolloutMode]] = []
+        for batch in batches:
+            if moved and should_yield():
+                names = [h.name for h, _ in moved]
+                self.journal.finish_rollout(rid, "superseded", {"moved": names})
+                log.info("rollout_superseded", rollout=rid, version=ckpt.version, moved=names)
+                return RolloutResult(rid, "superseded", "a newer version arrived", moved=names)
+            outcomes = self._run_batch(batch, rid, target)
+            moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
+            failures = [(h, f) for h, _, f in outcomes if f is not None]
+            if failures:
+                return self._fail(rid, ckpt, fallback, failures, moved)
+        names = [h.name for h, _ in moved]
+        self.journal.finish_rollout(rid, "succeeded", {"moved": names})
+        log.info("rollout_succeeded", rollout=rid, version=ckpt.version, moved=names)
+        return RolloutResult(rid, "succeeded", moved=names)
+
+    def _run_batch(
+        self, batch: Batch, rid: int, target: Target
+    ) -> list[tuple[WorkerHandle, bool, StepFailed | None]]:
+        def one(name: str) -> tuple[WorkerHandle, bool, StepFailed | None]:
+            h = self.fleet[name]
+            with h.busy:
+                try:
+                    return h, self.driver.update(h, rid, target, batch.mode), None
+                except StepFailed as exc:
+                    log.warning("worker_step_failed", rollout=rid, worker=name, step=exc.step, reason=exc.reason)
+                    return h, False, exc
+
+        if len(batch.workers) == 1:
+            return [one(batch.workers[0])]
+        with ThreadPoolExecutor(max_workers=len(batch.workers), thread_name_prefix="rollout") as pool:
+            return list(pool.map(one, batch.workers))
+
+    def fallback_target(self, fallback: CheckpointRef | None) -> Target | None:
+        if fallback is None:
+            return None
+        try:
+            return self.stager.target(fallback)
+        except StageError as exc:
+            log.error("fallback_unavailable", version=fallback.version, error=str(exc))
+            return None
+
+    def _fail(
+        self,
+        rid: int,
+        ckpt: CheckpointRef,
+        fallback: CheckpointRef | None,
+        failures: list[tuple[WorkerHandle, StepFailed]],
+        moved: list[tuple[WorkerHandle, RolloutMode]],
+    ) -> RolloutResult:
+        first = failures[0][1]
+        why = f"rollout of {ckpt.version} failed: {first}"
+        fb = self.fallback_target(fallback)
+        unrecovered: list[str] = []
+        # 1. The failed workers: restore over the admin API, else restart.
+        for h, _ in failures:
+            with h.busy:
+                if not self.driver.recover(h, rid, why, fb, ckpt.version):
+                    unrecovered.append(h.name)
+        # 2. Everyone this rollout already moved goes back too: no mixed versions.
+        for h, mode in reversed(moved):
+            with h.busy:
+                try:
+                    if fb is not None:
+                        self.driver.update(h, rid, fb, mode)
+                    else:
+                        self.driver.revert(h, rid, mode)
+                except StepFailed as exc:
+                    log.warning("rollback_step_failed", rollout=rid, worker=h.name, reason=exc.reason)
+                    if not self.driver.recover(h, rid, f"{why}; rolling back: {exc}", fb, ckpt.version):
+                        unrecovered.append(h.name)
+        detail = {
+            "reason": str(first),
+            "worker": first.worker,
+            "step": first.step,
+            "kind": first.kind,
+            "restored_to": fallback.version if fallback else "worker's previous version",
+            "rolled_back": [h.name for h, _ in moved],
+            "unrecovered": unrecovered,
+        }
+        self.journal.finish_rollout(rid, "failed", detail)
+        log.warning("rollout_failed", rollout=rid, version=ckpt.version, **detail)
+        return RolloutResult(rid, "failed", str(first), moved=[], unrecovered=unrecovered)

@@ -1,0 +1,297 @@
+"""Everything the rollout engine writes to (and reads from) the registry, one short transaction each.
+
+Each write commits before the call returns, so an event is durable before the
+engine takes the next step: a daemon killed at any point finds the last thing
+it did in `events`. Rows cross threads as frozen `CheckpointRef`s, never as
+live ORM objects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import delete, func, select, update
+
+from daemon.registry import Alias, Checkpoint, Event, Registry, Rollout, Worker, utcnow
+from daemon.registry.queries import record_event, set_status
+from daemon.rollout.settings import WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointRef:
+    id: int
+    version: str
+    digest: str | None
+    local_path: str | None
+    tensor_count: int | None
+    status: str
+    verified: bool  # its checks passed at some point (verified_at set)
+
+    def __str__(self) -> str:
+        return self.version
+
+
+@dataclass(frozen=True, slots=True)
+class RolloutRef:
+    id: int
+    checkpoint: CheckpointRef
+    trigger: str
+    transport: str
+    mode: str
+    detail: dict[str, Any]
+
+
+def _ref(c: Checkpoint) -> CheckpointRef:
+    return CheckpointRef(
+        id=c.id,
+        version=c.version,
+        digest=c.digest,
+        local_path=c.local_path,
+        tensor_count=c.tensor_count,
+        status=c.status,
+        verified=c.verified_at is not None,
+    )
+
+
+class Journal:
+    def __init__(self, registry: Registry) -> None:
+        self.registry = registry
+
+    # -- checkpoints and aliases -------------------------------------------------
+    def checkpoint(self, checkpoint_id: int) -> CheckpointRef | None:
+        with self.registry.session() as s:
+            c = s.get(Checkpoint, checkpoint_id)
+            return _ref(c) if c else None
+
+    def checkpoint_by_version(self, version: str) -> CheckpointRef | None:
+        with self.registry.session() as s:
+            c = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
+            return _ref(c) if c else None
+
+    def alias(self, name: str) -> CheckpointRef | None:
+        with self.registry.session() as s:
+            a = s.get(Alias, name)
+            return _ref(a.checkpoint) if a else None
+
+    def set_alias(self, name: str, checkpoint_id: int | None) -> None:
+        with self.registry.session() as s:
+            if checkpoint_id is None:
+                s.execute(delete(Alias).where(Alias.name == name))
+                return
+            a = s.get(Alias, name)
+            if a is None:
+                s.add(Alias(name=name, checkpoint_id=checkpoint_id, updated_at=utcnow()))
+            else:
+                a.checkpoint_id = checkpoint_id
+                a.updated_at = utcnow()
+
+    def set_status(
+        self, checkpoint_id: int, status: str, message: str | None = None, detail: dict[str, Any] | None = None
+    ) -> None:
+        with self.registry.session() as s:
+            c = s.get(Checkpoint, checkpoint_id)
+            if c is not None:
+                set_status(s, c, status, message, detail=detail)
+
+    def checkpoint_event(self, checkpoint_id: int, to_state: str, detail: dict[str, Any], rollout_id: int | None) -> None:
+        """A checkpoint milestone that is not a status (e.g. `rolled_back`)."""
+        with self.registry.session() as s:
+            record_event(s, checkpoint_id=checkpoint_id, rollout_id=rollout_id, to_state=to_state, detail=detail)
+
+    def previous_deployed(self, exclude_id: int) -> CheckpointRef | None:
+        """The checkpoint of the newest successful rollout that is not `exclude_id`."""
+        with self.registry.session() as s:
+            row = s.scalars(
+                select(Rollout)
+                .where(Rollout.outcome == "succeeded", Rollout.checkpoint_id != exclude_id)
+                .order_by(Rollout.id.desc())
+                .limit(1)
+            ).one_or_none()
+            return _ref(row.checkpoint) if row else None
+
+    def newer_in_verification(self, checkpoint_id: int) -> bool:
+        """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""
+        from daemon.registry.queries import UNFINISHED_STATUSES
+
+        with self.registry.session() as s:
+            n = s.scalar(
+                select(func.count())
+                .select_from(Checkpoint)
+                .where(Checkpoint.id > checkpoint_id, Checkpoint.status.in_(UNFINISHED_STATUSES))
+            )
+            return bool(n)
+
+    def newest_waiting(self, after_id: int) -> CheckpointRef | None:
+        """The newest verified checkpoint newer than `after_id` that never started deploying."""
+        with self.registry.session() as s:
+            c = s.scalars(
+                select(Checkpoint)
+                .where(Checkpoint.id > after_id, Checkpoint.status.in_(("verified", "staged")))
+                .order_by(Checkpoint.id.desc())
+                .limit(1)
+            ).one_or_none()
+            return _ref(c) if c else None
+
+    def last_rollout_of(self, checkpoint_id: int) -> int | None:
+        with self.registry.session() as s:
+            return s.scalar(
+                select(Rollout.id).where(Rollout.checkpoint_id == checkpoint_id).order_by(Rollout.id.desc()).limit(1)
+            )
+
+    def register_seed(self, *, version: str, local_path: str, digest: str, total_bytes: int, tensors: int) -> CheckpointRef:
+        """Record a checkpoint the daemon made itself (the embedded tiny seed) as deployed."""
+        with self.registry.session() as s:
+            c = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
+            if c is None:
+                now = utcnow()
+                c = Checkpoint(
+                    version=version,
+                    source="embedded",
+                    uri=f"file://{local_path}",
+                    local_path=local_path,
+                    commit_signal="manifest",
+                    digest=digest,
+                    total_bytes=total_bytes,
+                    tensor_count=tensors,
+                    status="discovered",
+                    discovered_at=now,
+                )
+                s.add(c)
+                s.flush()
+                set_status(s, c, "verified", "made by the daemon (embedded default)")
+                set_status(s, c, "deployed", "initial version of the managed worker")
+            return _ref(c)
+
+    # -- workers -------------------------------------------------------------------
+    def register_workers(self, specs: Iterable[tuple[WorkerSpec, str]]) -> None:
+        """Insert or refresh a `workers` row per configured worker (its state is kept)."""
+        with self.registry.session() as s:
+            for spec, url in specs:
+                w = s.scalars(select(Worker).where(Worker.name == spec.name)).one_or_none()
+                if w is None:
+                    s.add(Worker(name=spec.name, kind=spec.kind, url=url, device=spec.device, state="UNKNOWN"))
+                else:
+                    w.kind, w.url, w.device = spec.kind, url, spec.device
+
+    def worker_state(self, name: str) -> tuple[str, str | None]:
+        with self.registry.session() as s:
+            w = s.scalars(select(Worker).where(Worker.name == name)).one()
+            return w.state, w.weight_version
+
+    def transition(
+        self,
+        *,
+        rollout_id: int | None,
+        worker: str,
+        from_state: str | None,
+        to_state: str,
+        duration_ms: float | None,
+        detail: dict[str, Any] | None = None,
+        weight_version: str | None = None,
+        error: str | None = None,
+        device: str | None = None,
+    ) -> None:
+        """Append a worker transition and move `workers.state` (and its version) with it."""
+        with self.registry.session() as s:
+            record_event(
+                s,
+                rollout_id=rollout_id,
+                worker=worker,
+                from_state=from_state,
+                to_state=to_state,
+                duration_ms=None if duration_ms is None else round(duration_ms, 3),
+                detail=detail,
+            )
+            values: dict[str, Any] = {"state": to_state, "updated_at": utcnow(), "last_error": error}
+            if weight_version is not None:
+                values["weight_version"] = weight_version
+            if device:
+                values["device"] = device
+            s.execute(update(Worker).where(Worker.name == worker).values(**values))
+
+    def observe(
+        self, worker: str, *, state: str, weight_version: str | None, error: str | None, device: str | None = None
+    ) -> str | None:
+        """The health poll's view of a worker; an event only when its state changed. Returns the old state."""
+        with self.registry.session() as s:
+            w = s.scalars(select(Worker).where(Worker.name == worker)).one_or_none()
+            if w is None:
+                return None
+            previous = w.state
+            if previous != state:
+                record_event(
+                    s,
+                    worker=worker,
+                    from_state=previous,
+                    to_state=state,
+                    detail={"source": "health_poll", **({"error": error} if error else {})},
+                )
+            w.state = state
+            if weight_version is not None:
+                w.weight_version = weight_version
+            if device:
+                w.device = device
+            w.last_error = error
+            w.updated_at = utcnow()
+            return previous
+
+    # -- rollouts ------------------------------------------------------------------
+    def start_rollout(
+        self, checkpoint_id: int, *, trigger: str, transport: str, mode: str, detail: dict[str, Any]
+    ) -> int:
+        with self.registry.session() as s:
+            r = Rollout(
+                checkpoint_id=checkpoint_id,
+                trigger=trigger,
+                transport=transport,
+                mode=mode,
+                started_at=utcnow(),
+                detail=detail,
+            )
+            s.add(r)
+            s.flush()
+            return r.id
+
+    def finish_rollout(self, rollout_id: int, outcome: str, detail: dict[str, Any] | None = None) -> None:
+        with self.registry.session() as s:
+            r = s.get(Rollout, rollout_id)
+            if r is None:
+                return
+            r.outcome = outcome
+            r.finished_at = utcnow()
+            if detail:
+                r.detail = {**(r.detail or {}), **detail}
+
+    def amend_rollout(self, rollout_id: int, *, outcome: str | None = None, detail: dict[str, Any]) -> None:
+        """Change a finished rollout's outcome (health window verdict) without moving finished_at."""
+        with self.registry.session() as s:
+            r = s.get(Rollout, rollout_id)
+            if r is None:
+                return
+            if outcome:
+                r.outcome = outcome
+            r.detail = {**(r.detail or {}), **detail}
+
+    def unfinished_rollouts(self) -> list[RolloutRef]:
+        with self.registry.session() as s:
+            rows = s.scalars(select(Rollout).where(Rollout.outcome.is_(None)).order_by(Rollout.id)).all()
+            return [
+                RolloutRef(r.id, _ref(r.checkpoint), r.trigger, r.transport, r.mode, dict(r.detail or {}))
+                for r in rows
+            ]
+
+    def rollout_had_failure(self, rollout_id: int) -> bool:
+        with self.registry.session() as s:
+            n = s.scalar(
+                select(func.count()).select_from(Event).where(Event.rollout_id == rollout_id, Event.to_state == "UNHEALTHY")
+            )
+            return bool(n)
+
+    def rollout_events(self, rollout_id: int) -> Sequence[tuple[str | None, str | None, str]]:
+        with self.registry.session() as s:
+            rows = s.execute(
+                select(Event.worker, Event.from_state, Event.to_state).where(Event.rollout_id == rollout_id).order_by(Event.id)
+            ).all()
+            return [(w, f, t) for w, f, t in rows]

@@ -1,0 +1,188 @@
+"""`launch = "managed"`: the daemon runs a reference worker itself as a supervised child.
+
+The child is `hotswap worker --model DIR --version V --host 127.0.0.1 --port P
+--token-file F --device D`, with its log in `<state_dir>/logs/worker-NAME.log`.
+Its pid and port are kept in `<state_dir>/worker-NAME.json`, so a daemon that
+was killed adopts the still-running child on its next start instead of starting
+a second one. The token file is created (0600) on first use.
+
+Also here: the embedded default's tiny seed checkpoint, made on first start so
+the quickstart has something to serve before any checkpoint is dropped in.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+
+from daemon.logging import get_logger
+from daemon.rollout.journal import CheckpointRef, Journal
+from daemon.rollout.settings import WorkerSpec
+
+log = get_logger(__name__)
+
+SEED_VERSION = "tiny-seed"
+STOP_TIMEOUT_S = 10.0
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def ensure_token_file(path: Path) -> Path:
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_urlsafe(32) + "\n")
+    return path
+
+
+def ensure_seed(journal: Journal, state_dir: Path) -> CheckpointRef:
+    """The tiny seed checkpoint (made and registered as deployed on first start)."""
+    existing = journal.checkpoint_by_version(SEED_VERSION)
+    if existing is not None and existing.local_path and Path(existing.local_path).is_dir():
+        return existing
+    from daemon.manifest import publish
+    from daemon.tinymodel import make_tiny_checkpoint
+
+    directory = state_dir / "seed" / SEED_VERSION
+    if not (directory / "hotswap-manifest.json").exists():
+        make_tiny_checkpoint(directory, seed=0)
+        publish(directory, version=SEED_VERSION)
+    from daemon.formats.checkpoint import tensor_table
+    from daemon.manifest import load_manifest
+
+    manifest = load_manifest(directory)
+    table, _ = tensor_table(directory)
+    ref = journal.register_seed(
+        version=SEED_VERSION,
+        local_path=str(directory.resolve()),
+        digest=manifest.digest,
+        total_bytes=sum(f.bytes for f in manifest.files),
+        tensors=len(table),
+    )
+    log.info("seed_checkpoint", version=SEED_VERSION, path=str(directory))
+    return ref
+
+
+class ManagedWorker:
+    def __init__(self, spec: WorkerSpec, state_dir: Path) -> None:
+        self.spec = spec
+        self.state_dir = state_dir
+        self.token_file = Path(spec.token_file) if spec.token_file else state_dir / f"worker-{spec.name}.token"
+        self.runtime_file = state_dir / f"worker-{spec.name}.json"
+        self.log_file = state_dir / "logs" / f"worker-{spec.name}.log"
+        self.port = spec.port or self._remembered_port() or free_port()
+        self.pid: int | None = None
+        self._proc: subprocess.Popen[bytes] | None = None
+        self.model: str | None = None
+        self.version: str | None = None
+        ensure_token_file(self.token_file)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def _remembered_port(self) -> int | None:
+        try:
+            doc = json.loads(self.runtime_file.read_text())
+            return int(doc["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return None
+
+    def adopt(self) -> bool:
+        """Take over a child left running by a previous daemon process (same port, still alive)."""
+        try:
+            doc = json.loads(self.runtime_file.read_text())
+            pid, port = int(doc["pid"]), int(doc["port"])
+        except (OSError, ValueError, KeyError, TypeError):
+            return False
+        if port != self.port or not self._is_our_worker(pid):
+            return False
+        self.pid = pid
+        self.model, self.version = doc.get("model"), doc.get("version")
+        log.info("managed_worker_adopted", worker=self.spec.name, pid=pid, port=port)
+        return True
+
+    def _is_our_worker(self, pid: int) -> bool:
+        try:
+            p = psutil.Process(pid)
+            cmd = p.cmdline()
+        except (psutil.Error, OSError):
+            return False
+        return p.status() != psutil.STATUS_ZOMBIE and "worker" in cmd and str(self.port) in cmd
+
+    def command(self, model: str, version: str | None) -> list[str]:
+        argv = [
+            sys.executable, "-m", "daemon.cli", "worker",
+            "--model", model,
+            "--host", "127.0.0.1",
+            "--port", str(self.port),
+            "--token-file", str(self.token_file),
+            "--device", self.spec.device,
+        ]  # fmt: skip
+        if version:
+            argv += ["--version", version]
+        return argv
+
+    def launch(self, model: str, version: str | None) -> int:
+        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        argv = self.command(model, version)
+        with open(self.log_file, "ab") as logf:
+            # Own session: a Ctrl-C in the daemon's terminal does not hit the worker first;
+            # the daemon stops it itself on shutdown.
+            self._proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                          start_new_session=True)  # fmt: skip
+        self.pid = self._proc.pid
+        self.model, self.version = model, version
+        tmp = self.runtime_file.with_suffix(".tmp")
+        tmp.write_text(json.dumps({"pid": self.pid, "port": self.port, "model": model, "version": version}))
+        os.replace(tmp, self.runtime_file)
+        log.info("managed_worker_launched", worker=self.spec.name, pid=self.pid, port=self.port, version=version)
+        return self.pid
+
+    def alive(self) -> bool:
+        if self.pid is None:
+            return False
+        if self._proc is not None:
+            return self._proc.poll() is None
+        return self._is_our_worker(self.pid)
+
+    def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        pid = self.pid
+        if pid is None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGTERM)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.alive():
+            time.sleep(0.05)
+        if self.alive():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        if self._proc is not None:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._proc.wait(timeout=5)
+        self.pid, self._proc = None, None
+
+    def relaunch(self, model: str | None, version: str | None) -> int:
+        model = model or self.model
+        if not model:
+            raise RuntimeError(f"managed worker {self.spec.name}: no checkpoint directory to relaunch on")
+        if version is None and model == self.model:
+            version = self.version
+        self.stop()
+        return self.launch(model, version)

@@ -1,0 +1,53 @@
+"""The rolling plan: which workers leave RUNNING together, in which order, in which mode.
+
+Groups roll one after another in the order they first appear in `[[workers]]`;
+inside a group, workers go in batches of the group's `max_unavailable`, so at
+most that many of its workers are out of RUNNING at any time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+
+from daemon.rollout.settings import RolloutMode, RolloutSettings, WorkerSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Batch:
+    group: str
+    mode: RolloutMode
+    workers: tuple[str, ...]
+
+
+def plan(
+    workers: Sequence[WorkerSpec],
+    settings: RolloutSettings,
+    only: Collection[str] | None = None,
+) -> list[Batch]:
+    """Batches for a rollout over `workers` (restricted to the names in `only` when given)."""
+    order: list[str] = []
+    members: dict[str, list[str]] = {}
+    for w in workers:
+        if only is not None and w.name not in only:
+            continue
+        if w.group not in members:
+            order.append(w.group)
+            members[w.group] = []
+        members[w.group].append(w.name)
+    batches: list[Batch] = []
+    for group in order:
+        g = settings.group(group)
+        names = members[group]
+        size = max(1, g.max_unavailable)
+        for i in range(0, len(names), size):
+            batches.append(Batch(group=group, mode=g.mode, workers=tuple(names[i : i + size])))
+    return batches
+
+
+def modes_of(batches: Sequence[Batch]) -> str:
+    """The rollout's mode for the `rollouts.mode` column: drain, pause or mixed."""
+    modes = {b.mode for b in batches}
+    if len(modes) == 1:
+        return modes.pop()
+    return "mixed" if modes else "none"

@@ -1,0 +1,85 @@
+"""What the rollout runner does next: operator commands first, then the newest waiting checkpoint.
+
+Checkpoints that arrive while a rollout runs wait in a single slot: a newer
+arrival replaces the waiting one, which the caller records as `superseded`.
+Operator commands (rollback, pin, unpin) queue in order and carry a Future the
+API waits on.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from daemon.rollout.journal import CheckpointRef
+
+JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile"]
+
+
+@dataclass(eq=False)
+class Job:
+    kind: JobKind
+    checkpoint: CheckpointRef | None = None  # deploy
+    version: str | None = None  # rollback --to / pin
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+    def describe(self) -> str:
+        what = self.checkpoint.version if self.checkpoint else self.version
+        return f"{self.kind} {what}" if what else self.kind
+
+
+class RolloutQueue:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: CheckpointRef | None = None
+        self._commands: deque[Job] = deque()
+
+    def offer(self, ckpt: CheckpointRef) -> CheckpointRef | None:
+        """Make `ckpt` the waiting checkpoint; returns the one it replaced (now superseded), if any."""
+        with self._cond:
+            old = self._pending
+            if old is not None and old.id > ckpt.id:
+                return ckpt  # an older version arriving late is superseded by the waiting one
+            self._pending = ckpt
+            self._cond.notify_all()
+            return old if old is not None and old.id != ckpt.id else None
+
+    def command(self, job: Job) -> Future[dict[str, Any]]:
+        with self._cond:
+            if job.kind == "reconcile" and any(j.kind == "reconcile" for j in self._commands):
+                return next(j.future for j in self._commands if j.kind == "reconcile")
+            self._commands.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def take(self, timeout: float, deploy_allowed: bool) -> Job | None:
+        """The next job (commands first; the waiting checkpoint only when deploys are allowed)."""
+        with self._cond:
+            if not self._commands and not (deploy_allowed and self._pending):
+                self._cond.wait(timeout)
+            if self._commands:
+                return self._commands.popleft()
+            if deploy_allowed and self._pending is not None:
+                ckpt, self._pending = self._pending, None
+                return Job("deploy", checkpoint=ckpt)
+            return None
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def newer_than(self, checkpoint_id: int) -> bool:
+        with self._cond:
+            return self._pending is not None and self._pending.id > checkpoint_id
+
+    def has_command(self) -> bool:
+        with self._cond:
+            return bool(self._commands)
+
+    @property
+    def pending(self) -> CheckpointRef | None:
+        with self._cond:
+            return self._pending

@@ -1,0 +1,120 @@
+"""Crash recovery: on start, finish or undo what a killed daemon left in flight.
+
+For an unfinished rollout the daemon asks every worker's `/weight_info` and:
+- finishes it (every worker to the rollout's version) when no worker had failed yet;
+- undoes it (every worker to the fallback version) when its failure path had begun.
+A worker is picked up in the state it reports: DRAINING/PAUSED continue with the
+transfer, UPDATED with the post-check, UNHEALTHY or silent ones are restored or
+restarted. The transitions the daemon did not live to record are written first
+(marked `observed`), so the history has no gaps. The rollout row is then closed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from daemon.adapters.base import WeightInfo, WorkerError
+from daemon.logging import get_logger
+from daemon.rollout.driver import StepFailed, Target, WorkerDriver
+from daemon.rollout.engine import RolloutEngine
+from daemon.rollout.fleet import WorkerHandle
+from daemon.rollout.journal import CheckpointRef, Journal, RolloutRef
+from daemon.rollout.planner import plan
+from daemon.rollout.states import ALLOWED, WorkerState, parse_state
+
+log = get_logger(__name__)
+S = WorkerState
+
+
+@dataclass
+class Recovered:
+    rollout_id: int
+    version: str  # where every worker was brought
+    finished: bool  # True: the rollout was completed; False: it was undone
+    unrecovered: list[str]
+
+
+class Recovery:
+    def __init__(self, journal: Journal, engine: RolloutEngine, driver: WorkerDriver) -> None:
+        self.journal = journal
+        self.engine = engine
+        self.driver = driver
+
+    def run(self, rollout: RolloutRef, fallback: CheckpointRef | None) -> Recovered:
+        failed_before = self.journal.rollout_had_failure(rollout.id)
+        # Forward when nothing had failed yet (the version was verified); back when the failure
+        # path had begun, since that path's promise is "everyone on the fallback".
+        finish = not failed_before or fallback is None
+        goal_ckpt = rollout.checkpoint if finish else fallback
+        assert goal_ckpt is not None
+        log.warning(
+            "recovering_rollout",
+            rollout=rollout.id,
+            version=rollout.checkpoint.version,
+            action="finish" if finish else "undo",
+            goal=goal_ckpt.version,
+        )
+        goal = self.engine.fallback_target(goal_ckpt)
+        fb = self.engine.fallback_target(fallback) if fallback else None
+        why = f"daemon restarted during rollout {rollout.id} ({'finishing' if finish else 'undoing'} it)"
+        unrecovered: list[str] = []
+        modes = {name: b.mode for b in plan(self.engine.fleet.specs, self.engine.settings) for name in b.workers}
+        for h in self.engine.fleet:
+            with h.busy:
+                if not self._bring(h, rollout.id, goal, fb, modes.get(h.name, "drain"), why):
+                    unrecovered.append(h.name)
+        return Recovered(rollout.id, goal_ckpt.version, finish, unrecovered)
+
+    def _bring(
+        self, h: WorkerHandle, rid: int, goal: Target | None, fallback: Target | None, mode: str, why: str
+    ) -> bool:
+        """Take one worker from whatever state it is in to RUNNING on `goal`. False if it stays UNHEALTHY."""
+        recorded, _ = self.journal.worker_state(h.name)
+        h.state = parse_state(recorded)
+        try:
+            info: WeightInfo | None = h.client.weight_info()
+        except WorkerError:
+            info = None
+        observed = parse_state(info.state) if info else None
+        try:
+            if info is None or observed is None:
+                h.state = h.state or S.RUNNING
+                if h.state != S.UNHEALTHY:
+                    self.driver.move(
+                        h, rid, S.UNHEALTHY, duration_ms=None, detail={"observed": True, "why": why, "answer": None if info is None else info.state},
+                        error="no usable answer from the worker after the daemon restarted",
+                    )
+                return self.driver.recover(h, rid, why, goal or fallback)
+            if h.state is None:
+                h.state = observed  # nothing recorded that we could contradict
+            elif observed != h.state:
+                if observed in ALLOWED[h.state]:
+                    self.driver.move(h, rid, observed, duration_ms=None, detail={"observed": True, "why": why},
+                                     version=info.version)  # fmt: skip
+                else:
+                    self.driver.move(
+                        h, rid, S.UNHEALTHY, duration_ms=None,
+                        detail={"observed": observed.value, "recorded": h.state.value, "why": why},
+                        error=f"worker reports {observed.value}, the daemon last recorded {h.state.value}",
+                    )  # fmt: skip
+                    return self.driver.recover(h, rid, why, goal or fallback)
+            if goal is None:
+                raise StepFailed(h.name, "recover", "the version to recover to has no local copy")
+            if h.state == S.RUNNING:
+                if not goal.matches(info):
+                    self.driver.update(h, rid, goal, mode)  # type: ignore[arg-type]
+                return True
+            if h.state in (S.DRAINING, S.PAUSED):
+                self.driver.transfer(h, rid, goal)
+                self.driver.finish(h, rid, goal, {"recovered": True})
+                return True
+            if h.state == S.UPDATED:
+                if goal.matches(info):
+                    self.driver.finish(h, rid, goal, {"recovered": True})
+                    return True
+                self.driver.move(h, rid, S.UNHEALTHY, duration_ms=None,
+                                 detail={"why": f"{why}: undoing the update to {info.version}"})  # fmt: skip
+            return self.driver.recover(h, rid, why, goal)
+        except StepFailed as exc:
+            # The driver already recorded -> UNHEALTHY for the failed step.
+            return self.driver.recover(h, rid, f"{why}: {exc}", fallback or goal)
