@@ -1,0 +1,1 @@
+"""The staging loader: `hotswap loader` (server), `LoaderClient` (client), the version store."""

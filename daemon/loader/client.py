@@ -1,0 +1,96 @@
+"""`LoaderClient`: how the daemon, the rollout engine and workers talk to `hotswap loader`.
+
+    client = LoaderClient("/run/hotswap/loader.sock")
+    info = client.stage("step-1200", "/ckpt/step-1200", digest="8f3a21c0")   # once per version
+    descriptor = client.descriptor("step-1200")   # JSON; one buffer per staged GPU
+    worker.update(UpdateRequest("step-1200", transport="ipc", descriptor=descriptor, mode="copy"))
+
+Workers acquire and release versions themselves (the descriptor names the loader socket), so
+the caller never has to. Each call opens its own connection: no state to lose on errors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any
+
+from daemon.loader.protocol import (
+    MAX_RESPONSE_BYTES,
+    LoaderError,
+    LoaderUnavailable,
+    ProtocolError,
+    decode,
+    encode,
+    read_line,
+)
+
+__all__ = ["LoaderClient", "LoaderError", "LoaderUnavailable", "StagedInfo"]
+
+
+@dataclass(frozen=True, slots=True)
+class StagedInfo:
+    version: str
+    bytes: int
+    tensors: int
+    devices: list[str]
+    seconds: float
+
+
+class LoaderClient:
+    def __init__(self, socket_path: str | os.PathLike[str], timeout: float = 30.0, stage_timeout: float = 1800.0):
+        self.socket_path = os.fspath(socket_path)
+        self.timeout = timeout
+        self.stage_timeout = stage_timeout
+        self._ids = itertools.count(1)
+
+    def __repr__(self) -> str:
+        return f"LoaderClient({self.socket_path!r})"
+
+    def call(self, op: str, timeout: float | None = None, **args: Any) -> dict[str, Any]:
+        """Send one request and return its `result`; LoaderError with the loader's reason on failure."""
+        rid = next(self._ids)
+        request = {"op": op, "id": rid, **{k: v for k, v in args.items() if v is not None}}
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout or self.timeout)
+        try:
+            try:
+                sock.connect(self.socket_path)
+                sock.sendall(encode(request))
+                line = read_line(sock, bytearray(), MAX_RESPONSE_BYTES)
+            except (FileNotFoundError, ConnectionError, TimeoutError, OSError) as exc:
+                raise LoaderUnavailable(f"loader at {self.socket_path}: {op} failed ({exc})") from None
+        finally:
+            sock.close()
+        if line is None:
+            raise LoaderUnavailable(f"loader at {self.socket_path} closed the connection during {op}")
+        doc = decode(line)
+        if doc.get("id") != rid:
+            raise ProtocolError(f"loader answered request {doc.get('id')!r}, expected {rid}")
+        if not doc.get("ok"):
+            raise LoaderError(f"loader: {op} refused: {doc.get('error', 'no reason given')}")
+        result = doc.get("result")
+        if not isinstance(result, dict):
+            raise ProtocolError(f"loader: {op} answer has no result object")
+        return result
+
+    def stage(self, version: str, path: str | os.PathLike[str], digest: str | None = None) -> StagedInfo:
+        r = self.call("stage", self.stage_timeout, version=version, path=os.fspath(path), digest=digest)
+        return StagedInfo(r["version"], r["bytes"], r["tensors"], list(r["devices"]), r["seconds"])
+
+    def descriptor(self, version: str, device: str | None = None) -> dict[str, Any]:
+        return self.call("descriptor", version=version, device=device)
+
+    def acquire(self, version: str, worker: str, pid: int | None = None) -> dict[str, Any]:
+        return self.call("acquire", version=version, worker=worker, pid=pid)
+
+    def release(self, version: str, worker: str) -> dict[str, Any]:
+        return self.call("release", version=version, worker=worker)
+
+    def drop(self, version: str) -> dict[str, Any]:
+        return self.call("drop", version=version)
+
+    def status(self) -> dict[str, Any]:
+        return self.call("status")

@@ -1,0 +1,280 @@
+"""The ipc transport: weights from a loader's staged buffer, by copy or by pointer swap.
+
+How a rollout uses it (the daemon side needs nothing else):
+
+    from daemon.loader.client import LoaderClient
+    loader = LoaderClient(cfg.loader.socket)
+    loader.stage(version, checkpoint_dir, digest=digest)   # before the first worker leaves RUNNING
+    descriptor = loader.descriptor(version)                 # JSON, safe to pass through HTTP
+    # for each worker, one at a time:
+    POST /admin/update {"version": version, "transport": "ipc", "descriptor": descriptor,
+                        "mode": "copy" | "swap", "expect": {"digest": digest, "tensors": n}}
+
+Worker side (this module): `IpcTransport(descriptor, device=...)` parses the descriptor
+strictly, `table()` reports the tensor table without mapping anything, `prepare()` acquires
+the version at the loader (when the descriptor names one) and opens the buffer once per
+version (`IpcOpener` caches and reference-counts open buffers), `write_into(params)` copies
+(mode `copy`: graph-safe, the parameters keep their own storage), `views()` gives tensors
+that point into the shared buffer (mode `swap`: see `point_params_at`), and `close()` drops
+this transport's reference and releases the version at the loader. A buffer is unmapped (or
+its CUDA IPC handle closed) when the last reference and the last view of it are gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from daemon.transport.base import ST_TO_TORCH, TensorSpec, TransportError
+from daemon.transport.ipc_descriptor import (
+    HOST_DEVICE,
+    BufferRef,
+    Descriptor,
+    DescriptorError,
+    IpcRefused,
+    parse_descriptor,
+)
+
+log = logging.getLogger("hotswap.transport.ipc")
+
+TORCH_DTYPES: dict[str, torch.dtype] = {
+    st: getattr(torch, name) for st, name in ST_TO_TORCH.items() if hasattr(torch, name)
+}
+
+
+class LoaderRefused(IpcRefused):
+    """The loader could not be reached, or no longer holds the version; nothing was written."""
+
+
+def _device_uuid_of(device: torch.device) -> str:
+    if device.type == "cpu":
+        return HOST_DEVICE
+    if device.type == "cuda":
+        from daemon.transport.ipc_cuda import device_uuid
+
+        return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
+    raise DescriptorError(f"the ipc transport does not support device {device}")
+
+
+@dataclass(eq=False)
+class OpenedVersion:
+    """One open buffer of one staged version in this process, shared by every transport that uses it."""
+
+    key: tuple[str, str]
+    version: str
+    mapping: Any  # ShmMapping | ImportedBuffer
+    payload: torch.Tensor  # uint8 view of the descriptor's payload
+    descriptor: Descriptor
+    refs: int = 0
+    _views: dict[str, torch.Tensor] | None = field(default=None, repr=False)
+
+    def views(self) -> dict[str, torch.Tensor]:
+        if self._views is None:
+            views: dict[str, torch.Tensor] = {}
+            for t in self.descriptor.tensors:
+                dtype = TORCH_DTYPES.get(t.dtype)
+                if dtype is None:
+                    raise DescriptorError(f"tensor {t.name!r}: dtype {t.dtype} is not supported by this torch")
+                raw = self.payload[t.offset : t.offset + t.nbytes]
+                views[t.name] = raw.view(dtype).view(t.shape)
+            self._views = views
+        return self._views
+
+
+class IpcOpener:
+    """Process-wide cache of open buffers: each version's buffer is opened once and closed once."""
+
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, str], OpenedVersion] = {}
+        self._lock = threading.Lock()
+
+    def open(self, desc: Descriptor, buf: BufferRef) -> OpenedVersion:
+        key = (desc.version, buf.path or (buf.handle or b"").hex())
+        with self._lock:
+            opened = self._open.get(key)
+            if opened is None:
+                mapping = _map_buffer(desc, buf)
+                payload = mapping.tensor()[buf.offset : buf.offset + desc.size]
+                opened = OpenedVersion(key, desc.version, mapping, payload, desc)
+                self._open[key] = opened
+            opened.refs += 1
+            return opened
+
+    def release(self, opened: OpenedVersion) -> bool:
+        """Drop one reference; at zero, drop our views and the mapping. True when unmapped now."""
+        with self._lock:
+            opened.refs -= 1
+            if opened.refs > 0:
+                return False
+            self._open.pop(opened.key, None)
+            opened._views = None
+            opened.payload = torch.empty(0, dtype=torch.uint8)
+            closed = bool(opened.mapping.close())
+        if not closed:
+            log.info("ipc buffer of %s stays mapped until its last view is gone", opened.version)
+        return closed
+
+    def open_versions(self) -> dict[str, int]:
+        with self._lock:
+            return {o.version: o.refs for o in self._open.values()}
+
+
+OPENER = IpcOpener()
+
+
+def _map_buffer(desc: Descriptor, buf: BufferRef) -> Any:
+    if desc.kind == "shm":
+        from daemon.transport.ipc_shm import ShmMapping
+
+        assert buf.path is not None
+        return ShmMapping(buf.path, buf.buffer_bytes)
+    from daemon.transport.ipc_cuda import CudaIpcError, ImportedBuffer
+
+    assert buf.handle is not None
+    try:
+        return ImportedBuffer(buf.device_uuid, buf.handle, buf.buffer_bytes)
+    except CudaIpcError as exc:
+        raise IpcRefused(f"version {desc.version!r}: cannot open the CUDA IPC handle ({exc})") from None
+
+
+class IpcTransport:
+    """WeightTransport over a loader descriptor; see the module docstring for the life cycle."""
+
+    name = "ipc"
+
+    def __init__(
+        self,
+        descriptor: Descriptor | Mapping[str, Any],
+        *,
+        device: torch.device | str = "cpu",
+        worker: str | None = None,
+        opener: IpcOpener | None = None,
+    ) -> None:
+        self.descriptor = descriptor if isinstance(descriptor, Descriptor) else parse_descriptor(dict(descriptor))
+        self.device = torch.device(device)
+        self.worker = worker or f"pid-{os.getpid()}"
+        self._opener = opener or OPENER
+        want = "shm" if self.device.type == "cpu" else "cuda"
+        if self.descriptor.kind != want:
+            raise DescriptorError(
+                f"descriptor of kind {self.descriptor.kind!r} cannot feed a worker on {self.device} (needs {want!r})"
+            )
+        self._opened: OpenedVersion | None = None
+        self._acquired = False
+
+    @property
+    def version(self) -> str:
+        return self.descriptor.version
+
+    def table(self) -> dict[str, TensorSpec]:
+        return self.descriptor.table()
+
+    def prepare(self) -> None:
+        """Acquire the version at the loader and open its buffer; raises IpcRefused, writes nothing."""
+        if self._opened is not None:
+            return
+        buf = self.descriptor.buffer_for(_device_uuid_of(self.device))
+        if self.descriptor.loader and not self._acquired:
+            from daemon.loader.client import LoaderClient, LoaderError
+
+            try:
+                LoaderClient(self.descriptor.loader, timeout=10.0).acquire(
+                    self.version, self.worker, pid=os.getpid()
+                )
+            except LoaderError as exc:
+                raise LoaderRefused(f"version {self.version!r}: {exc}") from None
+            self._acquired = True
+        try:
+            self._opened = self._opener.open(self.descriptor, buf)
+        except BaseException:
+            self._release_at_loader()
+            raise
+
+    def views(self) -> dict[str, torch.Tensor]:
+        """Tensors pointing into the shared buffer, by name (for swap mode). Do not write into them."""
+        self.prepare()
+        assert self._opened is not None
+        return self._opened.views()
+
+    def write_into(self, params: dict[str, torch.Tensor]) -> None:
+        views = self.views()
+        if params.keys() != views.keys():
+            raise TransportError(f"version {self.version!r}: parameter names differ from the descriptor's table")
+        dst: list[torch.Tensor] = []
+        src: list[torch.Tensor] = []
+        for name, p in params.items():
+            v = views[name]
+            if p.shape != v.shape or p.dtype != v.dtype:
+                raise TransportError(
+                    f"tensor {name!r}: live {p.dtype}{list(p.shape)} != incoming {v.dtype}{list(v.shape)}"
+                )
+            if p.data_ptr() == v.data_ptr():
+                continue  # already pointing at this very buffer (swap mode): nothing to copy
+            dst.append(p.data)
+            src.append(v)
+        try:
+            with torch.no_grad():
+                if dst and dst[0].device.type == "cuda":
+                    torch._foreach_copy_(dst, src)  # few kernel launches for all tensors
+                    torch.cuda.synchronize(dst[0].device)
+                else:
+                    for d, s in zip(dst, src, strict=True):
+                        d.copy_(s)
+        except RuntimeError as exc:
+            raise TransportError(f"version {self.version!r}: copy failed ({exc})") from exc
+
+    def close(self) -> None:
+        if self._opened is not None:
+            opened, self._opened = self._opened, None
+            self._opener.release(opened)
+        self._release_at_loader()
+
+    def _release_at_loader(self) -> None:
+        if not self._acquired:
+            return
+        self._acquired = False
+        from daemon.loader.client import LoaderClient, LoaderError
+
+        try:
+            LoaderClient(self.descriptor.loader or "", timeout=10.0).release(self.version, self.worker)
+        except LoaderError as exc:
+            # The loader is gone or restarted: it holds nothing for us any more.
+            log.warning("could not release %s at the loader: %s", self.version, exc)
+
+    def __enter__(self) -> IpcTransport:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            if self._opened is not None or self._acquired:
+                self.close()
+
+
+def point_params_at(params: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Swap: make every parameter's `.data` the tensor in `targets`; returns the previous `.data`.
+
+    A pointer flip per tensor, no bytes move; flipping back with the returned dict is the
+    rollback. Breaks captured CUDA graphs (they hold the old addresses): copy mode is for those.
+    """
+    previous: dict[str, torch.Tensor] = {}
+    for name, p in params.items():
+        t = targets[name]
+        if p.shape != t.shape or p.dtype != t.dtype or p.device != t.device:
+            raise TransportError(
+                f"tensor {name!r}: cannot point live {p.dtype}{list(p.shape)}@{p.device} "
+                f"at {t.dtype}{list(t.shape)}@{t.device}"
+            )
+    for name, p in params.items():
+        previous[name] = p.data
+        p.data = targets[name]
+    return previous
