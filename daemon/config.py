@@ -21,6 +21,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
+from daemon.rollout.settings import LoaderSettings, RolloutSettings, WorkerSpec, check_fleet, default_workers
+
 CONFIG_ENV = "HOTSWAP_CONFIG"
 EMBEDDED = "<embedded default>"
 LOG_LEVELS = ("debug", "info", "warning", "error")
@@ -110,6 +112,11 @@ class Config:
     sources: list[SourceConfig] = field(default_factory=_default_sources)
     # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
     checks: Any = None
+    # [rollout], [[workers]], [loader]: daemon.rollout.settings. No [[workers]] = one
+    # reference worker the daemon runs itself (launch = "managed").
+    rollout: RolloutSettings = field(default_factory=RolloutSettings)
+    workers: list[WorkerSpec] = field(default_factory=default_workers)
+    loader: LoaderSettings | None = None
     source_file: str = EMBEDDED
 
     def __post_init__(self) -> None:
@@ -186,7 +193,9 @@ def _parse(doc: dict[str, Any]) -> Config:
             values[name] = _convert(doc[name], tp, name)
         elif name in _LAZY_SECTIONS:
             values[name] = tp()
-    return Config(**values)
+    config = Config(**values)
+    check_fleet(config.rollout, config.workers)
+    return config
 
 
 def _fmt_key(key: str) -> str:
