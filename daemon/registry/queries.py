@@ -53,6 +53,10 @@ version_history = Table(
     SAColumn("rolled_back_at", UTCDateTime),
     SAColumn("superseded_at", UTCDateTime),
     SAColumn("serving", Integer),
+    # added by migration 0002_rollout_views
+    SAColumn("last_rollout_id", Integer),
+    SAColumn("last_rollout_outcome", String),
+    SAColumn("worker_update_ms", Text),
 )
 worker_versions = Table(
     "worker_versions",
