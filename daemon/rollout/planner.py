@@ -29,12 +29,11 @@ def plan(
     order: list[str] = []
     members: dict[str, list[str]] = {}
     for w in workers:
-        if only is not None and w.name not in only:
-            continue
-        if w.group not in members:
+        if w.group not in members:  # group order comes from the whole fleet, filtered or not
             order.append(w.group)
             members[w.group] = []
-        members[w.group].append(w.name)
+        if only is None or w.name in only:
+            members[w.group].append(w.name)
     batches: list[Batch] = []
     for group in order:
         g = settings.group(group)
