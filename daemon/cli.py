@@ -60,7 +60,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _fail(message: str, code: int) -> int:
-    print(f"hotswap: error: {message}", file=sys.stderr)
+    print(f"hotswap: error: {' '.join(message.split())}", file=sys.stderr)
     return code
 
 

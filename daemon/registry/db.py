@@ -31,6 +31,13 @@ def redact_url(url: str) -> str:
         return url
 
 
+def one_line(exc: BaseException) -> str:
+    """A driver error as one line: the driver's own message, without SQLAlchemy's background link."""
+    msg = str(getattr(exc, "orig", None) or exc)
+    lines = [ln.strip() for ln in msg.splitlines() if ln.strip() and "sqlalche.me" not in ln]
+    return "; ".join(lines) or type(exc).__name__
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # WAL lets the CLI read history while the daemon writes; busy_timeout rides out
     # short write locks instead of failing; foreign keys are off by default in SQLite.
@@ -62,7 +69,7 @@ class Registry:
         try:
             self.engine = make_engine(url)
         except Exception as exc:
-            raise RegistryError(f"cannot open database {redact_url(url)}: {exc}") from exc
+            raise RegistryError(f"cannot open database {redact_url(url)}: {one_line(exc)}") from exc
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
 
     @contextmanager
@@ -87,7 +94,7 @@ class Registry:
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, revision)
         except Exception as exc:
-            raise RegistryError(f"migrating database {redact_url(self.url)} failed: {exc}") from exc
+            raise RegistryError(f"migrating database {redact_url(self.url)} failed: {one_line(exc)}") from exc
 
     def current_revision(self) -> str | None:
         from alembic.runtime.migration import MigrationContext
