@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from daemon.config import ConfigError, parse_config
+from daemon.config import EMBEDDED, ConfigError, parse_config
 from daemon.rollout.journal import CheckpointRef
 from daemon.rollout.planner import modes_of, plan
 from daemon.rollout.queue import Job, RolloutQueue
@@ -137,9 +137,10 @@ def test_bad_rollout_config_names_file_and_key(doc: dict, message: str) -> None:
     assert message in str(err.value)
 
 
-def test_default_fleet_is_one_managed_worker() -> None:
-    cfg = parse_config({}, "<embedded default>")
+def test_default_fleet_is_one_managed_worker_only_without_a_config_file() -> None:
+    cfg = parse_config({}, EMBEDDED)
     assert [(w.name, w.launch, w.kind) for w in cfg.workers] == [("local", "managed", "builtin")]
+    assert parse_config({}, "daemon.toml").workers == []  # a file without [[workers]]: verify only
     assert cfg.rollout.max_unavailable == 1 and cfg.rollout.transport == "disk"
     assert cfg.rollout.health_window_s == 5.0 and cfg.rollout.max_error_rate == 0.01
     spec = WorkerSpec(name="w", url="http://x:1", restart_command="relaunch --model {path} --port {port}")
