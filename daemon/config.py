@@ -112,10 +112,11 @@ class Config:
     sources: list[SourceConfig] = field(default_factory=_default_sources)
     # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
     checks: Any = None
-    # [rollout], [[workers]], [loader]: daemon.rollout.settings. No [[workers]] = one
-    # reference worker the daemon runs itself (launch = "managed").
+    # [rollout], [[workers]], [loader]: daemon.rollout.settings. A file without [[workers]]
+    # has none (the daemon only verifies); with no file at all the daemon runs one
+    # reference worker itself (launch = "managed"), for the quickstart.
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
-    workers: list[WorkerSpec] = field(default_factory=default_workers)
+    workers: list[WorkerSpec] = field(default_factory=list)
     loader: LoaderSettings | None = None
     source_file: str = EMBEDDED
 
@@ -167,6 +168,8 @@ def parse_config(doc: dict[str, Any], source: str) -> Config:
     except ConfigError as exc:
         raise ConfigError(f"{source}: {exc}") from None
     config.source_file = source
+    if source == EMBEDDED and "workers" not in doc:
+        config.workers = default_workers()
     return config
 
 
