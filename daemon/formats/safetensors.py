@@ -246,10 +246,14 @@ def read_header(path: str | os.PathLike[str], cap: int = HEADER_CAP_BYTES) -> Sa
     """
     p = Path(path)
     fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    with os.fdopen(fd, "rb", buffering=0) as f:
+    try:
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise HeaderError(f"{p}: not a regular file")
+    except BaseException:
+        os.close(fd)
+        raise
+    with os.fdopen(fd, "rb", buffering=0) as f:
         size = st.st_size
         head = _read_exact(f, 8)
         if len(head) < 8:
