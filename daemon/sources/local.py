@@ -25,6 +25,7 @@ from daemon.config import SourceConfig
 from daemon.logging import get_logger
 from daemon.sources.commit import CommitDetector, DiscoveredCheckpoint, discovered
 
+EMIT_RETRY_S = 1.0  # after a failed hand-over (database unreachable), look again this much later
 COALESCE_S = 0.02  # how long after an event the directory is looked at (bursts become one look)
 
 log = get_logger(__name__)
@@ -199,9 +200,11 @@ class LocalSource:
             try:
                 self.emit(item)
             except Exception:
-                # Not recorded: forget it so the next event or rescan tries again.
+                # Not recorded (e.g. the database is down): try again shortly.
                 self._emitted.discard(directory)
-                log.exception("recording a discovered checkpoint failed", version=item.version)
+                log.exception("recording a discovered checkpoint failed; retrying", version=item.version,
+                              retry_s=EMIT_RETRY_S)
+                self.mark_dirty(name, EMIT_RETRY_S)
             return
         if decision.reason:
             log.debug("not committed yet", directory=str(directory), reason=decision.reason)

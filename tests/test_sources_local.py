@@ -1,0 +1,204 @@
+"""Commit detection and the local watched folder (no daemon, no database)."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import time
+from pathlib import Path
+
+import pytest
+from conftest import publish_tiny, wait_until
+
+from daemon.config import SourceConfig
+from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
+from daemon.sources.commit import CommitDetector
+from daemon.sources.local import LocalSource
+from daemon.tinymodel import make_tiny_checkpoint
+
+ALL = ["manifest", "index", "marker"]
+
+
+def test_manifest_commits_at_once_with_its_version(tmp_path):
+    publish_tiny(tmp_path / "dir-name", seed=1, version="step-7")
+    d = CommitDetector(ALL, quiet_period_s=60).check(tmp_path / "dir-name")
+    assert (d.committed, d.signal, d.version) == (True, "manifest", "step-7")
+
+
+def test_manifest_landing_before_its_files_waits_for_them(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    publish_tiny(src, seed=1)
+    dst.mkdir()
+    shutil.copy(src / MANIFEST_NAME, dst / MANIFEST_NAME)  # e.g. `cp -r` listing order
+    det = CommitDetector(ALL, quiet_period_s=0.3)
+    first = det.check(dst)
+    assert not first.committed and "not there yet" in first.reason
+    # half a file: still pending
+    data = (src / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[: len(data) // 2])
+    assert not det.check(dst).committed
+    (dst / "model.safetensors").write_bytes(data)
+    shutil.copy(src / "config.json", dst / "config.json")
+    assert det.check(dst).committed
+
+
+def test_manifest_whose_file_never_arrives_is_handed_on_after_the_quiet_period(tmp_path):
+    # so the checks reject it with the missing file named, instead of waiting forever
+    publish_tiny(tmp_path / "c", seed=1)
+    (tmp_path / "c" / "config.json").unlink()
+    det = CommitDetector(ALL, quiet_period_s=0.2)
+    assert not det.check(tmp_path / "c").committed
+    time.sleep(0.25)
+    assert det.check(tmp_path / "c").committed
+
+
+def test_index_needs_all_shards_and_a_quiet_period(tmp_path):
+    ckpt = tmp_path / "sharded"
+    make_tiny_checkpoint(ckpt, seed=2, shards=2)
+    shards = sorted(json.loads((ckpt / INDEX_NAME).read_text())["weight_map"].values())
+    moved = ckpt / shards[-1]
+    hidden = tmp_path / "hidden"
+    moved.rename(hidden)
+    det = CommitDetector(["index"], quiet_period_s=0.3)
+    d = det.check(ckpt)
+    assert not d.committed and "missing" in d.reason
+    hidden.rename(moved)
+    d = det.check(ckpt)
+    assert not d.committed and d.recheck_after_s is not None
+    time.sleep(0.15)
+    with open(moved, "ab") as f:  # still growing: the quiet period starts over
+        f.write(b"\0")
+    assert not det.check(ckpt).committed
+    time.sleep(0.2)
+    assert not det.check(ckpt).committed
+    time.sleep(0.15)
+    d = det.check(ckpt)
+    assert (d.committed, d.signal, d.version) == (True, "index", "sharded")
+
+
+def test_marker_and_signal_order(tmp_path):
+    ckpt = tmp_path / "m"
+    make_tiny_checkpoint(ckpt, seed=3)
+    assert not CommitDetector(ALL, 0.1, ["_SUCCESS"]).check(ckpt).committed
+    (ckpt / "_SUCCESS").write_text("")
+    assert CommitDetector(ALL, 0.1, ["_SUCCESS"]).check(ckpt).signal == "marker"
+    assert not CommitDetector(["manifest"], 0.1, ["_SUCCESS"]).check(ckpt).committed  # marker not enabled
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.items: queue.Queue = queue.Queue()
+
+    def __call__(self, item) -> None:
+        self.items.put(item)
+
+    def all(self) -> list:
+        out = []
+        while not self.items.empty():
+            out.append(self.items.get())
+        return out
+
+
+@pytest.fixture
+def source(tmp_path):
+    made = []
+
+    def make(**kw) -> tuple[LocalSource, Collector]:
+        got = Collector()
+        cfg = SourceConfig(path=str(tmp_path / "watch"), **{"rescan_interval_s": 60.0, **kw})
+        src = LocalSource(cfg, got)
+        src.start()
+        made.append(src)
+        return src, got
+
+    yield make
+    for s in made:
+        s.stop()
+
+
+def test_watched_folder_emits_once_on_publish(source, tmp_path):
+    src, got = source()
+    make_tiny_checkpoint(src.root / "step-1", seed=1)
+    time.sleep(0.3)
+    assert got.all() == []  # no signal yet
+    from daemon.manifest import publish
+
+    publish(src.root / "step-1", version="v-1")
+    item = got.items.get(timeout=5)
+    assert (item.version, item.signal, item.directory) == ("v-1", "manifest", src.root / "step-1")
+    (src.root / "step-1" / "extra.txt").write_text("later")  # more events after commit: no re-emit
+    time.sleep(0.3)
+    assert got.all() == []
+
+
+def test_hidden_build_dir_renamed_into_place(source, tmp_path):
+    src, got = source()
+    publish_tiny(src.root / ".tmp-step-2", seed=2, version="step-2")
+    time.sleep(0.3)
+    assert got.all() == []
+    os.rename(src.root / ".tmp-step-2", src.root / "step-2")
+    assert got.items.get(timeout=5).version == "step-2"
+
+
+def test_rescan_finds_what_events_missed(source, tmp_path):
+    watch = tmp_path / "watch"
+    publish_tiny(watch / "before-start", seed=4)  # exists before the observer does
+    src, got = source(rescan_interval_s=0.5)
+    assert got.items.get(timeout=5).version == "before-start"
+    # Simulate a lost event: write without the observer seeing it, the periodic rescan finds it.
+    src._observer.stop()
+    src._observer.join()
+    publish_tiny(watch / "missed", seed=5)
+    assert got.items.get(timeout=5).version == "missed"
+
+
+def test_watch_folder_created_later(tmp_path):
+    got = Collector()
+    watch = tmp_path / "later"
+    src = LocalSource(SourceConfig(path=str(watch), create=False, rescan_interval_s=0.3), got)
+    src.start()
+    try:
+        publish_tiny(watch / "a", seed=6)
+        assert got.items.get(timeout=5).version == "a"
+        publish_tiny(watch / "b", seed=7)  # the observer is running by now
+        assert got.items.get(timeout=5).version == "b"
+    finally:
+        src.stop()
+
+
+def test_removed_and_recreated_directory_is_seen_again(source, tmp_path):
+    src, got = source()
+    publish_tiny(src.root / "again", seed=8, version="again-1")
+    assert got.items.get(timeout=5).version == "again-1"
+    shutil.rmtree(src.root / "again")
+    wait_until(lambda: src.root / "again" not in src._emitted, 5, what="forgetting the removed dir")
+    publish_tiny(src.root / "again", seed=9, version="again-2")
+    assert got.items.get(timeout=5).version == "again-2"
+
+
+def test_failed_emit_is_retried(source, tmp_path):
+    calls: list[str] = []
+    src, got = source()
+
+    def flaky(item) -> None:
+        calls.append(item.version)
+        if len(calls) == 1:
+            raise RuntimeError("database blinked")
+        got(item)
+
+    src.emit = flaky
+    publish_tiny(src.root / "flaky", seed=10)
+    # no event and no rescan (60 s) needed: the source retries by itself
+    wait_until(lambda: len(calls) >= 2, 5, what="a retry")
+    assert got.items.get(timeout=5).version == "flaky"
+
+
+def test_detection_is_not_fooled_by_a_plain_file(source, tmp_path):
+    src, got = source()
+    (src.root / "notes.txt").write_text("not a checkpoint")
+    src.rescan()
+    time.sleep(0.3)
+    assert got.all() == []
+    assert Path(src.root / "notes.txt").exists()
