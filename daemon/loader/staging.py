@@ -16,11 +16,13 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from daemon.formats.checkpoint import TensorLocation
 from daemon.transport.ipc_descriptor import TensorSlot
+
+if TYPE_CHECKING:
+    import torch
 
 CHUNK_BYTES = 32 << 20
 
@@ -95,6 +97,8 @@ class PinnedPool:
     """Pairs of pinned host buffers for the GPU path, kept between stagings (pinning is slow)."""
 
     def __init__(self, pairs: int, chunk: int = CHUNK_BYTES) -> None:
+        import torch
+
         self.chunk = chunk
         self._free: queue.SimpleQueue[list[torch.Tensor]] = queue.SimpleQueue()
         for _ in range(pairs):
@@ -110,6 +114,8 @@ class PinnedPool:
 
 def read_into_devices(jobs: Sequence[ReadJob], dests: Sequence[torch.Tensor], pool: PinnedPool) -> None:
     """Read each job into pinned memory, then copy it to the same offset of every device buffer."""
+    import torch
+
     if any(j.nbytes > pool.chunk for j in jobs):
         raise StagingError(f"read job larger than the pinned chunk ({pool.chunk} bytes)")
     files = _Files(jobs)

@@ -17,10 +17,12 @@ import re
 import stat
 import weakref
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from daemon.transport.ipc_descriptor import SHM_PREFIX, DescriptorError
+
+if TYPE_CHECKING:
+    import torch
 
 
 class ShmError(RuntimeError):
@@ -89,6 +91,8 @@ class ShmMapping:
     """Worker side: a sealed segment mapped copy-on-write, exposed as one flat uint8 tensor."""
 
     def __init__(self, path: str, nbytes: int) -> None:
+        import torch  # the loader side of this module must not pay for importing torch
+
         try:
             fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as exc:
