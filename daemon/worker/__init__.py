@@ -1,0 +1,1 @@
+"""Reference worker: model, scheduler, serving API, admin API (see daemon.worker.server)."""

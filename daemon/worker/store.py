@@ -1,0 +1,105 @@
+"""The one object that owns the served weights and knows which version they are.
+
+`WeightStore` holds
+
+* `params`: safetensors name -> live tensor (the model's own Parameters). Copy-mode transports
+  write into these tensors' storage; nothing else may replace them except a swap hook.
+* `lock`: held by the scheduler for every generation step and by an update for its whole write
+  phase, so no forward pass ever sees a half-written model.
+* `current` / `previous`: `VersionRecord`s. `commit(record)` makes `record` current and keeps
+  the old current as `previous` (the retained version that `/admin/rollback` returns to).
+* `invalidators`: callbacks run after every change of weights (the engine drops its KV caches,
+  any prefix cache is cleared); kept sequences are re-prefilled under the new weights.
+* `unhealthy`: set when a failed write could not be undone; the worker then refuses traffic.
+
+Hook points for other transports (see `daemon.worker.updates`):
+
+* `VersionRecord.request` keeps the update body that produced a version, so the registry's
+  factory can rebuild a transport for it (restore after a failed write, rollback).
+* `VersionRecord.restore`: an optional zero-copy way back to that version (swap mode sets it to
+  a pointer flip that re-points `params` at the retained buffers); when set, rollback and
+  failure recovery call it instead of re-reading the source.
+* `VersionRecord.release`: called when a record is dropped from the store (swap mode frees or
+  returns the retained buffers / IPC handles of a version nobody can roll back to any more).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(slots=True)
+class VersionRecord:
+    version: str
+    digest: str | None
+    transport: str  # "disk", "ipc", ...
+    path: str | None = None  # disk: checkpoint directory
+    mode: str = "copy"
+    request: dict[str, Any] = field(default_factory=dict)  # the update body that produced it
+    loaded_at: float = field(default_factory=time.time)
+    restore: Callable[[], None] | None = None  # zero-copy way back (swap mode)
+    release: Callable[[], None] | None = None  # free what this version retains
+
+    def describe(self) -> dict[str, Any]:
+        return {"version": self.version, "digest": self.digest, "transport": self.transport,
+                "path": self.path, "mode": self.mode, "loaded_at": self.loaded_at}
+
+
+class WeightStore:
+    def __init__(self, params: dict[str, torch.Tensor], device: torch.device, current: VersionRecord) -> None:
+        self.params = params
+        self.device = device
+        self.lock = threading.RLock()
+        self.current: VersionRecord = current
+        self.previous: VersionRecord | None = None
+        self.update_count = 0
+        self.unhealthy: str | None = None  # reason, when the weights are not a whole version
+        self.invalidators: list[Callable[[], None]] = []
+        self.last_update: dict[str, Any] = {}
+
+    # -- facts -------------------------------------------------------------------------------
+    @property
+    def tensors(self) -> int:
+        return len(self.params)
+
+    @property
+    def bytes(self) -> int:
+        seen: set[int] = set()
+        total = 0
+        for t in self.params.values():
+            if t.data_ptr() not in seen:
+                seen.add(t.data_ptr())
+                total += t.numel() * t.element_size()
+        return total
+
+    def data_ptrs(self) -> dict[str, int]:
+        return {n: t.data_ptr() for n, t in self.params.items()}
+
+    # -- changes (call with `lock` held) -----------------------------------------------------
+    def commit(self, record: VersionRecord) -> None:
+        """`record` is now served; the old current becomes the retained previous version."""
+        dropped = self.previous
+        self.previous = self.current
+        self.current = record
+        self.update_count += 1
+        self.unhealthy = None
+        if dropped is not None and dropped.release is not None and dropped is not self.current:
+            dropped.release()
+
+    def swap_current_and_previous(self) -> None:
+        """After a rollback: the version we came from becomes the retained one."""
+        if self.previous is None:
+            raise RuntimeError("no previous version retained")
+        self.previous, self.current = self.current, self.previous
+        self.update_count += 1
+        self.unhealthy = None
+
+    def invalidate_caches(self) -> None:
+        for fn in self.invalidators:
+            fn()
