@@ -54,6 +54,7 @@ class Daemon:
         self.scheduler = BackgroundScheduler(daemon=True)
         self.sources: list[LocalSource] = []
         self.api: ApiServer | None = None
+        self.rollout: Any = None  # daemon.rollout.service.RolloutService when [[workers]] exist
         self.runtime_file = config.state_dir / RUNTIME_FILE
 
     def start(self) -> None:
@@ -78,7 +79,12 @@ class Daemon:
                 sources=[{"name": s.label, "path": str(s.root), "type": s.config.type} for s in self.sources],
                 queue_depth=lambda: self.coordinator._queue.qsize(),
             )
-            self.api = ApiServer(create_app(state), *listen)
+            app = create_app(state)
+            if self.rollout is not None:
+                from daemon.rollout.api_routes import make_router
+
+                app.include_router(make_router(self.rollout))
+            self.api = ApiServer(app, *listen)
             self.api.start()
         interval = cfg.daemon.watchdog_interval_s or systemd.watchdog_interval_s()
         if interval:
@@ -95,6 +101,8 @@ class Daemon:
         if self.scheduler.running:
             self.scheduler.shutdown(wait=False)
         self.coordinator.stop()
+        if self.rollout is not None:
+            self.rollout.stop()
         if self.api is not None:
             self.api.stop()
         self.runtime_file.unlink(missing_ok=True)
@@ -138,10 +146,17 @@ class Daemon:
 
 
 def install_post_verify_steps(d: Daemon) -> None:
-    """Where stage -> roll out plug in: `d.coordinator.add_step("stage", ...)`, then "roll out".
+    """Stage -> roll out: the rollout service takes every verified checkpoint (daemon.rollout).
 
-    Nothing yet: a verified checkpoint stays `verified` until the rollout package lands.
+    Without [[workers]] there is nothing to roll out to: the daemon only verifies.
     """
+    if not d.config.workers:
+        return
+    from daemon.rollout.service import RolloutService
+
+    d.rollout = RolloutService.from_config(d.config, d.registry)
+    d.rollout.start(d.scheduler)
+    d.coordinator.add_step("roll out", lambda ckpt: d.rollout.submit(ckpt.checkpoint_id))
 
 
 def read_runtime_file(state_dir: Path) -> dict[str, Any] | None:

@@ -1,0 +1,446 @@
+"""Helpers for the rollout tests and benchmark: real worker processes, a load balancer-like load
+generator, checkpoint publishing (including deliberately broken checkpoints) and history queries.
+
+Also a tiny CLI, used as the workers' `restart_command` in the fault tests:
+
+    python tests/support_rollout.py relaunch --pidfile F --log F -- <hotswap worker args>
+
+starts `hotswap worker ARGS` detached (its own session), records its pid in F and exits at
+once; the daemon then waits for the worker to answer, as it would after `systemctl restart`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = Path(__file__).resolve()
+
+
+# --------------------------------------------------------------------------- processes
+
+
+def spawn_worker(worker_args: list[str], pidfile: Path, log: Path) -> int:
+    """`hotswap worker ARGS` in its own session; pid written to `pidfile` (atomically)."""
+    env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
+    with open(log, "ab") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "daemon.cli", "worker", *worker_args],
+            stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO),
+            start_new_session=True,
+        )  # fmt: skip
+    tmp = pidfile.with_suffix(".tmp")
+    tmp.write_text(str(proc.pid))
+    os.replace(tmp, pidfile)
+    return proc.pid
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except OSError:
+        return False
+    try:  # a zombie (exited, not reaped) is not alive
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_until(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
+    deadline = time.monotonic() + timeout
+    last: Exception | None = None
+    while True:
+        try:
+            value = fn()
+            if value:
+                return value
+        except Exception as exc:  # noqa: BLE001
+            last = exc
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f" (last error {last!r})" if last else ""))
+        time.sleep(interval)
+
+
+@dataclass
+class WorkerProc:
+    """A real `hotswap worker` process on a loopback port, restartable by the daemon's restart command."""
+
+    name: str
+    port: int
+    workdir: Path
+    token: str = "test-token-0123456789"
+    step_delay_ms: float = 0.0
+
+    def __post_init__(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.token_file = self.workdir / f"{self.name}.token"
+        self.token_file.write_text(self.token + "\n")
+        self.token_file.chmod(0o600)
+        self.pidfile = self.workdir / f"{self.name}.pid"
+        self.log_file = self.workdir / f"{self.name}.log"
+        self.pids: list[int] = []
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def worker_args(self, model: str, version: str | None) -> list[str]:
+        args = ["--model", model, "--port", str(self.port), "--token-file", str(self.token_file), "--device", "cpu"]
+        if version:
+            args += ["--version", version]
+        if self.step_delay_ms:
+            args += ["--step-delay-ms", str(self.step_delay_ms)]
+        return args
+
+    def start(self, model: Path, version: str | None = None, timeout: float = 120.0) -> WorkerProc:
+        spawn_worker(self.worker_args(str(model), version), self.pidfile, self.log_file)
+        self.wait_running(timeout)
+        return self
+
+    def restart_command(self) -> list[str]:
+        """The daemon's restart_command for this worker: relaunch on the fallback checkpoint."""
+        return [
+            sys.executable, str(SCRIPT), "relaunch", "--pidfile", str(self.pidfile), "--log", str(self.log_file),
+            "--", *self.worker_args("{path}", "{version}"),
+        ]  # fmt: skip
+
+    @property
+    def pid(self) -> int | None:
+        try:
+            return int(self.pidfile.read_text())
+        except (OSError, ValueError):
+            return None
+
+    def alive(self) -> bool:
+        return self.pid is not None and _alive(self.pid)
+
+    def kill(self) -> int:
+        """SIGKILL the worker process (a real crash); returns its pid."""
+        pid = self.pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        wait_until(lambda: not _alive(pid), 10, f"{self.name} (pid {pid}) to die")
+        return pid
+
+    def stop(self) -> None:
+        pid = self.pid
+        if pid is not None and _alive(pid):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(pid, signal.SIGKILL)
+
+    def info(self) -> dict[str, Any]:
+        r = httpx.get(f"{self.url}/weight_info", headers={"Authorization": f"Bearer {self.token}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def wait_running(self, timeout: float = 120.0, version: str | None = None) -> dict[str, Any]:
+        def ok() -> dict[str, Any] | None:
+            info = self.info()
+            if info["state"] == "RUNNING" and (version is None or info["version"] == version):
+                return info
+            return None
+
+        try:
+            return wait_until(ok, timeout, f"worker {self.name} RUNNING" + (f" on {version}" if version else ""), 0.1)
+        except AssertionError as exc:
+            raise AssertionError(f"{exc}\n{self.name} log tail:\n{self.log_tail()}") from None
+
+    def log_tail(self, n: int = 3000) -> str:
+        try:
+            return self.log_file.read_text(errors="replace")[-n:]
+        except OSError:
+            return ""
+
+    def spec(self, **extra: Any) -> dict[str, Any]:
+        """This worker as a [[workers]] table for the daemon config."""
+        return {"name": self.name, "url": self.url, "token_file": str(self.token_file), "device": "cpu",
+                "restart_command": self.restart_command(), **extra}  # fmt: skip
+
+
+def free_ports(n: int) -> list[int]:
+    import socket
+
+    socks = []
+    for _ in range(n):
+        s = socket.socket()
+        s.bind(("127.0.0.1", 0))
+        socks.append(s)
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def build_checkpoint(directory: Path, version: str, seed: int, *, fault: str | None = None) -> Path:
+    """A tiny published checkpoint; `fault` makes it deliberately bad in a way checks may miss:
+
+    "shape":        intermediate_size differs -> the worker refuses the update (table mismatch)
+    "nan":          every weight of the final norm is NaN -> the probe's logits are not finite
+    "nan-token:N":  only token N's embedding row is NaN -> prompts with token N produce NaN
+                    logits and sampled requests fail; the greedy probe (without token N) passes
+    """
+    from daemon.manifest import publish
+    from daemon.tinymodel import make_tiny_checkpoint
+
+    overrides = {"intermediate_size": 96} if fault == "shape" else None
+    make_tiny_checkpoint(directory, seed=seed, config_overrides=overrides)
+    if fault and fault != "shape":
+        from safetensors.torch import load_file, save_file
+
+        (weights,) = sorted(directory.glob("*.safetensors"))
+        tensors = load_file(str(weights))
+        if fault == "nan":
+            tensors["model.norm.weight"].fill_(float("nan"))
+        elif fault.startswith("nan-token:"):
+            tensors["model.embed_tokens.weight"][int(fault.split(":")[1])].fill_(float("nan"))
+        else:
+            raise ValueError(f"unknown fault {fault!r}")
+        save_file(tensors, str(weights), metadata={"format": "pt"})
+    publish(directory, version=version)
+    return directory
+
+
+def publish_into(watch_dir: Path, version: str, seed: int, *, fault: str | None = None) -> Path:
+    """Build in a hidden folder (ignored by the source), then rename into place: one atomic arrival."""
+    tmp = watch_dir / f".build-{version}"
+    build_checkpoint(tmp, version, seed, fault=fault)
+    final = watch_dir / version
+    os.replace(tmp, final)
+    return final
+
+
+# --------------------------------------------------------------------------- load
+
+
+@dataclass
+class LoadStats:
+    sent: int = 0
+    ok: int = 0
+    retried_503: int = 0  # rejected by a draining worker, then served by another: the LB's retry
+    errors: list[str] = field(default_factory=list)
+    versions: Counter[str] = field(default_factory=Counter)
+
+
+class LoadGen:
+    """Continuous completions, round-robin across workers, as a load balancer would send them.
+
+    Before each request it skips workers whose last `/ready` answer (polled every 50 ms) was
+    503, and a request a worker rejects with 503 (it started draining meanwhile) is retried on
+    the next worker, as nginx `proxy_next_upstream http_503` or an Envoy retry policy do.
+    Any other failure (non-200, connection error, timeout) counts as an error. Bounded in
+    request count and in time; loopback only.
+    """
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        concurrency: int = 2,
+        max_requests: int = 20000,
+        max_seconds: float = 600.0,
+        body: dict[str, Any] | None = None,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self.urls = urls
+        self.concurrency = concurrency
+        self.max_requests = max_requests
+        self.max_seconds = max_seconds
+        self.body = body or {"prompt": [1, 3, 5, 7], "max_tokens": 3, "ignore_eos": True}
+        self.request_timeout_s = request_timeout_s
+        self.stats = LoadStats()
+        self._ready = dict.fromkeys(urls, True)
+        self._rr = 0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> LoadGen:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._deadline = time.monotonic() + self.max_seconds
+        self._threads = [threading.Thread(target=self._health_loop, daemon=True)]
+        self._threads += [threading.Thread(target=self._loop, daemon=True) for _ in range(self.concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> LoadStats:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.request_timeout_s + 5)
+        return self.stats
+
+    def wait_requests(self, n: int, timeout: float = 60.0) -> None:
+        start = self.stats.ok
+        wait_until(lambda: self.stats.ok >= start + n, timeout, f"{n} more successful requests")
+
+    def _health_loop(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.is_set():
+                for url in self.urls:
+                    try:
+                        self._ready[url] = client.get(f"{url}/ready").status_code == 200
+                    except httpx.HTTPError:
+                        self._ready[url] = False
+                time.sleep(0.05)
+
+    def _pick(self) -> list[str]:
+        with self._lock:
+            self._rr += 1
+            order = [self.urls[(self._rr + i) % len(self.urls)] for i in range(len(self.urls))]
+        ready = [u for u in order if self._ready.get(u)]
+        return ready + [u for u in order if u not in ready]  # try unready ones last, never none
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=self.request_timeout_s) as client:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                with self._lock:
+                    if self.stats.sent >= self.max_requests:
+                        return
+                    self.stats.sent += 1
+                self._one(client)
+
+    def _one(self, client: httpx.Client) -> None:
+        last = ""
+        for attempt, url in enumerate(self._pick()):
+            try:
+                r = client.post(f"{url}/v1/completions", json=self.body)
+            except httpx.HTTPError as exc:
+                last = f"{url}: {type(exc).__name__}: {exc}"
+                break
+            if r.status_code == 503 and attempt + 1 < len(self.urls):
+                self._ready[url] = False
+                with self._lock:
+                    self.stats.retried_503 += 1
+                continue
+            if r.status_code == 200:
+                with self._lock:
+                    self.stats.ok += 1
+                    self.stats.versions[r.json().get("weight_version", "?")] += 1
+                return
+            last = f"{url}: HTTP {r.status_code} {r.text[:200]}"
+            break
+        with self._lock:
+            self.stats.errors.append(last)
+
+
+# --------------------------------------------------------------------------- history
+
+
+def worker_paths(registry: Any) -> dict[tuple[str, str], list[list[str]]]:
+    """{(worker, version): [[state, state, ...] per rollout]} from `events`, in order.
+
+    The version of a rollout's worker path is the rollout checkpoint's version.
+    """
+    from sqlalchemy import select
+
+    from daemon.registry.models import Checkpoint, Event, Rollout
+
+    out: dict[tuple[str, str], list[list[str]]] = {}
+    with registry.session() as s:
+        rows = s.execute(
+            select(Event.rollout_id, Event.worker, Event.from_state, Event.to_state, Checkpoint.version)
+            .join(Rollout, Rollout.id == Event.rollout_id)
+            .join(Checkpoint, Checkpoint.id == Rollout.checkpoint_id)
+            .where(Event.worker.is_not(None))
+            .order_by(Event.id)
+        ).all()
+    current: dict[tuple[int, str], list[str]] = {}
+    for rid, worker, frm, to, version in rows:
+        key = (rid, worker)
+        if key not in current:
+            current[key] = [frm]
+            out.setdefault((worker, version), []).append(current[key])
+        current[key].append(to)
+    return out
+
+
+def rollouts(registry: Any) -> list[dict[str, Any]]:
+    from sqlalchemy import select
+
+    from daemon.registry.models import Checkpoint, Rollout
+
+    with registry.session() as s:
+        rows = s.execute(select(Rollout, Checkpoint.version).join(Checkpoint).order_by(Rollout.id)).all()
+        return [
+            {"id": r.id, "version": v, "trigger": r.trigger, "outcome": r.outcome, "mode": r.mode, "detail": r.detail or {}}
+            for r, v in rows
+        ]
+
+
+def worker_events(registry: Any, rollout_id: int | None = None) -> list[dict[str, Any]]:
+    from sqlalchemy import select
+
+    from daemon.registry.models import Event
+
+    with registry.session() as s:
+        q = select(Event).where(Event.worker.is_not(None)).order_by(Event.id)
+        if rollout_id is not None:
+            q = q.where(Event.rollout_id == rollout_id)
+        return [
+            {"rollout_id": e.rollout_id, "worker": e.worker, "from": e.from_state, "to": e.to_state,
+             "ms": e.duration_ms, "detail": e.detail or {}}
+            for e in s.scalars(q)
+        ]  # fmt: skip
+
+
+def aliases(registry: Any) -> dict[str, str]:
+    from sqlalchemy import select
+
+    from daemon.registry.models import Alias, Checkpoint
+
+    with registry.session() as s:
+        return dict(s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint)).all())
+
+
+def assert_fleet_on(workers: Iterable[WorkerProc], version: str, timeout: float = 60.0) -> None:
+    for w in workers:
+        w.wait_running(timeout, version=version)
+
+
+def _relaunch_main(argv: list[str]) -> int:
+    p = argparse.ArgumentParser(prog="support_rollout.py relaunch")
+    p.add_argument("--pidfile", required=True, type=Path)
+    p.add_argument("--log", required=True, type=Path)
+    p.add_argument("worker_args", nargs=argparse.REMAINDER)
+    args = p.parse_args(argv)
+    worker_args = [a for a in args.worker_args if a != "--"] if args.worker_args[:1] == ["--"] else args.worker_args
+    old = None
+    with contextlib.suppress(OSError, ValueError):
+        old = int(args.pidfile.read_text())
+    if old is not None and _alive(old):  # like systemctl restart: stop the old one first
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(old, signal.SIGKILL)
+        wait_until(lambda: not _alive(old), 10, f"old worker {old} to exit")
+    pid = spawn_worker(worker_args, args.pidfile, args.log)
+    print(json.dumps({"pid": pid}))
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "relaunch":
+        raise SystemExit(_relaunch_main(sys.argv[2:]))
+    raise SystemExit("usage: support_rollout.py relaunch --pidfile F --log F -- WORKER_ARGS")
