@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from support_checks import (
+    add_word_tokenizer,
     edit_manifest,
     flip_bit_in_data,
     published,
@@ -445,3 +446,16 @@ def test_settings_reject_unknown_names_and_keys():
         CheckSettings.from_mapping({"headroom_factor": 0})
     s = CheckSettings.from_mapping({"hmac_keys": {"t": "/k"}, "enabled": ["manifest"], "reference_dir": "/r"})
     assert s.hmac_keys == {"t": Path("/k")} and s.enabled == ("manifest",) and s.reference_dir == Path("/r")
+
+
+def test_forward_pass_uses_the_checkpoints_tokenizer_and_rejects_a_broken_one(tmp_path: Path):
+    d = make_tiny_checkpoint(tmp_path / "v")
+    settings = CheckSettings(enabled=("forward",))
+    assert run_checks(d, settings).results[0].detail["prompt_source"] == "token ids (no tokenizer)"
+    add_word_tokenizer(d)
+    report = run_checks(d, settings)
+    assert report.ok, report.reason
+    assert report.results[0].detail["prompt_source"] == "tokenizer"
+    (d / "tokenizer.json").write_text("{broken")
+    name, reason = reject(d, settings)
+    assert "tokenizer files present but unusable" in reason

@@ -21,6 +21,12 @@ DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
     (1, 3, 3, 3, 9, 27, 11, 2, 44, 19, 7, 50),
     (1, 63, 0, 31, 12),
 )
+# text prompts used when the checkpoint ships a tokenizer
+DEFAULT_TEXTS: tuple[str, ...] = (
+    "The capital of France is",
+    "def fibonacci(n):",
+    "Once upon a time, in a small village",
+)
 
 
 @dataclass(slots=True)
@@ -40,7 +46,8 @@ class CheckSettings:
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"
     forward_device: str = "cpu"
-    forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS
+    forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS  # token ids, when there is no tokenizer
+    forward_texts: tuple[str, ...] = DEFAULT_TEXTS  # through the checkpoint's tokenizer, when it has one
     forward_top1_min: float | None = None  # e.g. 0.9: share of positions whose argmax matches the reference
     forward_kl_max: float | None = None  # mean KL(reference || new) per position, nats
 
@@ -58,6 +65,8 @@ class CheckSettings:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
+        if not self.forward_texts or any(not t for t in self.forward_texts):
+            raise ValueError("checks.forward_texts must be a non-empty list of non-empty strings")
 
     @property
     def keys_configured(self) -> bool:
@@ -82,6 +91,8 @@ class CheckSettings:
                 kw[key] = None if value in (None, "") else Path(value)
             elif key == "forward_prompts":
                 kw[key] = tuple(tuple(int(t) for t in p) for p in value)
+            elif key == "forward_texts":
+                kw[key] = tuple(str(t) for t in value)
             else:
                 kw[key] = value
         try:

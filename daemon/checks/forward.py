@@ -19,6 +19,8 @@ from daemon.formats.checkpoint import weight_files
 if TYPE_CHECKING:
     import torch
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # as the worker looks
+
 
 def build_model(directory: Path, device: str) -> torch.nn.Module:
     """The checkpoint's model from its config.json with its own weights, in eval mode."""
@@ -68,6 +70,31 @@ def build_model(directory: Path, device: str) -> torch.nn.Module:
     return model.to(device).eval()
 
 
+def prompt_ids(ctx: CheckContext, vocab: int) -> tuple[list[list[int]], str]:
+    """Token ids to run: the fixed texts through the checkpoint's tokenizer, else fixed ids."""
+    d = ctx.directory
+    if not any((d / f).exists() for f in TOKENIZER_FILES):
+        return [[t % vocab for t in p] for p in ctx.settings.forward_prompts], "token ids (no tokenizer)"
+    from transformers import AutoTokenizer
+
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
+        prompts = [list(tokenizer(text)["input_ids"]) for text in ctx.settings.forward_texts]
+    except Exception as exc:  # transformers raises many kinds; the worker would fail the same way
+        raise CheckFailed(
+            f"{d.name}: tokenizer files present but unusable ({type(exc).__name__}: {str(exc)[:200]})"
+        ) from None
+    for text, ids in zip(ctx.settings.forward_texts, prompts, strict=True):
+        if not ids:
+            raise CheckFailed(f"{d.name}: tokenizer turns {text!r} into no tokens")
+        if max(ids) >= vocab:
+            raise CheckFailed(
+                f"{d.name}: tokenizer gives id {max(ids)} for {text!r}, beyond vocab_size {vocab}",
+                {"text": text, "ids": ids[:50]},
+            )
+    return prompts, "tokenizer"
+
+
 def _logits(model: torch.nn.Module, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
     import torch
 
@@ -89,7 +116,7 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
         ctx.directory / "config.json"
     ).is_file() else {}
     vocab = int(config.get("vocab_size") or 0) or 2**31
-    prompts = [[t % vocab for t in p] for p in settings.forward_prompts]
+    prompts, source = prompt_ids(ctx, vocab)
     model = build_model(ctx.directory, device)
     new = _logits(model, prompts, device)
     del model
@@ -104,6 +131,7 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     detail: dict[str, Any] = {
         "device": device,
         "prompts": len(prompts),
+        "prompt_source": source,
         "positions": sum(len(p) for p in prompts),
         "max_abs_logit": round(max(float(x.abs().max()) for x in new), 4),
     }

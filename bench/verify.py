@@ -1,0 +1,161 @@
+"""CRC32C verification throughput from the page cache (DESIGN.md goal: >= 5 GB/s on the CPU).
+
+Writes real safetensors shards of random bytes (default 4 x 1 GiB) into a temporary
+folder, publishes a manifest, reads every shard once so it sits in the page cache
+(checked with mincore), then measures, best of --repeats:
+
+- the ceiling: one `crc32c.crc32c` call over an in-memory buffer, one thread;
+- our engine (`daemon.crc.crc32c_files`) with 1 thread and with --threads threads;
+- the verify stage as the daemon runs it: run_checks with manifest + headers + crc32c.
+
+    .venv/bin/python -m bench.verify [--size-gb 4] [--shards 4] [--threads N] [--out F]
+
+The machine's load average is recorded too: helpers sharing a small machine skew it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import struct
+import tempfile
+import time
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import crc32c
+import numpy as np
+
+from bench.common import cached_fraction, machine_description, print_table, write_json
+from daemon.checks import CheckSettings, run_checks
+from daemon.crc import CHUNK_BYTES, crc32c_files
+from daemon.manifest import publish
+
+BLOCK = 64 * 1024 * 1024  # one U8 tensor per 64 MiB of shard
+
+
+def write_shards(directory: Path, total_bytes: int, shards: int, seed: int = 0) -> list[Path]:
+    """Safetensors shards of random U8 blocks; a correct index; config-free (checks here need none)."""
+    rng = np.random.default_rng(seed)
+    per_shard = total_bytes // shards
+    paths: list[Path] = []
+    weight_map: dict[str, str] = {}
+    for i in range(shards):
+        name = f"model-{i + 1:05d}-of-{shards:05d}.safetensors"
+        sizes = [BLOCK] * (per_shard // BLOCK) + ([per_shard % BLOCK] if per_shard % BLOCK else [])
+        header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+        offset = 0
+        for j, size in enumerate(sizes):
+            tensor = f"shard{i}.block{j}"
+            header[tensor] = {"dtype": "U8", "shape": [size], "data_offsets": [offset, offset + size]}
+            weight_map[tensor] = name
+            offset += size
+        body = json.dumps(header).encode()
+        body += b" " * (-len(body) % 8)
+        path = directory / name
+        with open(path, "wb") as f:
+            f.write(struct.pack("<Q", len(body)) + body)
+            for size in sizes:
+                f.write(rng.bytes(size))
+        paths.append(path)
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": per_shard * shards}, "weight_map": weight_map})
+    )
+    return paths
+
+
+def warm(paths: list[Path]) -> None:
+    buf = bytearray(CHUNK_BYTES)
+    for p in paths:
+        with open(p, "rb", buffering=0) as f:
+            while f.readinto(buf):
+                pass
+
+
+def best_of(repeats: int, fn: Callable[[], Any]) -> tuple[float, float, Any]:
+    times, result = [], None
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - t0)
+    return min(times), statistics.median(times), result
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.verify", description=__doc__.splitlines()[0])
+    ap.add_argument("--size-gb", type=float, default=4.0, help="total checkpoint size, GiB")
+    ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--dir", type=Path, help="where to write the shards (default: a new temp dir, removed after)")
+    ap.add_argument("--out", type=Path, default=Path(".bench-out/verify.json"))
+    args = ap.parse_args(argv)
+
+    total = int(args.size_gb * 2**30)
+    workdir = Path(tempfile.mkdtemp(prefix="hotswap-verify-bench-", dir=args.dir))
+    load_before = os.getloadavg()
+    try:
+        t0 = time.perf_counter()
+        paths = write_shards(workdir, total, args.shards)
+        manifest = publish(workdir, version="bench")
+        write_s = time.perf_counter() - t0
+        nbytes = sum(p.stat().st_size for p in paths)
+        warm(paths)
+        resident = cached_fraction(paths)
+
+        ceiling_buf = np.random.default_rng(1).bytes(256 * 2**20)
+        ceil_best, ceil_med, _ = best_of(args.repeats, lambda: crc32c.crc32c(ceiling_buf))
+        ceiling_buf = b""  # release 256 MiB before the file runs
+
+        rows: list[dict[str, Any]] = [
+            {"what": "crc32c.crc32c, in-memory 256 MiB, 1 thread (ceiling)", "bytes": 256 * 2**20,
+             "best_s": ceil_best, "median_s": ceil_med},
+        ]
+        expected = {f.path: f.crc32c for f in manifest.files}
+        for threads in sorted({1, args.threads}):
+            best, med, crcs = best_of(args.repeats, lambda t=threads: crc32c_files(paths, threads=t))
+            assert crcs == [expected[p.name] for p in paths], "engine disagrees with the manifest"
+            rows.append({"what": f"daemon.crc.crc32c_files, page cache, {threads} thread(s)", "bytes": nbytes,
+                         "best_s": best, "median_s": med})
+        settings = CheckSettings(enabled=("manifest", "headers", "crc32c"), crc_threads=args.threads)
+        best, med, report = best_of(args.repeats, lambda: run_checks(workdir, settings))
+        assert report.ok, report.reason
+        rows.append({"what": f"run_checks(manifest+headers+crc32c), {args.threads} thread(s)",
+                     "bytes": report.total_bytes, "best_s": best, "median_s": med})
+        for r in rows:
+            r["gb_per_s"] = r["bytes"] / r["best_s"] / 1e9
+            r["gb_per_s_median"] = r["bytes"] / r["median_s"] / 1e9
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+    print_table(
+        f"CRC32C verification, {nbytes / 1e9:.2f} GB in {args.shards} shards, page cache "
+        f"({resident:.0%} resident)" if resident is not None else "CRC32C verification",
+        ["what", "GB", "best s", "GB/s (best)", "GB/s (median)"],
+        [[r["what"], r["bytes"] / 1e9, r["best_s"], r["gb_per_s"], r["gb_per_s_median"]] for r in rows],
+    )
+    goal = 5.0
+    verify_rate = rows[-1]["gb_per_s"]
+    print(f"\ngoal >= {goal} GB/s from page cache: {'met' if verify_rate >= goal else 'NOT met'} "
+          f"({verify_rate:.2f} GB/s through run_checks); load average before/after: "
+          f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
+    write_json(args.out, {
+        "bench": "verify",
+        "date": datetime.now(UTC).isoformat(timespec="seconds"),
+        "machine": machine_description() | {"loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+        "command": "python -m bench.verify " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+        "bytes": nbytes, "shards": args.shards, "threads": args.threads, "repeats": args.repeats,
+        "write_and_publish_s": write_s, "page_cache_resident": resident,
+        "goal_gb_per_s": goal, "goal_met": verify_rate >= goal, "rows": rows,
+    })
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
