@@ -92,7 +92,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--dir", type=Path, help="where to write the shards (default: a new temp dir, removed after)")
+    ap.add_argument(
+        "--dir", type=Path, help="where to write the shards (default: a new temp dir, removed after)"
+    )
     ap.add_argument("--out", type=Path, default=Path(".bench-out/verify.json"))
     args = ap.parse_args(argv)
 
@@ -113,20 +115,36 @@ def main(argv: list[str] | None = None) -> int:
         ceiling_buf = b""  # release 256 MiB before the file runs
 
         rows: list[dict[str, Any]] = [
-            {"what": "crc32c.crc32c, in-memory 256 MiB, 1 thread (ceiling)", "bytes": 256 * 2**20,
-             "best_s": ceil_best, "median_s": ceil_med},
+            {
+                "what": "crc32c.crc32c, in-memory 256 MiB, 1 thread (ceiling)",
+                "bytes": 256 * 2**20,
+                "best_s": ceil_best,
+                "median_s": ceil_med,
+            },
         ]
         expected = {f.path: f.crc32c for f in manifest.files}
         for threads in sorted({1, args.threads}):
             best, med, crcs = best_of(args.repeats, lambda t=threads: crc32c_files(paths, threads=t))
             assert crcs == [expected[p.name] for p in paths], "engine disagrees with the manifest"
-            rows.append({"what": f"daemon.crc.crc32c_files, page cache, {threads} thread(s)", "bytes": nbytes,
-                         "best_s": best, "median_s": med})
+            rows.append(
+                {
+                    "what": f"daemon.crc.crc32c_files, page cache, {threads} thread(s)",
+                    "bytes": nbytes,
+                    "best_s": best,
+                    "median_s": med,
+                }
+            )
         settings = CheckSettings(enabled=("manifest", "headers", "crc32c"), crc_threads=args.threads)
         best, med, report = best_of(args.repeats, lambda: run_checks(workdir, settings))
         assert report.ok, report.reason
-        rows.append({"what": f"run_checks(manifest+headers+crc32c), {args.threads} thread(s)",
-                     "bytes": report.total_bytes, "best_s": best, "median_s": med})
+        rows.append(
+            {
+                "what": f"run_checks(manifest+headers+crc32c), {args.threads} thread(s)",
+                "bytes": report.total_bytes,
+                "best_s": best,
+                "median_s": med,
+            }
+        )
         for r in rows:
             r["gb_per_s"] = r["bytes"] / r["best_s"] / 1e9
             r["gb_per_s_median"] = r["bytes"] / r["median_s"] / 1e9
@@ -135,24 +153,38 @@ def main(argv: list[str] | None = None) -> int:
 
     print_table(
         f"CRC32C verification, {nbytes / 1e9:.2f} GB in {args.shards} shards, page cache "
-        f"({resident:.0%} resident)" if resident is not None else "CRC32C verification",
+        f"({resident:.0%} resident)"
+        if resident is not None
+        else "CRC32C verification",
         ["what", "GB", "best s", "GB/s (best)", "GB/s (median)"],
         [[r["what"], r["bytes"] / 1e9, r["best_s"], r["gb_per_s"], r["gb_per_s_median"]] for r in rows],
     )
     goal = 5.0
     verify_rate = rows[-1]["gb_per_s"]
-    print(f"\ngoal >= {goal} GB/s from page cache: {'met' if verify_rate >= goal else 'NOT met'} "
-          f"({verify_rate:.2f} GB/s through run_checks); load average before/after: "
-          f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
-    write_json(args.out, {
-        "bench": "verify",
-        "date": datetime.now(UTC).isoformat(timespec="seconds"),
-        "machine": machine_description() | {"loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-        "command": "python -m bench.verify " + " ".join(argv if argv is not None else os.sys.argv[1:]),
-        "bytes": nbytes, "shards": args.shards, "threads": args.threads, "repeats": args.repeats,
-        "write_and_publish_s": write_s, "page_cache_resident": resident,
-        "goal_gb_per_s": goal, "goal_met": verify_rate >= goal, "rows": rows,
-    })
+    print(
+        f"\ngoal >= {goal} GB/s from page cache: {'met' if verify_rate >= goal else 'NOT met'} "
+        f"({verify_rate:.2f} GB/s through run_checks); load average before/after: "
+        f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
+    )
+    write_json(
+        args.out,
+        {
+            "bench": "verify",
+            "date": datetime.now(UTC).isoformat(timespec="seconds"),
+            "machine": machine_description()
+            | {"loadavg_before": load_before, "loadavg_after": os.getloadavg()},
+            "command": "python -m bench.verify " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "bytes": nbytes,
+            "shards": args.shards,
+            "threads": args.threads,
+            "repeats": args.repeats,
+            "write_and_publish_s": write_s,
+            "page_cache_resident": resident,
+            "goal_gb_per_s": goal,
+            "goal_met": verify_rate >= goal,
+            "rows": rows,
+        },
+    )
     print(f"wrote {args.out}")
     return 0
 

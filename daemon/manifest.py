@@ -12,6 +12,7 @@ import argparse
 import json
 import os
 import posixpath
+import stat
 import struct
 import sys
 from collections.abc import Iterable, Sequence
@@ -225,14 +226,21 @@ def load_manifest(directory: str | Path) -> Manifest:
     root = Path(directory)
     path = root / MANIFEST_NAME
     try:
-        with open(path, "rb") as f:
-            if not os.path.isfile(path):
-                raise ManifestError(f"{path}: not a regular file")
-            raw = f.read(MANIFEST_CAP_BYTES + 1)
+        # O_NONBLOCK + fstat: a FIFO planted under the manifest's name must not hang the daemon
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
     except FileNotFoundError:
         raise ManifestError(f"{path}: no manifest") from None
     except OSError as exc:
-        raise ManifestError(f"{path}: unreadable ({exc})") from None
+        raise ManifestError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ManifestError(f"{path}: not a regular file")
+        with os.fdopen(os.dup(fd), "rb") as f:
+            raw = f.read(MANIFEST_CAP_BYTES + 1)
+    except OSError as exc:
+        raise ManifestError(f"{path}: unreadable ({exc.strerror or exc})") from None
+    finally:
+        os.close(fd)
     if len(raw) > MANIFEST_CAP_BYTES:
         raise ManifestError(f"{path}: larger than the {MANIFEST_CAP_BYTES}-byte cap")
     return parse_manifest(raw, root, str(path))
@@ -300,7 +308,12 @@ def publish(
     if signer is not None:
         value = signer.sign(manifest.canonical())
         manifest = Manifest(
-            manifest.version, step, parent, manifest.created_at, files, Signature(signer.alg, signer.key_id, value)
+            manifest.version,
+            step,
+            parent,
+            manifest.created_at,
+            files,
+            Signature(signer.alg, signer.key_id, value),
         )
     _write_atomically(root / MANIFEST_NAME, manifest.to_json().encode("utf-8"))
     return manifest
@@ -332,7 +345,9 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--version", help="version label (default: the directory name)")
     ap.add_argument("--step", type=int)
     ap.add_argument("--parent")
-    ap.add_argument("--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)")
+    ap.add_argument(
+        "--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)"
+    )
     ap.add_argument("--key-id")
     ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
     ap.add_argument("--threads", type=int)
@@ -355,9 +370,7 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
         print(f"hotswap publish: {exc}", file=sys.stderr)
         return 1
     signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
-    print(
-        f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}"
-    )
+    print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
     return 0
 
 

@@ -76,7 +76,27 @@ def add_word_tokenizer(directory: Path) -> None:
     """A small word-level tokenizer (ids < 64) saved the Hugging Face way, built locally."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    words = ["the", "capital", "of", "france", "is", "def", "fibonacci", "(", "n", ")", ":", "once", "upon", "a", "time", ",", "in", "small", "village"]
+    words = [
+        "the",
+        "capital",
+        "of",
+        "france",
+        "is",
+        "def",
+        "fibonacci",
+        "(",
+        "n",
+        ")",
+        ":",
+        "once",
+        "upon",
+        "a",
+        "time",
+        ",",
+        "in",
+        "small",
+        "village",
+    ]
     vocab = {"[UNK]": 0, "<s>": 1, "</s>": 2} | {w: i + 3 for i, w in enumerate(dict.fromkeys(words))}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()

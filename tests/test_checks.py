@@ -56,8 +56,10 @@ def test_good_checkpoint_passes_every_check_and_reports_each_result(tmp_path: Pa
     assert all(r.ok and not r.deferred and r.duration_ms >= 0 for r in seen)
     manifest = load_manifest(new)
     assert report.digest == manifest.digest
-    assert report.total_bytes == sum(f.bytes for f in manifest.files) == sum(
-        p.stat().st_size for p in new.iterdir() if p.name != MANIFEST_NAME
+    assert (
+        report.total_bytes
+        == sum(f.bytes for f in manifest.files)
+        == sum(p.stat().st_size for p in new.iterdir() if p.name != MANIFEST_NAME)
     )
     assert report.tensor_count == 21
     forward = report.results[-1].detail
@@ -232,7 +234,9 @@ def test_ed25519_signature_verifies_and_a_forged_one_is_rejected(tmp_path: Path)
     key = Ed25519PrivateKey.generate()
     pub = tmp_path / "trainer.pub"
     pub.write_bytes(
-        key.public_key().public_bytes(serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo)
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
     )
     settings = CheckSettings(enabled=("manifest",), ed25519_keys={"trainer": pub})
     d = make_tiny_checkpoint(tmp_path / "v")
@@ -322,7 +326,9 @@ def test_tensor_in_two_shards_is_rejected(tmp_path: Path):
     d = tmp_path / "v"
     d.mkdir()
     for shard in ("a.safetensors", "b.safetensors"):
-        (d / shard).write_bytes(raw_safetensors({"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, b"abcd"))
+        (d / shard).write_bytes(
+            raw_safetensors({"w": {"dtype": "U8", "shape": [4], "data_offsets": [0, 4]}}, b"abcd")
+        )
     check, reason = reject(d)
     assert check == "headers" and "'w'" in reason and "a.safetensors" in reason and "b.safetensors" in reason
 
@@ -368,7 +374,9 @@ def test_configured_reference_dir_is_used_when_no_serving_version_is_passed(tmp_
 # ---------------------------------------------------------------- finite
 
 
-@pytest.mark.parametrize("dtype,value", [("float32", float("nan")), ("bfloat16", float("nan")), ("float16", float("inf"))])
+@pytest.mark.parametrize(
+    "dtype,value", [("float32", float("nan")), ("bfloat16", float("nan")), ("float16", float("inf"))]
+)
 def test_nan_or_inf_in_one_tensor_is_rejected_naming_it(tmp_path: Path, dtype: str, value: float):
     d = published(tmp_path / "v", dtype=dtype, shards=2)
     target = "model.layers.1.mlp.up_proj.weight"

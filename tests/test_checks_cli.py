@@ -16,7 +16,9 @@ from daemon.checks.cli import main
 NO_FORWARD = ["--skip", "forward", "--no-progress"]
 
 
-def test_good_checkpoint_exits_zero_and_prints_every_check(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_good_checkpoint_exits_zero_and_prints_every_check(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     d = published(tmp_path / "v", shards=2)
     assert main([str(d), *NO_FORWARD]) == 0
     out = capsys.readouterr().out
@@ -25,7 +27,9 @@ def test_good_checkpoint_exits_zero_and_prints_every_check(tmp_path: Path, capsy
     assert "forward" not in out and "verified" in out and "FAIL" not in out
 
 
-def test_rejected_checkpoint_exits_one_and_json_names_the_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_rejected_checkpoint_exits_one_and_json_names_the_file(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     d = published(tmp_path / "v", shards=2)
     shard = shard_paths(d)[0]
     flip_bit_in_data(shard)
@@ -37,7 +41,9 @@ def test_rejected_checkpoint_exits_one_and_json_names_the_file(tmp_path: Path, c
     assert report["results"][-1]["detail"]["file"] == shard.name
 
 
-def test_incompatible_reference_and_deferred_headroom_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_incompatible_reference_and_deferred_headroom_exit_codes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+):
     ref = published(tmp_path / "serving", dtype="bfloat16")
     new = published(tmp_path / "new")
     assert main([str(new), "--reference", str(ref), *NO_FORWARD]) == 1
@@ -85,7 +91,13 @@ def test_hotswap_verify_and_publish_through_the_entry_point(tmp_path: Path):
     pub = subprocess.run([*run, "publish", str(d), "--step", "3"], capture_output=True, text=True, env=env)
     assert pub.returncode == 0, pub.stderr
     assert "published step-3" in pub.stdout
-    ver = subprocess.run([*run, "verify", str(d), "--json", "--no-progress"], capture_output=True, text=True, env=env)
+    ver = subprocess.run(
+        [*run, "verify", str(d), "--json", "--no-progress"], capture_output=True, text=True, env=env
+    )
     assert ver.returncode == 0, ver.stderr
     report = json.loads(ver.stdout)
-    assert report["ok"] and report["version"] == "step-3" and [r["name"] for r in report["results"]][-1] == "forward"
+    assert (
+        report["ok"]
+        and report["version"] == "step-3"
+        and [r["name"] for r in report["results"]][-1] == "forward"
+    )

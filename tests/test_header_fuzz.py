@@ -32,8 +32,12 @@ from daemon.formats.safetensors import (
 )
 
 DEADLINE = timedelta(milliseconds=1000)  # one example takes well under a millisecond; this only catches hangs
-COMMON = dict(deadline=DEADLINE, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
-              derandomize=True, database=None)
+COMMON = dict(
+    deadline=DEADLINE,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large],
+    derandomize=True,
+    database=None,
+)
 MEMORY_SLACK = 512 * 1024  # fixed allowance per example, on top of a multiple of the input size
 MEMORY_PER_INPUT_BYTE = 64  # parsed JSON costs a small multiple of its text
 
@@ -74,7 +78,9 @@ def validate(raw: bytes, file_size: int | None = None) -> SafetensorsHeader | No
 
 def agree_with_safetensors(raw: bytes, header: SafetensorsHeader) -> None:
     """Whatever we accept, the reference parser accepts, with identical names, dtypes and shapes."""
-    theirs = {name: (spec["dtype"].upper(), tuple(spec["shape"])) for name, spec in safetensors.deserialize(raw)}
+    theirs = {
+        name: (spec["dtype"].upper(), tuple(spec["shape"])) for name, spec in safetensors.deserialize(raw)
+    }
     ours = {e.name: (e.dtype, e.shape) for e in header.tensors}
     assert {k: v[1] for k, v in theirs.items()} == {k: v[1] for k, v in ours.items()}
     # covered exactly: contiguous, in bounds, file length exact
@@ -88,10 +94,15 @@ def agree_with_safetensors(raw: bytes, header: SafetensorsHeader) -> None:
 # ---------------------------------------------------------------- structured-random headers
 
 dims = st.one_of(st.integers(0, 5), st.integers(0, 2**64 + 5), st.sampled_from([-1, 2**63, 2**64 - 1]))
-dtypes = st.one_of(st.sampled_from(sorted(DTYPE_SIZES)), st.sampled_from(["F4", "f32", "", "C64"]), st.integers())
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8))
+dtypes = st.one_of(
+    st.sampled_from(sorted(DTYPE_SIZES)), st.sampled_from(["F4", "f32", "", "C64"]), st.integers()
+)
+json_scalars = st.one_of(
+    st.none(), st.booleans(), st.integers(-(2**70), 2**70), st.floats(), st.text(max_size=8)
+)
 json_values = st.recursive(
-    json_scalars, lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
+    json_scalars,
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner, max_size=4),
     max_leaves=12,
 )
 
@@ -149,8 +160,6 @@ def test_structured_random_headers_only_raise_header_error(raw: bytes) -> None:
 
 
 def _valid_files() -> list[bytes]:
-    from daemon.tinymodel import TINY_LLAMA_CONFIG  # noqa: F401  (real layouts come from the tests below)
-
     files = []
     specs = [
         {"a": ("F32", [2, 3]), "b": ("BF16", [4]), "c": ("I64", [1])},
@@ -183,12 +192,16 @@ VALID = _valid_files()
 def mutated_file(draw: st.DrawFn) -> bytes:
     raw = bytearray(draw(st.sampled_from(VALID)))
     for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "set", "insert", "delete", "truncate", "length", "extend", "splice"]))
+        op = draw(
+            st.sampled_from(["flip", "set", "insert", "delete", "truncate", "length", "extend", "splice"])
+        )
         pos = draw(st.integers(0, max(0, len(raw) - 1)))
         if op == "flip" and raw:
             raw[pos] ^= 1 << draw(st.integers(0, 7))
         elif op == "set" and raw:
-            raw[pos] = draw(st.sampled_from([0x00, 0x22, 0x2C, 0x3A, 0x5B, 0x5D, 0x7B, 0x7D, 0x30, 0x39, 0xFF, 0xC3]))
+            raw[pos] = draw(
+                st.sampled_from([0x00, 0x22, 0x2C, 0x3A, 0x5B, 0x5D, 0x7B, 0x7D, 0x30, 0x39, 0xFF, 0xC3])
+            )
         elif op == "insert":
             raw[pos:pos] = draw(st.binary(min_size=1, max_size=6))
         elif op == "delete":
@@ -196,7 +209,11 @@ def mutated_file(draw: st.DrawFn) -> bytes:
         elif op == "truncate":
             del raw[pos:]
         elif op == "length" and len(raw) >= 8:
-            value = draw(st.one_of(st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**63, 2**64 - 1, HEADER_CAP_BYTES + 1])))
+            value = draw(
+                st.one_of(
+                    st.integers(0, 2**64 - 1), st.sampled_from([0, 1, 2**63, 2**64 - 1, HEADER_CAP_BYTES + 1])
+                )
+            )
             raw[:8] = struct.pack("<Q", value)
         elif op == "extend":
             raw += b"\0" * draw(st.integers(1, 16))
@@ -218,7 +235,9 @@ def test_byte_mutations_of_valid_files_only_raise_header_error(raw: bytes) -> No
 
 @settings(max_examples=500, **COMMON)
 @given(st.one_of(mutated_file(), structured_file()))
-def test_read_header_on_files_only_raises_header_error(tmp_path_factory: pytest.TempPathFactory, raw: bytes) -> None:
+def test_read_header_on_files_only_raises_header_error(
+    tmp_path_factory: pytest.TempPathFactory, raw: bytes
+) -> None:
     path = tmp_path_factory.getbasetemp() / "fuzz.safetensors"
     path.write_bytes(raw)
     h = None
@@ -241,21 +260,54 @@ def _file(header_text: bytes, data: bytes = b"", declared: int | None = None) ->
     [
         (_file(b"{}", declared=2**64 - 1), "exceeds the cap"),
         (_file(b"{}", declared=HEADER_CAP_BYTES), "runs past the end"),
-        (_file(b'{"a": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}', b"x"),
-         "not valid JSON"),
+        (
+            _file(b'{"a": {"dtype": "U8", "shape": [' + b"9" * 5000 + b'], "data_offsets": [0, 1]}}', b"x"),
+            "not valid JSON",
+        ),
         (_file(b"[" * 100_000 + b"]" * 100_000), "not valid JSON"),
-        (_file(b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "a": {"dtype": "U8", "shape": [1], '
-               b'"data_offsets": [0, 1]}}', b"x"), "names 'a' twice"),
-        (_file(json.dumps({"a": {"dtype": "U8", "shape": [2**63] * 20_000, "data_offsets": [0, 1]}}).encode(), b"x"),
-         "needs more bytes than the whole data section"),
-        (_file(json.dumps({"": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode(), b"x"), "empty name"),
-        (_file(json.dumps({"a": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}).encode(), b"xyz"), "gap of 1"),
-        (_file(json.dumps({"a" * 10**6: {"dtype": "X", "shape": [], "data_offsets": [0, 0]}}).encode()),
-         "unknown dtype"),
+        (
+            _file(
+                b'{"a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}, "a": {"dtype": "U8", "shape": [1], '
+                b'"data_offsets": [0, 1]}}',
+                b"x",
+            ),
+            "names 'a' twice",
+        ),
+        (
+            _file(
+                json.dumps(
+                    {"a": {"dtype": "U8", "shape": [2**63] * 20_000, "data_offsets": [0, 1]}}
+                ).encode(),
+                b"x",
+            ),
+            "needs more bytes than the whole data section",
+        ),
+        (
+            _file(json.dumps({"": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode(), b"x"),
+            "empty name",
+        ),
+        (
+            _file(json.dumps({"a": {"dtype": "U8", "shape": [2], "data_offsets": [1, 3]}}).encode(), b"xyz"),
+            "gap of 1",
+        ),
+        (
+            _file(json.dumps({"a" * 10**6: {"dtype": "X", "shape": [], "data_offsets": [0, 0]}}).encode()),
+            "unknown dtype",
+        ),
         (_file(b"\xff\xfe{}"), "not valid UTF-8"),
     ],
-    ids=["huge-length", "length-past-end", "5000-digit-int", "deep-nesting", "duplicate-name", "huge-shape-product",
-         "empty-name", "gap", "megabyte-name", "not-utf8"],
+    ids=[
+        "huge-length",
+        "length-past-end",
+        "5000-digit-int",
+        "deep-nesting",
+        "duplicate-name",
+        "huge-shape-product",
+        "empty-name",
+        "gap",
+        "megabyte-name",
+        "not-utf8",
+    ],
 )
 def test_named_hostile_headers_are_rejected_quickly_with_a_reason(raw: bytes, message: str) -> None:
     with pytest.raises(HeaderError, match=message) as info:
@@ -264,8 +316,12 @@ def test_named_hostile_headers_are_rejected_quickly_with_a_reason(raw: bytes, me
 
 
 def test_null_metadata_is_accepted_like_the_safetensors_library_does() -> None:
-    raw = _file(json.dumps({"__metadata__": None, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}).encode(),
-                b"x")
+    raw = _file(
+        json.dumps(
+            {"__metadata__": None, "a": {"dtype": "U8", "shape": [1], "data_offsets": [0, 1]}}
+        ).encode(),
+        b"x",
+    )
     assert [e.name for e in parse_header_bytes(raw, len(raw)).tensors] == ["a"]
 
 

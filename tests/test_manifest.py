@@ -80,12 +80,20 @@ def test_publish_lists_every_file_with_size_and_crc_and_writes_atomically(tmp_pa
     (d / "extra" / "tokenizer.json").write_text("{}")
     m = publish(d, step=100, parent="step-50")
     assert sorted(os.listdir(d)) == sorted(
-        ["config.json", "extra", MANIFEST_NAME, "model-00001-of-00002.safetensors",
-         "model-00002-of-00002.safetensors", "model.safetensors.index.json"]
+        [
+            "config.json",
+            "extra",
+            MANIFEST_NAME,
+            "model-00001-of-00002.safetensors",
+            "model-00002-of-00002.safetensors",
+            "model.safetensors.index.json",
+        ]
     )  # no temporary file left behind
     assert m.version == "step-100" and m.step == 100 and m.parent == "step-50"
     on_disk = {
-        p.relative_to(d).as_posix(): p.read_bytes() for p in d.rglob("*") if p.is_file() and p.name != MANIFEST_NAME
+        p.relative_to(d).as_posix(): p.read_bytes()
+        for p in d.rglob("*")
+        if p.is_file() and p.name != MANIFEST_NAME
     }
     assert [f.path for f in m.files] == sorted(on_disk)
     for f in m.files:
@@ -212,7 +220,12 @@ def test_publish_command_signs_with_hmac_and_ed25519(tmp_path: Path, capsys: pyt
     d = make_tiny_checkpoint(tmp_path / "v")
     hkey = tmp_path / "hmac.key"
     hkey.write_text("0123456789abcdef\n")
-    assert publish_main([str(d), "--version", "step-7", "--step", "7", "--key-file", str(hkey), "--key-id", "t1"]) == 0
+    assert (
+        publish_main(
+            [str(d), "--version", "step-7", "--step", "7", "--key-file", str(hkey), "--key-id", "t1"]
+        )
+        == 0
+    )
     out = capsys.readouterr().out
     assert "published step-7" in out and "signed hmac-sha256/t1" in out
     doc = json.loads((d / MANIFEST_NAME).read_text())
@@ -222,10 +235,14 @@ def test_publish_command_signs_with_hmac_and_ed25519(tmp_path: Path, capsys: pyt
     priv = Ed25519PrivateKey.generate()
     pem = tmp_path / "ed.pem"
     pem.write_bytes(
-        priv.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+        priv.private_bytes(
+            serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+        )
     )
     pub = tmp_path / "ed.pub"
-    pub.write_bytes(priv.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw))
+    pub.write_bytes(
+        priv.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+    )
     assert publish_main([str(d), "--key-file", str(pem), "--key-id", "ed", "--alg", "ed25519"]) == 0
     assert run_checks(d, CheckSettings(enabled=("manifest",), ed25519_keys={"ed": pub})).ok
 
@@ -239,3 +256,9 @@ def test_publish_command_errors_are_clear(tmp_path: Path, capsys: pytest.Capture
     assert publish_main([str(tmp_path / "nope")]) == 1
     assert "not a directory" in capsys.readouterr().err
     assert not (d / MANIFEST_NAME).exists()
+
+
+def test_load_manifest_refuses_a_fifo_without_blocking(tmp_path: Path):
+    os.mkfifo(tmp_path / MANIFEST_NAME)
+    with pytest.raises(ManifestError, match="not a regular file"):
+        load_manifest(tmp_path)

@@ -41,8 +41,12 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("-c", "--config", type=Path, help="take [checks] settings from this daemon config")
     ap.add_argument("--checks", help=f"comma-separated subset of: {','.join(CHECK_NAMES)}")
     ap.add_argument("--skip", help="comma-separated checks to leave out")
-    ap.add_argument("--hmac-key", action="append", metavar="KEY_ID=FILE", help="trusted HMAC key (repeatable)")
-    ap.add_argument("--ed25519-key", action="append", metavar="KEY_ID=FILE", help="trusted Ed25519 public key")
+    ap.add_argument(
+        "--hmac-key", action="append", metavar="KEY_ID=FILE", help="trusted HMAC key (repeatable)"
+    )
+    ap.add_argument(
+        "--ed25519-key", action="append", metavar="KEY_ID=FILE", help="trusted Ed25519 public key"
+    )
     ap.add_argument("--require-manifest", action="store_true", default=None)
     ap.add_argument("--headroom-factor", type=float)
     ap.add_argument("--threads", type=int, help="CRC32C / finite-scan threads (default: one per core)")
@@ -98,7 +102,9 @@ def _summary(result: CheckResult) -> str:
     if "skipped" in d:
         return f"skipped: {d['skipped']}"
     if result.name == "crc32c":
-        return f"{d['files']} files, {d['bytes'] / 1e9:.3f} GB at {d.get('gb_per_s')} GB/s, digest {d['digest']}"
+        return (
+            f"{d['files']} files, {d['bytes'] / 1e9:.3f} GB at {d.get('gb_per_s')} GB/s, digest {d['digest']}"
+        )
     parts = [f"{k}={v}" for k, v in d.items() if isinstance(v, str | int | float) and k != "reason"]
     text = ", ".join(parts)
     return text if len(text) <= 110 else text[:107] + "..."

@@ -69,7 +69,9 @@ def check_manifest(ctx: CheckContext) -> dict[str, Any]:
         if settings.require_manifest:
             raise CheckFailed(f"{MANIFEST_NAME} missing and checks.require_manifest is on")
         if settings.keys_configured:
-            raise CheckFailed(f"{MANIFEST_NAME} missing: cannot verify a signature (signing keys are configured)")
+            raise CheckFailed(
+                f"{MANIFEST_NAME} missing: cannot verify a signature (signing keys are configured)"
+            )
         ctx.files = [ManifestFile(rel, sizes[rel], "") for rel in on_disk]
         detail["source"] = "directory (no manifest: CRCs computed, nothing to compare)"
 

@@ -112,9 +112,11 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     load_table(ctx)  # headers are sound before torch reads them
     settings = ctx.settings
     device = settings.forward_device
-    config = json.loads((ctx.directory / "config.json").read_bytes()) if (
-        ctx.directory / "config.json"
-    ).is_file() else {}
+    config = (
+        json.loads((ctx.directory / "config.json").read_bytes())
+        if (ctx.directory / "config.json").is_file()
+        else {}
+    )
     vocab = int(config.get("vocab_size") or 0) or 2**31
     prompts, source = prompt_ids(ctx, vocab)
     model = build_model(ctx.directory, device)
@@ -151,12 +153,9 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     detail.update(reference=str(ctx.reference), top1_agreement=round(top1, 4), kl=round(kl, 6))
     if settings.forward_top1_min is not None and top1 < settings.forward_top1_min:
         raise CheckFailed(
-            f"top-1 agreement with the serving version {top1:.3f} "
-            f"< bound {settings.forward_top1_min}",
+            f"top-1 agreement with the serving version {top1:.3f} < bound {settings.forward_top1_min}",
             detail,
         )
     if settings.forward_kl_max is not None and kl > settings.forward_kl_max:
-        raise CheckFailed(
-            f"KL(serving || new) {kl:.4g} nats > bound {settings.forward_kl_max}", detail
-        )
+        raise CheckFailed(f"KL(serving || new) {kl:.4g} nats > bound {settings.forward_kl_max}", detail)
     return detail

@@ -37,7 +37,12 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
             raise CheckFailed(
                 f"{f.path}: crc32c {c} does not match the manifest's {f.crc32c} (file corrupted)"
                 + (f"; {len(bad) - 1} more files differ" if len(bad) > 1 else ""),
-                {"file": f.path, "crc32c": c, "expected": f.crc32c, "mismatched": [b.path for b, _ in bad][:20]},
+                {
+                    "file": f.path,
+                    "crc32c": c,
+                    "expected": f.crc32c,
+                    "mismatched": [b.path for b, _ in bad][:20],
+                },
             )
     else:
         ctx.files = [ManifestFile(f.path, f.bytes, c) for f, c in zip(files, crcs, strict=True)]

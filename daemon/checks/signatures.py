@@ -130,10 +130,14 @@ def verify_manifest_signature(
     if sig.alg == "hmac-sha256":
         expected = hmac.new(read_hmac_key(keys[sig.key_id]), message, hashlib.sha256).digest()
         if not hmac.compare_digest(expected, value):
-            raise SignatureError(f"bad hmac-sha256 signature by key {sig.key_id!r}: manifest altered or wrong key")
+            raise SignatureError(
+                f"bad hmac-sha256 signature by key {sig.key_id!r}: manifest altered or wrong key"
+            )
     else:
         try:
             read_ed25519_public(keys[sig.key_id]).verify(value, message)
         except InvalidSignature:
-            raise SignatureError(f"bad ed25519 signature by key {sig.key_id!r}: manifest altered or wrong key") from None
+            raise SignatureError(
+                f"bad ed25519 signature by key {sig.key_id!r}: manifest altered or wrong key"
+            ) from None
     return {"alg": sig.alg, "key_id": sig.key_id}

@@ -180,9 +180,7 @@ def parse_header_bytes(
         cursor = e.end
         prev = e
     if cursor != file_size:
-        raise HeaderError(
-            f"{where}: file length {file_size} does not match header + data ({cursor} bytes)"
-        )
+        raise HeaderError(f"{where}: file length {file_size} does not match header + data ({cursor} bytes)")
     return SafetensorsHeader(
         path=Path(path),
         header_len=n,
