@@ -21,7 +21,7 @@ DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
     (1, 3, 3, 3, 9, 27, 11, 2, 44, 19, 7, 50),
     (1, 63, 0, 31, 12),
 )
-# text prompts used when the checkpoint ships a tokenizer
+# fixed text prompts, run through the checkpoint's tokenizer when it ships one
 DEFAULT_TEXTS: tuple[str, ...] = (
     "The capital of France is",
     "def fibonacci(n):",
@@ -47,7 +47,6 @@ class CheckSettings:
     staging_gpu: str = "cuda:0"
     forward_device: str = "cpu"
     forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS  # token ids, when there is no tokenizer
-    forward_texts: tuple[str, ...] = DEFAULT_TEXTS  # through the checkpoint's tokenizer, when it has one
     forward_top1_min: float | None = None  # e.g. 0.9: share of positions whose argmax matches the reference
     forward_kl_max: float | None = None  # mean KL(reference || new) per position, nats
 
@@ -65,8 +64,6 @@ class CheckSettings:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
-        if not self.forward_texts or any(not t for t in self.forward_texts):
-            raise ValueError("checks.forward_texts must be a non-empty list of non-empty strings")
 
     @property
     def keys_configured(self) -> bool:
@@ -91,8 +88,6 @@ class CheckSettings:
                 kw[key] = None if value in (None, "") else Path(value)
             elif key == "forward_prompts":
                 kw[key] = tuple(tuple(int(t) for t in p) for p in value)
-            elif key == "forward_texts":
-                kw[key] = tuple(str(t) for t in value)
             else:
                 kw[key] = value
         try:

@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.checks.base import CheckContext, CheckFailed
+from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
 from daemon.checks.headers import load_table
 from daemon.formats.checkpoint import weight_files
 
@@ -79,12 +79,12 @@ def prompt_ids(ctx: CheckContext, vocab: int) -> tuple[list[list[int]], str]:
 
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(d), local_files_only=True)
-        prompts = [list(tokenizer(text)["input_ids"]) for text in ctx.settings.forward_texts]
+        prompts = [list(tokenizer(text)["input_ids"]) for text in DEFAULT_TEXTS]
     except Exception as exc:  # transformers raises many kinds; the worker would fail the same way
         raise CheckFailed(
             f"{d.name}: tokenizer files present but unusable ({type(exc).__name__}: {str(exc)[:200]})"
         ) from None
-    for text, ids in zip(ctx.settings.forward_texts, prompts, strict=True):
+    for text, ids in zip(DEFAULT_TEXTS, prompts, strict=True):
         if not ids:
             raise CheckFailed(f"{d.name}: tokenizer turns {text!r} into no tokens")
         if max(ids) >= vocab:
