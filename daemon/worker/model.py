@@ -75,7 +75,16 @@ def param_dict(model: torch.nn.Module, checkpoint_names: set[str]) -> dict[str, 
     """
     state = model.state_dict(keep_vars=True)
     params = {n: t for n, t in state.items() if n in checkpoint_names}
-    covered = {t.data_ptr() for t in params.values()}
+    owners: dict[int, str] = {}
+    for n, t in params.items():
+        if t.data_ptr() in owners:
+            # both names of a tied weight: which copy would win is arbitrary, so refuse
+            raise LayoutError(
+                f"checkpoint holds both {owners[t.data_ptr()]!r} and {n!r}, which this model ties "
+                "(tie_word_embeddings): keep only one of them"
+            )
+        owners[t.data_ptr()] = n
+    covered = set(owners)
     uncovered = sorted(n for n, t in state.items() if t.data_ptr() not in covered)
     if uncovered:
         more = f" (+{len(uncovered) - 3} more)" if len(uncovered) > 3 else ""
@@ -107,6 +116,8 @@ def build_model(directory: str | Path, device: torch.device) -> LoadedModel:
     table, _ = tensor_table(d)
     with torch.device(device), _no_init():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()  # skipped along with initialisation in some releases
     model.eval()
     model.requires_grad_(False)
     params = param_dict(model, set(table))

@@ -28,6 +28,7 @@ from typing import Any
 
 from daemon.formats.checkpoint import LayoutError
 from daemon.formats.safetensors import HeaderError
+from daemon.transport import ipc_worker
 from daemon.transport.base import TableMismatch, TransportError, WeightTransport, check_table
 from daemon.transport.disk import DiskTransport
 from daemon.worker.store import VersionRecord, WeightStore
@@ -75,8 +76,8 @@ def _disk_from_request(body: dict[str, Any], store: WeightStore) -> WeightTransp
     return DiskTransport(path)
 
 
-TRANSPORTS: dict[str, TransportFactory] = {"disk": _disk_from_request}
-SWAP_HANDLERS: dict[str, SwapHandler] = {}
+TRANSPORTS: dict[str, TransportFactory] = {"disk": _disk_from_request, "ipc": ipc_worker.transport_from_request}
+SWAP_HANDLERS: dict[str, SwapHandler] = {"ipc": ipc_worker.swap_in}
 
 
 @dataclass(slots=True)
@@ -172,6 +173,7 @@ def apply_update(store: WeightStore, body: UpdateBody) -> dict[str, Any]:
                 if body.mode == "swap":
                     SWAP_HANDLERS[body.transport](transport, store, record)
                 else:
+                    ipc_worker.before_copy(store)  # a swap may have left params on a loader buffer
                     transport.write_into(store.params)
             except Exception as exc:
                 log.error("write of %s failed: %s; restoring %s", body.version, exc, previous)
@@ -246,6 +248,7 @@ def _write_record(rec: VersionRecord, transport: WeightTransport | None, store: 
         rec.restore()
         return
     try:
+        ipc_worker.before_copy(store)
         transport.write_into(store.params)
     finally:
         transport.close()
