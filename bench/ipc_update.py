@@ -54,57 +54,73 @@ def _ms(t0: float) -> float:
 
 
 class BenchWorker:
-    """Holds the parameters and applies what the driver asks, answering one JSON line per command."""
+    """Holds the parameters in a `WeightStore` and applies updates with the worker's own ipc glue
+    (`daemon.transport.ipc_worker`), under the store lock as `daemon.worker.updates` does."""
 
     def __init__(self, layout: str, device: str) -> None:
+        from daemon.worker.store import VersionRecord, WeightStore
+
         self.device = torch.device(device)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
         self.params = alloc_params(LAYOUTS[layout], self.device)
-        self.owned = dict(self.params)  # the worker's own storage, kept while swapped out
-        self.swapped: list[tuple[Any, dict[str, torch.Tensor]]] = []
+        self.store = WeightStore(self.params, self.device, VersionRecord("empty", None, "none"))
+        self._record = VersionRecord
+
+    def _open(self, descriptor: dict[str, Any]) -> Any:
+        from daemon.transport.base import check_table
+        from daemon.transport.ipc_worker import transport_from_request
+
+        tr = transport_from_request({"descriptor": descriptor}, self.store)  # acquire + open: before the pause
+        check_table(tr.table(), self.store.params)
+        tr.views()
+        _sync(self.device)
+        return tr
 
     def copy(self, descriptor: dict[str, Any]) -> dict[str, Any]:
-        from daemon.transport.base import check_table
-        from daemon.transport.ipc import IpcTransport
+        from daemon.transport.ipc_worker import before_copy
 
         t0 = time.perf_counter()
-        tr = IpcTransport(descriptor, device=self.device, worker="bench-worker")
-        check_table(tr.table(), self.params)
-        tr.prepare()
-        tr.views()
-        t1 = time.perf_counter()
-        tr.write_into(self.params)  # the pause window: copy + synchronize
-        pause = _ms(t1)
+        tr = self._open(descriptor)
+        record = self._record(tr.version, tr.source_digest(), "ipc", mode="copy", request={"descriptor": descriptor})
+        with self.store.lock:
+            t1 = time.perf_counter()
+            before_copy(self.store)
+            tr.write_into(self.store.params)  # copy + synchronize: the pause window
+            self.store.invalidate_caches()
+            self.store.commit(record)
+            pause = _ms(t1)
         t2 = time.perf_counter()
         tr.close()
         return {"prepare_ms": (t1 - t0) * 1e3, "pause_ms": pause, "close_ms": _ms(t2), "total_ms": _ms(t0)}
 
     def swap(self, descriptor: dict[str, Any]) -> dict[str, Any]:
-        from daemon.transport.base import check_table
-        from daemon.transport.ipc import IpcTransport, point_params_at
+        from daemon.transport.ipc_worker import swap_in
 
         t0 = time.perf_counter()
-        tr = IpcTransport(descriptor, device=self.device, worker="bench-worker")
-        check_table(tr.table(), self.params)
-        views = tr.views()
-        _sync(self.device)
-        t1 = time.perf_counter()
-        previous = point_params_at(self.params, views)
-        swap = _ms(t1)
-        self.swapped.append((tr, previous))
-        return {"prepare_ms": (t1 - t0) * 1e3, "swap_ms": swap}
+        tr = self._open(descriptor)
+        record = self._record(tr.version, tr.source_digest(), "ipc", mode="swap", request={"descriptor": descriptor})
+        with self.store.lock:
+            t1 = time.perf_counter()
+            swap_in(tr, self.store, record)  # pointer flip onto the loader's buffer
+            self.store.invalidate_caches()
+            self.store.commit(record)
+            swap = _ms(t1)
+        t2 = time.perf_counter()
+        tr.close()
+        return {"prepare_ms": (t1 - t0) * 1e3, "swap_ms": swap, "close_ms": _ms(t2)}
 
     def rollback(self) -> dict[str, Any]:
-        from daemon.transport.ipc import point_params_at
-
-        tr, previous = self.swapped.pop()
-        t0 = time.perf_counter()
-        point_params_at(self.params, previous)
-        rollback = _ms(t0)
-        t1 = time.perf_counter()
-        tr.close()
-        return {"rollback_ms": rollback, "close_ms": _ms(t1)}
+        """POST /admin/rollback's path when the retained version has a zero-copy restore."""
+        with self.store.lock:
+            t0 = time.perf_counter()
+            prev = self.store.previous
+            assert prev is not None and prev.restore is not None, "no zero-copy rollback available"
+            prev.restore()
+            self.store.invalidate_caches()
+            self.store.swap_current_and_previous()
+            rollback = _ms(t0)
+        return {"rollback_ms": rollback, "version": self.store.current.version}
 
     def verify(self, directory: str, names: list[str]) -> dict[str, Any]:
         from safetensors import safe_open
@@ -120,7 +136,9 @@ class BenchWorker:
 
     def mem(self) -> dict[str, Any]:
         from daemon.transport.ipc import OPENER
+        from daemon.transport.ipc_worker import wait_for_releases
 
+        wait_for_releases()
         out: dict[str, Any] = {"open_versions": OPENER.open_versions(), "fds": len(os.listdir("/proc/self/fd"))}
         with open("/proc/self/maps") as f:
             out["shm_maps"] = sum(1 for line in f if "hotswap-" in line)
@@ -334,11 +352,12 @@ def main(argv: list[str] | None = None) -> int:
             if i == 0:
                 swap_ok &= w("verify", directory=str(work / last), names=probe)["equal"]
         result["swap_verify"] = swap_ok
+        for v in ("v1", "v2"):  # two copies push the swapped records out: their leases end
+            w("copy", descriptor=desc[v])
         mem["after_swaps"] = {"worker": w("mem"), "loader_used": client.status()["used_bytes"]}
         result["swap"] = {"swap_ms": stats([s["swap_ms"] for s in swaps]),
                           "prepare_ms": stats([s["prepare_ms"] for s in swaps]),
-                          "rollback_ms": stats([r["rollback_ms"] for r in rollbacks]),
-                          "close_ms": stats([r["close_ms"] for r in rollbacks])}
+                          "rollback_ms": stats([r["rollback_ms"] for r in rollbacks])}
         for v in ("v1", "v2"):
             client.drop(v)
         mem["after_drop"] = {"worker": w("mem"), "loader_used": client.status()["used_bytes"]}

@@ -176,6 +176,10 @@ class IpcTransport:
     def table(self) -> dict[str, TensorSpec]:
         return self.descriptor.table()
 
+    def source_digest(self) -> str | None:
+        """The content digest the loader recorded when staging (the worker checks expect.digest)."""
+        return self.descriptor.digest
+
     def prepare(self) -> None:
         """Acquire the version at the loader and open its buffer; raises IpcRefused, writes nothing."""
         if self._opened is not None:
@@ -229,6 +233,15 @@ class IpcTransport:
                         d.copy_(s)
         except RuntimeError as exc:
             raise TransportError(f"version {self.version!r}: copy failed ({exc})") from exc
+
+    def detach(self) -> IpcTransport:
+        """Hand this transport's loader acquisition and open buffer to a new one (a lease that
+        outlives the update, for swap mode); this one is then closed without releasing them."""
+        self.prepare()
+        lease = IpcTransport(self.descriptor, device=self.device, worker=self.worker, opener=self._opener)
+        lease._opened, lease._acquired = self._opened, self._acquired
+        self._opened, self._acquired = None, False
+        return lease
 
     def close(self) -> None:
         if self._opened is not None:
