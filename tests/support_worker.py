@@ -18,6 +18,8 @@ import httpx
 
 REPO = Path(__file__).resolve().parents[1]
 TOKEN = "worker-test-token-7f3a"
+# the device test workers run on; cpu here, cuda:0 when the suite is run on a GPU machine
+DEVICE = os.environ.get("HOTSWAP_TEST_WORKER_DEVICE", "cpu")
 
 
 def write_byte_tokenizer(directory: Path) -> None:
@@ -116,11 +118,12 @@ def start_worker(
 ) -> WorkerProcess:
     """Start a worker on port 0 (or --uds in `extra`) and wait for its ready line."""
     cmd = [sys.executable, "-m", "daemon.worker.server", "--model", str(model), "--port", "0",
-           "--device", "cpu", "--log-level", "warning"]
+           "--device", DEVICE, "--log-level", "warning"]
     if token_file is not None:
         cmd += ["--token-file", str(token_file)]
     cmd += extra or []
-    full_env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **(env or {})}
+    pythonpath = os.pathsep.join(p for p in (str(REPO), os.environ.get("PYTHONPATH", "")) if p)
+    full_env = {**os.environ, "PYTHONPATH": pythonpath, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
                             cwd=str(REPO))
     lines: list[str] = []
