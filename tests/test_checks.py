@@ -36,6 +36,7 @@ def reject(directory: Path, settings: CheckSettings = FAST, reference: Path | No
     failed = report.results[-1]
     assert not failed.ok and report.reason == f"{failed.name}: {failed.detail['reason']}"
     assert all(r.ok for r in report.results[:-1])
+    json.dumps(failed.detail)  # the coordinator stores it in a JSON column
     return failed.name, failed.detail["reason"]
 
 
