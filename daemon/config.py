@@ -170,6 +170,8 @@ def parse_config(doc: dict[str, Any], source: str) -> Config:
     config.source_file = source
     if source == EMBEDDED and "workers" not in doc:
         config.workers = default_workers()
+        # One worker: draining it would turn requests away; pausing holds them instead.
+        config.rollout.mode = "pause"
     return config
 
 

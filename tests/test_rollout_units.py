@@ -140,8 +140,10 @@ def test_bad_rollout_config_names_file_and_key(doc: dict, message: str) -> None:
 def test_default_fleet_is_one_managed_worker_only_without_a_config_file() -> None:
     cfg = parse_config({}, EMBEDDED)
     assert [(w.name, w.launch, w.kind) for w in cfg.workers] == [("local", "managed", "builtin")]
+    assert cfg.rollout.mode == "pause"  # one worker: hold requests rather than turn them away
     assert parse_config({}, "daemon.toml").workers == []  # a file without [[workers]]: verify only
-    assert cfg.rollout.max_unavailable == 1 and cfg.rollout.transport == "disk"
+    cfg = parse_config({}, "daemon.toml")
+    assert cfg.rollout.max_unavailable == 1 and cfg.rollout.transport == "disk" and cfg.rollout.mode == "drain"
     assert cfg.rollout.health_window_s == 5.0 and cfg.rollout.max_error_rate == 0.01
     spec = WorkerSpec(name="w", url="http://x:1", restart_command="relaunch --model {path} --port {port}")
     assert spec.restart_argv() == ["relaunch", "--model", "{path}", "--port", "{port}"]

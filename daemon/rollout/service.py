@@ -95,6 +95,9 @@ class RolloutService:
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, scheduler: BaseScheduler | None = None) -> None:
         self.journal.register_workers((h.spec, h.url) for h in self.fleet)
+        # On the caller's thread, before the coordinator starts: making the seed imports
+        # transformers, and two threads importing it at once can fail.
+        self._ensure_seed()
         self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
         self._thread.start()
         if scheduler is not None:
@@ -438,15 +441,19 @@ class RolloutService:
             log.info("resuming_waiting_checkpoint", version=waiting.version)
             self.submit(waiting.id)
 
+    def _ensure_seed(self) -> None:
+        """A fleet of managed workers only, with nothing deployed yet: serve the tiny seed."""
+        managed = [h for h in self.fleet if h.managed is not None]
+        if not managed or len(managed) != len(self.fleet) or any(h.spec.model for h in managed):
+            return
+        if self.journal.alias("serving") is None:
+            seed = ensure_seed(self.journal, self.state_dir)
+            self.journal.set_alias("serving", seed.id)
+            self.journal.set_alias("last_good", seed.id)
+
     def _launch_managed(self) -> CheckpointRef | None:
         serving = self.journal.alias("serving")
         managed = [h for h in self.fleet if h.managed is not None]
-        if not managed:
-            return serving
-        if serving is None and len(managed) == len(self.fleet) and not any(h.spec.model for h in managed):
-            serving = ensure_seed(self.journal, self.state_dir)
-            self.journal.set_alias("serving", serving.id)
-            self.journal.set_alias("last_good", serving.id)
         for h in managed:
             assert h.managed is not None
             if h.managed.adopt():

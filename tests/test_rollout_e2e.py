@@ -1,0 +1,153 @@
+"""End to end: the real daemon rolls checkpoints onto two real workers under continuous load.
+
+The load generator behaves like a load balancer: it skips a worker whose /ready is 503 and
+retries a request a draining worker rejected with 503 on the other worker (see LoadGen).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
+from support_rollout import (
+    LoadGen,
+    WorkerPool,
+    aliases,
+    assert_fleet_on,
+    publish_into,
+    rollouts,
+    worker_paths,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
+    p = WorkerPool(tmp_path_factory.mktemp("pool"))
+    yield p
+    p.close()
+
+
+def start_fleet(
+    daemon_factory: Callable[..., DaemonProcess],
+    db_url: str,
+    pool: WorkerPool,
+    *,
+    rollout: dict[str, Any],
+    checks: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> DaemonProcess:
+    """Workers reset onto a fresh v0, then the daemon started on them; returns once v0 is deployed."""
+    d = daemon_factory(
+        db_url,
+        checks=checks,
+        env=env,
+        extra={"rollout": rollout, "workers": [w.spec() for w in pool.workers]},
+        wait=False,
+    )
+    d.watch_dir.mkdir(parents=True)
+    pool.reset(publish_into(d.watch_dir, "v0", seed=0), "v0")
+    d.start(timeout=90)
+    d.wait_status("v0", "deployed", timeout=180)
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60, what="v0's health window")
+    return d
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["drain", "pause"])
+def test_ten_rollouts_under_load_fail_no_request(
+    mode: str, db_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, db_url, pool, rollout={"mode": mode, "health_window_s": 0.3})
+    workers = pool.workers
+    versions = [f"{mode}-{i}" for i in range(1, 11)]
+    with LoadGen([w.url for w in workers], concurrency=3, max_seconds=400) as load:
+        load.wait_requests(10)
+        for i, version in enumerate(versions, start=1):
+            publish_into(d.watch_dir, version, seed=i)
+            d.wait_status(version, "deployed", timeout=120)
+            load.wait_requests(5)  # traffic keeps flowing between rollouts too
+    stats = load.stats
+    assert stats.errors == [], f"{len(stats.errors)} failed requests, e.g. {stats.errors[:3]}"
+    assert stats.ok >= 60
+    assert_fleet_on(workers, versions[-1])
+    served = set(stats.versions)
+    assert {"v0", versions[-1]} <= served
+
+    begin = "DRAINING" if mode == "drain" else "PAUSED"
+    paths = worker_paths(d.registry)
+    for version in versions:
+        for w in workers:
+            assert paths[(w.name, version)] == [["RUNNING", begin, "UPDATED", "RUNNING"]], (w.name, version)
+    outcomes = {r["version"]: (r["outcome"], r["mode"]) for r in rollouts(d.registry)}
+    assert all(outcomes[v] == ("succeeded", mode) for v in versions)
+    assert aliases(d.registry)["serving"] == versions[-1]
+
+    history = {r["version"]: r for r in d.history()}
+    for version in versions:
+        row = history[version]
+        assert row["discovered_at"] <= row["verified_at"] <= row["deployed_at"]
+        assert row["status"] == ("deployed" if version == versions[-1] else "retired")
+        per_worker = dict(item.split("=") for item in row["worker_update_ms"].split())
+        assert set(per_worker) == {w.name for w in workers} and all(v.endswith("ms") for v in per_worker.values())
+    # The same facts from the CLI.
+    out = hotswap_cli("history", "-c", str(d.config_path), "--json", "-n", "0")
+    assert out.returncode == 0, out.stderr
+    rows = {r["version"]: r for r in map(json.loads, out.stdout.splitlines())}
+    assert rows[versions[0]]["deployed_at"] and rows[versions[0]]["worker_update_ms"].startswith("w0=")
+
+
+def test_managed_worker_quickstart(tmp_path: Path) -> None:
+    """The embedded default's fleet: the daemon makes a tiny seed, runs the worker itself, rolls
+    dropped checkpoints onto it, stops it on SIGTERM and adopts it after a SIGKILL."""
+    import httpx
+
+    watch = tmp_path / "checkpoints"
+    state = tmp_path / "state"
+    cfg = make_config_file(
+        tmp_path / "config.toml",
+        daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "log_level": "debug"},
+        sources=[{"path": str(watch)}],
+        rollout={"health_window_s": 0.3},
+        workers=[{"name": "local", "launch": "managed", "device": "cpu"}],
+    )
+    d = DaemonProcess(tmp_path, cfg, f"sqlite:///{state / 'hotswap.db'}", watch, state, {})
+    try:
+        d.start(timeout=90)
+        seed = d.wait_status("tiny-seed", "deployed", timeout=30)
+        assert seed["source"] == "embedded"
+        runtime = wait_until(lambda: json.loads((state / "worker-local.json").read_text()), 60, what="the launch")
+        token = (state / "worker-local.token").read_text().strip()
+        url = f"http://127.0.0.1:{runtime['port']}"
+
+        def info() -> dict[str, Any]:
+            return httpx.get(f"{url}/weight_info", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
+
+        wait_until(lambda: info()["version"] == "tiny-seed", 180, what="the managed worker to serve the seed")
+        publish_into(watch, "step-1", seed=1)
+        d.wait_status("step-1", "deployed", timeout=120)
+        assert info()["version"] == "step-1" and info()["state"] == "RUNNING"
+        first_pid = runtime["pid"]
+
+        d.kill()  # SIGKILL: the child keeps serving; the next daemon adopts it
+        assert info()["version"] == "step-1"
+        d.start(timeout=90)
+        publish_into(watch, "step-2", seed=2)
+        d.wait_status("step-2", "deployed", timeout=120)
+        assert json.loads((state / "worker-local.json").read_text())["pid"] == first_pid
+
+        assert d.stop() == 0  # SIGTERM: the daemon stops its worker too
+        with pytest.raises(httpx.HTTPError):
+            info()
+    finally:
+        d.close()
+        with contextlib.suppress(OSError, ValueError, TypeError):  # never leave the child behind
+            os.kill(json.loads((state / "worker-local.json").read_text())["pid"], signal.SIGKILL)
