@@ -1,0 +1,66 @@
+"""The `hotswap` entry point: dispatch, history/status output, errors."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+from conftest import hotswap_cli, make_config_file, publish_tiny
+
+from daemon.cli import DELEGATED, main
+
+
+def test_help_lists_every_command():
+    out = hotswap_cli("--help")
+    assert out.returncode == 0
+    for cmd in ("daemon", "history", "status", "db", *DELEGATED):
+        assert cmd in out.stdout
+
+
+def test_delegated_commands_parse_their_own_arguments(tmp_path):
+    out = hotswap_cli("publish", "--help")
+    assert out.returncode == 0 and "--version" in out.stdout
+    publish_dir = tmp_path / "c"
+    from daemon.tinymodel import make_tiny_checkpoint
+
+    make_tiny_checkpoint(publish_dir, seed=1)
+    out = hotswap_cli("publish", str(publish_dir), "--version", "cli-1")
+    assert out.returncode == 0, out.stderr
+    assert json.loads((publish_dir / "hotswap-manifest.json").read_text())["version"] == "cli-1"
+    out = hotswap_cli("verify", str(publish_dir))
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def test_unknown_command_is_an_error(capsys):
+    try:
+        main(["frobnicate"])
+    except SystemExit as exc:
+        assert exc.code == 2
+    assert "invalid choice: 'frobnicate'" in capsys.readouterr().err
+
+
+def test_history_and_status_on_a_registry(db_url, daemon_factory, tmp_path):
+    d = daemon_factory(db_url)
+    publish_tiny(tmp_path / "a", seed=1, version="h-1")
+    shutil.copytree(tmp_path / "a", d.watch_dir / "h-1")
+    d.wait_status("h-1", "verified")
+    d.stop()
+
+    table = hotswap_cli("history", "-c", str(d.config_path), env={"COLUMNS": "200"})
+    assert table.returncode == 0, table.stderr
+    line = next(ln for ln in table.stdout.splitlines() if "h-1" in ln)
+    assert "verified" in line and "KB" in line
+
+    status = hotswap_cli("status", "--json", "-c", str(d.config_path))
+    doc = json.loads(status.stdout)
+    assert doc["checkpoints"] == {"verified": 1}
+    assert doc["daemon"]["running"] is False
+    assert doc["latest"][0]["version"] == "h-1"
+
+
+def test_history_before_any_daemon_ran(tmp_path):
+    cfg = make_config_file(tmp_path / "c.toml", daemon={"state_dir": str(tmp_path / "state")})
+    out = hotswap_cli("history", "--json", "-c", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == ""
+    assert (tmp_path / "state" / "hotswap.db").exists()
