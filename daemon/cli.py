@@ -168,14 +168,22 @@ def _cmd_history(args: argparse.Namespace) -> int:
     from rich.table import Table
 
     t = Table(title=f"hotswap history ({len(rows)} newest)" if args.limit else "hotswap history")
-    for col in ("version", "status", "discovered", "verified", "bytes", "reason"):
+    for col in ("version", "status", "discovered", "verified", "deployed", "rolled back / superseded",
+                "worker updates", "bytes", "reason"):  # fmt: skip
         t.add_column(col, overflow="fold", justify="right" if col == "bytes" else "left")
     for r in rows:
+        ended = (
+            f"rolled back {_ts(r['rolled_back_at'])}" if r.get("rolled_back_at")
+            else f"superseded {_ts(r['superseded_at'])}" if r.get("superseded_at") else ""
+        )  # fmt: skip
         t.add_row(
             r["version"],
             _status_style(r["status"]),
             _ts(r["discovered_at"]),
             _ts(r["verified_at"]),
+            _ts(r["deployed_at"]),
+            ended,
+            r.get("worker_update_ms") or "",
             _bytes(r["total_bytes"]),
             r["status_message"] or "",
         )

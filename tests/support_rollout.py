@@ -187,6 +187,76 @@ def free_ports(n: int) -> list[int]:
     return ports
 
 
+class WorkerPool:
+    """Two (or more) real workers shared by the tests of one module: starting a worker costs
+    seconds (torch, transformers), so each test resets them instead of starting new ones."""
+
+    def __init__(self, root: Path, n: int = 2) -> None:
+        self.root = root
+        self.workers = [WorkerProc(f"w{i}", port, root / "workers") for i, port in enumerate(free_ports(n))]
+        seed_dir = build_checkpoint(root / "pool-seed", "pool-seed", 0)
+        for w in self.workers:
+            spawn_worker(w.worker_args(str(seed_dir), "pool-seed"), w.pidfile, w.log_file)
+        for w in self.workers:
+            w.wait_running(240)
+
+    def reset(self, model: Path, version: str) -> list[WorkerProc]:
+        """Every worker RUNNING on `model` as `version`, by its admin API (or a fresh process)."""
+        for w in self.workers:
+            reset_worker(w, model, version)
+        for w in self.workers:
+            w.wait_running(240, version=version)
+        return self.workers
+
+    def close(self) -> None:
+        for w in self.workers:
+            w.stop()
+
+
+def reset_worker(w: WorkerProc, model: Path, version: str) -> None:
+    info = None
+    if w.alive():
+        with contextlib.suppress(httpx.HTTPError):
+            info = w.info()
+    if info is None or info["state"] == "UNHEALTHY":
+        w.stop()
+        spawn_worker(w.worker_args(str(model), version), w.pidfile, w.log_file)
+        return
+    headers = {"Authorization": f"Bearer {w.token}"}
+    if info["version"] != version:
+        r = httpx.post(f"{w.url}/admin/update", headers=headers, timeout=60,
+                       json={"version": version, "transport": "disk", "path": str(model)})  # fmt: skip
+        r.raise_for_status()
+    if info["state"] != "RUNNING" or w.info()["state"] != "RUNNING":
+        httpx.post(f"{w.url}/admin/resume", headers=headers, timeout=30).raise_for_status()
+
+
+def start_fleet(
+    daemon_factory: Callable[..., Any],
+    db_url: str,
+    pool: WorkerPool,
+    *,
+    rollout: dict[str, Any],
+    checks: dict[str, Any] | None = None,
+    env: dict[str, str] | None = None,
+) -> Any:
+    """Reset the pool onto a fresh v0, then start the daemon on it (conftest's daemon_factory);
+    returns the DaemonProcess once v0 is deployed and its health window has passed."""
+    d = daemon_factory(
+        db_url,
+        checks=checks,
+        env=env,
+        extra={"rollout": rollout, "workers": [w.spec() for w in pool.workers]},
+        wait=False,
+    )
+    d.watch_dir.mkdir(parents=True)
+    pool.reset(publish_into(d.watch_dir, "v0", seed=0), "v0")
+    d.start(timeout=90)
+    d.wait_status("v0", "deployed", timeout=180)
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60, "v0's health window")
+    return d
+
+
 # --------------------------------------------------------------------------- checkpoints
 
 

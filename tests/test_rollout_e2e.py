@@ -23,6 +23,7 @@ from support_rollout import (
     assert_fleet_on,
     publish_into,
     rollouts,
+    start_fleet,
     worker_paths,
 )
 
@@ -34,31 +35,6 @@ def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
     p = WorkerPool(tmp_path_factory.mktemp("pool"))
     yield p
     p.close()
-
-
-def start_fleet(
-    daemon_factory: Callable[..., DaemonProcess],
-    db_url: str,
-    pool: WorkerPool,
-    *,
-    rollout: dict[str, Any],
-    checks: dict[str, Any] | None = None,
-    env: dict[str, str] | None = None,
-) -> DaemonProcess:
-    """Workers reset onto a fresh v0, then the daemon started on them; returns once v0 is deployed."""
-    d = daemon_factory(
-        db_url,
-        checks=checks,
-        env=env,
-        extra={"rollout": rollout, "workers": [w.spec() for w in pool.workers]},
-        wait=False,
-    )
-    d.watch_dir.mkdir(parents=True)
-    pool.reset(publish_into(d.watch_dir, "v0", seed=0), "v0")
-    d.start(timeout=90)
-    d.wait_status("v0", "deployed", timeout=180)
-    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60, what="v0's health window")
-    return d
 
 
 @pytest.mark.slow

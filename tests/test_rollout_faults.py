@@ -1,0 +1,266 @@
+"""Real faults during rollouts: each leaves every worker RUNNING on one version, with the history
+explaining what happened.
+
+The faults are real: SIGKILLed worker and daemon processes, a worker refusing an update, a
+checkpoint whose probe generation is not finite, requests failing after a deploy. The daemon's
+checks are cut down to manifest/headers/crc32c here so the bad checkpoints reach the workers
+(the compat/finite/forward checks would reject them first, as they should in production).
+The test-only hold hook (HOTSWAP_TEST_HOLD_*, daemon/rollout/faults.py) only freezes the daemon
+at an exact transition so the fault can be delivered there.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from conftest import DaemonProcess, hotswap_cli, wait_until
+from support_rollout import (
+    LoadGen,
+    WorkerPool,
+    aliases,
+    assert_fleet_on,
+    build_checkpoint,
+    publish_into,
+    rollouts,
+    start_fleet,
+    worker_events,
+    worker_paths,
+)
+
+pytestmark = pytest.mark.timeout(600)
+
+FEW_CHECKS = {"enabled": ["manifest", "headers", "crc32c"]}
+FAST = {"health_window_s": 0.3, "restart_timeout_s": 180.0}
+
+
+@pytest.fixture(scope="module")
+def pool(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerPool]:
+    p = WorkerPool(tmp_path_factory.mktemp("pool"))
+    yield p
+    p.close()
+
+
+@pytest.fixture
+def sqlite_url(tmp_path: Path) -> str:
+    return f"sqlite:///{tmp_path / 'registry.db'}"
+
+
+def hold(state: str, worker: str, version: str, release: Path | None = None) -> dict[str, str]:
+    env = {"HOTSWAP_TEST_HOLD_STATE": state, "HOTSWAP_TEST_HOLD_WORKER": worker, "HOTSWAP_TEST_HOLD_VERSION": version}
+    if release is not None:
+        env["HOTSWAP_TEST_HOLD_RELEASE"] = str(release)
+    return env
+
+
+def rollout_of(d: DaemonProcess, version: str, trigger: str = "new") -> dict[str, Any]:
+    (r,) = [r for r in rollouts(d.registry) if r["version"] == version and r["trigger"] == trigger]
+    return r
+
+
+def transitions(d: DaemonProcess, rollout_id: int, worker: str) -> list[tuple[str, str, str]]:
+    """(from, to, action-or-step) of one worker's events in one rollout."""
+    return [
+        (e["from"], e["to"], e["detail"].get("action") or e["detail"].get("step") or "")
+        for e in worker_events(d.registry, rollout_id)
+        if e["worker"] == worker
+    ]
+
+
+FORWARD = [("RUNNING", "DRAINING", ""), ("DRAINING", "UPDATED", ""), ("UPDATED", "RUNNING", "")]
+
+
+def test_worker_killed_mid_update_comes_back_on_last_good(
+    tmp_path: Path, sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    release = tmp_path / "release"
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS,
+                    env=hold("DRAINING", "w1", "v1", release))  # fmt: skip
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1)
+    wait_until(lambda: w1.info()["state"] == "DRAINING", 120, what="w1 draining for v1")
+    old_pid = w1.kill()  # a real crash in the middle of its update
+    release.touch()
+
+    d.wait_status("v1", "rejected", timeout=240)
+    assert_fleet_on([w0, w1], "v0")
+    assert w1.pid != old_pid, "the restart command relaunched w1"
+    r = rollout_of(d, "v1")
+    assert r["outcome"] == "failed"
+    assert (r["detail"]["worker"], r["detail"]["step"], r["detail"]["kind"]) == ("w1", "update", "unreachable")
+    assert r["detail"]["rolled_back"] == ["w0"] and r["detail"]["unrecovered"] == []
+    assert transitions(d, r["id"], "w1") == [
+        ("RUNNING", "DRAINING", ""),
+        ("DRAINING", "UNHEALTHY", "update"),
+        ("UNHEALTHY", "UNHEALTHY", "restore_failed"),
+        ("UNHEALTHY", "UNHEALTHY", "restart"),
+        ("UNHEALTHY", "RUNNING", "restored"),
+    ]
+    assert transitions(d, r["id"], "w0") == FORWARD + FORWARD  # to v1, then back to v0
+    row = d.row("v1")
+    assert "w1" in row["status_message"] and "v0" in row["status_message"]
+    assert aliases(d.registry)["serving"] == "v0"
+
+
+def test_refused_update_leaves_the_fleet_on_the_old_version(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS)
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1, fault="shape")  # other shapes: the worker must refuse
+    row = d.wait_status("v1", "rejected", timeout=180)
+    assert "HTTP 409" in row["status_message"] and "v0" in row["status_message"]
+    assert_fleet_on([w0, w1], "v0")
+    r = rollout_of(d, "v1")
+    assert (r["outcome"], r["detail"]["kind"], r["detail"]["step"]) == ("failed", "refused", "update")
+    assert transitions(d, r["id"], "w0") == [
+        ("RUNNING", "DRAINING", ""),
+        ("DRAINING", "UNHEALTHY", "update"),
+        ("UNHEALTHY", "RUNNING", "restored"),
+    ]
+    assert transitions(d, r["id"], "w1") == []  # the first failure stops the rollout
+
+
+def test_probe_failure_restores_the_last_good_version(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS)
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1, fault="nan")
+    row = d.wait_status("v1", "rejected", timeout=180)
+    assert "non-finite" in row["status_message"]
+    assert_fleet_on([w0, w1], "v0")
+    r = rollout_of(d, "v1")
+    assert (r["outcome"], r["detail"]["step"]) == ("failed", "post_check")
+    events = [e for e in worker_events(d.registry, r["id"]) if e["worker"] == "w0"]
+    assert [(e["from"], e["to"]) for e in events] == [
+        ("RUNNING", "DRAINING"), ("DRAINING", "UPDATED"), ("UPDATED", "UNHEALTHY"), ("UNHEALTHY", "RUNNING"),
+    ]  # fmt: skip
+    assert events[-1]["detail"]["restored_to"] == "v0" and "update to v0" in events[-1]["detail"]["how"]
+
+
+def test_error_rate_spike_after_deploy_rolls_back(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    rollout = {**FAST, "health_window_s": 3.0, "max_error_rate": 0.01}
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=rollout, checks=FEW_CHECKS)
+    w0, w1 = pool.workers
+    # Sampled requests whose prompt holds token 200: fine on v0; v1's embedding row for 200 is
+    # NaN, so their sampling fails (HTTP 500) while the greedy probe (without 200) passes.
+    body = {"prompt": [1, 200, 5], "max_tokens": 2, "temperature": 1.0, "ignore_eos": True}
+    with LoadGen([w0.url, w1.url], concurrency=2, body=body, max_seconds=400) as load:
+        load.wait_requests(10)
+        assert load.stats.errors == []
+        publish_into(d.watch_dir, "v1", seed=1, fault="nan-token:200")
+        row = d.wait_status("v1", "rejected", timeout=180)
+        assert_fleet_on([w0, w1], "v0")
+        load.wait_requests(10)  # v0 serves them again
+    assert load.stats.errors, "the spike was real: requests failed under v1"
+    assert "error rate" in row["status_message"] and "rolled back to v0" in row["status_message"]
+    assert row["rolled_back_at"] is not None and row["deployed_at"] is not None
+    r = rollout_of(d, "v1")
+    assert r["outcome"] == "rolled_back" and r["detail"]["health_window"]["ok"] is False
+    back = rollout_of(d, "v0", trigger="rollback")
+    assert back["outcome"] == "succeeded" and back["detail"]["by"] == "health_window"
+    paths = worker_paths(d.registry)
+    for w in ("w0", "w1"):
+        assert paths[(w, "v1")] == [["RUNNING", "DRAINING", "UPDATED", "RUNNING"]]
+        assert paths[(w, "v0")] == [["RUNNING", "DRAINING", "UPDATED", "RUNNING"]]  # the rollback
+    assert aliases(d.registry) == {"serving": "v0", "last_good": "v0"}
+
+
+@pytest.mark.parametrize("state", ["DRAINING", "PAUSED", "UPDATED"])
+def test_daemon_sigkilled_mid_rollout_finishes_it_on_restart(
+    state: str, sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    mode = "pause" if state == "PAUSED" else "drain"
+    begin = "PAUSED" if mode == "pause" else "DRAINING"
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "mode": mode}, checks=FEW_CHECKS,
+                    env=hold(state, "w1", "v1"))  # fmt: skip
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1)
+    wait_until(lambda: w1.info()["state"] == state, 120, what=f"w1 {state}")
+    wait_until(lambda: any(e["worker"] == "w1" and e["to"] == state for e in worker_events(d.registry)), 30,
+               what=f"the {state} event")  # fmt: skip
+    d.kill()  # SIGKILL the daemon with w1 half-way
+    time.sleep(0.5)
+    assert w1.info()["state"] == state, "the worker stays where the daemon left it"
+
+    d.env = {}  # restart without the hold
+    d.start(timeout=90)
+    d.wait_status("v1", "deployed", timeout=180)
+    assert_fleet_on([w0, w1], "v1")
+    r = rollout_of(d, "v1")
+    assert r["outcome"] == "succeeded" and r["detail"]["recovered"] is True
+    paths = worker_paths(d.registry)
+    assert paths[("w0", "v1")] == [["RUNNING", begin, "UPDATED", "RUNNING"]]
+    assert paths[("w1", "v1")] == [["RUNNING", begin, "UPDATED", "RUNNING"]]  # no gap across the crash
+    after = [e for e in worker_events(d.registry, r["id"]) if e["worker"] == "w1"][-1]
+    assert after["detail"].get("recovered") is True
+
+
+def test_ten_checkpoints_within_one_second_deploy_only_the_newest(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST)  # all checks on
+    built = [build_checkpoint(d.watch_dir / f".build-s{i}", f"s{i}", seed=i) for i in range(1, 11)]
+    t0 = time.monotonic()
+    for i, tmp in enumerate(built, start=1):
+        os.replace(tmp, d.watch_dir / f"s{i}")
+    assert time.monotonic() - t0 < 1.0
+    d.wait_status("s10", "deployed", timeout=240)
+    assert_fleet_on(pool.workers, "s10")
+    for i in range(1, 10):
+        row = d.wait_status(f"s{i}", "superseded", timeout=30)
+        assert row["superseded_at"] is not None and row["deployed_at"] is None
+    deployed = [r["version"] for r in rollouts(d.registry) if r["outcome"] == "succeeded"]
+    assert deployed == ["v0", "s10"]
+
+
+def test_manual_rollback_pin_unpin_through_the_daemon(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS)
+    cfg = str(d.config_path)
+    publish_into(d.watch_dir, "v1", seed=1)
+    d.wait_status("v1", "deployed", timeout=180)
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v1", 60, what="v1's health window")
+
+    out = hotswap_cli("rollback", "-c", cfg)
+    assert out.returncode == 0, out.stderr
+    assert "v0 succeeded (from v1)" in out.stdout
+    assert_fleet_on(pool.workers, "v0")
+    v1 = d.row("v1")
+    assert v1["status"] == "retired" and "rolled back by operator to v0" in v1["status_message"]
+    assert v1["rolled_back_at"] is not None
+
+    out = hotswap_cli("pin", "v1", "-c", cfg)
+    assert out.returncode == 0, out.stderr
+    assert_fleet_on(pool.workers, "v1")
+    assert aliases(d.registry)["pinned"] == "v1"
+    publish_into(d.watch_dir, "v2", seed=2)
+    d.wait_status("v2", "verified", timeout=180)
+    time.sleep(1.5)  # a pinned fleet does not move
+    assert d.row("v2")["status"] == "verified"
+    assert_fleet_on(pool.workers, "v1", timeout=5)
+    refused = hotswap_cli("rollback", "--to", "v0", "-c", cfg)
+    assert refused.returncode == 1 and "pinned to v1: run `hotswap unpin` first" in refused.stderr
+
+    out = hotswap_cli("unpin", "-c", cfg)
+    assert out.returncode == 0 and "deploying v2 next" in out.stdout
+    d.wait_status("v2", "deployed", timeout=180)
+    assert_fleet_on(pool.workers, "v2")
+
+    unknown = hotswap_cli("rollback", "--to", "nope", "-c", cfg)
+    assert unknown.returncode == 1 and "unknown version 'nope'" in unknown.stderr
+    history = hotswap_cli("history", "-c", cfg, env={"COLUMNS": "300"})
+    v1_line = next(line for line in history.stdout.splitlines() if line.startswith("│ v1 "))
+    assert "retired" in v1_line and "rolled back 20" in v1_line and "w0=" in v1_line and "w1=" in v1_line
+
+    assert d.stop() == 0
+    down = hotswap_cli("rollback", "-c", cfg)
+    assert down.returncode == 1 and "the hotswap daemon is not running" in down.stderr
