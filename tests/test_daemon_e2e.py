@@ -36,8 +36,15 @@ def test_published_checkpoint_becomes_verified_and_shows_in_history(db_url, daem
         assert sorted(f.path for f in ckpt.files) == sorted(f.path for f in manifest.files)
         assert {f.path: f.crc32c for f in ckpt.files} == {f.path: f.crc32c for f in manifest.files}
         checks = q.checks_of(s, ckpt.id)
-        assert [c.name for c in checks] == ["manifest", "headers", "crc32c", "compat", "finite", "headroom",
-                                            "forward"]
+        assert [c.name for c in checks] == [
+            "manifest",
+            "headers",
+            "crc32c",
+            "compat",
+            "finite",
+            "headroom",
+            "forward",
+        ]
         assert all(c.ok for c in checks)
 
     out = hotswap_cli("history", "--json", "-c", str(d.config_path))
@@ -170,3 +177,29 @@ def test_marker_and_index_signals(db_url, daemon_factory, tmp_path):
     r2 = d.wait_status("index-1", "verified")
     assert (r1["commit_signal"], r2["commit_signal"]) == ("marker", "index")
     wait_until(lambda: d.get("/status").json()["checkpoints"].get("verified") == 2, 5)
+
+
+def test_systemd_notify_ready_and_json_logs_carry_the_version(db_url, daemon_factory, tmp_path):
+    import socket
+
+    sock_path = tmp_path / "notify.sock"
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    sock.bind(str(sock_path))
+    sock.settimeout(30)
+    try:
+        d = daemon_factory(db_url, env={"NOTIFY_SOCKET": str(sock_path)}, daemon={"watchdog_interval_s": 0.5})
+        messages: list[str] = []
+        while not (any(m.startswith("READY=1") for m in messages) and any("WATCHDOG=1" in m for m in messages)):
+            messages.append(sock.recv(4096).decode())  # times out (fails) after 30 s
+    finally:
+        sock.close()
+    publish_tiny(tmp_path / "j", seed=11, version="json-1")
+    shutil.copytree(tmp_path / "j", d.watch_dir / "json-1")
+    d.wait_status("json-1", "verified")
+    lines = [json.loads(ln) for ln in d.log().splitlines() if ln.startswith("{")]
+    checks = [ln for ln in lines if ln.get("event") == "check"]
+    assert len(checks) == 7
+    assert all(ln["version"] == "json-1" for ln in checks)
+    assert any(ln.get("event") == "verified" and ln.get("version") == "json-1" for ln in lines)
+    d.stop()
+    assert not (d.state_dir / "daemon.json").exists()
