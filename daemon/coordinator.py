@@ -88,7 +88,6 @@ class Coordinator:
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._busy = threading.Lock()
         self.test_verify_delay_s = float(os.environ.get(TEST_VERIFY_DELAY_ENV, "0") or 0)
         # Run first on the coordinator's thread (e.g. importing torch for the forward check):
         # importing transformers from two threads at once can fail, so the checks never
