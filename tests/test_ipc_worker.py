@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from collections.abc import Iterator
@@ -74,7 +75,13 @@ def worker_maps(w: WorkerProcess) -> int:
 
 
 def worker_fds(w: WorkerProcess) -> int:
-    return len(os.listdir(f"/proc/{w.proc.pid}/fd"))
+    """Open files of the worker, not counting sockets (HTTP connections come and go)."""
+    fd_dir = f"/proc/{w.proc.pid}/fd"
+    count = 0
+    for fd in os.listdir(fd_dir):
+        with contextlib.suppress(FileNotFoundError):
+            count += not os.readlink(f"{fd_dir}/{fd}").startswith("socket:")
+    return count
 
 
 def holders(loader: LoaderProcess) -> dict[str, dict[str, int]]:

@@ -148,6 +148,9 @@ class IpcTransport:
     """WeightTransport over a loader descriptor; see the module docstring for the life cycle."""
 
     name = "ipc"
+    # CUDA copy: "loop" = one cudaMemcpyAsync per tensor (copy engine speed per tensor);
+    # "foreach" = torch._foreach_copy_ (fewer launches, a generic elementwise kernel)
+    cuda_copy = "loop"
 
     def __init__(
         self,
@@ -226,7 +229,11 @@ class IpcTransport:
         try:
             with torch.no_grad():
                 if dst and dst[0].device.type == "cuda":
-                    torch._foreach_copy_(dst, src)  # few kernel launches for all tensors
+                    if self.cuda_copy == "foreach":
+                        torch._foreach_copy_(dst, src)
+                    else:
+                        for d, s in zip(dst, src, strict=True):
+                            d.copy_(s)
                     torch.cuda.synchronize(dst[0].device)
                 else:
                     for d, s in zip(dst, src, strict=True):

@@ -23,15 +23,14 @@ Swap mode breaks captured CUDA graphs (they keep the old addresses); copy mode i
 from __future__ import annotations
 
 import logging
+import queue
 import threading
 import weakref
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from daemon.transport.ipc import IpcTransport, point_params_at
+from daemon.transport.ipc import IpcTransport
 from daemon.transport.ipc_descriptor import DescriptorError
 
 if TYPE_CHECKING:
@@ -39,66 +38,94 @@ if TYPE_CHECKING:
 
 
 class _Flip:
-    """A record's zero-copy restore: point the store's parameters at `targets`."""
+    """A zero-copy restore: point every parameter at its paired tensor (validated when paired)."""
 
-    def __init__(self, store: WeightStore, targets: dict[str, torch.Tensor]) -> None:
-        self._store = weakref.ref(store)
-        self.targets: dict[str, torch.Tensor] | None = targets
+    def __init__(self, state: _SwapState | None, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.state = state
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = pairs
 
     def __call__(self) -> None:
-        store = self._store()
-        if store is None or self.targets is None:
+        if self.pairs is None:
             raise RuntimeError("the buffers of this version were released")
-        point_params_at(store.params, self.targets)
+        for p, t in self.pairs:  # the whole flip: one .data assignment per tensor
+            p.data = t
+        if self.state is not None:
+            self.state.where = self
 
     def clear(self) -> None:
-        self.targets = None
+        self.pairs = None
 
 
-@dataclass(eq=False)
 class _SwapState:
-    own: _Flip  # the worker's own parameter storage, captured before the first swap
+    """Per store: the worker's own storage (captured before the first swap) and where params point now."""
 
-    def on_own(self, store: WeightStore) -> bool:
-        assert self.own.targets is not None
-        return all(p.data_ptr() == self.own.targets[n].data_ptr() for n, p in store.params.items())
+    def __init__(self, store: WeightStore) -> None:
+        self.own = _Flip(self, [(p, p.data) for p in store.params.values()])
+        self.where: _Flip = self.own
+
+
+def _state(store: WeightStore) -> _SwapState:
+    state = _STATES.get(store)
+    if state is None:  # first swap: the parameters are on the worker's own storage
+        state = _STATES[store] = _SwapState(store)
+    return state
+
+
+def _pairs(store: WeightStore, views: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    pairs = []
+    for name, p in store.params.items():
+        t = views[name]
+        if p.shape != t.shape or p.dtype != t.dtype or p.device != t.device:
+            raise DescriptorError(
+                f"tensor {name!r}: cannot point live {p.dtype}{list(p.shape)}@{p.device} "
+                f"at {t.dtype}{list(t.shape)}@{t.device}"
+            )
+        pairs.append((p, t))
+    return pairs
 
 
 _STATES: weakref.WeakKeyDictionary[Any, _SwapState] = weakref.WeakKeyDictionary()
+# swap pairs validated when the update's transport is built, before the worker pauses
+_PREPARED: weakref.WeakKeyDictionary[IpcTransport, list[tuple[torch.Tensor, torch.Tensor]]] = (
+    weakref.WeakKeyDictionary()
+)
 log = logging.getLogger("hotswap.transport.ipc")
 
 # Ending a lease closes an IPC handle (a device synchronize) and tells the loader: done off the
-# update's critical section, in order, by one thread.
-_releaser = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ipc-release")
-_pending: set[Future[None]] = set()
-_pending_lock = threading.Lock()
+# update's critical section (a queue put), in order, by one daemon thread.
+_leases: queue.SimpleQueue[IpcTransport] = queue.SimpleQueue()
+_outstanding = 0
+_done = threading.Condition()
+_thread: threading.Thread | None = None
 
 
-def _release_later(lease: IpcTransport) -> None:
-    def run() -> None:
+def _release_loop() -> None:
+    global _outstanding
+    while True:
+        lease = _leases.get()
         try:
             lease.close()
         except Exception as exc:  # noqa: BLE001 - a release must never take the worker down
             log.warning("releasing %s failed: %s", lease.version, exc)
-
-    fut = _releaser.submit(run)
-    with _pending_lock:
-        _pending.add(fut)
-    fut.add_done_callback(lambda f: _discard(f))
+        with _done:
+            _outstanding -= 1
+            _done.notify_all()
 
 
-def _discard(fut: Future[None]) -> None:
-    with _pending_lock:
-        _pending.discard(fut)
+def _release_later(lease: IpcTransport) -> None:
+    global _outstanding, _thread
+    with _done:
+        _outstanding += 1
+        if _thread is None:
+            _thread = threading.Thread(target=_release_loop, name="ipc-release", daemon=True)
+            _thread.start()
+    _leases.put(lease)
 
 
 def wait_for_releases(timeout: float = 30.0) -> bool:
     """Block until every scheduled lease release has finished (tests, benchmarks, shutdown)."""
-    with _pending_lock:
-        futures = list(_pending)
-    for f in futures:
-        f.result(timeout=timeout)
-    return True
+    with _done:
+        return _done.wait_for(lambda: _outstanding == 0, timeout)
 
 
 def transport_from_request(body: dict[str, Any], store: WeightStore) -> IpcTransport:
@@ -108,6 +135,8 @@ def transport_from_request(body: dict[str, Any], store: WeightStore) -> IpcTrans
     transport = IpcTransport(descriptor, device=store.device)
     try:
         transport.prepare()
+        if body.get("mode") == "swap" and transport.table().keys() == store.params.keys():
+            _PREPARED[transport] = _pairs(store, transport.views())
     except BaseException:
         transport.close()
         raise
@@ -117,20 +146,19 @@ def transport_from_request(body: dict[str, Any], store: WeightStore) -> IpcTrans
 def swap_in(transport: Any, store: WeightStore, record: VersionRecord) -> None:
     if not isinstance(transport, IpcTransport):
         raise TypeError(f"swap mode needs the ipc transport, got {type(transport).__name__}")
-    state = _STATES.get(store)
-    if state is None:  # first swap: the parameters are on the worker's own storage
-        state = _STATES[store] = _SwapState(_Flip(store, {n: p.data for n, p in store.params.items()}))
-    was_on_own = state.on_own(store)
+    state = _state(store)
+    pairs = _PREPARED.pop(transport, None) or _pairs(store, transport.views())
     lease = transport.detach()  # keeps the version acquired and mapped as long as the record lives
+    came_from = state.where
+    flip = _Flip(state, pairs)
     try:
-        views = lease.views()
-        point_params_at(store.params, views)
+        flip()
     except BaseException:
+        came_from()
         lease.close()
         raise
-    if was_on_own and store.current.restore is None:
+    if came_from is state.own and store.current.restore is None:
         store.current.restore = state.own  # the version we came from still sits in own storage
-    flip = _Flip(store, views)
     record.restore = flip
 
     def release() -> None:
@@ -144,7 +172,7 @@ def before_copy(store: WeightStore) -> None:
     state = _STATES.get(store)
     if state is None:
         return
-    if not state.on_own(store):
+    if state.where is not state.own:
         state.own()
     for rec in (store.current, store.previous):
         if rec is not None and rec.restore is state.own:
