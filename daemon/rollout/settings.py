@@ -72,9 +72,7 @@ class RolloutSettings:
     groups: dict[str, GroupSettings] = field(default_factory=dict)
     # Per-step timeouts (seconds). A step that runs past its timeout fails the worker.
     drain_timeout_s: float = 30.0  # in-flight requests finishing after readiness goes off
-    pause_timeout_s: float = 30.0
-    update_timeout_s: float = 300.0
-    post_check_timeout_s: float = 60.0  # weight_info + probe generation + resume
+    update_timeout_s: float = 300.0  # the transfer into the worker's parameters
     restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
     stage_timeout_s: float = 600.0  # ipc: loader staging a version
     # Post-deploy health window: roll back when a worker's failed share exceeds the bound.
@@ -83,16 +81,14 @@ class RolloutSettings:
     min_window_requests: int = 1  # fewer requests than this in the window: no verdict on that worker
     health_sample_s: float = 0.5
     health_poll_s: float = 5.0  # background poll of every worker's /weight_info
-    request_timeout_s: float = 10.0  # ordinary admin calls (weight_info, resume, ...)
+    request_timeout_s: float = 10.0  # every other admin call (weight_info, pause, probe, resume, ...)
 
     def validate(self, key: str) -> None:
         if self.max_unavailable < 1:
             raise _error(key, f"max_unavailable: must be >= 1, got {self.max_unavailable}")
         for name in (
             "drain_timeout_s",
-            "pause_timeout_s",
             "update_timeout_s",
-            "post_check_timeout_s",
             "restart_timeout_s",
             "stage_timeout_s",
             "health_sample_s",
