@@ -239,6 +239,7 @@ def start_fleet(
     rollout: dict[str, Any],
     checks: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
+    worker_extra: dict[str, Any] | None = None,
 ) -> Any:
     """Reset the pool onto a fresh v0, then start the daemon on it (conftest's daemon_factory);
     returns the DaemonProcess once v0 is deployed and its health window has passed."""
@@ -246,7 +247,7 @@ def start_fleet(
         db_url,
         checks=checks,
         env=env,
-        extra={"rollout": rollout, "workers": [w.spec() for w in pool.workers]},
+        extra={"rollout": rollout, "workers": [w.spec(**(worker_extra or {})) for w in pool.workers]},
         wait=False,
     )
     d.watch_dir.mkdir(parents=True)
@@ -475,6 +476,13 @@ def worker_events(registry: Any, rollout_id: int | None = None) -> list[dict[str
              "ms": e.duration_ms, "detail": e.detail or {}}
             for e in s.scalars(q)
         ]  # fmt: skip
+
+
+def worker_row(registry: Any, name: str) -> dict[str, Any]:
+    from daemon.registry import queries as q
+
+    with registry.session() as s:
+        return next(r for r in q.worker_rows(s) if r["worker"] == name)
 
 
 def aliases(registry: Any) -> dict[str, str]:

@@ -27,9 +27,11 @@ from support_rollout import (
     build_checkpoint,
     publish_into,
     rollouts,
+    spawn_worker,
     start_fleet,
     worker_events,
     worker_paths,
+    worker_row,
 )
 
 pytestmark = pytest.mark.timeout(600)
@@ -264,3 +266,53 @@ def test_manual_rollback_pin_unpin_through_the_daemon(
     assert d.stop() == 0
     down = hotswap_cli("rollback", "-c", cfg)
     assert down.returncode == 1 and "the hotswap daemon is not running" in down.stderr
+
+
+def test_dead_worker_is_marked_by_the_poll_and_restarted_before_the_next_rollout(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "health_poll_s": 0.5}, checks=FEW_CHECKS)
+    w0, w1 = pool.workers
+    old_pid = w1.kill()
+    wait_until(lambda: worker_row(d.registry, "w1")["state"] == "UNREACHABLE", 60, what="the poll to mark w1")
+    assert "no answer" in worker_row(d.registry, "w1")["last_error"]
+    assert worker_row(d.registry, "w0")["state"] == "RUNNING"
+
+    publish_into(d.watch_dir, "v1", seed=1)
+    d.wait_status("v1", "deployed", timeout=240)  # the dead worker does not sink the new version
+    assert_fleet_on([w0, w1], "v1")
+    assert w1.pid != old_pid
+    r = rollout_of(d, "v1")
+    assert r["outcome"] == "succeeded"
+    assert transitions(d, r["id"], "w1") == [
+        ("RUNNING", "UNHEALTHY", "preflight"),
+        ("UNHEALTHY", "UNHEALTHY", "restore_failed"),
+        ("UNHEALTHY", "UNHEALTHY", "restart"),
+        ("UNHEALTHY", "RUNNING", "restored"),
+        *FORWARD,
+    ]
+    assert transitions(d, r["id"], "w0") == FORWARD
+    wait_until(lambda: worker_row(d.registry, "w1")["state"] == "RUNNING", 30, what="w1 RUNNING in workers")
+
+
+def test_rollout_waits_for_a_worker_that_cannot_be_restarted(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "health_poll_s": 0.5}, checks=FEW_CHECKS,
+                    worker_extra={"restart_command": ""})  # fmt: skip
+    w0, w1 = pool.workers
+    w1.kill()
+    publish_into(d.watch_dir, "v1", seed=1)
+    wait_until(lambda: "not deployed yet" in (d.row("v1")["status_message"] or ""), 120, what="v1 held back")
+    row = d.row("v1")
+    assert row["status"] == "verified" and "w1" in row["status_message"]
+    (first,) = rollouts(d.registry)[1:]
+    assert (first["version"], first["outcome"], first["detail"]["kind"]) == ("v1", "failed", "unavailable")
+    assert transitions(d, first["id"], "w0") == []  # nothing left RUNNING before the fleet was whole
+    assert w0.info()["version"] == "v0"
+
+    spawn_worker(w1.worker_args(str(d.watch_dir / "v0"), "v0"), w1.pidfile, w1.log_file)  # an operator's fix
+    d.wait_status("v1", "deployed", timeout=240)
+    assert_fleet_on([w0, w1], "v1")
+    outcomes = [r["outcome"] for r in rollouts(d.registry) if r["version"] == "v1"]
+    assert outcomes == ["failed", "succeeded"]

@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
+from daemon.adapters.base import WorkerError
 from daemon.logging import get_logger
 from daemon.rollout.driver import StepFailed, Target, WorkerDriver
 from daemon.rollout.fleet import Fleet, WorkerHandle
@@ -21,6 +22,7 @@ from daemon.rollout.journal import CheckpointRef, Journal
 from daemon.rollout.planner import Batch, modes_of, plan
 from daemon.rollout.settings import RolloutMode, RolloutSettings
 from daemon.rollout.stage import StageError, Stager
+from daemon.rollout.states import WorkerState, parse_state
 
 log = get_logger(__name__)
 
@@ -32,6 +34,7 @@ class RolloutResult:
     reason: str | None = None
     moved: list[str] = field(default_factory=list)  # workers this rollout put on the target
     unrecovered: list[str] = field(default_factory=list)  # workers left UNHEALTHY after a failure
+    kind: str | None = None  # of the failure: refused | unreachable | mismatch | error | unavailable
 
 
 class RolloutEngine:
@@ -76,6 +79,15 @@ class RolloutEngine:
         if ckpt.status == "verified" and self.stager.transport == "ipc":
             self.journal.set_status(ckpt.id, "staged", f"staged in the loader for rollout {rid}")
 
+        unavailable = self._preflight(rid, ckpt, fallback, [w for b in batches for w in b.workers])
+        if unavailable:
+            reason = f"worker {', '.join(unavailable)} not available before the rollout and could not be restored"
+            self.journal.finish_rollout(
+                rid, "failed", {"reason": reason, "kind": "unavailable", "step": "preflight", "unrecovered": unavailable}
+            )
+            log.warning("rollout_failed", rollout=rid, version=ckpt.version, reason=reason)
+            return RolloutResult(rid, "failed", reason, unrecovered=unavailable, kind="unavailable")
+
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         for batch in batches:
             if moved and should_yield():
@@ -92,6 +104,36 @@ class RolloutEngine:
         self.journal.finish_rollout(rid, "succeeded", {"moved": names})
         log.info("rollout_succeeded", rollout=rid, version=ckpt.version, moved=names)
         return RolloutResult(rid, "succeeded", moved=names)
+
+    def _preflight(self, rid: int, ckpt: CheckpointRef, fallback: CheckpointRef | None, names: list[str]) -> list[str]:
+        """Before any worker leaves RUNNING: a worker that is down or stuck is brought back on the
+        fallback first (restore, else restart), so a dead worker is not blamed on the new version.
+        Returns the workers that could not be brought back (the rollout then does not start)."""
+        fb: Target | None = None
+        unavailable: list[str] = []
+        for name in names:
+            h = self.fleet[name]
+            with h.busy:
+                try:
+                    info = h.client.weight_info()
+                    reported = parse_state(info.state)
+                    if reported == WorkerState.RUNNING:
+                        h.state = WorkerState.RUNNING
+                        continue
+                    problem = f"worker reports state {info.state!r}"
+                    if reported is not None:
+                        h.state = reported
+                except WorkerError as exc:
+                    problem = str(exc)
+                fb = fb or self.fallback_target(fallback)
+                if h.state != WorkerState.UNHEALTHY:
+                    h.state = h.state or WorkerState.RUNNING
+                    self.driver.move(h, rid, WorkerState.UNHEALTHY, duration_ms=None,
+                                     detail={"step": "preflight", "error": problem}, error=problem)  # fmt: skip
+                why = f"not available before the rollout of {ckpt.version}: {problem}"
+                if not self.driver.recover(h, rid, why, fb, ckpt.version):
+                    unavailable.append(name)
+        return unavailable
 
     def _run_batch(
         self, batch: Batch, rid: int, target: Target
@@ -159,4 +201,4 @@ class RolloutEngine:
         }
         self.journal.finish_rollout(rid, "failed", detail)
         log.warning("rollout_failed", rollout=rid, version=ckpt.version, **detail)
-        return RolloutResult(rid, "failed", str(first), moved=[], unrecovered=unrecovered)
+        return RolloutResult(rid, "failed", str(first), moved=[], unrecovered=unrecovered, kind=first.kind)

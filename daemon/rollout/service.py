@@ -35,7 +35,7 @@ from daemon.rollout.recovery import Recovery
 from daemon.rollout.restart import Restarter
 from daemon.rollout.settings import LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.rollout.stage import Stager
-from daemon.rollout.states import WorkerState
+from daemon.rollout.states import WorkerState, parse_state
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.base import BaseScheduler
@@ -84,6 +84,7 @@ class RolloutService:
         self._pinned: str | None = None
         self._serving: str | None = None
         self._current: str | None = None
+        self._blocked: CheckpointRef | None = None  # waiting for unavailable workers to come back
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -238,6 +239,13 @@ class RolloutService:
                 out.update(self._health_window(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)
+        elif result.outcome == "failed" and result.kind == "unavailable":
+            # Not the version's fault: it waits until every worker answers again (see poll).
+            self._blocked = ckpt
+            self.journal.set_status(
+                ckpt.id, ckpt.status, f"not deployed yet (rollout {result.rollout_id}): {result.reason}; "
+                "retried when every worker is back",
+            )  # fmt: skip
         elif result.outcome == "failed":
             where = fallback.version if fallback else "their previous version"
             self.journal.set_status(
@@ -493,17 +501,26 @@ class RolloutService:
         if not self._ready.is_set() or self._stopping.is_set() or self._current is not None:
             return  # during a job the engine itself records every state change
         drift = False
+        running = 0
         for h in self.fleet:
             if not h.busy.acquire(blocking=False):
                 continue
             try:
                 drift |= self._poll_one(h)
+                running += h.state == WorkerState.RUNNING
             except Exception:
                 log.exception("health_poll_failed", worker=h.name)
             finally:
                 h.busy.release()
-        if drift and self._current is None:
+        if self._current is not None:
+            return
+        if drift:
             self.queue.command(Job("reconcile"))
+        blocked = self._blocked
+        if blocked is not None and running == len(self.fleet):
+            self._blocked = None
+            log.info("fleet_back", retrying=blocked.version)
+            self.submit(blocked.id)
 
     def _poll_one(self, h: WorkerHandle) -> bool:
         if h.managed is not None and h.managed.pid is not None and not h.managed.alive():
@@ -516,11 +533,11 @@ class RolloutService:
             info = h.client.weight_info()
         except WorkerError as exc:
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
+            h.state = None
             return False
         state = info.state if info.state in WORKER_STATES else "UNKNOWN"
         self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
-        if info.state == WorkerState.RUNNING.value:
-            h.state = WorkerState.RUNNING
+        h.state = parse_state(info.state)
         return info.state == WorkerState.RUNNING.value and self._serving is not None and info.version != self._serving
 
 
