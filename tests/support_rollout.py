@@ -240,6 +240,7 @@ def start_fleet(
     checks: dict[str, Any] | None = None,
     env: dict[str, str] | None = None,
     worker_extra: dict[str, Any] | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Any:
     """Reset the pool onto a fresh v0, then start the daemon on it (conftest's daemon_factory);
     returns the DaemonProcess once v0 is deployed and its health window has passed."""
@@ -247,7 +248,7 @@ def start_fleet(
         db_url,
         checks=checks,
         env=env,
-        extra={"rollout": rollout, "workers": [w.spec(**(worker_extra or {})) for w in pool.workers]},
+        extra={"rollout": rollout, "workers": [w.spec(**(worker_extra or {})) for w in pool.workers], **(extra or {})},
         wait=False,
     )
     d.watch_dir.mkdir(parents=True)
@@ -457,7 +458,8 @@ def rollouts(registry: Any) -> list[dict[str, Any]]:
     with registry.session() as s:
         rows = s.execute(select(Rollout, Checkpoint.version).join(Checkpoint).order_by(Rollout.id)).all()
         return [
-            {"id": r.id, "version": v, "trigger": r.trigger, "outcome": r.outcome, "mode": r.mode, "detail": r.detail or {}}
+            {"id": r.id, "version": v, "trigger": r.trigger, "outcome": r.outcome, "mode": r.mode,
+             "transport": r.transport, "detail": r.detail or {}}
             for r, v in rows
         ]
 

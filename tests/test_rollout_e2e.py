@@ -24,6 +24,7 @@ from support_rollout import (
     publish_into,
     rollouts,
     start_fleet,
+    worker_events,
     worker_paths,
 )
 
@@ -127,3 +128,44 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         d.close()
         with contextlib.suppress(OSError, ValueError, TypeError):  # never leave the child behind
             os.kill(json.loads((state / "worker-local.json").read_text())["pid"], signal.SIGKILL)
+
+
+def test_ipc_transport_stages_once_and_restores_by_ipc(
+    tmp_path: Path, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """transport = "ipc": the loader stages each version before any worker leaves RUNNING, workers
+    copy from its shared buffer (host shared memory here; CUDA IPC on GPUs), and a failed worker is
+    restored to the last good version by ipc too."""
+    from support_ipc import LoaderProcess, shm_dir
+
+    with shm_dir() as shm:
+        loader = LoaderProcess(tmp_path / "loader.sock", shm, "--max-versions", "4")
+        try:
+            d = start_fleet(
+                daemon_factory, f"sqlite:///{tmp_path / 'registry.db'}", pool,
+                rollout={"transport": "ipc", "mode": "pause", "health_window_s": 0.3},
+                checks={"enabled": ["manifest", "headers", "crc32c"]},
+                extra={"loader": {"socket": str(loader.socket_path)}},
+            )  # fmt: skip
+            workers = pool.workers
+            with LoadGen([w.url for w in workers], concurrency=2, max_seconds=300) as load:
+                for i in (1, 2):
+                    publish_into(d.watch_dir, f"v{i}", seed=i)
+                    d.wait_status(f"v{i}", "deployed", timeout=120)
+                publish_into(d.watch_dir, "v3", seed=3, fault="nan")  # its probe fails
+                row = d.wait_status("v3", "rejected", timeout=120)
+                load.wait_requests(5)
+            assert load.stats.errors == []
+            assert_fleet_on(workers, "v2")
+            assert all(w.info()["transport"] == "ipc" for w in workers)
+            assert "non-finite" in row["status_message"]
+            by_version = {r["version"]: r for r in rollouts(d.registry) if r["trigger"] == "new"}
+            assert {r["transport"] for r in by_version.values()} == {"ipc"}
+            restored = [e for e in worker_events(d.registry, by_version["v3"]["id"]) if e["detail"].get("action") == "restored"]
+            assert restored and restored[0]["detail"]["how"] == "update to v2 (ipc)"
+            updated = [e for e in worker_events(d.registry, by_version["v2"]["id"]) if e["to"] == "UPDATED"]
+            assert {e["detail"]["transport"] for e in updated} == {"ipc"} and len(updated) == 2
+            staged = {v["version"] for v in loader.client.status()["versions"]}
+            assert {"v2"} <= staged and "v0" not in staged  # versions no worker can need are dropped
+        finally:
+            loader.stop()
