@@ -78,6 +78,8 @@ def test_bad_checkpoints_are_refused_and_leave_nothing(loader: LoaderProcess, ck
 def test_in_use_versions_are_never_freed(loader: LoaderProcess, ckpts: dict[str, Path]) -> None:
     c = loader.client
     c.stage("v1", str(ckpts["v1"]))
+    with pytest.raises(LoaderError, match="positive process id"):
+        c.acquire("v1", "worker-a", pid=-1)  # never a process group
     c.acquire("v1", "worker-a", pid=os.getpid())
     with pytest.raises(LoaderError, match=r"in use by worker-a \(1\)"):
         c.drop("v1")

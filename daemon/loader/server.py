@@ -34,6 +34,7 @@ from daemon.loader.protocol import (
 )
 from daemon.loader.staging import StagingError
 from daemon.loader.store import Backend, CudaBackend, LoaderStore, ShmBackend, StoreError
+from daemon.transport.ipc_shm import ShmError
 
 log = logging.getLogger("hotswap.loader")
 
@@ -46,7 +47,7 @@ _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
     "drop": {"version": (str, True)},
     "status": {},
 }
-_EXPECTED = (StoreError, LayoutError, HeaderError, StagingError, OSError)
+_EXPECTED = (StoreError, LayoutError, HeaderError, StagingError, ShmError, OSError)
 
 
 def dispatch(store: LoaderStore, request: dict[str, Any]) -> dict[str, Any]:

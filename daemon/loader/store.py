@@ -10,6 +10,7 @@ from the same directory returns the existing one, from another directory is refu
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import threading
@@ -78,13 +79,13 @@ class ShmBackend:
         self.directory = directory
         self.threads = threads
         self.devices = [HOST_DEVICE]
-        self._seq = 0
+        self._seq = itertools.count(1)  # next() is atomic: concurrent stages get distinct names
 
     def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
         from daemon.transport.ipc_shm import ShmSegment, segment_name
 
-        self._seq += 1
-        return [_ShmBuffer(ShmSegment(self.directory, segment_name(os.getpid(), self._seq, name), nbytes))]
+        seq = next(self._seq)
+        return [_ShmBuffer(ShmSegment(self.directory, segment_name(os.getpid(), seq, name), nbytes))]
 
     def fill(self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...]) -> None:
         (buf,) = buffers
@@ -345,6 +346,8 @@ class LoaderStore:
         raise StoreError(f"unknown device {device!r}; staged devices: {', '.join(self.backend.devices)}")
 
     def acquire(self, version: str, worker: str, pid: int | None = None) -> dict[str, Any]:
+        if pid is not None and pid <= 0:
+            raise StoreError(f"pid must be a positive process id, got {pid}")
         with self._lock:
             v = self._ready(version)
             h = v.holders.setdefault(worker, Holder(0, pid))

@@ -54,7 +54,8 @@ class ShmSegment:
         except OSError as exc:
             raise ShmError(f"{self.path}: cannot create segment ({exc.strerror})") from None
         try:
-            os.ftruncate(self._fd, nbytes)
+            # reserve the pages now: a full tmpfs fails here with ENOSPC, not later with SIGBUS
+            os.posix_fallocate(self._fd, 0, nbytes)
             self._map: mmap.mmap | None = mmap.mmap(self._fd, nbytes, mmap.MAP_SHARED)
         except OSError as exc:
             self.unlink()
