@@ -52,8 +52,10 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'registry.db'}"
 
 
-def hold(state: str, worker: str, version: str, release: Path | None = None) -> dict[str, str]:
-    env = {"HOTSWAP_TEST_HOLD_STATE": state, "HOTSWAP_TEST_HOLD_WORKER": worker, "HOTSWAP_TEST_HOLD_VERSION": version}
+def hold(state: str, worker: str, version: str | None, release: Path | None = None) -> dict[str, str]:
+    env = {"HOTSWAP_TEST_HOLD_STATE": state, "HOTSWAP_TEST_HOLD_WORKER": worker}
+    if version is not None:
+        env["HOTSWAP_TEST_HOLD_VERSION"] = version
     if release is not None:
         env["HOTSWAP_TEST_HOLD_RELEASE"] = str(release)
     return env
@@ -316,3 +318,28 @@ def test_rollout_waits_for_a_worker_that_cannot_be_restarted(
     assert_fleet_on([w0, w1], "v1")
     outcomes = [r["outcome"] for r in rollouts(d.registry) if r["version"] == "v1"]
     assert outcomes == ["failed", "succeeded"]
+
+
+def test_daemon_sigkilled_in_the_failure_path_undoes_the_rollout_on_restart(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS,
+                    env=hold("UNHEALTHY", "w0", None))  # fmt: skip
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1, fault="nan")  # w0's post-check fails
+    wait_until(lambda: any(e["worker"] == "w0" and e["to"] == "UNHEALTHY" for e in worker_events(d.registry)), 120,
+               what="w0 UNHEALTHY")  # fmt: skip
+    d.kill()  # before the failure path restored anything: w0 sits in UPDATED on the bad weights
+    info = w0.info()
+    assert (info["state"], info["version"]) == ("UPDATED", "v1")
+
+    d.env = {}
+    d.start(timeout=90)
+    row = d.wait_status("v1", "rejected", timeout=180)
+    assert "undone" in row["status_message"]
+    assert_fleet_on([w0, w1], "v0")
+    r = rollout_of(d, "v1")
+    assert r["outcome"] == "failed" and r["detail"]["recovered_to"] == "v0"
+    tail = transitions(d, r["id"], "w0")[-2:]
+    assert tail[-1] == ("UNHEALTHY", "RUNNING", "restored")
+    assert transitions(d, r["id"], "w1") == []
