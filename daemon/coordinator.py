@@ -14,6 +14,7 @@ the `version` column is unique and re-discovery of a known version is a no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import queue
 import threading
@@ -175,6 +176,32 @@ class Coordinator:
             bind_version(log, version).info("resuming unfinished checkpoint", status=status)
             self._queue.put(ckpt_id)
         return [v for _, v, _ in pending]
+
+    def retry_deferred(self) -> list[str]:
+        """Re-queue `deferred` checkpoints whose headroom check now passes (memory freed).
+
+        Only the headroom check runs here (cheap: headers + one memory reading); a
+        checkpoint that passes it goes back to `discovered` and through every check again.
+        """
+        with self.registry.session() as s:
+            deferred = [(c.id, c.version, c.local_path) for c in q.checkpoints_with_status(s, "deferred")]
+        if not deferred:
+            return []
+        probe = dataclasses.replace(self.check_settings, enabled=("headroom",))
+        requeued: list[str] = []
+        for ckpt_id, version, local_path in deferred:
+            report = run_checks(Path(local_path or ""), probe)
+            if not report.ok:
+                continue
+            with self.registry.session() as s:
+                ckpt = q.get_checkpoint_by_id(s, ckpt_id)
+                if ckpt is None or ckpt.status != "deferred":
+                    continue
+                q.set_status(s, ckpt, "discovered", "retrying: headroom is available again")
+            bind_version(log, version).info("deferred checkpoint re-queued: headroom available")
+            self._queue.put(ckpt_id)
+            requeued.append(version)
+        return requeued
 
     # -- step: verify --------------------------------------------------------------------
 

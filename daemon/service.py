@@ -86,6 +86,15 @@ class Daemon:
                 app.include_router(make_router(self.rollout))
             self.api = ApiServer(app, *listen)
             self.api.start()
+        # a checkpoint deferred for lack of memory is retried once its headroom check passes
+        self.scheduler.add_job(
+            self.coordinator.retry_deferred,
+            "interval",
+            seconds=cfg.checks.deferred_retry_s,
+            id="retry-deferred",
+            max_instances=1,
+            coalesce=True,
+        )
         interval = cfg.daemon.watchdog_interval_s or systemd.watchdog_interval_s()
         if interval:
             self.scheduler.add_job(systemd.watchdog_ping, "interval", seconds=interval, id="sd-watchdog")

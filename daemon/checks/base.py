@@ -43,6 +43,7 @@ class CheckSettings:
     reference_dir: Path | None = None  # compat/forward reference when the caller passes none
     finite_chunk_bytes: int = 16 * 1024 * 1024
     headroom_factor: float = 1.5
+    deferred_retry_s: float = 30.0  # how often the daemon re-tests `deferred` checkpoints' headroom
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"
     forward_device: str = "cpu"
@@ -54,6 +55,8 @@ class CheckSettings:
         unknown = [n for n in self.enabled if n not in CHECK_NAMES]
         if unknown:
             raise ValueError(f"checks.enabled: unknown check names {unknown}; known: {list(CHECK_NAMES)}")
+        if self.deferred_retry_s <= 0:
+            raise ValueError(f"checks.deferred_retry_s must be > 0, got {self.deferred_retry_s}")
         if self.headroom_factor <= 0:
             raise ValueError(f"checks.headroom_factor must be > 0, got {self.headroom_factor}")
         if self.crc_chunk_bytes < 4096 or self.finite_chunk_bytes < 4096:

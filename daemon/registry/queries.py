@@ -237,6 +237,11 @@ def unfinished_checkpoints(s: Session) -> Sequence[Checkpoint]:
     ).all()
 
 
+def checkpoints_with_status(s: Session, status: str) -> Sequence[Checkpoint]:
+    """Checkpoints in one status, oldest first."""
+    return s.scalars(select(Checkpoint).where(Checkpoint.status == status).order_by(Checkpoint.id)).all()
+
+
 def known_versions(s: Session) -> set[str]:
     return set(s.scalars(select(Checkpoint.version)))
 
