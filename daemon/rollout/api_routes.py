@@ -19,7 +19,8 @@ from typing import Any
 from fastapi import APIRouter, Body
 from fastapi.responses import JSONResponse
 
-from daemon.rollout.service import CommandError, RolloutService
+from daemon.rollout.commands import CommandError
+from daemon.rollout.service import RolloutService
 
 DEFAULT_WAIT_S = 900.0
 

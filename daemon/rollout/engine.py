@@ -94,7 +94,7 @@ class RolloutEngine:
                 names = [h.name for h, _ in moved]
                 self.journal.finish_rollout(rid, "superseded", {"moved": names})
                 log.info("rollout_superseded", rollout=rid, version=ckpt.version, moved=names)
-                return RolloutResult(rid, "superseded", "a newer version arrived", moved=names)
+                return RolloutResult(rid, "superseded", "stopped at a batch boundary for newer work", moved=names)
             outcomes = self._run_batch(batch, rid, target)
             moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
             failures = [(h, f) for h, _, f in outcomes if f is not None]

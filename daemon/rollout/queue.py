@@ -75,9 +75,9 @@ class RolloutQueue:
         with self._cond:
             return self._pending is not None and self._pending.id > checkpoint_id
 
-    def has_command(self) -> bool:
+    def has_command(self, kinds: tuple[JobKind, ...] | None = None) -> bool:
         with self._cond:
-            return bool(self._commands)
+            return any(kinds is None or j.kind in kinds for j in self._commands)
 
     @property
     def pending(self) -> CheckpointRef | None:

@@ -22,20 +22,18 @@ from daemon.adapters import make_client
 from daemon.adapters.base import WorkerError
 from daemon.logging import get_logger
 from daemon.registry import Registry
-from daemon.registry.models import WORKER_STATES
-from daemon.rollout import health
+from daemon.rollout import commands, health, poll, startup
+from daemon.rollout.commands import CommandError
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.faults import Faults
 from daemon.rollout.fleet import Fleet, WorkerHandle
 from daemon.rollout.journal import CheckpointRef, Journal
-from daemon.rollout.managed import ManagedWorker, ensure_seed
-from daemon.rollout.queue import Job, RolloutQueue
-from daemon.rollout.recovery import Recovery
+from daemon.rollout.managed import ManagedWorker
+from daemon.rollout.queue import Job, JobKind, RolloutQueue
 from daemon.rollout.restart import Restarter
 from daemon.rollout.settings import LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.rollout.stage import Stager
-from daemon.rollout.states import WorkerState, parse_state
 
 if TYPE_CHECKING:
     from apscheduler.schedulers.base import BaseScheduler
@@ -45,15 +43,7 @@ if TYPE_CHECKING:
 log = get_logger(__name__)
 
 LOOKAHEAD_MAX_S = 600.0  # longest wait for newer checkpoints still being verified
-DEPLOYABLE_STATUSES = ("verified", "staged", "deployed", "retired", "rejected", "superseded")
-
-
-class CommandError(ValueError):
-    """An operator command that cannot be done; `status` is the HTTP status the API answers with."""
-
-    def __init__(self, message: str, status: int = 409) -> None:
-        super().__init__(message)
-        self.status = status
+MOVES_FLEET: tuple[JobKind, ...] = ("rollback", "pin")  # operator commands that redeploy every worker
 
 
 class RolloutService:
@@ -81,10 +71,10 @@ class RolloutService:
         self.stager = Stager(settings, _loader_client(loader, settings, state_dir) if settings.transport == "ipc" else None)
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
         self.queue = RolloutQueue()
-        self._pinned: str | None = None
-        self._serving: str | None = None
-        self._current: str | None = None
-        self._blocked: CheckpointRef | None = None  # waiting for unavailable workers to come back
+        self.pinned: str | None = None
+        self.serving_version: str | None = None
+        self.current_job: str | None = None
+        self.blocked: CheckpointRef | None = None  # waiting for unavailable workers to come back
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -98,12 +88,12 @@ class RolloutService:
         self.journal.register_workers((h.spec, h.url) for h in self.fleet)
         # On the caller's thread, before the coordinator starts: making the seed imports
         # transformers, and two threads importing it at once can fail.
-        self._ensure_seed()
+        startup.seed_if_empty(self)
         self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
         self._thread.start()
         if scheduler is not None:
             scheduler.add_job(
-                self.poll, "interval", seconds=self.settings.health_poll_s, id="worker-health",
+                poll.poll, "interval", args=[self], seconds=self.settings.health_poll_s, id="worker-health",
                 max_instances=1, coalesce=True,
             )  # fmt: skip
 
@@ -118,6 +108,10 @@ class RolloutService:
                     h.managed.stop()
         self.fleet.close()
 
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         """True once bootstrap and crash recovery are done."""
         return self._ready.wait(timeout)
@@ -130,8 +124,8 @@ class RolloutService:
             return
         replaced = self.queue.offer(ckpt)
         if replaced is not None:
-            self._supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
-        log.info("rollout_queued", version=ckpt.version, pinned=self._pinned, busy=self._current)
+            self.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
+        log.info("rollout_queued", version=ckpt.version, pinned=self.pinned, busy=self.current_job)
 
     def rollback(self, to: str | None = None) -> Future[dict[str, Any]]:
         return self.queue.command(Job("rollback", version=to))
@@ -147,10 +141,10 @@ class RolloutService:
         last_good = self.journal.alias("last_good")
         return {
             "ready": self._ready.is_set(),
-            "current": self._current,
+            "current": self.current_job,
             "pending": pending.version if pending else None,
-            "pinned": self._pinned,
-            "serving": self._serving,
+            "pinned": self.pinned,
+            "serving": self.serving_version,
             "last_good": last_good.version if last_good else None,
             "transport": self.settings.transport,
             "workers": [
@@ -163,16 +157,16 @@ class RolloutService:
     # -- the runner ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            self._bootstrap()
+            startup.bootstrap(self)
         except Exception:
             log.exception("rollout_bootstrap_failed")
         finally:
             self._ready.set()
         while not self._stopping.is_set():
-            job = self.queue.take(0.5, deploy_allowed=self._pinned is None)
+            job = self.queue.take(0.5, deploy_allowed=self.pinned is None)
             if job is None:
                 continue
-            self._current = job.describe()
+            self.current_job = job.describe()
             try:
                 job.future.set_result(self._execute(job))
             except CommandError as exc:
@@ -182,23 +176,24 @@ class RolloutService:
                 log.exception("rollout_job_failed", job=job.describe())
                 job.future.set_exception(exc)
             finally:
-                self._current = None
+                self.current_job = None
 
     def _execute(self, job: Job) -> dict[str, Any]:
         if job.kind == "deploy":
             assert job.checkpoint is not None
             return self._deploy_new(job.checkpoint)
         if job.kind == "rollback":
-            return self._rollback(job.version)
+            return commands.rollback(self, job.version)
         if job.kind == "pin":
             assert job.version is not None
-            return self._pin(job.version)
+            return commands.pin(self, job.version)
         if job.kind == "unpin":
-            return self._unpin()
-        return self._reconcile()
+            return commands.unpin(self)
+        return commands.reconcile(self)
 
     def _yield_wanted(self, checkpoint_id: int) -> bool:
-        return self.queue.newer_than(checkpoint_id) or self.queue.has_command() or self._stopping.is_set()
+        """Stop a rollout at the next batch boundary: something that moves every worker anyway is waiting."""
+        return self.queue.newer_than(checkpoint_id) or self.queue.has_command(MOVES_FLEET) or self.stopping
 
     def _deploy_new(self, ckpt: CheckpointRef) -> dict[str, Any]:
         # Newer checkpoints still being verified would supersede this one: wait for them.
@@ -211,19 +206,19 @@ class RolloutService:
         ):
             time.sleep(0.1)
         if self.queue.newer_than(ckpt.id):
-            self._supersede(ckpt, by=self.queue.pending)
+            self.supersede(ckpt, by=self.queue.pending)
             return {"version": ckpt.version, "outcome": "superseded"}
         fresh = self.journal.checkpoint(ckpt.id)
         if fresh is None or fresh.status not in ("verified", "staged"):
             return {"version": ckpt.version, "outcome": "skipped", "status": fresh.status if fresh else None}
         serving = self.journal.alias("serving")
-        fallback = self._fallback()
+        fallback = self.fallback()
         result = self.engine.deploy(
             fresh, trigger="new", fallback=fallback, should_yield=lambda: self._yield_wanted(fresh.id)
         )
-        return self._conclude(fresh, result, serving, fallback, trigger="new")
+        return self.conclude(fresh, result, serving, fallback, trigger="new")
 
-    def _conclude(
+    def conclude(
         self,
         ckpt: CheckpointRef,
         result: RolloutResult,
@@ -234,14 +229,14 @@ class RolloutService:
     ) -> dict[str, Any]:
         out = {"rollout_id": result.rollout_id, "version": ckpt.version, "outcome": result.outcome, "reason": result.reason}
         if result.outcome == "succeeded":
-            self._mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
+            self.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
             if trigger == "new" and self.settings.health_window_s > 0:
-                out.update(self._health_window(ckpt, result.rollout_id, fallback))
+                out.update(self.health_window(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)
         elif result.outcome == "failed" and result.kind == "unavailable":
             # Not the version's fault: it waits until every worker answers again (see poll).
-            self._blocked = ckpt
+            self.blocked = ckpt
             self.journal.set_status(
                 ckpt.id, ckpt.status, f"not deployed yet (rollout {result.rollout_id}): {result.reason}; "
                 "retried when every worker is back",
@@ -254,15 +249,14 @@ class RolloutService:
         elif result.outcome == "superseded":
             newer = self.queue.pending
             if newer is not None and newer.id > ckpt.id:
-                self._supersede(ckpt, by=newer, rollout_id=result.rollout_id)
+                self.supersede(ckpt, by=newer, rollout_id=result.rollout_id)
             else:
-                self.journal.set_status(
-                    ckpt.id, ckpt.status, f"rollout {result.rollout_id} stopped for an operator command"
-                )
+                why = "the daemon shutting down (resumed on its next start)" if self.stopping else "an operator command"
+                self.journal.set_status(ckpt.id, ckpt.status, f"rollout {result.rollout_id} stopped for {why}")
         return out
 
-    def _health_window(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        verdict = health.watch(self.fleet, self.settings, lambda: self.queue.has_command() or self._stopping.is_set())
+    def health_window(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
+        verdict = health.watch(self.fleet, self.settings, lambda: self.queue.has_command(MOVES_FLEET) or self.stopping)
         window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
         if verdict.aborted:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
@@ -287,14 +281,14 @@ class RolloutService:
         )
         self.journal.set_status(ckpt.id, "rejected", f"rolled back to {fallback.version} after deploy: {verdict.reason}")
         if rb.outcome == "succeeded":
-            self._mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
+            self.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
             self.journal.set_alias("last_good", fallback.id)
         return {"health_window": "failed", "rolled_back": fallback.version, "rollback_rollout_id": rb.rollout_id,
                 "rollback_outcome": rb.outcome, "reason": verdict.reason}  # fmt: skip
 
-    def _mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
+    def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
         self.journal.set_alias("serving", ckpt.id)
-        self._serving = ckpt.version
+        self.serving_version = ckpt.version
         fresh = self.journal.checkpoint(ckpt.id)
         if fresh is not None and fresh.status != "deployed":
             self.journal.set_status(ckpt.id, "deployed", message)
@@ -305,7 +299,7 @@ class RolloutService:
         last_good = self.journal.alias("last_good")
         self.stager.retain({ckpt.version} | ({last_good.version} if last_good else set()))
 
-    def _supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
+    def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
         fresh = self.journal.checkpoint(ckpt.id)
         if fresh is None or fresh.status not in ("verified", "staged"):
             return
@@ -316,7 +310,7 @@ class RolloutService:
         )  # fmt: skip
         log.info("superseded", version=ckpt.version, by=by.version if by else None)
 
-    def _fallback(self) -> CheckpointRef | None:
+    def fallback(self) -> CheckpointRef | None:
         """The version a failed rollout returns to: last_good, else serving, else what workers run now."""
         fb = self.journal.alias("last_good") or self.journal.alias("serving")
         if fb is not None:
@@ -330,216 +324,6 @@ class RolloutService:
             if known is not None and known.local_path:
                 return known
         return None
-
-    # -- operator commands -----------------------------------------------------------------
-    def _deployable(self, version: str) -> CheckpointRef:
-        ckpt = self.journal.checkpoint_by_version(version)
-        if ckpt is None:
-            raise CommandError(f"unknown version {version!r} (see `hotswap history`)", 404)
-        if not ckpt.verified or ckpt.status not in DEPLOYABLE_STATUSES:
-            raise CommandError(f"version {version!r} is {ckpt.status}: only verified versions can be deployed")
-        if not ckpt.local_path or not Path(ckpt.local_path).is_dir():
-            raise CommandError(f"version {version!r} has no local copy (was {ckpt.local_path!r})")
-        return ckpt
-
-    def _rollback(self, to: str | None) -> dict[str, Any]:
-        serving = self.journal.alias("serving")
-        if to is not None:
-            target = self._deployable(to)
-        else:
-            last_good = self.journal.alias("last_good")
-            if last_good is not None and serving is not None and last_good.id != serving.id:
-                candidate = last_good
-            else:
-                candidate = self.journal.previous_deployed(serving.id if serving else -1)
-            if candidate is None:
-                raise CommandError("nothing to roll back to: no earlier version was ever deployed")
-            target = self._deployable(candidate.version)
-        if self._pinned is not None and self._pinned != target.version:
-            raise CommandError(f"pinned to {self._pinned}: run `hotswap unpin` first")
-        result = self.engine.deploy(
-            target, trigger="rollback", fallback=target,
-            detail={"by": "operator", "from": serving.version if serving else None},
-        )  # fmt: skip
-        if result.outcome == "succeeded":
-            if serving is not None and serving.id != target.id:
-                self.journal.checkpoint_event(
-                    serving.id, "rolled_back", {"to": target.version, "by": "operator"}, result.rollout_id
-                )
-                self.journal.set_status(serving.id, "retired", f"rolled back by operator to {target.version}")
-            self._mark_serving(target, None, f"restored by operator rollback (rollout {result.rollout_id})")
-            self.journal.set_alias("last_good", target.id)
-        return {"rollout_id": result.rollout_id, "version": target.version, "outcome": result.outcome,
-                "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
-
-    def _pin(self, version: str) -> dict[str, Any]:
-        target = self._deployable(version)
-        serving = self.journal.alias("serving")
-        self.journal.set_alias("pinned", target.id)
-        self._pinned = target.version
-        out: dict[str, Any] = {"pinned": target.version, "outcome": "pinned", "rollout_id": None}
-        fallback = self._fallback()
-        result = self.engine.deploy(
-            target, trigger="manual", fallback=fallback if fallback and fallback.id != target.id else serving,
-            detail={"by": "operator", "pin": True},
-        )  # fmt: skip
-        out.update(rollout_id=result.rollout_id, outcome=result.outcome, reason=result.reason)
-        if result.outcome == "succeeded":
-            self._mark_serving(target, serving, f"pinned by operator (rollout {result.rollout_id})")
-            self.journal.set_alias("last_good", target.id)
-        else:
-            self.journal.set_alias("pinned", None)
-            self._pinned = None
-            out["pinned"] = None
-        return out
-
-    def _unpin(self) -> dict[str, Any]:
-        was = self._pinned
-        self.journal.set_alias("pinned", None)
-        self._pinned = None
-        pending = self.queue.pending
-        self.queue.wake()
-        return {"unpinned": was, "outcome": "unpinned", "next": pending.version if pending else None}
-
-    def _reconcile(self) -> dict[str, Any]:
-        """Bring workers that run something other than the serving version back to it."""
-        serving = self.journal.alias("serving")
-        if serving is None:
-            return {"outcome": "nothing to reconcile"}
-        target = self.engine.fallback_target(serving)
-        drifted = []
-        for h in self.fleet:
-            try:
-                info = h.client.weight_info()
-            except WorkerError:
-                continue
-            if info.state == WorkerState.RUNNING and target is not None and not target.matches(info):
-                drifted.append(h.name)
-        if not drifted:
-            return {"outcome": "in sync"}
-        log.warning("reconciling", workers=drifted, version=serving.version)
-        result = self.engine.deploy(
-            serving, trigger="rollback", fallback=serving, only=drifted, detail={"by": "reconcile"}
-        )
-        return {"rollout_id": result.rollout_id, "outcome": result.outcome, "workers": drifted}
-
-    # -- start-up --------------------------------------------------------------------------
-    def _bootstrap(self) -> None:
-        pinned = self.journal.alias("pinned")
-        self._pinned = pinned.version if pinned else None
-        serving = self._launch_managed()
-        self._serving = serving.version if serving else None
-        open_rollouts = self.journal.unfinished_rollouts()
-        for r in open_rollouts[:-1]:
-            self.journal.finish_rollout(r.id, "failed", {"reason": "left unfinished; a later rollout replaced it"})
-        if open_rollouts:
-            self._recover(open_rollouts[-1])
-        else:
-            serving = self.journal.alias("serving")
-            last_good = self.journal.alias("last_good")
-            rid = self.journal.last_rollout_of(serving.id) if serving else None
-            if serving is not None and rid is not None and (last_good is None or last_good.id != serving.id):
-                # The daemon stopped inside a health window: watch again before trusting the version.
-                log.info("health_window_resumed", version=serving.version)
-                self._health_window(serving, rid, last_good)
-        self.queue.command(Job("reconcile"))
-        serving = self.journal.alias("serving")
-        waiting = self.journal.newest_waiting(serving.id if serving else 0)
-        if waiting is not None:
-            log.info("resuming_waiting_checkpoint", version=waiting.version)
-            self.submit(waiting.id)
-
-    def _ensure_seed(self) -> None:
-        """A fleet of managed workers only, with nothing deployed yet: serve the tiny seed."""
-        managed = [h for h in self.fleet if h.managed is not None]
-        if not managed or len(managed) != len(self.fleet) or any(h.spec.model for h in managed):
-            return
-        if self.journal.alias("serving") is None:
-            seed = ensure_seed(self.journal, self.state_dir)
-            self.journal.set_alias("serving", seed.id)
-            self.journal.set_alias("last_good", seed.id)
-
-    def _launch_managed(self) -> CheckpointRef | None:
-        serving = self.journal.alias("serving")
-        managed = [h for h in self.fleet if h.managed is not None]
-        for h in managed:
-            assert h.managed is not None
-            if h.managed.adopt():
-                continue
-            model = serving.local_path if serving and serving.local_path else h.spec.model
-            if not model:
-                log.error("managed_worker_without_model", worker=h.name)
-                continue
-            h.managed.launch(model, serving.version if serving else None)
-        for h in managed:
-            if self.driver.wait_answering(h, self.settings.restart_timeout_s) is None:
-                log.error("managed_worker_not_ready", worker=h.name, log_file=str(h.managed.log_file if h.managed else ""))
-        return serving
-
-    def _recover(self, rollout: Any) -> None:
-        fb_version = rollout.detail.get("fallback")
-        fallback = self.journal.checkpoint_by_version(fb_version) if fb_version else None
-        serving = self.journal.alias("serving")
-        rec = Recovery(self.journal, self.engine, self.driver).run(rollout, fallback)
-        detail = {"recovered": True, "recovered_to": rec.version, "unrecovered": rec.unrecovered}
-        ckpt = rollout.checkpoint
-        if rec.finished and not rec.unrecovered:
-            self.journal.finish_rollout(rollout.id, "succeeded", detail)
-            result = RolloutResult(rollout.id, "succeeded")
-            self._conclude(ckpt, result, serving, fallback, trigger=rollout.trigger)
-            if rollout.trigger != "new":
-                self.journal.set_alias("last_good", ckpt.id)
-        else:
-            reason = "daemon restarted after the rollout had failed; undone" if not rec.finished else "not every worker recovered"
-            self.journal.finish_rollout(rollout.id, "failed", {**detail, "reason": reason})
-            if rollout.trigger == "new":
-                self.journal.set_status(ckpt.id, "rejected", f"rollout {rollout.id}: {reason}")
-
-    # -- health poll -----------------------------------------------------------------------
-    def poll(self) -> None:
-        """Refresh every idle worker's row from /weight_info; relaunch a dead managed worker."""
-        if not self._ready.is_set() or self._stopping.is_set() or self._current is not None:
-            return  # during a job the engine itself records every state change
-        drift = False
-        running = 0
-        for h in self.fleet:
-            if not h.busy.acquire(blocking=False):
-                continue
-            try:
-                drift |= self._poll_one(h)
-                running += h.state == WorkerState.RUNNING
-            except Exception:
-                log.exception("health_poll_failed", worker=h.name)
-            finally:
-                h.busy.release()
-        if self._current is not None:
-            return
-        if drift:
-            self.queue.command(Job("reconcile"))
-        blocked = self._blocked
-        if blocked is not None and running == len(self.fleet):
-            self._blocked = None
-            log.info("fleet_back", retrying=blocked.version)
-            self.submit(blocked.id)
-
-    def _poll_one(self, h: WorkerHandle) -> bool:
-        if h.managed is not None and h.managed.pid is not None and not h.managed.alive():
-            serving = self.journal.alias("serving")
-            log.warning("managed_worker_died", worker=h.name)
-            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error="managed worker process exited")
-            h.managed.relaunch(serving.local_path if serving else None, serving.version if serving else None)
-            return False
-        try:
-            info = h.client.weight_info()
-        except WorkerError as exc:
-            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
-            h.state = None
-            return False
-        state = info.state if info.state in WORKER_STATES else "UNKNOWN"
-        self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
-        h.state = parse_state(info.state)
-        return info.state == WorkerState.RUNNING.value and self._serving is not None and info.version != self._serving
-
 
 def _loader_client(loader: LoaderSettings | None, settings: RolloutSettings, state_dir: Path) -> Any:
     from daemon.loader.client import LoaderClient
