@@ -200,6 +200,9 @@ def _parse(doc: dict[str, Any]) -> Config:
             values[name] = tp()
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
+    if config.rollout.transport == "ipc":
+        # staging through the loader needs GPU (or /dev/shm) room too, so headroom checks it
+        config.checks.ipc_enabled = True
     return config
 
 

@@ -151,3 +151,13 @@ def test_cli_bad_config_is_one_line_and_exit_2(tmp_path, command):
         f"hotswap: error: {path}: sources[0].path: expected a string, got integer 3"
     ]
     assert "Traceback" not in out.stdout + out.stderr
+
+
+def test_ipc_transport_turns_on_the_gpu_headroom_check(tmp_path):
+    from daemon.config import load_config
+
+    cfg_file = tmp_path / "c.toml"
+    cfg_file.write_text('[rollout]\ntransport = "ipc"\n')
+    assert load_config(cfg_file).checks.ipc_enabled is True
+    cfg_file.write_text('[rollout]\ntransport = "disk"\n')
+    assert load_config(cfg_file).checks.ipc_enabled is False
