@@ -93,7 +93,7 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         tmp_path / "config.toml",
         daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "log_level": "debug"},
         sources=[{"path": str(watch)}],
-        rollout={"health_window_s": 0.3},
+        rollout={"health_window_s": 0.3, "health_poll_s": 0.5},
         workers=[{"name": "local", "launch": "managed", "device": "cpu"}],
     )
     d = DaemonProcess(tmp_path, cfg, f"sqlite:///{state / 'hotswap.db'}", watch, state, {})
@@ -120,6 +120,12 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         publish_into(watch, "step-2", seed=2)
         d.wait_status("step-2", "deployed", timeout=120)
         assert json.loads((state / "worker-local.json").read_text())["pid"] == first_pid
+
+        os.kill(first_pid, signal.SIGKILL)  # the worker crashes: the health poll relaunches it
+        relaunched = wait_until(lambda: (p := json.loads((state / "worker-local.json").read_text())["pid"]) != first_pid and p,
+                                30, what="the relaunch")  # fmt: skip
+        wait_until(lambda: info()["state"] == "RUNNING" and info()["version"] == "step-2", 180, what="step-2 again")
+        assert relaunched != first_pid
 
         assert d.stop() == 0  # SIGTERM: the daemon stops its worker too
         with pytest.raises(httpx.HTTPError):

@@ -272,17 +272,21 @@ class RolloutService:
         if fallback is None or fallback.id == ckpt.id:
             self.journal.set_status(ckpt.id, "deployed", f"health window failed ({verdict.reason}) but no earlier version to roll back to")
             return {"health_window": "failed", "rolled_back": None}
+        # Recorded before the rollback runs: a daemon killed during it finds the verdict written.
+        self.journal.set_status(ckpt.id, "rejected", f"rolled back to {fallback.version} after deploy: {verdict.reason}")
+        self.journal.checkpoint_event(
+            ckpt.id, "rolled_back", {"to": fallback.version, "by": "health_window", "reason": verdict.reason}, rid
+        )
         rb = self.engine.deploy(
             fallback, trigger="rollback", fallback=fallback,
             detail={"by": "health_window", "from": ckpt.version, "reason": verdict.reason, "rolled_back_rollout": rid},
         )  # fmt: skip
-        self.journal.checkpoint_event(
-            ckpt.id, "rolled_back", {"to": fallback.version, "by": "health_window", "reason": verdict.reason}, rb.rollout_id
-        )
-        self.journal.set_status(ckpt.id, "rejected", f"rolled back to {fallback.version} after deploy: {verdict.reason}")
-        if rb.outcome == "succeeded":
+        if rb.outcome == "succeeded" or (rb.outcome == "failed" and rb.kind != "unavailable"):
+            # A failed rollback still restored every worker it reached to the fallback.
             self.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
             self.journal.set_alias("last_good", fallback.id)
+        else:
+            log.error("automatic_rollback_incomplete", version=ckpt.version, outcome=rb.outcome, reason=rb.reason)
         return {"health_window": "failed", "rolled_back": fallback.version, "rollback_rollout_id": rb.rollout_id,
                 "rollback_outcome": rb.outcome, "reason": verdict.reason}  # fmt: skip
 
