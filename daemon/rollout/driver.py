@@ -115,10 +115,12 @@ class WorkerDriver:
 
     def fail(self, h: WorkerHandle, rollout_id: int | None, step: str, exc: Exception | str, t0: float) -> StepFailed:
         """Record the move to UNHEALTHY for a failed step; return the exception to raise."""
-        reason = str(exc)
-        kind = exc.kind if isinstance(exc, StepFailed) else (_kind(exc) if isinstance(exc, Exception) else "error")
         if isinstance(exc, StepFailed):
-            reason = exc.reason
+            reason, kind = exc.reason, exc.kind
+        elif isinstance(exc, Exception):
+            reason, kind = str(exc), _kind(exc)
+        else:
+            reason, kind = exc, "error"
         failed = StepFailed(h.name, step, reason, kind=kind)
         self.move(
             h,
@@ -146,17 +148,15 @@ class WorkerDriver:
             h.state = S.RUNNING
             return False
         if reported != S.RUNNING:
-            h.state = S.RUNNING if h.state is None else h.state
-            raise self.fail(
-                h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0
-            )
+            h.state = h.state or S.RUNNING
+            raise self.fail(h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0)
         h.state = S.RUNNING
         self.begin(h, rollout_id, mode, target.version)
         self.transfer(h, rollout_id, target)
         self.finish(h, rollout_id, target)
         return True
 
-    def begin(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str) -> None:
+    def begin(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str | None) -> None:
         to = BEGIN_STATE[mode]
         t0 = time.perf_counter()
         try:
@@ -254,6 +254,11 @@ class WorkerDriver:
         how = "unchanged"
         try:
             info = h.client.weight_info()
+            if parse_state(info.state) == S.UNHEALTHY:
+                # The worker's own write failed and could not be undone: it restores its retained
+                # last good weights first (the only call it takes in that state).
+                how = f"worker rollback to {h.client.rollback().version}"
+                info = h.client.weight_info()
             if fallback is None:
                 fallback_version = info.version or ""
                 if avoid is not None and info.version == avoid:
@@ -272,15 +277,9 @@ class WorkerDriver:
             self.resume(h)
         except (WorkerError, StepFailed) as exc:
             log.warning("restore_failed", worker=h.name, error=str(exc))
-            self.journal.transition(
-                rollout_id=rollout_id,
-                worker=h.name,
-                from_state=S.UNHEALTHY.value,
-                to_state=S.UNHEALTHY.value,
-                duration_ms=_ms(t0),
-                detail={"action": "restore_failed", "error": str(exc), "why": why},
-                error=f"restore failed: {exc}",
-            )
+            self.move(h, rollout_id, S.UNHEALTHY, duration_ms=_ms(t0),
+                      detail={"action": "restore_failed", "error": str(exc), "why": why},
+                      error=f"restore failed: {exc}")  # fmt: skip
             return False
         self.move(
             h,
@@ -317,15 +316,9 @@ class WorkerDriver:
         t1 = time.perf_counter()
         info = self.wait_answering(h, self.settings.restart_timeout_s)
         if info is None:
-            self.journal.transition(
-                rollout_id=rollout_id,
-                worker=h.name,
-                from_state=S.UNHEALTHY.value,
-                to_state=S.UNHEALTHY.value,
-                duration_ms=_ms(t1),
-                detail={"action": "restart_timeout", "waited_s": self.settings.restart_timeout_s},
-                error=f"not back {self.settings.restart_timeout_s:.0f} s after restart",
-            )
+            self.move(h, rollout_id, S.UNHEALTHY, duration_ms=_ms(t1),
+                      detail={"action": "restart_timeout", "waited_s": self.settings.restart_timeout_s},
+                      error=f"not back {self.settings.restart_timeout_s:.0f} s after restart")  # fmt: skip
             return False
         return self.restore(h, rollout_id, fallback, f"{why}; restarted", avoid)
 
