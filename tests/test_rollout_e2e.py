@@ -113,9 +113,12 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         d.wait_status("step-1", "deployed", timeout=120)
         assert info()["version"] == "step-1" and info()["state"] == "RUNNING"
         first_pid = runtime["pid"]
+        back = hotswap_cli("rollback", "-c", str(cfg))  # to the seed, the one version before
+        assert back.returncode == 0 and "tiny-seed succeeded (from step-1)" in back.stdout, back.stderr
+        assert info()["version"] == "tiny-seed"
 
         d.kill()  # SIGKILL: the child keeps serving; the next daemon adopts it
-        assert info()["version"] == "step-1"
+        assert info()["version"] == "tiny-seed"
         d.start(timeout=90)
         publish_into(watch, "step-2", seed=2)
         d.wait_status("step-2", "deployed", timeout=120)

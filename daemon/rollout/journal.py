@@ -101,15 +101,19 @@ class Journal:
             record_event(s, checkpoint_id=checkpoint_id, rollout_id=rollout_id, to_state=to_state, detail=detail)
 
     def previous_deployed(self, exclude_id: int) -> CheckpointRef | None:
-        """The checkpoint of the newest successful rollout that is not `exclude_id`."""
+        """The most recently deployed version other than `exclude_id` that was not rejected since."""
         with self.registry.session() as s:
-            row = s.scalars(
-                select(Rollout)
-                .where(Rollout.outcome == "succeeded", Rollout.checkpoint_id != exclude_id)
-                .order_by(Rollout.id.desc())
+            c = s.scalars(
+                select(Checkpoint)
+                .where(
+                    Checkpoint.id != exclude_id,
+                    Checkpoint.deployed_at.is_not(None),
+                    Checkpoint.status.in_(("deployed", "retired")),
+                )
+                .order_by(Checkpoint.deployed_at.desc(), Checkpoint.id.desc())
                 .limit(1)
             ).one_or_none()
-            return _ref(row.checkpoint) if row else None
+            return _ref(c) if c else None
 
     def newer_in_verification(self, checkpoint_id: int) -> bool:
         """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""
