@@ -30,7 +30,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "loader": ("daemon.loader.server:main", "run the staging loader (CUDA IPC exporter)"),
     "verify": ("daemon.checks.cli:main", "run the checks on a checkpoint directory"),
     "publish": ("daemon.manifest:publish_main", "write hotswap-manifest.json for a checkpoint (last)"),
-    "rollback": ("daemon.rollout.control:rollback_main", "roll every worker back (to last good, or --to VERSION)"),
+    "rollback": ("daemon.rollout.control:rollback_main", "roll every worker back to the version before (or --to VERSION)"),
     "pin": ("daemon.rollout.control:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
     "unpin": ("daemon.rollout.control:unpin_main", "let new checkpoints deploy again"),
 }

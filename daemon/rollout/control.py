@@ -98,7 +98,7 @@ def _describe(doc: dict[str, Any]) -> str:
 
 
 def rollback_main(argv: Sequence[str] | None = None) -> int:
-    p = _parser("rollback", "Roll every worker back to the last good version (or --to VERSION).")
+    p = _parser("rollback", "Roll every worker back to the version deployed before the serving one (or --to VERSION).")
     p.add_argument("--to", metavar="VERSION", default=None, help="a verified version to go back to")
     args = p.parse_args(argv)
     return _run(args, "/v1/rollout/rollback", {"to": args.to})
