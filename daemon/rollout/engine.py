@@ -90,7 +90,7 @@ class RolloutEngine:
 
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         for batch in batches:
-            if moved and should_yield():
+            if should_yield():
                 names = [h.name for h, _ in moved]
                 self.journal.finish_rollout(rid, "superseded", {"moved": names})
                 log.info("rollout_superseded", rollout=rid, version=ckpt.version, moved=names)

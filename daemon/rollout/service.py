@@ -125,6 +125,10 @@ class RolloutService:
         replaced = self.queue.offer(ckpt)
         if replaced is not None:
             self.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
+        blocked = self.blocked
+        if blocked is not None and blocked.id < ckpt.id:  # a newer version takes its turn
+            self.blocked = None
+            self.supersede(blocked, by=ckpt)
         log.info("rollout_queued", version=ckpt.version, pinned=self.pinned, busy=self.current_job)
 
     def rollback(self, to: str | None = None) -> Future[dict[str, Any]]:
