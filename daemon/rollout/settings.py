@@ -36,6 +36,7 @@ from typing import Literal
 RolloutMode = Literal["drain", "pause"]
 DEFAULT_GROUP = "default"
 MANAGED_WORKER_NAME = "local"
+ADAPTED_KINDS = ("builtin",)  # kinds daemon.adapters.make_client can drive today
 _NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
 
 # Placeholders a restart command may use; each becomes one argv element.
@@ -139,6 +140,8 @@ class WorkerSpec:
             raise _error(key, f"name: {self.name!r} must be 1-128 letters, digits or _.@- (starting alphanumeric)")
         if not _NAME_RE.match(self.group):
             raise _error(key, f"group: {self.group!r} must be letters, digits or _.@-")
+        if self.kind not in ADAPTED_KINDS:
+            raise _error(key, f"kind: {self.kind!r} has no adapter in this version yet (supported: {', '.join(ADAPTED_KINDS)})")
         if self.launch == "external":
             if not self.url:
                 raise _error(key, "url: required for an external worker (e.g. http://127.0.0.1:8001)")
