@@ -343,3 +343,32 @@ def test_daemon_sigkilled_in_the_failure_path_undoes_the_rollout_on_restart(
     tail = transitions(d, r["id"], "w0")[-2:]
     assert tail[-1] == ("UNHEALTHY", "RUNNING", "restored")
     assert transitions(d, r["id"], "w1") == []
+
+
+def test_rejected_checkpoints_never_reach_a_worker(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """With every check on, bad checkpoints stop at verify: no rollout, no worker call, v0 serves."""
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST)
+    before = {w.name: w.info()["update_count"] for w in pool.workers}
+
+    publish_into(d.watch_dir, "bad-shape", seed=1, fault="shape")
+    publish_into(d.watch_dir, "bad-nan", seed=2, fault="nan")
+    tmp = d.watch_dir / ".build-bad-crc"
+    build_checkpoint(tmp, "bad-crc", seed=3)
+    (weights,) = sorted(tmp.glob("*.safetensors"))
+    with open(weights, "r+b") as f:  # one flipped bit after the manifest was written
+        f.seek(weights.stat().st_size - 5)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x01]))
+    os.replace(tmp, d.watch_dir / "bad-crc")
+
+    reasons = {v: d.wait_status(v, "rejected", timeout=120)["status_message"] for v in ("bad-shape", "bad-nan", "bad-crc")}
+    assert "mlp" in reasons["bad-shape"] and "restart" in reasons["bad-shape"], reasons
+    assert "model.norm.weight" in reasons["bad-nan"], reasons
+    assert "model.safetensors" in reasons["bad-crc"] and "crc32c" in reasons["bad-crc"], reasons
+
+    assert [r["version"] for r in rollouts(d.registry)] == ["v0"]
+    assert_fleet_on(pool.workers, "v0")
+    assert {w.name: w.info()["update_count"] for w in pool.workers} == before
