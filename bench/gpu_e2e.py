@@ -3,7 +3,7 @@
 All real processes: the daemon (`python -m daemon.cli daemon -c <generated config>`, SQLite in a
 temp state dir, one watched folder), the staging loader (`python -m daemon.cli loader`) when
 transport = "ipc", and two reference workers (`python -m daemon.cli worker --device D`) listed
-as external `[[workers]]`, behind a round-robin load generator (bench/e2e_load.py). Then N
+as external `[[workers]]`, behind a round-robin load generator (daemon/loadgen.py). Then N
 checkpoints in a row: shards written into `<watch>/.stage-V` (ignored by the source), manifest
 written by `daemon.manifest.publish`, directory renamed into the watched folder (the commit).
 Per version: commit -> `verified` (registry event), -> both workers RUNNING on it (polled
@@ -38,7 +38,7 @@ from typing import Any
 import httpx
 
 from bench.common import LAYOUTS, Layout, machine_description, print_table, write_checkpoint, write_json
-from bench.e2e_load import LoadGen
+from daemon.loadgen import LoadGen
 
 REPO = Path(__file__).resolve().parents[1]
 # ~1B parameters (0.88 B, 1.77 GB bf16): big enough for the transfer to matter, small enough for 20 updates
@@ -283,8 +283,8 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> d
         run.commit("v0", seed=args.seed)
         run.start()
         print(f"[{transport}] fleet up in {time.perf_counter() - t_start:.1f}s", flush=True)
-        with LoadGen(run.worker_urls, concurrency=args.clients, max_tokens=args.max_tokens) as load:
-            load.wait_ok(5, 120)
+        with LoadGen(run.worker_urls, concurrency=args.clients, max_tokens=args.max_tokens, max_seconds=3600) as load:
+            load.wait_requests(5, 120)
             prev, prev2 = "v0", "v0"
             for i in range(1, args.warmup + args.updates + 1):
                 if time.perf_counter() - t_start > args.budget_s:
@@ -315,7 +315,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> d
                 prev2, prev = prev, version
                 run.prune([prev2, prev])
             totals = load.snapshot()
-            errors = load.errors[:20]
+            errors = load.stats.errors[:20]
     except Exception as exc:
         tails = {p.name: p.tail(3000) for p in run.procs}
         for name, tail in tails.items():

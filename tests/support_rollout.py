@@ -18,15 +18,15 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+
+from daemon.loadgen import LoadGen, LoadStats  # noqa: F401 - re-exported for the tests
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -301,122 +301,6 @@ def publish_into(watch_dir: Path, version: str, seed: int, *, fault: str | None 
 
 
 # --------------------------------------------------------------------------- load
-
-
-@dataclass
-class LoadStats:
-    sent: int = 0
-    ok: int = 0
-    retried_503: int = 0  # rejected by a draining worker, then served by another: the LB's retry
-    errors: list[str] = field(default_factory=list)
-    versions: Counter[str] = field(default_factory=Counter)
-
-
-class LoadGen:
-    """Continuous completions, round-robin across workers, as a load balancer would send them.
-
-    Before each request it skips workers whose last `/ready` answer (polled every 50 ms) was
-    503, and a request a worker rejects with 503 (it started draining meanwhile) is retried on
-    the next worker, as nginx `proxy_next_upstream http_503` or an Envoy retry policy do.
-    Any other failure (non-200, connection error, timeout) counts as an error. Bounded in
-    request count and in time; loopback only.
-    """
-
-    def __init__(
-        self,
-        urls: list[str],
-        *,
-        concurrency: int = 2,
-        max_requests: int = 20000,
-        max_seconds: float = 600.0,
-        body: dict[str, Any] | None = None,
-        request_timeout_s: float = 120.0,
-    ) -> None:
-        self.urls = urls
-        self.concurrency = concurrency
-        self.max_requests = max_requests
-        self.max_seconds = max_seconds
-        self.body = body or {"prompt": [1, 3, 5, 7], "max_tokens": 3, "ignore_eos": True}
-        self.request_timeout_s = request_timeout_s
-        self.stats = LoadStats()
-        self._ready = dict.fromkeys(urls, True)
-        self._rr = 0
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
-
-    def __enter__(self) -> LoadGen:
-        self.start()
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
-
-    def start(self) -> None:
-        self._deadline = time.monotonic() + self.max_seconds
-        self._threads = [threading.Thread(target=self._health_loop, daemon=True)]
-        self._threads += [threading.Thread(target=self._loop, daemon=True) for _ in range(self.concurrency)]
-        for t in self._threads:
-            t.start()
-
-    def stop(self) -> LoadStats:
-        self._stop.set()
-        for t in self._threads:
-            t.join(self.request_timeout_s + 5)
-        return self.stats
-
-    def wait_requests(self, n: int, timeout: float = 60.0) -> None:
-        start = self.stats.ok
-        wait_until(lambda: self.stats.ok >= start + n, timeout, f"{n} more successful requests")
-
-    def _health_loop(self) -> None:
-        with httpx.Client(timeout=2.0) as client:
-            while not self._stop.is_set():
-                for url in self.urls:
-                    try:
-                        self._ready[url] = client.get(f"{url}/ready").status_code == 200
-                    except httpx.HTTPError:
-                        self._ready[url] = False
-                time.sleep(0.05)
-
-    def _pick(self) -> list[str]:
-        with self._lock:
-            self._rr += 1
-            order = [self.urls[(self._rr + i) % len(self.urls)] for i in range(len(self.urls))]
-        ready = [u for u in order if self._ready.get(u)]
-        return ready + [u for u in order if u not in ready]  # try unready ones last, never none
-
-    def _loop(self) -> None:
-        with httpx.Client(timeout=self.request_timeout_s) as client:
-            while not self._stop.is_set() and time.monotonic() < self._deadline:
-                with self._lock:
-                    if self.stats.sent >= self.max_requests:
-                        return
-                    self.stats.sent += 1
-                self._one(client)
-
-    def _one(self, client: httpx.Client) -> None:
-        last = ""
-        for attempt, url in enumerate(self._pick()):
-            try:
-                r = client.post(f"{url}/v1/completions", json=self.body)
-            except httpx.HTTPError as exc:
-                last = f"{url}: {type(exc).__name__}: {exc}"
-                break
-            if r.status_code == 503 and attempt + 1 < len(self.urls):
-                self._ready[url] = False
-                with self._lock:
-                    self.stats.retried_503 += 1
-                continue
-            if r.status_code == 200:
-                with self._lock:
-                    self.stats.ok += 1
-                    self.stats.versions[r.json().get("weight_version", "?")] += 1
-                return
-            last = f"{url}: HTTP {r.status_code} {r.text[:200]}"
-            break
-        with self._lock:
-            self.stats.errors.append(last)
 
 
 # --------------------------------------------------------------------------- history

@@ -1,0 +1,155 @@
+"""A load-balancer-like load generator, shared by the end-to-end tests and benchmarks.
+
+Client threads send short completions round-robin across workers. Before each request a
+client skips workers whose last `/ready` answer (polled every 50 ms) was not 200, as a load
+balancer's health check would; a request a worker answers 503 (it started draining meanwhile)
+is retried on the next worker, like nginx `proxy_next_upstream http_503`, and counted in
+`retried_503`. Anything else without a 200 (another status, a connection error, a timeout, or
+503 on every worker) is a failed request. Bounded in request count and in time; loopback only.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+MAX_KEPT_ERRORS = 1000
+
+
+@dataclass
+class LoadStats:
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    retried_503: int = 0
+    errors: list[str] = field(default_factory=list)  # the first MAX_KEPT_ERRORS failures, one line each
+    versions: Counter[str] = field(default_factory=Counter)  # weight_version of each success
+    latencies: list[float] = field(default_factory=list)  # seconds per successful request
+
+
+class LoadGen:
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        concurrency: int = 2,
+        max_requests: int = 20000,
+        max_seconds: float = 600.0,
+        max_tokens: int = 3,
+        body: dict[str, Any] | None = None,
+        request_timeout_s: float = 120.0,
+    ) -> None:
+        self.urls = urls
+        self.concurrency = concurrency
+        self.max_requests = max_requests
+        self.max_seconds = max_seconds
+        self.body = body or {"prompt": [1, 3, 5, 7], "max_tokens": max_tokens, "ignore_eos": True}
+        self.request_timeout_s = request_timeout_s
+        self.stats = LoadStats()
+        self._ready = dict.fromkeys(urls, True)
+        self._rr = 0
+        self._deadline = 0.0
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> LoadGen:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def start(self) -> None:
+        self._deadline = time.monotonic() + self.max_seconds
+        self._threads = [threading.Thread(target=self._health_loop, daemon=True)]
+        self._threads += [threading.Thread(target=self._loop, daemon=True) for _ in range(self.concurrency)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> LoadStats:
+        self._stop.set()
+        for t in self._threads:
+            t.join(self.request_timeout_s + 5)
+        return self.stats
+
+    def wait_requests(self, n: int, timeout: float = 60.0) -> None:
+        """Block until `n` more requests have succeeded."""
+        start, deadline = self.stats.ok, time.monotonic() + timeout
+        while self.stats.ok < start + n:
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"load: fewer than {n} successful requests in {timeout:g}s; errors {self.stats.errors[:3]}"
+                )
+            time.sleep(0.02)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters and latency percentiles so far (benchmarks diff two snapshots)."""
+        with self._lock:
+            s = self.stats
+            lat = sorted(s.latencies)
+            return {
+                "ok": s.ok, "failed": s.failed, "retried_503": s.retried_503,
+                "latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
+                "latency_p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))] if lat else None,
+                "latency_max_ms": 1000 * lat[-1] if lat else None,
+                "versions_served": dict(s.versions),
+            }  # fmt: skip
+
+    def _health_loop(self) -> None:
+        with httpx.Client(timeout=2.0) as client:
+            while not self._stop.is_set():
+                for url in self.urls:
+                    try:
+                        self._ready[url] = client.get(f"{url}/ready").status_code == 200
+                    except httpx.HTTPError:
+                        self._ready[url] = False
+                time.sleep(0.05)
+
+    def _order(self) -> list[str]:
+        with self._lock:
+            self._rr += 1
+            order = [self.urls[(self._rr + i) % len(self.urls)] for i in range(len(self.urls))]
+        ready = [u for u in order if self._ready.get(u)]
+        return ready + [u for u in order if u not in ready]  # unready ones last, never none
+
+    def _loop(self) -> None:
+        with httpx.Client(timeout=self.request_timeout_s) as client:
+            while not self._stop.is_set() and time.monotonic() < self._deadline:
+                with self._lock:
+                    if self.stats.sent >= self.max_requests:
+                        return
+                    self.stats.sent += 1
+                self._one(client)
+
+    def _one(self, client: httpx.Client) -> None:
+        t0 = time.perf_counter()
+        last = ""
+        for attempt, url in enumerate(self._order()):
+            try:
+                r = client.post(f"{url}/v1/completions", json=self.body)
+            except httpx.HTTPError as exc:
+                last = f"{url}: {type(exc).__name__}: {exc}"
+                break
+            if r.status_code == 503 and attempt + 1 < len(self.urls):
+                self._ready[url] = False
+                with self._lock:
+                    self.stats.retried_503 += 1
+                continue
+            if r.status_code == 200:
+                with self._lock:
+                    self.stats.ok += 1
+                    self.stats.latencies.append(time.perf_counter() - t0)
+                    self.stats.versions[str(r.json().get("weight_version", "?"))] += 1
+                return
+            last = f"{url}: HTTP {r.status_code} {r.text[:200]}"
+            break
+        with self._lock:
+            self.stats.failed += 1
+            if len(self.stats.errors) < MAX_KEPT_ERRORS:
+                self.stats.errors.append(f"{time.strftime('%H:%M:%S')} {last}")
