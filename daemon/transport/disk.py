@@ -22,7 +22,7 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -280,17 +280,7 @@ class DiskTransport:
                     errors.append(exc)
                     return
 
-        try:
-            threads = [threading.Thread(target=work, daemon=True) for _ in range(min(self.readers, 4))]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        if errors:
-            raise _as_transport_error(errors[0])
+        _run_readers([work] * min(self.readers, 4), fds, errors)
         stats.bytes += sum(loc.entry.nbytes for loc in locations)
 
     def _write_staged(
@@ -352,21 +342,26 @@ class DiskTransport:
                     with contextlib.suppress(Exception):
                         stream.synchronize()
 
-        try:
-            threads = [threading.Thread(target=work, args=(r,), daemon=True) for r in range(readers)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-        finally:
-            for fd in fds.values():
-                os.close(fd)
-        if errors:
-            raise _as_transport_error(errors[0])
+        _run_readers([lambda r=r: work(r) for r in range(readers)], fds, errors)
         stats.bytes += sum(c.nbytes for c in chunks)
         stats.chunks += len(chunks)
         stats.readers = readers
         stats.extra["read_thread_s_max"] = max(read_s) if read_s else 0.0
+
+
+def _run_readers(targets: list[Callable[[], None]], fds: dict[Path, int], errors: list[BaseException]) -> None:
+    """Run reader threads to completion, close the files, and raise the first error they recorded."""
+    try:
+        threads = [threading.Thread(target=t, daemon=True) for t in targets]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        for fd in fds.values():
+            os.close(fd)
+    if errors:
+        raise _as_transport_error(errors[0])
 
 
 def _as_transport_error(exc: BaseException) -> TransportError:
