@@ -107,7 +107,7 @@ def parse_completion(body: dict[str, Any], max_chars: int, vocab_size: int, max_
             raise _context_error(len(raw), max_positions)
         bad = next((t for t in raw if not 0 <= t < vocab_size), None)
         if bad is not None:
-            raise bad_request(f"token id {bad} is outside the vocabulary (0..{vocab_size - 1})", "prompt")
+            raise bad_request(f"'prompt' has token id {bad}, outside the vocabulary (0..{vocab_size - 1})", "prompt")
         ids = list(raw)
     else:
         raise bad_request("'prompt' must be a string or a list of token ids (one prompt per request)", "prompt")
