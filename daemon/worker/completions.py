@@ -27,7 +27,7 @@ from daemon.worker import params as P
 from daemon.worker.control import Controller
 from daemon.worker.detokenize import IncrementalDetokenizer, detokenize
 from daemon.worker.engine import Sequence
-from daemon.worker.limits import Admission, Offload, ServingLimits, read_json
+from daemon.worker.limits import Admission, Offload, ServingLimits, most_request_bytes, read_json
 from daemon.worker.model import longest_token_chars
 from daemon.worker.openai_errors import ApiError, bad_request, error_body
 
@@ -83,7 +83,7 @@ def install_serving_routes(app: FastAPI, sv: Serving) -> None:
 # -- one request ---------------------------------------------------------------------------------
 async def _generate(request: Request, sv: Serving, *, chat: bool) -> Response:
     ctl, m = sv.ctl, sv.ctl.loaded
-    body = await read_json(request.body, sv.offload)
+    body = await read_json(request.body, sv.offload, most_request_bytes(sv.max_chars, m.max_positions))
     P.check_model(body, sv.name)
     if chat:
         if m.tokenizer is None or not getattr(m.tokenizer, "chat_template", None):

@@ -2,7 +2,8 @@
 
 The event loop also answers `/health`, `/ready` and the admin routes, so nothing a serving
 client sends may hold it: bodies are capped (Content-Length checked before a byte is read,
-streamed bodies counted as they arrive), JSON over a few KB is parsed in a worker thread,
+streamed bodies counted as they arrive), a body larger than any request that fits the model's
+context is refused before it is parsed, JSON over a few KB is parsed in a worker thread,
 tokenization, chat templates and whole-text detokenization run in a small pool of their own
 (not Starlette's, which the admin routes use), and requests beyond `max_batch + max_queue`
 get 429 at once instead of waiting behind everybody else.
@@ -119,11 +120,23 @@ class Offload:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def read_json(receive_body: Callable[[], Any], offload: Offload) -> dict[str, Any]:
+async def read_json(receive_body: Callable[[], Any], offload: Offload, most: int) -> dict[str, Any]:
+    """The body as a JSON object. `most`: the largest body a request that fits the model can need;
+    a bigger one is refused before it is parsed (json.loads holds the GIL, and with it the
+    event loop, for its whole run: 100 ms and more for a body of many MB)."""
     raw = await receive_body()
+    if len(raw) > most:
+        raise ApiError(400, f"the request body is {len(raw)} bytes; a request that fits this model's context "
+                            f"needs at most {most}, refused before parsing", code="context_length_exceeded")
     if len(raw) <= INLINE_JSON_BYTES:
         return parse_json(raw)  # type: ignore[no-any-return]
     return await offload.run(parse_json, raw)  # type: ignore[no-any-return]
+
+
+def most_request_bytes(max_chars: int, max_positions: int) -> int:
+    """An upper bound on the JSON of any request that fits: the text at 6 bytes a character
+    (\\uXXXX escapes), token ids or per-message overhead at 64 bytes a token, 64 KiB for the rest."""
+    return 6 * max_chars + 64 * max_positions + (64 << 10)
 
 
 class Admission:
