@@ -109,13 +109,15 @@ async def _generate(request: Request, sv: Serving, *, chat: bool) -> Response:
         ctl.count()
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
-        seq = Sequence(
-            prompt, sampling,
-            # a whole answer needs only the end; a stream every token
-            on_token=(lambda _s, t: loop.call_soon_threadsafe(events.put_nowait, ("token", t))) if req.stream
-            else None,
-            on_done=lambda _s: loop.call_soon_threadsafe(events.put_nowait, ("done", None)),
-        )  # fmt: skip
+
+        def on_token(_s: Sequence, token: int) -> None:  # scheduler thread -> this loop
+            loop.call_soon_threadsafe(events.put_nowait, ("token", token))
+
+        def on_done(_s: Sequence) -> None:
+            loop.call_soon_threadsafe(events.put_nowait, ("done", None))
+
+        # a whole answer needs only the end; a stream every token
+        seq = Sequence(prompt, sampling, on_token=on_token if req.stream else None, on_done=on_done)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{seq.id}-{int(time.time() * 1000)}"
         ctl.engine.submit(seq)
         if req.stream:
@@ -139,6 +141,7 @@ def _tokenize(ctl: Controller, req: P.Request) -> list[int]:
     if req.prompt_ids is not None:
         return req.prompt_ids
     tok = m.tokenizer
+    assert tok is not None  # text and chat requests are refused earlier without one
     try:
         if req.kind == "chat":
             text = tok.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
