@@ -79,6 +79,18 @@ def test_oversized_bodies_get_413_before_they_are_read(w: WorkerProcess) -> None
     assert ok.status_code == 200
 
 
+def test_admin_routes_take_bodies_larger_than_the_serving_cap(w: WorkerProcess) -> None:
+    # an IPC descriptor of a large MoE model lists tens of thousands of tensors (MBs of JSON)
+    big = json.dumps({"version": "x", "transport": "disk", "path": "/nonexistent", "pad": "p" * (2 << 20)})
+    r = _raw(w, "/admin/update", big.encode(), headers=w.auth())
+    assert r.status_code not in (413, 500) and "error" in r.json(), r.text[:300]
+    assert _raw(w, "/admin/update", big.encode()).status_code == 401  # the token is checked first
+    try:
+        assert _raw(w, "/admin/update", b"x" * (65 << 20), headers=w.auth()).status_code == 413
+    except httpx.TransportError:
+        pass  # answered 413 and closed while we were still sending
+
+
 HOSTILE_BODIES = [
     b"[" * 100_000 + b"]" * 100_000,  # nesting past the recursion limit
     b'{"prompt": ' + b"[" * 5000 + b"1" + b"]" * 5000 + b"}",

@@ -27,6 +27,7 @@ T = TypeVar("T")
 
 DEFAULT_MAX_BODY_BYTES = 1 << 20  # 1 MiB
 DEFAULT_MAX_QUEUE = 64
+ADMIN_MAX_BODY_BYTES = 64 << 20  # authenticated routes: an IPC descriptor lists every tensor
 INLINE_JSON_BYTES = 16 << 10  # parse smaller bodies on the loop (a thread hop costs more)
 
 
@@ -43,24 +44,28 @@ def too_large(limit: int, what: str) -> ApiError:
 
 
 class BodyLimit:
-    """ASGI middleware: a body over `limit` bytes is refused with 413 before it is read
-    (Content-Length) or as soon as the count passes the limit (chunked bodies)."""
+    """ASGI middleware: a body over the limit is refused with 413 before it is read
+    (Content-Length) or as soon as the count passes the limit (chunked bodies). Serving routes
+    (/v1/...) get `serving_limit`; the others (admin: the token is checked before the body is
+    read) `other_limit`, room for the tensor table of an IPC descriptor of a large MoE model."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, serving_limit: int, other_limit: int = ADMIN_MAX_BODY_BYTES) -> None:
         self.app = app
-        self.limit = limit
+        self.serving_limit = serving_limit
+        self.other_limit = max(other_limit, serving_limit)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit = self.serving_limit if str(scope.get("path", "")).startswith("/v1/") else self.other_limit
         declared = next((v for k, v in scope.get("headers", []) if k == b"content-length"), None)
         if declared is not None:
             if not declared.isdigit():
                 await _send_error(send, bad_request("Content-Length is not a number", code="invalid_header"))
                 return
-            if int(declared) > self.limit:
-                await _send_error(send, too_large(self.limit, f"of {int(declared)} bytes"))
+            if int(declared) > limit:
+                await _send_error(send, too_large(limit, f"of {int(declared)} bytes"))
                 return
         seen = 0
 
@@ -69,8 +74,8 @@ class BodyLimit:
             message = await receive()
             if message["type"] == "http.request":
                 seen += len(message.get("body", b""))
-                if seen > self.limit:
-                    raise too_large(self.limit, f"(more than {seen} bytes so far)")
+                if seen > limit:
+                    raise too_large(limit, f"(more than {seen} bytes so far)")
             return message
 
         await self.app(scope, counted, send)
