@@ -1,5 +1,6 @@
 """`hotswap <command>`: the one entry point.
 
+    hotswap --version                        print the installed version
     hotswap daemon   [-c config.toml]        run the control plane
     hotswap publish  DIR [--version V] ...   write hotswap-manifest.json (last)
     hotswap history  [-c ...] [-n N] [--json] versions and what happened to them
@@ -22,6 +23,7 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any
 
+from daemon import __version__
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
 
 # command -> "module:function" taking argv (list[str]) and returning an exit code
@@ -81,6 +83,7 @@ def _delegate(command: str, argv: list[str]) -> int:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hotswap", description="Hot-swap LLM weights into running workers.")
+    p.add_argument("--version", action="version", version=f"hotswap {__version__}")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
     def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:

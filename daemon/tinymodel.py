@@ -1,7 +1,9 @@
 """Tiny random Llama-style checkpoints: for tests, the quickstart and CPU benchmarks.
 
 Nothing is downloaded: the config is written here and the weights are drawn from a
-seeded generator, so two calls with the same seed give identical files.
+seeded generator, so two calls with the same seed give identical files. With
+`tokenizer=True` the checkpoint also gets a small byte-level tokenizer made here (see
+`write_tiny_tokenizer`), so text prompts and chat work on it.
 """
 
 from __future__ import annotations
@@ -30,6 +32,70 @@ TINY_LLAMA_CONFIG: dict[str, Any] = {
 }
 
 
+# Special tokens first (ids 0..12, so bos 1 and eos 2 match the config), then one token per
+# byte value that can occur in UTF-8 text: 256 - 13 (0xC0, 0xC1, 0xF5..0xFF never do) = 243.
+# 13 + 243 = 256 = the tiny model's vocabulary, so any text encodes and a character of two to
+# four bytes spans as many tokens (what incremental detokenization must get right).
+SPECIAL_TOKENS = ("<pad>", "<s>", "</s>", "<|im_start|>", "<|im_end|>",
+                  *(f"<|reserved_{i}|>" for i in range(8)))  # fmt: skip
+UTF8_BYTES = tuple(b for b in range(256) if b not in (0xC0, 0xC1) and b < 0xF5)
+END_OF_TURN = "<|im_end|>"
+# ChatML-style; the worker renders it with transformers' sandboxed Jinja
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>\\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def byte_symbols() -> dict[int, str]:
+    """GPT-2's printable stand-in character for every byte (what a ByteLevel vocabulary holds)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    table = {b: chr(b) for b in keep}
+    extra = 0
+    for b in range(256):
+        if b not in table:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+def write_tiny_tokenizer(directory: str | Path) -> Path:
+    """A byte-level tokenizer of exactly 256 tokens with a chat template, made with `tokenizers`.
+
+    No merges: one token per byte, the special tokens above, `<s>` prepended to every encoding.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    symbols = byte_symbols()
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({symbols[b]: len(SPECIAL_TOKENS) + i for i, b in enumerate(UTF8_BYTES)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL_TOKENS])
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        additional_special_tokens=list(SPECIAL_TOKENS[3:]), chat_template=CHAT_TEMPLATE,
+        model_max_length=TINY_LLAMA_CONFIG["max_position_embeddings"],
+    )  # fmt: skip
+    d = Path(directory)
+    fast.save_pretrained(str(d))
+    # Readable by older transformers too: the generic class name, the template in the config
+    cfg_path = d / "tokenizer_config.json"
+    tok_cfg = json.loads(cfg_path.read_text())
+    tok_cfg.update(tokenizer_class="PreTrainedTokenizerFast", chat_template=CHAT_TEMPLATE)
+    cfg_path.write_text(json.dumps(tok_cfg, indent=2))
+    # stop at the end of an assistant turn as well as at </s>
+    gen = {"bos_token_id": 1, "eos_token_id": [2, vocab[END_OF_TURN]]}
+    (d / "generation_config.json").write_text(json.dumps(gen, indent=2))
+    return d
+
+
 def make_tiny_checkpoint(
     directory: str | Path,
     seed: int = 0,
@@ -37,8 +103,10 @@ def make_tiny_checkpoint(
     shards: int = 1,
     dtype: str = "float32",
     config_overrides: dict[str, Any] | None = None,
+    tokenizer: bool = False,
 ) -> Path:
-    """Write config.json and random weights (one file, or `shards` files plus an index).
+    """Write config.json and random weights (one file, or `shards` files plus an index),
+    and with `tokenizer=True` the tokenizer of `write_tiny_tokenizer`.
 
     Returns the directory. No manifest is written: call `daemon.sources.manifest`'s
     publisher (or `hotswap publish`) to commit the checkpoint.
@@ -76,5 +144,7 @@ def make_tiny_checkpoint(
         (d / "model.safetensors.index.json").write_text(
             json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
         )
+    if tokenizer:
+        write_tiny_tokenizer(d)
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
     return d

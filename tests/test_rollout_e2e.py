@@ -109,6 +109,11 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
             return httpx.get(f"{url}/weight_info", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
 
         wait_until(lambda: info()["version"] == "tiny-seed", 180, what="the managed worker to serve the seed")
+        # a newcomer's first text prompt and chat message work: the seed ships a tokenizer
+        for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})):
+            r = httpx.post(f"{url}{path}", json=body, timeout=60)
+            assert r.status_code == 200 and r.json()["weight_version"] == "tiny-seed", r.text
         publish_into(watch, "step-1", seed=1)
         d.wait_status("step-1", "deployed", timeout=120)
         assert info()["version"] == "step-1" and info()["state"] == "RUNNING"

@@ -104,7 +104,7 @@ def test_serves_with_weight_version_and_text_prompts(w: WorkerProcess) -> None:
 )
 def test_bad_completion_requests_get_400_naming_the_field(w: WorkerProcess, body: dict, needle: str) -> None:
     r = w.post("/v1/completions", body)
-    assert r.status_code == 400 and needle in r.json()["error"], r.text
+    assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
 
 
 def test_update_from_disk_matches_a_fresh_process(w: WorkerProcess, fresh_b: WorkerProcess, root: Path) -> None:
@@ -193,7 +193,7 @@ def test_drain_waits_for_in_flight_and_refuses_new_requests(w: WorkerProcess) ->
     assert outcome.get("done") and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert w.get("/ready").status_code == 503
     r = w.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
-    assert r.status_code == 503 and "draining" in r.json()["error"]
+    assert r.status_code == 503 and "draining" in r.json()["error"]["message"]
     assert w.info()["requests_failed"] == failed0 + 1
     # an update from DRAINING leaves it UPDATED and still refusing until resume
     w.admin("/admin/update", {"version": "A", "path": w.info()["model_dir"]})

@@ -162,3 +162,38 @@ def test_tied_embeddings_load_from_a_checkpoint_without_lm_head(tmp_path: Path) 
     save_file(both, str(f), metadata={"format": "pt"})
     with pytest.raises(LayoutError, match="lm_head.weight"):
         build_model(d, torch.device("cpu"))
+
+
+def test_cancel_frees_a_queued_sequence_at_once_and_an_active_one_at_the_next_step(engine_a: Engine) -> None:
+    engine_a.pause()
+    ended: list[str | None] = []
+    queued = Sequence(PROMPT, SamplingParams(max_tokens=50, ignore_eos=True), on_done=lambda s: ended.append(s.finish_reason))
+    engine_a.submit(queued)
+    assert engine_a.in_flight == 1
+    engine_a.cancel(queued)  # still queued: leaves the queue and is finished now, while paused
+    assert ended == ["cancelled"] and engine_a.in_flight == 0
+    engine_a.resume()
+    started = threading.Event()
+    active = Sequence(PROMPT, SamplingParams(max_tokens=10_000, ignore_eos=True),
+                      on_token=lambda s, t: started.set(), on_done=lambda s: ended.append(s.finish_reason))
+    engine_a.submit(active)
+    assert started.wait(30)
+    engine_a.cancel(active)
+    assert engine_a.wait_idle(10) and ended[-1] == "cancelled" and len(active.generated) < 10_000
+
+
+def test_penalties_apply_to_the_generated_tokens(engine_a: Engine) -> None:
+    def gen(**penalty: float) -> list[int]:
+        done = threading.Event()
+        seq = Sequence(PROMPT, SamplingParams(max_tokens=40, temperature=0, ignore_eos=True, **penalty),
+                       on_done=lambda s: done.set())
+        engine_a.submit(seq)
+        assert done.wait(30)
+        return seq.generated
+
+    plain = gen()
+    repeated = gen(frequency_penalty=2.0)
+    assert repeated != plain
+    # greedy with a strong frequency penalty repeats tokens less
+    assert len(set(repeated)) >= len(set(plain))
+    assert gen(presence_penalty=0.0, frequency_penalty=0.0) == plain

@@ -84,7 +84,8 @@ def truncate_mid_update(client: BuiltinWorkerClient, src: Path, dst: Path, versi
 
 def test_no_tokenizer_means_text_prompts_get_a_clear_400(w: WorkerProcess) -> None:
     r = w.post("/v1/completions", {"prompt": "hello", "max_tokens": 2})
-    assert r.status_code == 400 and "no tokenizer" in r.json()["error"] and "token ids" in r.json()["error"]
+    message = r.json()["error"]["message"]
+    assert r.status_code == 400 and "no tokenizer" in message and "token ids" in message
 
 
 def test_client_round_trip_and_error_mapping(w: WorkerProcess, client: BuiltinWorkerClient, root: Path) -> None:
@@ -154,13 +155,13 @@ def test_failed_restore_makes_the_worker_unhealthy_until_rolled_back(
         err = out.get("error")
         assert isinstance(err, WorkerError) and "failed too" in str(err), out
         t.join(30)
-        assert kept["status"] == 500 and "unhealthy" in kept["body"]["error"]
+        assert kept["status"] == 500 and "unhealthy" in kept["body"]["error"]["message"]
         info = client.weight_info()
         assert info.state == "UNHEALTHY" and info.version == "good" and info.extra["unhealthy_reason"]
         assert w.get("/health").status_code == 503 and not client.health()
         assert w.get("/ready").status_code == 503
         r = w.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
-        assert r.status_code == 503 and "unhealthy" in r.json()["error"]
+        assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"]
         for call in (client.resume, client.probe,
                      lambda: client.update(UpdateRequest(version="next", path=str(root / "next")))):
             with pytest.raises(WorkerError, match="503"):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,8 @@ from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-MIGRATIONS_DIR = Path(__file__).resolve().parents[2] / "migrations"
+# Shipped inside the package (daemon/migrations), so a wheel install migrates from any folder.
+MIGRATIONS = resources.files("daemon") / "migrations"
 HEAD_REVISION = "head"
 
 
@@ -89,8 +91,8 @@ class Registry:
         from alembic import command
 
         try:
-            with self.engine.begin() as conn:
-                cfg = alembic_config()
+            with resources.as_file(MIGRATIONS) as script_dir, self.engine.begin() as conn:
+                cfg = alembic_config(script_dir)
                 cfg.attributes["connection"] = conn
                 command.upgrade(cfg, revision)
         except Exception as exc:
@@ -109,9 +111,10 @@ class Registry:
         self.engine.dispose()
 
 
-def alembic_config() -> Any:
+def alembic_config(script_dir: Path | None = None) -> Any:
+    """Alembic config on the packaged migrations (or `script_dir`, a real directory)."""
     from alembic.config import Config
 
     cfg = Config()
-    cfg.set_main_option("script_location", str(MIGRATIONS_DIR))
+    cfg.set_main_option("script_location", str(script_dir or MIGRATIONS))
     return cfg

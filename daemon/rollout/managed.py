@@ -60,7 +60,7 @@ def ensure_seed(journal: Journal, state_dir: Path) -> CheckpointRef:
 
     directory = state_dir / "seed" / SEED_VERSION
     if not (directory / "hotswap-manifest.json").exists():
-        make_tiny_checkpoint(directory, seed=0)
+        make_tiny_checkpoint(directory, seed=0, tokenizer=True)  # text prompts and chat work at once
         publish(directory, version=SEED_VERSION)
     from daemon.formats.checkpoint import tensor_table
     from daemon.manifest import load_manifest

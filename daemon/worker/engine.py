@@ -40,6 +40,12 @@ class SamplingParams:
     top_p: float = 1.0
     seed: int | None = None
     ignore_eos: bool = False
+    presence_penalty: float = 0.0  # OpenAI semantics, over the generated tokens
+    frequency_penalty: float = 0.0
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.presence_penalty or self.frequency_penalty)
 
 
 _ids = itertools.count(1)
@@ -55,6 +61,7 @@ class Sequence:
     generated: list[int] = field(default_factory=list)
     cache: Any = None  # transformers cache; None -> (re-)prefill on the next step
     generator: torch.Generator | None = None
+    counts: torch.Tensor | None = None  # generated-token counts, only when a penalty is set
     finish_reason: str | None = None  # "length", "stop", "cancelled", "error"
     error: str | None = None
     versions: list[str] = field(default_factory=list)  # weight versions that produced its tokens
@@ -100,6 +107,18 @@ class Engine:
         with self._cond:
             self._queue.append(seq)
             self._cond.notify_all()
+
+    def cancel(self, seq: Sequence) -> None:
+        """The client went away: a queued sequence leaves the queue now, an active one is
+        finished at the start of the next step (never in the middle of one)."""
+        with self._cond:
+            seq.cancelled = True
+            try:
+                self._queue.remove(seq)
+            except ValueError:
+                return  # active (or done): the step loop finishes it
+            self._cond.notify_all()
+        self._finish(seq, "cancelled")
 
     @property
     def in_flight(self) -> int:
@@ -211,6 +230,8 @@ class Engine:
                         self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
                         continue
                     seq.generated.append(token)
+                    if seq.counts is not None:
+                        seq.counts[token] += 1
                     if not seq.versions or seq.versions[-1] != version:
                         seq.versions.append(version)
                     if seq.on_token is not None:
@@ -251,6 +272,12 @@ class Engine:
 
 def sample(logits: torch.Tensor, seq: Sequence) -> int:
     p = seq.params
+    if p.penalised:
+        if seq.counts is None:
+            seq.counts = torch.zeros(logits.shape[-1], dtype=logits.dtype, device=logits.device)
+            for t in seq.generated:
+                seq.counts[t] += 1
+        logits = logits - p.frequency_penalty * seq.counts - p.presence_penalty * (seq.counts > 0).to(logits.dtype)
     if p.temperature <= 0:
         return int(torch.argmax(logits).item())
     if seq.generator is None:

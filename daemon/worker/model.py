@@ -9,6 +9,7 @@ exactly when the checkpoint holds it, so tied weights (`lm_head.weight` sharing
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 from dataclasses import dataclass, field
@@ -100,6 +101,51 @@ def load_tokenizer(directory: Path) -> Any | None:
     return AutoTokenizer.from_pretrained(str(directory), local_files_only=True)
 
 
+def stop_token_ids(directory: Path, config: Any, tokenizer: Any | None) -> frozenset[int]:
+    """End-of-sequence ids: config.json's, generation_config.json's (chat models list their
+    end-of-turn token there) and the tokenizer's."""
+    ids: set[int] = set()
+
+    def add(v: Any) -> None:
+        if isinstance(v, int) and not isinstance(v, bool):
+            ids.add(v)
+        elif isinstance(v, list):
+            ids.update(t for t in v if isinstance(t, int) and not isinstance(t, bool))
+
+    add(getattr(config, "eos_token_id", None))
+    gen = directory / "generation_config.json"
+    if gen.is_file() and gen.stat().st_size < 1 << 20:
+        with contextlib.suppress(ValueError, AttributeError):  # a broken one only loses its stop ids
+            add(json.loads(gen.read_text("utf-8")).get("eos_token_id"))
+    if tokenizer is not None:
+        add(getattr(tokenizer, "eos_token_id", None))
+    return frozenset(ids)
+
+
+def served_name_default(directory: Path, config: Any) -> str:
+    """A name that stays the same across weight versions (a client keeps sending it): the
+    model's own name from config.json when it has one, else its model type (e.g. "llama").
+    Never the checkpoint directory, which is usually a version label."""
+    try:
+        raw = json.loads((directory / "config.json").read_text("utf-8")).get("_name_or_path")
+    except (OSError, ValueError, AttributeError):
+        raw = None
+    if isinstance(raw, str) and raw.strip() and not raw.startswith(("/", ".", "~")) and len(raw) <= 200:
+        return raw.strip()
+    return str(getattr(config, "model_type", None) or "model")
+
+
+def longest_token_chars(tokenizer: Any | None) -> int:
+    """Longest vocabulary entry, in characters: a text longer than context x this cannot fit."""
+    if tokenizer is None:
+        return 0
+    try:
+        vocab = tokenizer.get_vocab()
+    except Exception:  # noqa: BLE001 - then only the byte bound applies
+        return 0
+    return max((len(t) for t in vocab), default=0)
+
+
 def build_model(directory: str | Path, device: torch.device) -> LoadedModel:
     """The model from config.json on `device`, with uninitialised weights; see `load_weights`."""
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -121,13 +167,13 @@ def build_model(directory: str | Path, device: torch.device) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)
     params = param_dict(model, set(table))
-    eos = getattr(config, "eos_token_id", None)
-    eos_ids = frozenset([eos] if isinstance(eos, int) else list(eos or []))
+    tokenizer = load_tokenizer(d)
+    eos_ids = stop_token_ids(d, config, tokenizer)
     forward_args = inspect.signature(model.forward).parameters
     return LoadedModel(
         model=model,
         config=config,
-        tokenizer=load_tokenizer(d),
+        tokenizer=tokenizer,
         device=device,
         dtype=dtype,
         params=params,

@@ -2,13 +2,17 @@
 
     hotswap worker --model DIR --port N [--host 127.0.0.1] [--token-file F]
                    [--device auto|cpu|cuda:N] [--version V] [--uds PATH] [--max-batch N]
+                   [--served-model-name NAME] [--max-body-bytes N] [--max-queue N]
 
 Routes (admin ones need `Authorization: Bearer <token>`, the token read from --token-file and
 compared in constant time; without --token-file the admin routes answer 403):
 
     GET  /health          200, or 503 when UNHEALTHY            (no auth)
     GET  /ready           200 only in RUNNING with weights loaded (no auth)
-    POST /v1/completions  serving; every response has weight_version (no auth)
+    GET  /v1/models       the served model name; weight version in its metadata (no auth)
+    POST /v1/completions, /v1/chat/completions
+                          OpenAI-compatible serving (completions.py); every response has
+                          weight_version (no auth)
     GET  /weight_info     version, digest, state, in_flight, tensors, bytes, device, update_count,
                           requests_total, requests_failed, ...
     POST /admin/drain     {timeout_s}           POST /admin/pause {mode: keep|wait, timeout_s}
@@ -16,8 +20,13 @@ compared in constant time; without --token-file the admin routes answer 403):
     POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors}}
     POST /admin/probe     {max_tokens}: one greedy generation even while paused (post-update check)
 
-Errors are JSON {"error": "..."}: 401 bad token, 409 refused in this state or table mismatch,
+Serving errors are OpenAI error objects {"error": {message, type, param, code}}: 400 invalid
+request, 404 unknown model or route, 413 body over --max-body-bytes, 429 at capacity
+(--max-batch running + --max-queue waiting), 500 generation failed, 503 draining/unhealthy.
+Admin errors are {"error": "..."}: 401 bad token, 409 refused in this state or table mismatch,
 422 bad request / unreadable source, 500 write failed (weights restored), 503 unhealthy.
+Nothing a serving client sends runs on the event loop for long (limits.py), so /health and the
+admin routes answer while the serving side is saturated.
 Prints one line `hotswap worker ready: ...` on stdout once it accepts connections.
 """
 
@@ -43,6 +52,9 @@ from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
 from daemon.formats.safetensors import HeaderError
 from daemon.transport.base import TableMismatch, TransportError, check_table
 from daemon.transport.disk import DiskTransport
+from daemon.worker.completions import Serving, install_serving_routes
+from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
+from daemon.worker.openai_errors import install_error_handlers
 
 log = logging.getLogger("hotswap.worker")
 
@@ -61,11 +73,13 @@ def read_token(path: str | Path) -> bytes:
     return raw
 
 
-def create_app(ctl: Any, token: bytes | None, model_name: str) -> Any:
-    from daemon.worker.completions import handle_completion
+def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
+    """The ASGI app: serving routes (a `completions.Serving`), health and admin, behind the body cap."""
     from daemon.worker.updates import UpdateError
 
     app = FastAPI(title="hotswap worker", docs_url=None, redoc_url=None, openapi_url=None)
+    install_error_handlers(app)
+    install_serving_routes(app, serving)
 
     def error(status: int, message: str, **extra: Any) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
@@ -121,10 +135,6 @@ def create_app(ctl: Any, token: bytes | None, model_name: str) -> Any:
             return JSONResponse({"ready": True, "version": ctl.store.current.version})
         return error(503, f"not ready: state {ctl.state.value}", ready=False, state=ctl.state.value)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request) -> Response:
-        return await handle_completion(request, ctl, model_name)
-
     async def weight_info(request: Request) -> dict[str, Any]:
         return ctl.weight_info()
 
@@ -158,7 +168,7 @@ def create_app(ctl: Any, token: bytes | None, model_name: str) -> Any:
     for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
                      ("rollback", rollback), ("probe", probe)):
         app.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
-    return app
+    return BodyLimit(app, serving.limits.max_body_bytes)
 
 
 class _BadBody(Exception):
@@ -183,11 +193,12 @@ def initial_version(model_dir: Path, given: str | None) -> tuple[str, str | None
     return given or version or model_dir.resolve().name, digest
 
 
-def build_worker(args: argparse.Namespace) -> tuple[Any, str]:
-    """Model, weights, store, engine and controller; raises with a clear message on bad input."""
+def build_worker(args: argparse.Namespace) -> tuple[Any, Serving]:
+    """Model, weights, store, engine, controller and serving state; raises with a clear message
+    on bad input."""
     from daemon.worker.control import Controller
     from daemon.worker.engine import Engine
-    from daemon.worker.model import build_model, pick_device
+    from daemon.worker.model import build_model, pick_device, served_name_default
     from daemon.worker.store import VersionRecord, WeightStore
 
     model_dir = Path(args.model)
@@ -207,7 +218,11 @@ def build_worker(args: argparse.Namespace) -> tuple[Any, str]:
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
     ctl = Controller(loaded, store, engine, model_dir=str(model_dir))
     log.info("loaded %s (%d tensors, %d bytes) on %s in %.2f s", version, store.tensors, store.bytes, device, load_s)
-    return ctl, args.served_model_name or model_dir.resolve().name
+    name = args.served_model_name or served_name_default(model_dir, loaded.config)
+    if args.max_body_bytes < 1024 or args.max_queue < 0:
+        raise ValueError("--max-body-bytes must be >= 1024 and --max-queue >= 0")
+    limits = ServingLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
+    return ctl, Serving.build(ctl, name, limits)
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -220,7 +235,13 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--version", default=None, help="version label of the initial weights")
     p.add_argument("--max-batch", type=int, default=8, help="sequences stepped concurrently")
-    p.add_argument("--served-model-name", default=None)
+    p.add_argument("--served-model-name", default=None,
+                   help="the name clients send as 'model' and /v1/models lists; stays the same across "
+                        "weight updates (default: config.json's _name_or_path, else its model_type)")
+    p.add_argument("--max-body-bytes", type=int, default=DEFAULT_MAX_BODY_BYTES,
+                   help="larger request bodies get 413 before they are read (default 1 MiB)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help="requests waiting beyond --max-batch; more get 429 at once (default %(default)s)")
     p.add_argument("--step-delay-ms", type=float, default=0.0,
                    help="sleep between scheduler steps (demos and tests: makes requests last long enough to watch)")
     p.add_argument("--log-level", default="info")
@@ -237,13 +258,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     try:
         token = read_token(args.token_file) if args.token_file else None
-        ctl, model_name = build_worker(args)
+        ctl, serving = build_worker(args)
     except (ValueError, LayoutError, HeaderError, TableMismatch, TransportError, OSError) as exc:
         print(f"hotswap worker: {exc}", file=sys.stderr)
         return 2
     if token is None:
         log.warning("no --token-file: the admin API is disabled")
-    app = create_app(ctl, token, model_name)
+    app = create_app(ctl, token, serving)
     ctl.engine.start()
     try:
         asyncio.run(_serve(app, args, ctl))

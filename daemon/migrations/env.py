@@ -2,15 +2,16 @@
 
 The database URL comes from, in order: a connection handed in by
 `daemon.registry.db.Registry.upgrade()` (config attribute "connection"),
-`alembic -x url=...`, `alembic -x config=/etc/hotswap/config.toml` (its
-`[database] url`), `sqlalchemy.url` in alembic.ini, else the daemon's default.
+`alembic -x url=...`, `alembic -x config=/etc/hotswap/config.toml` (the URL the daemon
+would use with it: `[database] url`, else SQLite in its state_dir), `sqlalchemy.url` in
+alembic.ini, else the daemon's default config (`$HOTSWAP_CONFIG`, else ./state/hotswap.db).
 """
 
 from __future__ import annotations
 
 from alembic import context
-from sqlalchemy import create_engine, pool
 
+from daemon.registry.db import make_engine
 from daemon.registry.models import Base
 
 target_metadata = Base.metadata
@@ -23,12 +24,14 @@ def _url() -> str:
         return x["url"]
     from daemon.config import load_config  # late: only needed on the command line
 
+    # `database_url`, not `database.url`: the latter is "" when the config leaves the
+    # default (SQLite in the state dir), and alembic would then get an empty URL.
     if x.get("config"):
-        return load_config(x["config"]).database.url
+        return load_config(x["config"]).database_url
     ini_url = config.get_main_option("sqlalchemy.url")
     if ini_url:
         return ini_url
-    return load_config(None).database.url
+    return load_config(None).database_url
 
 
 def run_migrations_offline() -> None:
@@ -44,11 +47,14 @@ def run_migrations_online() -> None:
         with context.begin_transaction():
             context.run_migrations()
         return
-    engine = create_engine(_url(), poolclass=pool.NullPool)
-    with engine.connect() as conn:
-        context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
-        with context.begin_transaction():
-            context.run_migrations()
+    engine = make_engine(_url())  # the daemon's own: creates the SQLite folder, same pragmas
+    try:
+        with engine.connect() as conn:
+            context.configure(connection=conn, target_metadata=target_metadata, render_as_batch=True)
+            with context.begin_transaction():
+                context.run_migrations()
+    finally:
+        engine.dispose()
 
 
 if context.is_offline_mode():
