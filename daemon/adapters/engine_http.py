@@ -59,7 +59,15 @@ class EngineHTTP:
         self.url = url.rstrip("/")
         self.timeout_s = timeout_s
         self.token = token
-        self._http = httpx.Client(base_url=self.url, timeout=timeout_s, transport=transport)
+        # No keep-alive: engines close the connection after an internal error (uvicorn does on
+        # any unhandled exception), and a pooled dead connection would fail the next call.
+        # Control calls are few; a loopback connect costs well under a millisecond.
+        self._http = httpx.Client(
+            base_url=self.url,
+            timeout=timeout_s,
+            transport=transport,
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
 
     def _headers(self, token: str | None) -> dict[str, str]:
         tok = token if token is not None else self.token

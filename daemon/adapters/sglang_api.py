@@ -89,6 +89,11 @@ ROUTES_USED: dict[tuple[str, str], RouteUse] = {
     ("POST", "/generate"): RouteUse(body=("input_ids", "sampling_params")),
 }
 SAMPLING_PARAMS_USED = ("max_new_tokens", "temperature", "ignore_eos")
+# Routes SGLang marks @auth_level(AuthLevel.ADMIN_OPTIONAL): they get the admin key when one is
+# configured (the api key is refused there then); the others get the api key.
+ADMIN_ROUTES = frozenset(
+    {"/pause_generation", "/continue_generation", "/update_weights_from_disk", "/flush_cache", "/update_weight_version"}
+)
 
 
 @dataclass(slots=True, frozen=True)
@@ -128,25 +133,31 @@ class SGLangAPI:
         self.admin_key = admin_api_key or api_key
         self.http = EngineHTTP(ENGINE, name, url, token=api_key, timeout_s=self.timeouts.call_s, transport=transport)
 
-    def _admin(self, method: str, route: str, **kw: Any) -> dict[str, Any]:
-        return self.http.json_object(method, route, token=self.admin_key, **kw)
+    def _token(self, route: str) -> str | None:
+        return self.admin_key if route in ADMIN_ROUTES else self.http.token
+
+    def _request(self, method: str, route: str, **kw: Any) -> httpx.Response:
+        return self.http.request(method, route, token=self._token(route), **kw)
+
+    def _object(self, method: str, route: str, **kw: Any) -> dict[str, Any]:
+        return self.http.json_object(method, route, token=self._token(route), **kw)
 
     # -- state --------------------------------------------------------------------------------
     def health(self) -> bool:
         try:
-            return self.http.request("GET", "/health", ok=(200, 503)).status_code == 200
+            return self._request("GET", "/health", ok=(200, 503)).status_code == 200
         except Exception:  # noqa: BLE001 - unreachable means not healthy
             return False
 
     def ready(self) -> bool:
         """GET /ready: False while paused, starting or unhealthy (and when unreachable)."""
         try:
-            return self.http.request("GET", "/ready", ok=(200, 503)).status_code == 200
+            return self._request("GET", "/ready", ok=(200, 503)).status_code == 200
         except Exception:  # noqa: BLE001
             return False
 
     def model_info(self) -> dict[str, Any]:
-        return self.http.json_object("GET", "/model_info")  # a NORMAL route: the api key
+        return self._object("GET", "/model_info")
 
     def weight_version(self) -> str | None:
         v = self.model_info().get("weight_version")
@@ -154,12 +165,12 @@ class SGLangAPI:
 
     # -- pause --------------------------------------------------------------------------------
     def pause_generation(self, mode: PauseMode) -> None:
-        doc = self._admin("POST", "/pause_generation", json={"mode": mode}, timeout_s=self.timeouts.pause_s)
+        doc = self._object("POST", "/pause_generation", json={"mode": mode}, timeout_s=self.timeouts.pause_s)
         if doc.get("status") != "ok":
             raise self.http.error(f"POST /pause_generation {mode}", "unexpected reply", reply=str(doc))
 
     def continue_generation(self) -> None:
-        doc = self._admin("POST", "/continue_generation", json={})
+        doc = self._object("POST", "/continue_generation", json={})
         if doc.get("status") != "ok":
             raise self.http.error("POST /continue_generation", "unexpected reply", reply=str(doc))
 
@@ -176,9 +187,8 @@ class SGLangAPI:
         }
         if weight_version is not None:
             body["weight_version"] = weight_version
-        resp = self.http.request(
-            "POST", "/update_weights_from_disk", json=body, token=self.admin_key,
-            timeout_s=self.timeouts.update_s, ok=(200, 400),
+        resp = self._request(
+            "POST", "/update_weights_from_disk", json=body, timeout_s=self.timeouts.update_s, ok=(200, 400)
         )
         try:
             doc = resp.json()
@@ -199,18 +209,21 @@ class SGLangAPI:
 
     def flush_cache(self, *, timeout_s: float = 0.0) -> tuple[bool, str]:
         """(flushed, the engine's text). SGLang answers 400 while requests are running or queued."""
-        resp = self.http.request(
-            "POST", "/flush_cache", params={"timeout": timeout_s}, token=self.admin_key,
-            timeout_s=timeout_s + self.timeouts.call_s, ok=(200, 400),
+        resp = self._request(
+            "POST", "/flush_cache", params={"timeout": timeout_s}, timeout_s=timeout_s + self.timeouts.call_s,
+            ok=(200, 400),
         )
         return resp.status_code == 200, resp.text.strip()
 
     def update_weight_version(self, version: str) -> None:
-        resp = self.http.request(
+        resp = self._request(
             "POST", "/update_weight_version", json={"new_version": version, "abort_all_requests": False},
-            token=self.admin_key, ok=(200, 400),
+            ok=(200, 400),
         )
-        doc = resp.json() if resp.content else {}
+        try:
+            doc = resp.json()
+        except ValueError:
+            doc = None
         if resp.status_code != 200 or not isinstance(doc, dict) or doc.get("success") is not True:
             raise self.http.error("POST /update_weight_version", f"HTTP {resp.status_code}", reply=resp.text)
 
@@ -221,7 +234,7 @@ class SGLangAPI:
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
         }
-        doc = self.http.json_object("POST", "/generate", json=body, timeout_s=self.timeouts.probe_s)
+        doc = self._object("POST", "/generate", json=body, timeout_s=self.timeouts.probe_s)
         ids = doc.get("output_ids")
         meta = doc.get("meta_info") if isinstance(doc.get("meta_info"), dict) else {}
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):

