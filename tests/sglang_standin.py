@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import inspect
 import json
 import logging
 import os
@@ -178,6 +179,8 @@ class Scheduler:
         cfg["torch_dtype"] = "float32"
         torch.manual_seed(0)
         self.model = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+        # transformers 5.x names the KV cache argument `cache`; older releases `past_key_values`
+        self.cache_kw = "cache" if "cache" in inspect.signature(self.model.forward).parameters else "past_key_values"
         self.eos = int(cfg.get("eos_token_id", 2))
         self.model_path = str(model_dir)  # model_config.model_path
         self.weight_version = weight_version  # the scheduler's (what /generate reports)
@@ -322,7 +325,7 @@ class Scheduler:
             hit = self.prefix_cache.get(key)
             if hit is None:
                 out = self.model(torch.tensor([list(key)]), use_cache=True)
-                r.cache, r.logits = out.past_key_values, out.logits[0, -1]
+                r.cache, r.logits = self._kv(out), out.logits[0, -1]
                 self.prefix_cache[key] = (copy.deepcopy(r.cache), r.logits.clone())
             else:
                 r.cache, r.logits = copy.deepcopy(hit[0]), hit[1].clone()
@@ -333,8 +336,12 @@ class Scheduler:
             self.running.remove(r)
             r.done.set()
             return
-        out = self.model(torch.tensor([[tok]]), past_key_values=r.cache, use_cache=True)
-        r.cache, r.logits = out.past_key_values, out.logits[0, -1]
+        out = self.model(torch.tensor([[tok]]), use_cache=True, **{self.cache_kw: r.cache})
+        r.cache, r.logits = self._kv(out), out.logits[0, -1]
+
+    @staticmethod
+    def _kv(out: Any) -> Any:
+        return out["cache"] if "cache" in out else out["past_key_values"]
 
 
 # --------------------------------------------------------------------------- the server

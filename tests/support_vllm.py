@@ -88,7 +88,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _die_with_parent() -> None:
+def die_with_parent() -> None:
     # The server (and, through its own watchdog, its engine core) goes when pytest goes, even
     # on SIGKILL; a stray vLLM would hold gigabytes on a shared 2-core machine.
     with contextlib.suppress(Exception):
@@ -141,7 +141,7 @@ class VLLMServer:
             log.flush()
             proc = subprocess.Popen(
                 cmd, stdout=log, stderr=subprocess.STDOUT, env=full_env, cwd=log_path.parent,
-                start_new_session=True, preexec_fn=_die_with_parent,
+                start_new_session=True, preexec_fn=die_with_parent,
             )
         srv = cls(proc, f"http://127.0.0.1:{port}", model_dir, log_path)
         t0 = time.monotonic()

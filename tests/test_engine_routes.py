@@ -30,7 +30,7 @@ from daemon.adapters import sglang_api, vllm_api
 
 # --------------------------------------------------------------------------- vLLM
 
-pytestmark = pytest.mark.timeout(600)  # the first test may install the vLLM venv
+pytestmark = pytest.mark.timeout(1800)  # the first test may install the vLLM venv
 
 
 def _vllm_route(method: str, path: str):  # noqa: ANN202 - a support_engine_source.Route

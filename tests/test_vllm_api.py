@@ -24,7 +24,7 @@ from support_vllm import TOKEN, VLLMServer, make_vllm_checkpoint, shared_vllm_se
 from daemon.adapters.engine_http import EngineAPIError
 from daemon.adapters.vllm_api import VLLMAPI
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test may install the vLLM venv
 
 SHORT = [5, 17, 42, 99, 3, 8]
 LONG = [(i * 7 + 3) % 250 + 3 for i in range(200)]  # > one KV block: the prefix cache keeps it
