@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 from conftest import publish_tiny, wait_until
 
-from daemon.config import SourceConfig
 from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
 from daemon.sources.commit import CommitDetector
 from daemon.sources.local import LocalSource
+from daemon.sources.local import LocalSourceConfig as SourceConfig
 from daemon.tinymodel import make_tiny_checkpoint
 
 ALL = ["manifest", "index", "marker"]
