@@ -69,7 +69,6 @@ class FailureKind(StrEnum):
     UNAVAILABLE = "unavailable"  # a worker was down before the rollout and could not be brought back
 
 
-WORKER_KINDS = tuple(ADAPTER_KINDS)  # daemon.adapters: one table of kinds
 # the rollout state machine's states (daemon.rollout.states) plus what the health poll observes
 WORKER_STATES = ("UNKNOWN", "RUNNING", "DRAINING", "PAUSED", "UPDATED", "UNHEALTHY", "UNCERTAIN", "UNREACHABLE")
 CHECKPOINT_STATUSES = tuple(s.value for s in CheckpointStatus)
@@ -201,7 +200,8 @@ class Worker(Base):
 
     @validates("kind")
     def _validate_kind(self, _key: str, value: str) -> str:
-        return _check_choice("workers.kind", value, WORKER_KINDS)  # type: ignore[return-value]
+        # the one table of kinds (daemon.adapters.WORKER_KINDS), read when the row is written
+        return _check_choice("workers.kind", value, tuple(ADAPTER_KINDS))  # type: ignore[return-value]
 
     @validates("state")
     def _validate_state(self, _key: str, value: str) -> str:

@@ -64,6 +64,7 @@ class RolloutService:
         state_dir: Path,
         loader: LoaderSettings | None = None,
         observers: Iterable[TransitionObserver] = (),
+        restarter: Restarter | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = state_dir
@@ -79,7 +80,7 @@ class RolloutService:
                 raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
         self.fleet = Fleet(handles)
-        self.driver = WorkerDriver(self.journal, settings, Restarter(), observers)
+        self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(), observers)
         options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
                                 loader.socket if loader else "")  # fmt: skip
         self.stager = Stager(settings.transport, options)
