@@ -139,3 +139,32 @@ def test_rollout_package_has_at_most_twelve_modules() -> None:
 @pytest.mark.parametrize("needle", ["HOTSWAP_TEST_", "HOTSWAP_WORKER_PAUSE"])
 def test_production_code_reads_no_test_hook(needle: str) -> None:
     assert [m for m, p in MODULES.items() if needle in p.read_text()] == []
+
+
+def test_type_checking_blocks_import_nothing_of_the_package() -> None:
+    """They exist only to keep torch out of processes that never use it, never to hide a cycle."""
+    offenders = []
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom | ast.Import):
+                        names = [sub.module or ""] if isinstance(sub, ast.ImportFrom) else [a.name for a in sub.names]
+                        offenders += [f"{m}: {n}" for n in names if n.startswith("daemon")]
+    assert offenders == []
+
+
+def _calls(attr: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+                out[m] = out.get(m, 0) + 1
+    return out
+
+
+def test_worker_state_moves_only_through_the_state_machine() -> None:
+    # the recorded transition (events + workers.state) and the handle's position change together,
+    # in one place: WorkerDriver.move
+    assert list(_calls("moved")) == ["daemon.rollout.driver"]
+    assert list(_calls("transition")) == ["daemon.rollout.driver"]

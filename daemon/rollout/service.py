@@ -10,6 +10,10 @@ lock, read by the API and the poll threads.
     service = RolloutService.from_config(config, registry)
     service.start(scheduler)
     coordinator.on_verified = service.submit
+
+One module on purpose, though long: every job runs on the one runner thread over the one
+RolloutState, and splitting the jobs out (as commands/poll/startup once were) made modules
+that import the service back.
 """
 
 from __future__ import annotations

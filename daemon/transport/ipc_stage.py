@@ -10,7 +10,14 @@ from __future__ import annotations
 
 from daemon.loader.client import LoaderClient, LoaderError
 from daemon.logging import get_logger
-from daemon.transport.base import DaemonTransportFactory, Outgoing, Prepared, SenderOptions, StageError, UpdateRequest
+from daemon.transport.base import (
+    DaemonTransportFactory,
+    Outgoing,
+    Prepared,
+    SenderOptions,
+    StageError,
+    UpdateRequest,
+)
 
 log = get_logger(__name__)
 
