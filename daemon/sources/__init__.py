@@ -19,8 +19,6 @@ from __future__ import annotations
 import importlib
 from typing import Any, cast
 
-from apscheduler.schedulers.base import BaseScheduler
-
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Source, SourceType
 
 SOURCE_TYPES: dict[str, str] = {
@@ -33,7 +31,7 @@ def source_type(name: str) -> SourceType:
     return cast(SourceType, getattr(importlib.import_module(module), attr))
 
 
-def build_source(config: Any, emit: Emit, scheduler: BaseScheduler | None = None) -> Source:
+def build_source(config: Any, emit: Emit, scheduler: Any = None) -> Source:
     """The source for one parsed `[[sources]]` entry (its `type` picks the class)."""
     return source_type(config.type)(config, emit, scheduler)
 

@@ -22,8 +22,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from apscheduler.schedulers.base import BaseScheduler
-
 
 @dataclass(frozen=True, slots=True)
 class DiscoveredCheckpoint:
@@ -79,4 +77,5 @@ class SourceType(Protocol):
 
     config_type: type[Any]
 
-    def __call__(self, config: Any, emit: Emit, scheduler: BaseScheduler | None = None) -> Source: ...
+    # scheduler: the daemon's APScheduler (a source adds its periodic jobs to it), or None
+    def __call__(self, config: Any, emit: Emit, scheduler: Any = None) -> Source: ...
