@@ -351,7 +351,7 @@ def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: f
     except httpx.TransportError as exc:
         raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
     try:
-        doc = r.json()
+        doc: dict[str, Any] = r.json()
     except ValueError:
         doc = {"error": r.text[:500]}
     if r.status_code != 200:

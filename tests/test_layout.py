@@ -111,13 +111,15 @@ def test_a_lazy_import_and_a_registry_string_are_edges(tmp_path: Path) -> None:
 
 
 def _status_writes(path: Path) -> list[str]:
-    """Places that assign a checkpoint's status: `x.status = ...`, `Checkpoint(status=...)`, `.values(status=...)`."""
+    """Places that assign a checkpoint's status: `x.status = ...`, `Checkpoint(status=...)`, `.values(status=...)`.
+
+    `self.status = ...` is an object's own field (an HTTP error's status code), not a checkpoint's."""
     tree = ast.parse(path.read_text(), str(path))
     hits = []
     for node in ast.walk(tree):
         targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
         for t in targets:
-            if isinstance(t, ast.Attribute) and t.attr == "status":
+            if isinstance(t, ast.Attribute) and t.attr == "status" and ast.unparse(t.value) != "self":
                 hits.append(f"{path.name}:{node.lineno}")
         if isinstance(node, ast.Call):
             name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")

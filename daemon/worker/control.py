@@ -20,7 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -170,7 +170,7 @@ class Controller:
         return probe(self.engine, max_tokens)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _while_quiet(self, change: Any) -> dict[str, Any]:
+    def _while_quiet(self, change: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run a weight change in a state that allows it; set the state after it."""
         state = self.state
         if state is WorkerState.UNHEALTHY:

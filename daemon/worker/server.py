@@ -136,7 +136,8 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
         return error(503, f"not ready: state {ctl.state.value}", ready=False, state=ctl.state.value)
 
     async def weight_info(request: Request) -> dict[str, Any]:
-        return ctl.weight_info()
+        info: dict[str, Any] = ctl.weight_info()
+        return info
 
     async def drain(request: Request) -> dict[str, Any]:
         body = await body_of(request)
