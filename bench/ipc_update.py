@@ -55,8 +55,9 @@ def _ms(t0: float) -> float:
 
 
 class BenchWorker:
-    """Holds the parameters in a `WeightStore` and applies updates with the worker's own ipc glue
-    (`daemon.transport.ipc_worker`), under the store lock as `daemon.worker.updates` does."""
+    """Holds the parameters in a `WeightStore` and applies updates the way the worker's update path
+    (`daemon.worker.updates`) does: the ipc transport built and opened before the store lock, the
+    swap lease taken before it too, then the write or the swap under the lock."""
 
     def __init__(self, layout: str, device: str) -> None:
         from daemon.worker.store import VersionRecord, WeightStore
@@ -69,25 +70,25 @@ class BenchWorker:
         self._record = VersionRecord
 
     def _open(self, descriptor: dict[str, Any]) -> Any:
-        from daemon.transport.base import check_table
-        from daemon.transport.ipc_worker import transport_from_request
+        from daemon.transport.base import UpdateRequest, check_table
+        from daemon.transport.ipc import open_update
 
-        tr = transport_from_request({"descriptor": descriptor}, self.store)  # acquire + open: before the pause
+        request = UpdateRequest(str(descriptor.get("version", "bench")), "ipc", {"descriptor": descriptor})
+        tr = open_update(request, self.store)
+        tr.open()  # acquire + open: before the pause
         check_table(tr.table(), self.store.params)
         tr.views()
         _sync(self.device)
         return tr
 
     def copy(self, descriptor: dict[str, Any], impl: str = "loop") -> dict[str, Any]:
-        from daemon.transport.ipc_worker import before_copy
-
         t0 = time.perf_counter()
         tr = self._open(descriptor)
         tr.cuda_copy = impl
         record = self._record(tr.version, tr.source_digest(), "ipc", mode="copy", request={"descriptor": descriptor})
         with self.store.lock:
             t1 = time.perf_counter()
-            before_copy(self.store)
+            self.store.prepare_for_copy()
             tr.write_into(self.store.params)  # copy + synchronize: the pause window
             self.store.invalidate_caches()
             self.store.commit(record)
@@ -97,14 +98,13 @@ class BenchWorker:
         return {"prepare_ms": (t1 - t0) * 1e3, "pause_ms": pause, "close_ms": _ms(t2), "total_ms": _ms(t0)}
 
     def swap(self, descriptor: dict[str, Any]) -> dict[str, Any]:
-        from daemon.transport.ipc_worker import swap_in
-
         t0 = time.perf_counter()
         tr = self._open(descriptor)
         record = self._record(tr.version, tr.source_digest(), "ipc", mode="swap", request={"descriptor": descriptor})
+        lease = tr.lease(self.store.params)  # validated pairs, taken before the pause as the worker does
         with self.store.lock:
             t1 = time.perf_counter()
-            swap_in(tr, self.store, record)  # pointer flip onto the loader's buffer
+            self.store.swap_in(lease, record)  # pointer flip onto the loader's buffer
             handler = _ms(t1)
             self.store.invalidate_caches()
             self.store.commit(record)
@@ -138,8 +138,7 @@ class BenchWorker:
         return {"equal": not bad, "mismatched": bad}
 
     def mem(self) -> dict[str, Any]:
-        from daemon.transport.ipc import OPENER
-        from daemon.transport.ipc_worker import wait_for_releases
+        from daemon.transport.ipc import OPENER, wait_for_releases
 
         wait_for_releases()
         out: dict[str, Any] = {"open_versions": OPENER.open_versions(), "fds": len(os.listdir("/proc/self/fd"))}

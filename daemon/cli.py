@@ -1,16 +1,19 @@
 """`hotswap <command>`: the one entry point.
 
     hotswap --version                        print the installed version
-    hotswap daemon   [-c config.toml]        run the control plane
+    hotswap daemon   [-c config.toml]        run the control plane (daemon.service)
     hotswap publish  DIR [--version V] ...   write hotswap-manifest.json (last)
     hotswap history  [-c ...] [-n N] [--json] versions and what happened to them
     hotswap status   [-c ...] [--json]       daemon, checkpoints by status, workers
     hotswap db upgrade [-c ...]              apply database migrations
+    hotswap rollback [--to V] / pin V / unpin   manual control, through the running daemon's API
     hotswap verify DIR ...                   run the checks on a directory
     hotswap worker ... / hotswap loader ...  the reference worker / staging loader
 
-Commands owned by other packages are imported only when used, and parse their own
-arguments. A bad config file is one error line and exit code 2.
+Commands owned by other packages are imported only when used (a CLI call never pays for
+torch), and parse their own arguments. A bad config file is one error line and exit code 2.
+Manual control acts through the running daemon's HTTP API (it owns the workers and the rollout
+lock); the API address comes from `<state_dir>/daemon.json`, written by the daemon.
 """
 
 from __future__ import annotations
@@ -18,9 +21,11 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from datetime import datetime
+from pathlib import Path
 from typing import Any
 
 from daemon import __version__
@@ -31,12 +36,13 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "worker": ("daemon.worker.server:main", "run the reference serving worker"),
     "loader": ("daemon.loader.server:main", "run the staging loader (CUDA IPC exporter)"),
     "verify": ("daemon.checks.cli:main", "run the checks on a checkpoint directory"),
-    "publish": ("daemon.manifest:publish_main", "write hotswap-manifest.json for a checkpoint (last)"),
-    "rollback": ("daemon.rollout.control:rollback_main", "roll every worker back to the version before (or --to VERSION)"),
-    "pin": ("daemon.rollout.control:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
-    "unpin": ("daemon.rollout.control:unpin_main", "let new checkpoints deploy again"),
+    "publish": ("daemon.cli:publish_main", "write hotswap-manifest.json for a checkpoint (last)"),
+    "rollback": ("daemon.cli:rollback_main", "roll every worker back to the version before (or --to VERSION)"),
+    "pin": ("daemon.cli:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
+    "unpin": ("daemon.cli:unpin_main", "let new checkpoints deploy again"),
 }
 
+EXIT_OK = 0
 EXIT_CONFIG = 2
 EXIT_RUNTIME = 1
 
@@ -197,12 +203,11 @@ def _cmd_history(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from daemon.api import ApiState, status_document
     from daemon.metrics import DaemonMetrics
-    from daemon.service import read_runtime_file
 
     config = _config(args)
     reg = _registry(config, migrate=True)
     doc = status_document(ApiState(reg, DaemonMetrics()))
-    runtime = read_runtime_file(config.state_dir)
+    runtime = read_runtime_file(config)
     doc["daemon"] = {"running": _daemon_alive(runtime), **(runtime or {})}
     if args.json:
         print(json.dumps(doc, default=_plain))
@@ -227,8 +232,6 @@ def _cmd_status(args: argparse.Namespace) -> int:
 def _daemon_alive(runtime: dict[str, Any] | None) -> bool:
     if not runtime or not runtime.get("pid"):
         return False
-    import os
-
     try:
         os.kill(int(runtime["pid"]), 0)
     except (OSError, ValueError):
@@ -264,6 +267,153 @@ def _status_style(status: str) -> str:
         "superseded": "dim",
     }.get(status)
     return f"[{color}]{status}[/{color}]" if color else status
+
+
+# -- hotswap publish ---------------------------------------------------------------------------
+
+
+def publish_main(argv: Sequence[str] | None = None) -> int:
+    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--key-file F --key-id ID [--alg A]]`."""
+    ap = argparse.ArgumentParser(prog="hotswap publish", description="Write hotswap-manifest.json (last).")
+    ap.add_argument("directory", type=Path)
+    ap.add_argument("--version", help="version label (default: the directory name)")
+    ap.add_argument("--step", type=int)
+    ap.add_argument("--parent")
+    ap.add_argument(
+        "--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)"
+    )
+    ap.add_argument("--key-id")
+    ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
+    ap.add_argument("--threads", type=int)
+    args = ap.parse_args(argv)
+    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
+    from daemon.manifest import ManifestError, publish
+
+    signer = None
+    if (args.key_file is None) != (args.key_id is None):
+        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
+        return 2
+    try:
+        if args.key_file is not None:
+            try:
+                signer = load_signer(args.alg, args.key_id, args.key_file)
+            except SignatureError as exc:
+                print(f"hotswap publish: {exc}", file=sys.stderr)
+                return 2
+        m = publish(args.directory, args.version, args.step, args.parent, signer, threads=args.threads)
+    except (ManifestError, OSError) as exc:
+        print(f"hotswap publish: {exc}", file=sys.stderr)
+        return 1
+    signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
+    print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
+    return 0
+
+
+# -- hotswap rollback / pin / unpin: through the running daemon ----------------------------------
+
+
+class NotRunning(RuntimeError):
+    pass
+
+
+def read_runtime_file(config: Config) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(config.runtime_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _daemon_url(config_path: str | None) -> str:
+    config = load_config(config_path)
+    runtime = read_runtime_file(config)
+    where = str(config.runtime_file)
+    if not runtime:
+        raise NotRunning(f"the hotswap daemon is not running (no {where}); start it with `hotswap daemon`")
+    try:
+        os.kill(int(runtime["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise NotRunning(
+            f"the hotswap daemon is not running (pid {runtime.get('pid')} from {where} is gone); "
+            "start it with `hotswap daemon`"
+        ) from None
+    if not runtime.get("api_url"):
+        raise NotRunning("the running daemon has its HTTP API turned off ([daemon] listen = \"\")")
+    return str(runtime["api_url"])
+
+
+def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    import httpx
+
+    url = _daemon_url(config_path)
+    try:
+        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30)
+    except httpx.TransportError as exc:
+        raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
+    try:
+        doc: dict[str, Any] = r.json()
+    except ValueError:
+        doc = {"error": r.text[:500]}
+    if r.status_code != 200:
+        raise RuntimeError(doc.get("error") or f"HTTP {r.status_code}")
+    return doc
+
+
+def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=f"hotswap {prog}", description=description)
+    p.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV} or the embedded default)")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the command to finish")
+    p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    return p
+
+
+def _control(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
+    try:
+        doc = _post(args.config, path, body, args.timeout)
+    except ConfigError as exc:
+        print(f"hotswap: error: {exc}", file=sys.stderr)
+        return EXIT_CONFIG
+    except (NotRunning, RuntimeError) as exc:
+        print(f"hotswap: error: {exc}", file=sys.stderr)
+        return EXIT_RUNTIME
+    if args.json:
+        print(json.dumps(doc))
+    else:
+        print(_describe(doc))
+    return EXIT_OK if doc.get("outcome") in ("succeeded", "pinned", "unpinned") else EXIT_RUNTIME
+
+
+def _describe(doc: dict[str, Any]) -> str:
+    if "unpinned" in doc:
+        nxt = f"; deploying {doc['next']} next" if doc.get("next") else ""
+        return f"unpinned (was {doc['unpinned'] or 'not pinned'}){nxt}"
+    rid = f"rollout {doc['rollout_id']}: " if doc.get("rollout_id") else ""
+    text = f"{rid}{doc.get('version') or doc.get('pinned') or ''} {doc.get('outcome')}"
+    if doc.get("from"):
+        text += f" (from {doc['from']})"
+    if doc.get("reason"):
+        text += f": {doc['reason']}"
+    return text
+
+
+def rollback_main(argv: Sequence[str] | None = None) -> int:
+    p = _control_parser("rollback", "Roll every worker back to the version deployed before the serving one (or --to VERSION).")
+    p.add_argument("--to", metavar="VERSION", default=None, help="a verified version to go back to")
+    args = p.parse_args(argv)
+    return _control(args, "/v1/rollout/rollback", {"to": args.to})
+
+
+def pin_main(argv: Sequence[str] | None = None) -> int:
+    p = _control_parser("pin", "Deploy VERSION and keep it: new checkpoints wait until `hotswap unpin`.")
+    p.add_argument("version", metavar="VERSION")
+    args = p.parse_args(argv)
+    return _control(args, "/v1/rollout/pin", {"version": args.version})
+
+
+def unpin_main(argv: Sequence[str] | None = None) -> int:
+    p = _control_parser("unpin", "Let new checkpoints deploy again (the newest waiting one goes first).")
+    args = p.parse_args(argv)
+    return _control(args, "/v1/rollout/unpin", {})
 
 
 if __name__ == "__main__":

@@ -1,19 +1,29 @@
-"""TOML configuration -> typed, validated dataclasses.
+"""TOML configuration -> typed, validated dataclasses: every section of the daemon's config.
 
 Every error names the file and the key (`config.toml: [sources][0].path: ...`).
 Unknown keys are errors, so a typo never silently falls back to a default.
 With no file the daemon runs on the embedded default: SQLite under ./state,
-watching ./checkpoints. Relative paths are taken relative to the working directory.
+watching ./checkpoints, one reference worker it runs itself. Relative paths are
+taken relative to the working directory.
 
 Adding a section is one dataclass plus one field on `Config`: the loader walks
 the fields of `Config` and builds each section from its type annotation
-(a dataclass is a `[table]`, `list[dataclass]` is an `[[array]]`).
+(a dataclass is a `[table]`, `list[dataclass]` is an `[[array]]`). A section's
+`validate(key)` raises `ConfigError` or a plain `ValueError` whose message starts
+with the key; either way the user sees one line naming the file and the key.
+
+Names that plug in a component are checked against that component's registry:
+`[[sources]] type` (daemon.sources), `[[workers]] kind` (daemon.adapters) and
+`[rollout] transport` (daemon.transport). `[[sources]]` is a union on `type`: the
+source's own module defines its table's dataclass.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import re
+import shlex
 import tomllib
 import types
 import typing
@@ -21,12 +31,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from daemon.rollout.settings import LoaderSettings, RolloutSettings, WorkerSpec, check_fleet, default_workers
+from daemon.adapters import MANAGED_KIND, WORKER_KINDS
+from daemon.checks import CheckSettings
+from daemon.sources import SOURCE_TYPES, source_type
+from daemon.transport import TRANSPORTS
 
 CONFIG_ENV = "HOTSWAP_CONFIG"
 EMBEDDED = "<embedded default>"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-COMMIT_SIGNALS = ("manifest", "index", "marker")
 
 
 class ConfigError(ValueError):
@@ -39,8 +51,11 @@ class DaemonConfig:
     log_level: str = "info"  # debug | info | warning | error
     listen: str = "127.0.0.1:8780"  # daemon HTTP API (status, metrics, health); "" turns it off
     watchdog_interval_s: float = 0.0  # 0 = use systemd's WATCHDOG_USEC when set
+    retention_interval_s: float = 300.0  # how often sources may prune directories they created
 
     def validate(self, key: str) -> None:
+        if self.retention_interval_s <= 0:
+            raise ConfigError(f"{key}.retention_interval_s: must be > 0")
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"{key}.log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if self.listen:
@@ -64,69 +79,230 @@ class DatabaseConfig:
             )
 
 
+# -- [rollout], [rollout.groups.NAME], [[workers]], [loader] -------------------------------------
+#
+# ```toml
+# [rollout]
+# transport = "disk"          # a name in daemon.transport.TRANSPORTS: disk | ipc
+# mode = "drain"              # default group's mode: drain | pause
+# max_unavailable = 1
+# health_window_s = 5.0       # post-deploy watch; 0 turns it off
+# max_error_rate = 0.01       # rolled back above this share of failed requests
+#
+# [rollout.groups.canary]     # optional: groups roll one after another, in [[workers]] order
+# mode = "pause"
+#
+# [[workers]]
+# name = "gpu0"
+# url = "http://127.0.0.1:8001"
+# token_file = "/etc/hotswap/worker.token"
+# device = "cuda:0"
+# group = "canary"
+# restart_command = "systemctl restart hotswap-worker@0"
+# ```
+
+RolloutMode = Literal["drain", "pause"]
+DEFAULT_GROUP = "default"
+MANAGED_WORKER_NAME = "local"
+_NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.@-]{0,127}$")
+
+# Placeholders a restart command may use; each becomes one argv element.
+RESTART_PLACEHOLDERS = ("name", "url", "port", "device", "version", "path", "token_file")
+
+
+def _error(key: str, message: str) -> ConfigError:
+    return ConfigError(f"{key}.{message}")
+
+
 @dataclass
-class SourceConfig:
-    path: str  # required: folder whose subdirectories are checkpoints
-    type: Literal["local"] = "local"
-    name: str = ""  # label stored in checkpoints.source; "" = "local:<path>"
-    commit_signals: list[str] = field(default_factory=lambda: list(COMMIT_SIGNALS))  # checked in this order
-    quiet_period_s: float = 2.0  # index signal: shard sizes unchanged this long
-    marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])
-    rescan_interval_s: float = 10.0  # safety net for missed filesystem events
-    create: bool = True  # create the folder if it does not exist
+class GroupSettings:
+    """`[rollout.groups.NAME]`: how one group of workers leaves RUNNING."""
+
+    mode: RolloutMode = "drain"
+    max_unavailable: int = 0  # 0 = [rollout].max_unavailable
 
     def validate(self, key: str) -> None:
-        if not self.path:
-            raise ConfigError(f"{key}.path: must not be empty")
-        for s in self.commit_signals:
-            if s not in COMMIT_SIGNALS:
-                raise ConfigError(f"{key}.commit_signals: {s!r} is not one of {', '.join(COMMIT_SIGNALS)}")
-        if not self.commit_signals:
-            raise ConfigError(f"{key}.commit_signals: at least one signal is needed")
-        if self.quiet_period_s < 0:
-            raise ConfigError(f"{key}.quiet_period_s: must be >= 0")
-        if self.rescan_interval_s <= 0:
-            raise ConfigError(f"{key}.rescan_interval_s: must be > 0")
-        if "marker" in self.commit_signals and not self.marker_names:
-            raise ConfigError(f"{key}.marker_names: the marker signal needs at least one name")
-
-    @property
-    def label(self) -> str:
-        return self.name or f"{self.type}:{self.path}"
+        if self.max_unavailable < 0:
+            raise _error(key, f"max_unavailable: must be >= 0 (0 = the [rollout] value), got {self.max_unavailable}")
 
 
-def _default_sources() -> list[SourceConfig]:
-    return [SourceConfig(path="./checkpoints")]
+@dataclass
+class RolloutSettings:
+    """`[rollout]`: transports, pacing, step timeouts, health window and poll."""
+
+    transport: str = "disk"  # a name in daemon.transport.TRANSPORTS
+    update_mode: Literal["copy", "swap"] = "copy"  # how an ipc update lands in the worker
+    mode: RolloutMode = "drain"  # mode of the "default" group and of groups without their own
+    max_unavailable: int = 1  # workers out of RUNNING at the same time, per group
+    groups: dict[str, GroupSettings] = field(default_factory=dict)
+    # Per-step timeouts (seconds). A step that runs past its timeout fails the worker.
+    drain_timeout_s: float = 30.0  # in-flight requests finishing after readiness goes off
+    update_timeout_s: float = 300.0  # the transfer into the worker's parameters
+    restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
+    stage_timeout_s: float = 600.0  # ipc: loader staging a version
+    # Post-deploy health window: roll back when a worker's failed share exceeds the bound.
+    health_window_s: float = 5.0
+    max_error_rate: float = 0.01
+    min_window_requests: int = 1  # fewer requests than this in the window: no verdict on that worker
+    health_sample_s: float = 0.5
+    health_poll_s: float = 5.0  # background poll of every worker's /weight_info
+    request_timeout_s: float = 10.0  # every other admin call (weight_info, pause, probe, resume, ...)
+
+    def validate(self, key: str) -> None:
+        if self.transport not in TRANSPORTS:
+            raise _error(key, f"transport: {self.transport!r} is not one of {', '.join(map(repr, TRANSPORTS))}")
+        if self.max_unavailable < 1:
+            raise _error(key, f"max_unavailable: must be >= 1, got {self.max_unavailable}")
+        for name in (
+            "drain_timeout_s",
+            "update_timeout_s",
+            "restart_timeout_s",
+            "stage_timeout_s",
+            "health_sample_s",
+            "health_poll_s",
+            "request_timeout_s",
+        ):
+            if getattr(self, name) <= 0:
+                raise _error(key, f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.health_window_s < 0:
+            raise _error(key, f"health_window_s: must be >= 0 (0 = no window), got {self.health_window_s}")
+        if not 0 <= self.max_error_rate <= 1:
+            raise _error(key, f"max_error_rate: must be between 0 and 1 (a share, 0.01 = 1 %), got {self.max_error_rate}")
+        if self.min_window_requests < 1:
+            raise _error(key, f"min_window_requests: must be >= 1, got {self.min_window_requests}")
+        for name in self.groups:
+            if not _NAME_RE.match(name):
+                raise _error(key, f"groups.{name}: group names are letters, digits and _.@-")
+
+    def group(self, name: str) -> GroupSettings:
+        g = self.groups.get(name)
+        if g is None:
+            return GroupSettings(mode=self.mode, max_unavailable=self.max_unavailable)
+        return GroupSettings(mode=g.mode, max_unavailable=g.max_unavailable or self.max_unavailable)
 
 
-def _check_settings_type() -> type:
-    from daemon.checks import CheckSettings  # owned by the checks package
+@dataclass
+class WorkerSpec:
+    """`[[workers]]`: one serving process the daemon keeps on the newest good version."""
 
-    return CheckSettings
+    name: str
+    url: str = ""  # base URL of its serving + admin API; "" only with launch = "managed"
+    kind: str = MANAGED_KIND  # a name in daemon.adapters.WORKER_KINDS
+    token_file: str = ""  # bearer token for the admin API; managed: "" = <state_dir>/worker-NAME.token
+    device: str = "auto"  # informational for external workers; managed: passed to `hotswap worker`
+    group: str = DEFAULT_GROUP
+    # Run when the worker cannot be restored over its admin API (e.g. "systemctl restart
+    # hotswap-worker@0"). A string is split like a shell would, but never run by a shell;
+    # {name} {url} {port} {device} {version} {path} {token_file} are filled in per argument.
+    restart_command: list[str] | str = ""
+    # "managed": the daemon runs `hotswap worker` itself as a supervised child on a loopback
+    # port and relaunches it on the last good version when it has to restart it.
+    launch: Literal["external", "managed"] = "external"
+    port: int = 0  # managed: loopback port; 0 = a free port chosen at launch
+    model: str = ""  # managed: directory served before the registry has a version ("" = tiny seed)
+
+    def validate(self, key: str) -> None:
+        if not _NAME_RE.match(self.name):
+            raise _error(key, f"name: {self.name!r} must be 1-128 letters, digits or _.@- (starting alphanumeric)")
+        if not _NAME_RE.match(self.group):
+            raise _error(key, f"group: {self.group!r} must be letters, digits or _.@-")
+        if self.kind not in WORKER_KINDS:
+            raise _error(key, f"kind: {self.kind!r} has no adapter in this version yet (supported: {', '.join(WORKER_KINDS)})")
+        if self.launch == "external":
+            if not self.url:
+                raise _error(key, "url: required for an external worker (e.g. http://127.0.0.1:8001)")
+            if not re.match(r"^https?://[^/\s]+", self.url):
+                raise _error(key, f"url: {self.url!r} is not an http(s) URL")
+        else:
+            if self.url:
+                raise _error(key, "url: a managed worker's URL is chosen by the daemon; leave it out")
+            if self.kind != MANAGED_KIND:
+                raise _error(key, f"kind: only {MANAGED_KIND} workers can be managed, got {self.kind!r}")
+            if self.restart_command:
+                raise _error(key, "restart_command: a managed worker is restarted by the daemon itself")
+        if not 0 <= self.port <= 65535:
+            raise _error(key, f"port: {self.port} is not a TCP port")
+        try:
+            argv = self.restart_argv()
+        except ValueError as exc:
+            raise _error(key, f"restart_command: {exc}") from None
+        for arg in argv:
+            for ph in re.findall(r"{([^{}]*)}", arg):
+                if ph not in RESTART_PLACEHOLDERS:
+                    raise _error(
+                        key,
+                        f"restart_command: unknown placeholder {{{ph}}} (known: {', '.join(RESTART_PLACEHOLDERS)})",
+                    )
+
+    def restart_argv(self) -> list[str]:
+        if isinstance(self.restart_command, list):
+            return list(self.restart_command)
+        return shlex.split(self.restart_command) if self.restart_command else []
+
+
+def default_workers() -> list[WorkerSpec]:
+    """The embedded default fleet: one reference worker the daemon runs itself."""
+    return [WorkerSpec(name=MANAGED_WORKER_NAME, launch="managed")]
+
+
+@dataclass
+class LoaderSettings:
+    """`[loader]`: the staging loader used by `transport = "ipc"`."""
+
+    socket: str = ""  # Unix socket of `hotswap loader`; "" = <state_dir>/loader.sock
+    token_file: str = ""
+
+    def validate(self, key: str) -> None:
+        return None
+
+
+def check_fleet(rollout: RolloutSettings, workers: list[WorkerSpec]) -> None:
+    """Cross-section checks: unique names and URLs, groups that exist in name only."""
+    seen: dict[str, int] = {}
+    urls: dict[str, str] = {}
+    for i, w in enumerate(workers):
+        if w.name in seen:
+            raise _error(f"workers[{i}]", f"name: {w.name!r} is already used by workers[{seen[w.name]}]")
+        seen[w.name] = i
+        if w.url:
+            if w.url.rstrip("/") in urls:
+                raise _error(f"workers[{i}]", f"url: {w.url!r} is already used by worker {urls[w.url.rstrip('/')]!r}")
+            urls[w.url.rstrip("/")] = w.name
+    ports = [w.port for w in workers if w.launch == "managed" and w.port]
+    if len(ports) != len(set(ports)):
+        raise _error("workers", "port: two managed workers ask for the same port")
+
+
+# -- the whole file ----------------------------------------------------------------------------
+
+
+def _default_sources() -> list[Any]:
+    return [source_type("local").config_type(path="./checkpoints")]
 
 
 @dataclass
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
-    sources: list[SourceConfig] = field(default_factory=_default_sources)
+    # [[sources]]: each table's `type` picks its dataclass from daemon.sources.SOURCE_TYPES.
+    sources: list[Any] = field(default_factory=_default_sources)
     # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
-    checks: Any = None
-    # [rollout], [[workers]], [loader]: daemon.rollout.settings. A file without [[workers]]
-    # has none (the daemon only verifies); with no file at all the daemon runs one
-    # reference worker itself (launch = "managed"), for the quickstart.
+    checks: CheckSettings = field(default_factory=CheckSettings)
+    # A file without [[workers]] has none (the daemon only verifies); with no file at all the
+    # daemon runs one reference worker itself (launch = "managed"), for the quickstart.
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     workers: list[WorkerSpec] = field(default_factory=list)
     loader: LoaderSettings | None = None
     source_file: str = EMBEDDED
 
-    def __post_init__(self) -> None:
-        if self.checks is None:
-            self.checks = _check_settings_type()()
-
     @property
     def state_dir(self) -> Path:
         return Path(self.daemon.state_dir).expanduser()
+
+    @property
+    def runtime_file(self) -> Path:
+        """Written by the running daemon (pid, API URL); read by the CLI."""
+        return self.state_dir / "daemon.json"
 
     @property
     def database_url(self) -> str:
@@ -135,8 +311,6 @@ class Config:
         return f"sqlite:///{self.state_dir / 'hotswap.db'}"
 
 
-# Top-level keys of Config that are sections, and the one computed lazily.
-_LAZY_SECTIONS: dict[str, typing.Callable[[], type]] = {"checks": _check_settings_type}
 _NOT_SECTIONS = {"source_file"}
 
 
@@ -183,27 +357,32 @@ def _parse(doc: dict[str, Any]) -> Config:
         raise ConfigError(f"unknown section or key {unknown[0]!r} (known: {', '.join(section_names)})")
     values: dict[str, Any] = {}
     for name in section_names:
-        if name in _LAZY_SECTIONS:
-            try:
-                tp = _LAZY_SECTIONS[name]()
-            except ImportError as exc:
-                if name in doc:
-                    raise ConfigError(
-                        f"[{name}]: this section needs {exc.name}, which is not installed"
-                    ) from None
-                continue
-        else:
-            tp = hints[name]
-        if name in doc:
-            values[name] = _convert(doc[name], tp, name)
-        elif name in _LAZY_SECTIONS:
-            values[name] = tp()
+        if name == "sources" and name in doc:
+            values[name] = _sources(doc[name])
+        elif name in doc:
+            values[name] = _convert(doc[name], hints[name], name)
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
-    if config.rollout.transport == "ipc":
-        # staging through the loader needs GPU (or /dev/shm) room too, so headroom checks it
+    if TRANSPORTS[config.rollout.transport].stages:
+        # a transport that stages a copy (the loader) needs that room too, so headroom checks it
         config.checks.ipc_enabled = True
     return config
+
+
+def _sources(value: Any) -> list[Any]:
+    """`[[sources]]`: a union on `type`; each type's dataclass comes from its source module."""
+    if not isinstance(value, list):
+        raise ConfigError(f"sources: expected an array, got {_tname(value)}")
+    out = []
+    for i, table in enumerate(value):
+        key = f"sources[{i}]"
+        if not isinstance(table, dict):
+            raise ConfigError(f"{key}: expected a table, got {_tname(table)}")
+        kind = table.get("type", "local")
+        if kind not in SOURCE_TYPES:
+            raise ConfigError(f"{key}.type: {kind!r} is not one of {', '.join(map(repr, SOURCE_TYPES))}")
+        out.append(_build_dataclass(table, source_type(kind).config_type, key))
+    return out
 
 
 def _fmt_key(key: str) -> str:
@@ -238,10 +417,10 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if origin in (list, tuple, frozenset, set):
         if not isinstance(value, list):
             raise ConfigError(f"{key}: expected an array, got {_tname(value)}")
-        args = get_args(tp)
-        item_tp = args[0] if args else Any
+        item_args = get_args(tp)
+        item_tp = item_args[0] if item_args else Any
         items = [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-        return origin(items) if origin is not list else items
+        return items if origin is list else origin(items)
     if origin is dict:
         if not isinstance(value, dict):
             raise ConfigError(f"{key}: expected a table, got {_tname(value)}")
@@ -293,7 +472,8 @@ def _build_dataclass(table: dict[str, Any], cls: Any, key: str) -> Any:
         except ConfigError:
             raise
         except ValueError as exc:  # a section's own validate() may raise plain ValueError
-            raise ConfigError(f"{key}: {exc}") from None
+            msg = str(exc)
+            raise ConfigError(msg if msg.startswith(key) else f"{key}: {msg}") from None
     return obj
 
 

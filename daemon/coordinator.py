@@ -1,28 +1,30 @@
 """The coordinator: follows each checkpoint through the pipeline, one named step at a time.
 
-    discover  (sources: a committed directory arrives via `intake`)
+    discover  (sources: a committed checkpoint arrives via `intake`)
     register  -> `discovered` row (fast, in the caller's thread: detection latency stays low)
+    fetch     -> `fetching` -> a local directory, when it was registered without one (its source
+                 downloads or receives it); failures reject it, or re-queue it when they pass
     verify    -> `verifying` -> `verified` | `rejected` | `deferred` | `duplicate`, one `checks` row per check
-    [stage -> roll out]  later steps plug in through `after_verify` (see `PostVerifyStep`)
+    then      `on_verified(checkpoint_id)`: stage and roll out (daemon.rollout.service.submit)
 
-Verification runs on one worker thread fed by a queue, oldest first. Every status
-change is committed (with an `events` row) before the next step starts, so a
-daemon killed at any point resumes on start: `resume_unfinished()` re-queues
-checkpoints left in `discovered`/`verifying`. A version is registered once:
-the `version` column is unique and re-discovery of a known version is a no-op.
+Fetch and verify run on one worker thread fed by a queue, oldest first. Every status change
+is committed (with an `events` row, through daemon.registry.status) before the next step
+starts, so a daemon killed at any point resumes on start: `resume_unfinished()` re-queues
+checkpoints left in `discovered`/`fetching`/`verifying`. A version is registered once: the
+`version` column is unique and re-discovery of a known version is a no-op.
+
+`observers` are told of each status the coordinator commits (after the commit); production
+registers none, a test entry point uses them to hold the daemon mid-verify.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import os
 import queue
 import threading
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Protocol
 
 from sqlalchemy.orm import Session
 from structlog.stdlib import BoundLogger
@@ -30,49 +32,18 @@ from structlog.stdlib import BoundLogger
 from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
 from daemon.logging import bind_version, get_logger
 from daemon.metrics import DaemonMetrics
-from daemon.registry import Registry
+from daemon.registry import Registry, status
 from daemon.registry import queries as q
 from daemon.registry.models import Alias, Checkpoint
-from daemon.sources.commit import DiscoveredCheckpoint
-
-# Test-only: seconds the verify step sleeps after marking a checkpoint `verifying`,
-# so a test can SIGKILL the daemon mid-verify deterministically. Never set in production.
-TEST_VERIFY_DELAY_ENV = "HOTSWAP_TEST_VERIFY_DELAY_S"
+from daemon.registry.status import UNFINISHED, CheckpointStatus
+from daemon.sources.base import DiscoveredCheckpoint, FetchError, FetchItem, Source
 
 log = get_logger(__name__)
+C = CheckpointStatus
+PROGRESS_LOG_S = 5.0  # a fetch logs its progress at most this often
 
-
-@dataclass(frozen=True, slots=True)
-class VerifiedCheckpoint:
-    """What later steps (stage, roll out) get: a checkpoint that passed every check."""
-
-    checkpoint_id: int
-    version: str
-    directory: Path
-    digest: str | None
-    total_bytes: int
-    tensor_count: int
-
-
-class PostVerifyStep(Protocol):
-    """A step after verify (the rollout package adds "stage" and "roll out").
-
-    Called on the coordinator's thread, in order; exceptions are logged and stop the
-    remaining steps for that checkpoint (its status is whatever the step last wrote).
-    """
-
-    name: str
-
-    def __call__(self, ckpt: VerifiedCheckpoint) -> None: ...
-
-
-@dataclass
-class _NamedStep:
-    name: str
-    fn: Callable[[VerifiedCheckpoint], None]
-
-    def __call__(self, ckpt: VerifiedCheckpoint) -> None:
-        self.fn(ckpt)
+StatusObserver = Callable[[int, CheckpointStatus], None]
+OnVerified = Callable[[int], None]
 
 
 class Coordinator:
@@ -81,25 +52,28 @@ class Coordinator:
         registry: Registry,
         check_settings: CheckSettings,
         metrics: DaemonMetrics | None = None,
+        *,
+        sources: Mapping[str, Source] | None = None,
+        on_verified: OnVerified | None = None,
+        observers: Iterable[StatusObserver] = (),
     ) -> None:
         self.registry = registry
         self.check_settings = check_settings
         self.metrics = metrics or DaemonMetrics()
-        self.after_verify: list[PostVerifyStep] = []
+        self.sources: dict[str, Source] = dict(sources or {})  # by label, for the fetch step
+        self.on_verified = on_verified  # the step after verify (stage + roll out); None: verify only
+        self.observers = list(observers)
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
-        self.test_verify_delay_s = float(os.environ.get(TEST_VERIFY_DELAY_ENV, "0") or 0)
+        self._retries: set[threading.Timer] = set()
+        self._retries_lock = threading.Lock()
         # Run first on the coordinator's thread (e.g. importing torch for the forward check):
         # importing transformers from two threads at once can fail, so the checks never
         # race a background import.
         self.warmup: Callable[[], None] | None = None
 
     # -- plumbing -------------------------------------------------------------------------
-
-    def add_step(self, name: str, fn: Callable[[VerifiedCheckpoint], None]) -> None:
-        """Append a post-verify step (e.g. `add_step("stage", stager.stage)`)."""
-        self.after_verify.append(_NamedStep(name, fn))
 
     def start(self) -> None:
         self.resume_unfinished()
@@ -108,6 +82,10 @@ class Coordinator:
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
+        with self._retries_lock:
+            for timer in self._retries:
+                timer.cancel()
+            self._retries.clear()
         self._queue.put(None)
         if self._thread is not None:
             self._thread.join(timeout)
@@ -115,6 +93,9 @@ class Coordinator:
     def idle(self) -> bool:
         """Nothing queued and nothing being verified (for tests and benchmarks)."""
         return self._queue.unfinished_tasks == 0
+
+    def queue_depth(self) -> int:
+        return self._queue.qsize()
 
     def _run(self) -> None:
         if self.warmup is not None:
@@ -133,6 +114,23 @@ class Coordinator:
             finally:
                 self._queue.task_done()
 
+    def _moved(self, checkpoint_id: int, to: CheckpointStatus) -> None:
+        for observer in self.observers:
+            observer(checkpoint_id, to)
+
+    def _retry_later(self, checkpoint_id: int, delay_s: float) -> None:
+        def fire() -> None:
+            with self._retries_lock:
+                self._retries.discard(timer)
+            if not self._stopping.is_set():
+                self._queue.put(checkpoint_id)
+
+        timer = threading.Timer(delay_s, fire)
+        timer.daemon = True
+        with self._retries_lock:
+            self._retries.add(timer)
+        timer.start()
+
     # -- step: discover -> register -----------------------------------------------------
 
     def intake(self, item: DiscoveredCheckpoint) -> int | None:
@@ -148,32 +146,30 @@ class Coordinator:
     def register(self, item: DiscoveredCheckpoint) -> int | None:
         vlog = bind_version(log, item.version, source=item.source)
         with self.registry.session() as s:
-            ckpt = q.register_discovered(
+            ckpt = status.create(
                 s,
                 version=item.version,
                 source=item.source,
                 uri=item.uri,
-                local_path=str(item.directory),
+                local_path=str(item.directory) if item.directory is not None else None,
                 commit_signal=item.signal,
                 discovered_at=item.detected_at,
             )
             ckpt_id = ckpt.id if ckpt is not None else None
         if ckpt_id is None:
-            vlog.info("already registered; ignored", directory=str(item.directory))
+            vlog.info("already registered; ignored", uri=item.uri)
             return None
         latency_ms = (time.monotonic() - item.detected_monotonic) * 1000.0
         self.metrics.discovered(item.signal)
-        vlog.info(
-            "discovered", directory=str(item.directory), signal=item.signal, register_ms=round(latency_ms, 2)
-        )
+        vlog.info("discovered", uri=item.uri, signal=item.signal, register_ms=round(latency_ms, 2))
         return ckpt_id
 
     def resume_unfinished(self) -> list[str]:
-        """Queue checkpoints a previous run left in `discovered`/`verifying`."""
+        """Queue checkpoints a previous run left in `discovered`/`fetching`/`verifying`."""
         with self.registry.session() as s:
             pending = [(c.id, c.version, c.status) for c in q.unfinished_checkpoints(s)]
-        for ckpt_id, version, status in pending:
-            bind_version(log, version).info("resuming unfinished checkpoint", status=status)
+        for ckpt_id, version, st in pending:
+            bind_version(log, version).info("resuming unfinished checkpoint", status=st)
             self._queue.put(ckpt_id)
         return [v for _, v, _ in pending]
 
@@ -184,7 +180,7 @@ class Coordinator:
         checkpoint that passes it goes back to `discovered` and through every check again.
         """
         with self.registry.session() as s:
-            deferred = [(c.id, c.version, c.local_path) for c in q.checkpoints_with_status(s, "deferred")]
+            deferred = [(c.id, c.version, c.local_path) for c in q.checkpoints_with_status(s, C.DEFERRED)]
         if not deferred:
             return []
         probe = dataclasses.replace(self.check_settings, enabled=("headroom",))
@@ -195,40 +191,111 @@ class Coordinator:
                 continue
             with self.registry.session() as s:
                 ckpt = q.get_checkpoint_by_id(s, ckpt_id)
-                if ckpt is None or ckpt.status != "deferred":
+                if ckpt is None or ckpt.status != C.DEFERRED:
                     continue
-                q.set_status(s, ckpt, "discovered", "retrying: headroom is available again")
+                status.move(s, ckpt, C.DISCOVERED, "retrying: headroom is available again")
+            self._moved(ckpt_id, C.DISCOVERED)
             bind_version(log, version).info("deferred checkpoint re-queued: headroom available")
             self._queue.put(ckpt_id)
             requeued.append(version)
         return requeued
 
-    # -- step: verify --------------------------------------------------------------------
+    # -- the pipeline, one checkpoint --------------------------------------------------------
 
     def process(self, checkpoint_id: int) -> None:
-        verified = self.verify(checkpoint_id)
-        if verified is not None:
-            self.deliver(verified)
+        """fetch -> verify -> on_verified."""
+        if not self.fetch(checkpoint_id):
+            return
+        if self.verify(checkpoint_id) and self.on_verified is not None:
+            self.on_verified(checkpoint_id)
 
-    def verify(self, checkpoint_id: int) -> VerifiedCheckpoint | None:
+    # -- step: fetch -----------------------------------------------------------------------
+
+    def fetch(self, checkpoint_id: int) -> bool:
+        """Make sure the checkpoint has a local directory. True when verification may go on.
+
+        A checkpoint registered with its directory (a local folder, a finished push) has nothing
+        to fetch; otherwise its source fetches it, under the `fetching` status.
+        """
         with self.registry.session() as s:
             ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
-            if ckpt is None or ckpt.status not in q.UNFINISHED_STATUSES:
-                return None
+            if ckpt is None or ckpt.status not in UNFINISHED:
+                return False
+            if ckpt.local_path or ckpt.status == C.VERIFYING:
+                return True
+            item = FetchItem(ckpt.id, ckpt.version, ckpt.uri)
+            label = ckpt.source
+            status.move(s, ckpt, C.FETCHING, f"fetching from {label}")
+        self._moved(checkpoint_id, C.FETCHING)
+        vlog = bind_version(log, item.version, source=label)
+        source = self.sources.get(label)
+        if source is None:
+            return self._fetch_failed(checkpoint_id, FetchError(f"its source {label!r} is not configured"), vlog)
+        vlog.info("fetching", uri=item.uri)
+        t0 = last = time.monotonic()
+
+        def progress(done: int, total: int | None) -> None:
+            nonlocal last
+            now = time.monotonic()
+            if now - last >= PROGRESS_LOG_S:
+                last = now
+                vlog.info("fetch progress", bytes=done, of=total, seconds=round(now - t0, 1))
+
+        try:
+            directory = source.fetch(item, progress)
+        except FetchError as exc:
+            return self._fetch_failed(checkpoint_id, exc, vlog)
+        except Exception as exc:  # a bug or an OS fault in a source still ends the step with the cause
+            return self._fetch_failed(checkpoint_id, FetchError(f"{type(exc).__name__}: {exc}"), vlog)
+        with self.registry.session() as s:
+            ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+            if ckpt is None:
+                return False
+            ckpt.local_path = str(directory)
+        vlog.info("fetched", directory=str(directory), seconds=round(time.monotonic() - t0, 2))
+        return True
+
+    def _fetch_failed(self, checkpoint_id: int, exc: FetchError, vlog: BoundLogger) -> bool:
+        retry = exc.retry_after_s
+        to = C.DISCOVERED if retry is not None else C.REJECTED
+        with self.registry.session() as s:
+            ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+            if ckpt is None:
+                return False
+            message = f"fetch failed: {exc.reason}" + (f"; trying again in {retry:g} s" if retry is not None else "")
+            if ckpt.status == to:
+                status.note(s, ckpt, message)
+            else:
+                status.move(s, ckpt, to, message)
+        self._moved(checkpoint_id, to)
+        vlog.warning("fetch failed", reason=exc.reason, retry_s=retry)
+        if retry is not None:
+            self._retry_later(checkpoint_id, retry)
+        return False
+
+    # -- step: verify --------------------------------------------------------------------
+
+    def verify(self, checkpoint_id: int) -> bool:
+        """Run the checks; True when the checkpoint is `verified` (and not a duplicate)."""
+        with self.registry.session() as s:
+            ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+            if ckpt is None or ckpt.status not in UNFINISHED:
+                return False
             q.clear_checks(s, ckpt.id)  # an interrupted earlier attempt starts over
-            q.set_status(s, ckpt, "verifying")
+            status.move(s, ckpt, C.VERIFYING)
             version, directory = ckpt.version, Path(ckpt.local_path or "")
             reference = self._reference_dir(s)
+        self._moved(checkpoint_id, C.VERIFYING)
         vlog = bind_version(log, version)
         vlog.info("verifying", directory=str(directory), reference=str(reference) if reference else None)
-        if self.test_verify_delay_s > 0:
-            time.sleep(self.test_verify_delay_s)
 
         t0 = time.perf_counter()
         report = self._run_checks(checkpoint_id, directory, reference, vlog)
         duration_ms = (time.perf_counter() - t0) * 1000.0
         self.metrics.verified(report, duration_ms)
-        return self._record_outcome(checkpoint_id, directory, report, duration_ms, vlog)
+        outcome = self._record_outcome(checkpoint_id, report, duration_ms, vlog)
+        self._moved(checkpoint_id, outcome)
+        return outcome == C.VERIFIED
 
     def _run_checks(
         self, checkpoint_id: int, directory: Path, reference: Path | None, vlog: BoundLogger
@@ -256,8 +323,8 @@ class Coordinator:
         return run_checks(directory, self.check_settings, reference=reference, on_result=on_result)
 
     def _record_outcome(
-        self, checkpoint_id: int, directory: Path, report: VerifyReport, duration_ms: float, vlog: BoundLogger
-    ) -> VerifiedCheckpoint | None:
+        self, checkpoint_id: int, report: VerifyReport, duration_ms: float, vlog: BoundLogger
+    ) -> CheckpointStatus:
         with self.registry.session() as s:
             ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
             assert ckpt is not None
@@ -270,26 +337,24 @@ class Coordinator:
             if report.files:
                 q.replace_files(s, ckpt, [(f.path, f.bytes, f.crc32c or None) for f in report.files])
             if not report.ok:
-                status = "deferred" if report.deferred else "rejected"
-                q.set_status(s, ckpt, status, report.reason, duration_ms=duration_ms)
-                vlog.warning(status, reason=report.reason, ms=round(duration_ms, 1))
-                return None
+                failed = C.DEFERRED if report.deferred else C.REJECTED
+                status.move(s, ckpt, failed, report.reason, duration_ms=duration_ms)
+                vlog.warning(failed.value, reason=report.reason, ms=round(duration_ms, 1))
+                return failed
             same = q.find_same_digest(s, report.digest, ckpt.id) if report.digest else None
             if same is not None:
-                q.set_status(
+                status.move(
                     s,
                     ckpt,
-                    "duplicate",
+                    C.DUPLICATE,
                     f"same content (digest {report.digest}) as {same.version}",
                     duration_ms=duration_ms,
                 )
                 vlog.info("duplicate", of=same.version, digest=report.digest)
-                return None
-            q.set_status(s, ckpt, "verified", None, duration_ms=duration_ms)
+                return C.DUPLICATE
+            status.move(s, ckpt, C.VERIFIED, None, duration_ms=duration_ms)
             vlog.info("verified", digest=report.digest, bytes=report.total_bytes, ms=round(duration_ms, 1))
-            return VerifiedCheckpoint(
-                ckpt.id, ckpt.version, directory, report.digest, report.total_bytes, report.tensor_count
-            )
+            return C.VERIFIED
 
     def _reference_dir(self, s: Session) -> Path | None:
         """The serving version's directory, for the compat and forward checks."""
@@ -300,14 +365,3 @@ class Coordinator:
         if ref is None or not ref.local_path or not Path(ref.local_path).is_dir():
             return None
         return Path(ref.local_path)
-
-    # -- steps after verify: stage -> roll out (plugged in by the rollout package) --------
-
-    def deliver(self, ckpt: VerifiedCheckpoint) -> None:
-        for step in self.after_verify:
-            slog = bind_version(log, ckpt.version, step=step.name)
-            try:
-                step(ckpt)
-            except Exception:
-                slog.exception("step failed; later steps skipped")
-                return

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any, TextIO
 
 import structlog
@@ -57,7 +58,7 @@ def configure_logging(level: str = "info", *, stream: TextIO | None = None, json
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
-def _identity(_logger: Any, _name: str, event: dict[str, Any]) -> dict[str, Any]:
+def _identity(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
     return event
 
 

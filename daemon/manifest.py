@@ -8,14 +8,12 @@ other field. Paths are relative, normalised and stay inside the checkpoint.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import posixpath
 import stat
 import struct
-import sys
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -41,7 +39,6 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
     "publish",
-    "publish_main",
 ]
 
 FORMAT = "hotswap.manifest/1"
@@ -70,8 +67,10 @@ class Signature:
 class Signer(Protocol):
     """Signs the canonical manifest bytes; see daemon.checks.signatures for the two kinds."""
 
-    alg: str
-    key_id: str
+    @property
+    def alg(self) -> str: ...
+    @property
+    def key_id(self) -> str: ...
 
     def sign(self, message: bytes) -> str: ...
 
@@ -336,43 +335,3 @@ def _write_atomically(path: Path, data: bytes) -> None:
         os.fsync(dfd)  # make the rename itself durable
     finally:
         os.close(dfd)
-
-
-def publish_main(argv: Sequence[str] | None = None) -> int:
-    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--key-file F --key-id ID [--alg A]]`."""
-    ap = argparse.ArgumentParser(prog="hotswap publish", description="Write hotswap-manifest.json (last).")
-    ap.add_argument("directory", type=Path)
-    ap.add_argument("--version", help="version label (default: the directory name)")
-    ap.add_argument("--step", type=int)
-    ap.add_argument("--parent")
-    ap.add_argument(
-        "--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)"
-    )
-    ap.add_argument("--key-id")
-    ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
-    ap.add_argument("--threads", type=int)
-    args = ap.parse_args(argv)
-    signer = None
-    if (args.key_file is None) != (args.key_id is None):
-        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
-        return 2
-    try:
-        if args.key_file is not None:
-            from daemon.checks.signatures import SignatureError, load_signer
-
-            try:
-                signer = load_signer(args.alg, args.key_id, args.key_file)
-            except SignatureError as exc:
-                print(f"hotswap publish: {exc}", file=sys.stderr)
-                return 2
-        m = publish(args.directory, args.version, args.step, args.parent, signer, threads=args.threads)
-    except (ManifestError, OSError) as exc:
-        print(f"hotswap publish: {exc}", file=sys.stderr)
-        return 1
-    signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
-    print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(publish_main())

@@ -1,9 +1,19 @@
-"""The daemon process: wires config, registry, sources, coordinator, HTTP API and systemd together.
+"""The daemon process: one build function wires the pipeline, `Daemon` starts and stops it in order.
 
-`hotswap daemon [-c config.toml]` runs `run_daemon`. Start order: migrate the
-database, resume unfinished checkpoints, start sources (they scan at once),
-start the API, write `<state_dir>/daemon.json` (pid and API URL, for the CLI
-and tests), then tell systemd READY=1. SIGTERM/SIGINT stop it cleanly.
+    build_daemon(config) -> Daemon, read top to bottom as the pipeline:
+        discover   sources ([[sources]], by type from daemon.sources) -> coordinator.intake
+        register   -> fetch -> verify      the coordinator (daemon.coordinator)
+        stage      -> roll out -> watch     the rollout service (daemon.rollout), when [[workers]] exist
+        plus the scheduler's periodic jobs and the HTTP API (daemon.api)
+
+`Daemon.start()`: migrate the database, then start each part in that order (the rollout
+service first: it makes the seed and recovers a killed daemon's rollout before checkpoints
+flow), then write `<state_dir>/daemon.json` (pid and API URL, for the CLI and tests) and tell
+systemd READY=1. Each started part pushes its stop onto a stack; `Daemon.stop()` pops it:
+every thread and job stops in reverse order, and is waited for. SIGTERM/SIGINT stop it cleanly.
+
+`Observers` are the daemon's test seam: callbacks after each recorded worker transition and
+checkpoint status. Production passes none; tests/hooked_daemon.py passes some.
 """
 
 from __future__ import annotations
@@ -14,23 +24,29 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
+from sqlalchemy import select
 
 from daemon import systemd
-from daemon.api import ApiServer, ApiState, create_app
+from daemon.api import ApiServer, ApiState, create_app, rollout_router
 from daemon.config import Config
-from daemon.coordinator import Coordinator
+from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
-from daemon.sources.local import LocalSource
+from daemon.registry.models import Alias, Checkpoint
+from daemon.registry.status import UNFINISHED, WAITING
+from daemon.rollout.service import RolloutService
+from daemon.rollout.states import TransitionObserver
+from daemon.sources import Source, build_source
 
-RUNTIME_FILE = "daemon.json"
 # What the forward check imports on first use (~3 s on a laptop CPU).
 _FORWARD_MODULES = (
     "torch",
@@ -44,102 +60,117 @@ _FORWARD_MODULES = (
 log = get_logger(__name__)
 
 
+@dataclass
+class Observers:
+    transitions: list[TransitionObserver] = field(default_factory=list)  # worker state machine moves
+    statuses: list[StatusObserver] = field(default_factory=list)  # checkpoint statuses the coordinator commits
+
+
+@dataclass
 class Daemon:
-    def __init__(self, config: Config) -> None:
-        self.config = config
-        self.stop_event = threading.Event()
-        self.registry = Registry(config.database_url)
-        self.metrics = DaemonMetrics()
-        self.coordinator = Coordinator(self.registry, config.checks, self.metrics)
-        self.scheduler = BackgroundScheduler(daemon=True)
-        self.sources: list[LocalSource] = []
-        self.api: ApiServer | None = None
-        self.rollout: Any = None  # daemon.rollout.service.RolloutService when [[workers]] exist
-        self.runtime_file = config.state_dir / RUNTIME_FILE
+    config: Config
+    registry: Registry
+    metrics: DaemonMetrics
+    scheduler: BackgroundScheduler
+    coordinator: Coordinator
+    sources: list[Source]
+    rollout: RolloutService | None
+    api: ApiServer | None = None
+    stop_event: threading.Event = field(default_factory=threading.Event)
+    _stops: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
+
+    @property
+    def runtime_file(self) -> Path:
+        return self.config.runtime_file
 
     def start(self) -> None:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
         log.info("starting", config=cfg.source_file, database=redact_url(cfg.database_url), pid=os.getpid())
         self.registry.upgrade()
+        self._started("registry", self.registry.close)
         self.metrics.track_statuses(self._status_counts)
-        self._preload_checks()
-        install_post_verify_steps(self)
-        self.coordinator.start()
+        if "forward" in cfg.checks.enabled:
+            self.coordinator.warmup = _preload_forward_check
+        if self.rollout is not None:  # stage -> roll out -> watch
+            self.rollout.start(self.scheduler)
+            self._started("rollout", self.rollout.stop)
+        self.coordinator.start()  # register -> fetch -> verify
+        self._started("coordinator", self.coordinator.stop)
         self.scheduler.start()
-        for source_cfg in cfg.sources:
-            source = LocalSource(source_cfg, self.coordinator.intake, scheduler=self.scheduler)
+        self._started("scheduler", lambda: self.scheduler.shutdown(wait=True))
+        for source in self.sources:  # discover
             source.start()
-            self.sources.append(source)
+            self._started(f"source {source.label}", source.stop)
+        self._add_jobs()
         listen = cfg.daemon.listen_host_port
         if listen is not None:
-            state = ApiState(
-                self.registry,
-                self.metrics,
-                sources=[{"name": s.label, "path": str(s.root), "type": s.config.type} for s in self.sources],
-                queue_depth=lambda: self.coordinator._queue.qsize(),
-            )
-            app = create_app(state)
-            if self.rollout is not None:
-                from daemon.rollout.api_routes import make_router
-
-                app.include_router(make_router(self.rollout))
-            self.api = ApiServer(app, *listen)
+            self.api = ApiServer(self._app(), *listen)
             self.api.start()
-        # a checkpoint deferred for lack of memory is retried once its headroom check passes
-        self.scheduler.add_job(
-            self.coordinator.retry_deferred,
-            "interval",
-            seconds=cfg.checks.deferred_retry_s,
-            id="retry-deferred",
-            max_instances=1,
-            coalesce=True,
-        )
-        interval = cfg.daemon.watchdog_interval_s or systemd.watchdog_interval_s()
-        if interval:
-            self.scheduler.add_job(systemd.watchdog_ping, "interval", seconds=interval, id="sd-watchdog")
+            self._started("api", self.api.stop)
         self._write_runtime_file()
+        self._started("runtime file", lambda: self.runtime_file.unlink(missing_ok=True))
         systemd.ready(f"watching {len(self.sources)} source(s)")
         log.info("ready", api=self.api.url if self.api else None, sources=[s.label for s in self.sources])
 
     def stop(self) -> None:
+        """Stop everything `start` started, newest first, waiting for each."""
         systemd.stopping()
         log.info("stopping")
-        for source in self.sources:
-            source.stop()
-        if self.scheduler.running:
-            self.scheduler.shutdown(wait=False)
-        self.coordinator.stop()
-        if self.rollout is not None:
-            self.rollout.stop()
-        if self.api is not None:
-            self.api.stop()
-        self.runtime_file.unlink(missing_ok=True)
-        self.registry.close()
+        while self._stops:
+            name, stop = self._stops.pop()
+            try:
+                stop()
+            except Exception:
+                log.exception("stopping failed", part=name)
         log.info("stopped")
+
+    def _started(self, name: str, stop: Callable[[], None]) -> None:
+        self._stops.append((name, stop))
+
+    def _add_jobs(self) -> None:
+        cfg = self.config
+        # a checkpoint deferred for lack of memory is retried once its headroom check passes
+        self.scheduler.add_job(self.coordinator.retry_deferred, "interval", seconds=cfg.checks.deferred_retry_s,
+                               id="retry-deferred", max_instances=1, coalesce=True)  # fmt: skip
+        # directories a source created (a download cache) may go; serving, last good, pinned never
+        self.scheduler.add_job(self.prune, "interval", seconds=cfg.daemon.retention_interval_s, id="retention",
+                               max_instances=1, coalesce=True)  # fmt: skip
+        interval = cfg.daemon.watchdog_interval_s or systemd.watchdog_interval_s()
+        if interval:
+            self.scheduler.add_job(systemd.watchdog_ping, "interval", seconds=interval, id="sd-watchdog")
+
+    def _app(self) -> Any:
+        state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
+                         queue_depth=self.coordinator.queue_depth)  # fmt: skip
+        app = create_app(state)
+        if self.rollout is not None:
+            app.include_router(rollout_router(self.rollout))
+        return app
+
+    def prune(self) -> list[Path]:
+        """The retention hook: let each source delete directories it created, except protected ones."""
+        protected = self.protected_paths()
+        removed: list[Path] = []
+        for source in self.sources:
+            try:
+                removed += source.prune(protected)
+            except Exception:
+                log.exception("pruning failed", source=source.label)
+        if removed:
+            log.info("pruned", directories=[str(p) for p in removed])
+        return removed
+
+    def protected_paths(self) -> frozenset[Path]:
+        """Serving, last good and pinned, and every checkpoint still on its way to a worker."""
+        with self.registry.session() as s:
+            aliased = s.scalars(select(Checkpoint.local_path).join(Alias, Alias.checkpoint_id == Checkpoint.id))
+            in_flight = s.scalars(select(Checkpoint.local_path).where(Checkpoint.status.in_((*UNFINISHED, *WAITING))))
+            return frozenset(Path(p) for p in (*aliased, *in_flight) if p)
 
     def _status_counts(self) -> dict[str, int]:
         with self.registry.session() as s:
             return q.status_counts(s)
-
-    def _preload_checks(self) -> None:
-        # torch + transformers take seconds to import: load them on the coordinator's thread
-        # as soon as it starts, so the first checkpoint's forward check does not pay for it
-        # (while registration, on the source threads, is never held up).
-        if "forward" not in self.config.checks.enabled:
-            return
-
-        def load() -> None:
-            t0 = time.perf_counter()
-            try:
-                for module in _FORWARD_MODULES:
-                    importlib.import_module(module)
-            except Exception as exc:  # noqa: BLE001 - the forward check itself reports it
-                log.warning("preloading the forward check failed", error=str(exc))
-                return
-            log.debug("forward check preloaded", seconds=round(time.perf_counter() - t0, 2))
-
-        self.coordinator.warmup = load
 
     def _write_runtime_file(self) -> None:
         doc: dict[str, Any] = {
@@ -154,30 +185,41 @@ class Daemon:
         os.replace(tmp, self.runtime_file)
 
 
-def install_post_verify_steps(d: Daemon) -> None:
-    """Stage -> roll out: the rollout service takes every verified checkpoint (daemon.rollout).
+def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
+    """Every part of the daemon, constructed in pipeline order; nothing runs until `start()`."""
+    seen = observers or Observers()
+    registry = Registry(config.database_url)
+    metrics = DaemonMetrics()
+    scheduler = BackgroundScheduler(daemon=True)
+    # register -> fetch -> verify: the coordinator (its queue is what the sources feed)
+    coordinator = Coordinator(registry, config.checks, metrics, observers=seen.statuses)
+    # discover: one source per [[sources]] entry, by its type
+    sources = [build_source(c, coordinator.intake, scheduler) for c in config.sources]
+    coordinator.sources = {s.label: s for s in sources}  # the fetch step asks a checkpoint's source
+    # stage -> roll out -> watch: only with [[workers]]; without, the daemon only verifies
+    rollout = RolloutService.from_config(config, registry, seen.transitions) if config.workers else None
+    if rollout is not None:
+        coordinator.on_verified = rollout.submit
+    return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 
-    Without [[workers]] there is nothing to roll out to: the daemon only verifies.
-    """
-    if not d.config.workers:
-        return
-    from daemon.rollout.service import RolloutService
 
-    d.rollout = RolloutService.from_config(d.config, d.registry)
-    d.rollout.start(d.scheduler)
-    d.coordinator.add_step("roll out", lambda ckpt: d.rollout.submit(ckpt.checkpoint_id))
-
-
-def read_runtime_file(state_dir: Path) -> dict[str, Any] | None:
+def _preload_forward_check() -> None:
+    # torch + transformers take seconds to import: load them on the coordinator's thread as
+    # soon as it starts, so the first checkpoint's forward check does not pay for it (while
+    # registration, on the source threads, is never held up).
+    t0 = time.perf_counter()
     try:
-        return json.loads((state_dir / RUNTIME_FILE).read_text())
-    except (OSError, ValueError):
-        return None
+        for module in _FORWARD_MODULES:
+            importlib.import_module(module)
+    except Exception as exc:  # noqa: BLE001 - the forward check itself reports it
+        log.warning("preloading the forward check failed", error=str(exc))
+        return
+    log.debug("forward check preloaded", seconds=round(time.perf_counter() - t0, 2))
 
 
-def run_daemon(config: Config) -> int:
+def run_daemon(config: Config, observers: Observers | None = None) -> int:
     configure_logging(config.daemon.log_level)
-    d = Daemon(config)
+    d = build_daemon(config, observers)
     signal.signal(signal.SIGTERM, lambda *_: d.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: d.stop_event.set())
     try:

@@ -241,13 +241,16 @@ def start_fleet(
     env: dict[str, str] | None = None,
     worker_extra: dict[str, Any] | None = None,
     extra: dict[str, Any] | None = None,
+    hooked: bool = False,
 ) -> Any:
     """Reset the pool onto a fresh v0, then start the daemon on it (conftest's daemon_factory);
-    returns the DaemonProcess once v0 is deployed and its health window has passed."""
+    returns the DaemonProcess once v0 is deployed and its health window has passed.
+    `hooked`: start it from tests/hooked_daemon.py (test observers from `env`)."""
     d = daemon_factory(
         db_url,
         checks=checks,
         env=env,
+        hooked=hooked,
         extra={"rollout": rollout, "workers": [w.spec(**(worker_extra or {})) for w in pool.workers], **(extra or {})},
         wait=False,
     )

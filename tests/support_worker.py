@@ -115,9 +115,12 @@ def start_worker(
     extra: list[str] | None = None,
     env: dict[str, str] | None = None,
     timeout: float = 90.0,
+    module: str = "daemon.worker.server",
 ) -> WorkerProcess:
-    """Start a worker on port 0 (or --uds in `extra`) and wait for its ready line."""
-    cmd = [sys.executable, "-m", "daemon.worker.server", "--model", str(model), "--port", "0",
+    """Start a worker on port 0 (or --uds in `extra`) and wait for its ready line.
+
+    `module`: the entry point (tests.hooked_worker adds test hooks)."""
+    cmd = [sys.executable, "-m", module, "--model", str(model), "--port", "0",
            "--device", DEVICE, "--log-level", "warning"]
     if token_file is not None:
         cmd += ["--token-file", str(token_file)]

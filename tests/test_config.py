@@ -17,6 +17,7 @@ from daemon.config import (
     load_config,
     parse_config,
 )
+from daemon.sources import SOURCE_TYPES, source_type
 
 EXAMPLE = REPO / "config.example.toml"
 
@@ -49,11 +50,13 @@ def test_example_file_documents_every_key():
     text = EXAMPLE.read_text()
     hints = typing.get_type_hints(Config)
     sections: dict[str, type] = {"checks": CheckSettings}
+    # [[sources]] is a union on `type`: every registered source type's table must be documented
+    sources = {f"sources (type {t!r})": source_type(t).config_type for t in SOURCE_TYPES}
     for name, tp in hints.items():
         tp = next((a for a in typing.get_args(tp) if dataclasses.is_dataclass(a)), tp)  # list[X], X | None
         if dataclasses.is_dataclass(tp):
             sections[name] = tp
-    for name, cls in sections.items():
+    for name, cls in {**sections, **sources}.items():
         for f in dataclasses.fields(cls):
             assert re.search(rf"^#?\s*{f.name}\s*=", text, re.M), (
                 f"config.example.toml lacks [{name}] {f.name}"

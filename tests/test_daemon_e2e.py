@@ -114,7 +114,7 @@ def test_slow_copy_registers_once_after_the_manifest_lands(db_url, daemon_factor
 
 
 def test_sigkill_mid_verify_finishes_on_restart_without_duplicates(db_url, daemon_factory, tmp_path):
-    d = daemon_factory(db_url, env={"HOTSWAP_TEST_VERIFY_DELAY_S": "30"})
+    d = daemon_factory(db_url, env={"HOTSWAP_TEST_VERIFY_DELAY_S": "30"}, hooked=True)
     publish_tiny(tmp_path / "k", seed=4, version="killed-1")
     shutil.copytree(tmp_path / "k", d.watch_dir / "killed-1")
     d.wait_status("killed-1", "verifying")

@@ -13,6 +13,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from daemon.cli import publish_main  # `hotswap publish` is a CLI command
 from daemon.crc import crc32c_combine, crc32c_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import (
@@ -24,7 +25,6 @@ from daemon.manifest import (
     digest,
     load_manifest,
     publish,
-    publish_main,
 )
 from daemon.tinymodel import make_tiny_checkpoint
 

@@ -8,8 +8,10 @@ import pytest
 from conftest import hotswap_cli, make_config_file
 from sqlalchemy import inspect, text
 
-from daemon.registry import Alias, Checkpoint, Event, Registry, Rollout, Worker
+from daemon.registry import Alias, Checkpoint, Event, Registry, Rollout, Worker, status
 from daemon.registry import queries as q
+from daemon.registry.status import CheckpointStatus as C
+from daemon.registry.status import IllegalStatusTransition
 
 
 def test_migrations_create_every_table_and_view_and_are_idempotent(registry):
@@ -48,10 +50,10 @@ def test_migrations_create_every_table_and_view_and_are_idempotent(registry):
 
 def test_version_is_registered_once(registry):
     with registry.session() as s:
-        first = q.register_discovered(
+        first = status.create(
             s, version="v1", source="t", uri="file:///a", local_path="/a", commit_signal="manifest"
         )
-        again = q.register_discovered(
+        again = status.create(
             s, version="v1", source="t", uri="file:///b", local_path="/b", commit_signal="marker"
         )
         assert first is not None and again is None
@@ -95,10 +97,16 @@ def test_timestamps_are_utc_aware_and_naive_ones_refused(registry):
         )
 
 
+def walk(s, ckpt, *path):
+    """Move a checkpoint along `path` (each step an allowed transition)."""
+    for to in path:
+        status.move(s, ckpt, to)
+
+
 def test_status_changes_are_events_and_history_view_answers(registry):
     with registry.session() as s:
-        a = q.register_discovered(s, version="a", source="t", uri="u", local_path="/a", commit_signal="index")
-        q.set_status(s, a, "verifying")
+        a = status.create(s, version="a", source="t", uri="u", local_path="/a", commit_signal="index")
+        status.move(s, a, C.VERIFYING)
         q.add_check(
             s,
             a.id,
@@ -110,11 +118,12 @@ def test_status_changes_are_events_and_history_view_answers(registry):
         )
         q.replace_files(s, a, [("model.safetensors", 10, "0000abcd")])
         a.digest, a.total_bytes = "12345678", 10
-        q.set_status(s, a, "verified")
-        b = q.register_discovered(
+        status.move(s, a, C.VERIFIED)
+        b = status.create(
             s, version="b", source="t", uri="u", local_path="/b", commit_signal="manifest"
         )
-        q.set_status(s, b, "superseded", "newer version arrived")
+        walk(s, b, C.VERIFYING, C.VERIFIED)
+        status.move(s, b, C.SUPERSEDED, "newer version arrived")
         r = Rollout(
             checkpoint_id=a.id,
             trigger="new",
@@ -142,10 +151,10 @@ def test_status_changes_are_events_and_history_view_answers(registry):
 
 def test_plain_sql_on_the_views(registry):
     with registry.session() as s:
-        c = q.register_discovered(
+        c = status.create(
             s, version="v9", source="t", uri="u", local_path="/v9", commit_signal="marker"
         )
-        q.set_status(s, c, "deployed")
+        walk(s, c, C.VERIFYING, C.VERIFIED, C.DEPLOYED)
         s.add(
             Worker(
                 name="gpu0", kind="builtin", url="http://127.0.0.1:8001", state="RUNNING", weight_version="v9"
@@ -165,21 +174,51 @@ def test_plain_sql_on_the_views(registry):
 
 def test_duplicate_lookup_ignores_rejected_and_self(registry):
     with registry.session() as s:
-        a = q.register_discovered(
+        a = status.create(
             s, version="a", source="t", uri="u", local_path="/a", commit_signal="manifest"
         )
         a.digest = "deadbeef"
-        q.set_status(s, a, "rejected", "bad")
-        b = q.register_discovered(
+        status.move(s, a, C.VERIFYING)
+        status.move(s, a, C.REJECTED, "bad")
+        b = status.create(
             s, version="b", source="t", uri="u", local_path="/b", commit_signal="manifest"
         )
         b.digest = "deadbeef"
-        q.set_status(s, b, "verified")
-        c = q.register_discovered(
+        status.move(s, b, C.VERIFYING)
+        status.move(s, b, C.VERIFIED)
+        c = status.create(
             s, version="c", source="t", uri="u", local_path="/c", commit_signal="manifest"
         )
         assert q.find_same_digest(s, "deadbeef", c.id).version == "b"
         assert q.find_same_digest(s, "deadbeef", b.id) is None
+
+
+def test_status_moves_only_along_the_table_and_notes_keep_it(registry):
+    with registry.session() as s:
+        ckpt = status.create(s, version="t1", source="t", uri="u", local_path="/t", commit_signal="manifest")
+        with pytest.raises(IllegalStatusTransition, match="t1: discovered -> deployed is not allowed"):
+            status.move(s, ckpt, C.DEPLOYED)
+        with pytest.raises(IllegalStatusTransition, match="verifying -> deployed"):
+            status.move(s, ckpt, C.VERIFYING)
+            status.move(s, ckpt, C.DEPLOYED)  # never without being verified first
+        status.move(s, ckpt, C.VERIFIED)
+        status.note(s, ckpt, "waiting for a worker")
+        assert (ckpt.status, ckpt.status_message) == ("verified", "waiting for a worker")
+        status.move(s, ckpt, C.DEPLOYED, "serving")
+        with pytest.raises(IllegalStatusTransition):
+            status.move(s, ckpt, C.VERIFYING)  # a deployed version is never verified again in place
+    with registry.session() as s:
+        events = [(e.from_state, e.to_state) for e in s.query(Event).order_by(Event.id)]
+    assert events == [(None, "discovered"), ("discovered", "verifying"), ("verifying", "verified"),
+                      ("verified", "verified"), ("verified", "deployed")]  # fmt: skip
+
+
+def test_every_status_has_a_row_in_the_table_and_the_pipeline_path_is_allowed():
+    assert set(status.TRANSITIONS) == set(C)
+    path = [C.DISCOVERED, C.FETCHING, C.VERIFYING, C.VERIFIED, C.STAGED, C.DEPLOYED, C.RETIRED]
+    for a, b in zip(path, path[1:], strict=False):
+        assert b in status.TRANSITIONS[a], (a, b)
+    assert status.TRANSITIONS[C.DUPLICATE] == frozenset()
 
 
 def head_revision() -> str:

@@ -5,8 +5,8 @@ The faults are real: SIGKILLed worker and daemon processes, a worker refusing an
 checkpoint whose probe generation is not finite, requests failing after a deploy. The daemon's
 checks are cut down to manifest/headers/crc32c here so the bad checkpoints reach the workers
 (the compat/finite/forward checks would reject them first, as they should in production).
-The test-only hold hook (HOTSWAP_TEST_HOLD_*, daemon/rollout/faults.py) only freezes the daemon
-at an exact transition so the fault can be delivered there.
+The test-only hold (HOTSWAP_TEST_HOLD_*, read by tests/hooked_daemon.py, which installs it as a
+transition observer) only freezes the daemon at an exact transition so the fault can be delivered there.
 """
 
 from __future__ import annotations
@@ -83,7 +83,7 @@ def test_worker_killed_mid_update_comes_back_on_last_good(
 ) -> None:
     release = tmp_path / "release"
     d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS,
-                    env=hold("DRAINING", "w1", "v1", release))  # fmt: skip
+                    hooked=True, env=hold("DRAINING", "w1", "v1", release))  # fmt: skip
     w0, w1 = pool.workers
     publish_into(d.watch_dir, "v1", seed=1)
     wait_until(lambda: w1.info()["state"] == "DRAINING", 120, what="w1 draining for v1")
@@ -184,7 +184,7 @@ def test_daemon_sigkilled_mid_rollout_finishes_it_on_restart(
     mode = "pause" if state == "PAUSED" else "drain"
     begin = "PAUSED" if mode == "pause" else "DRAINING"
     d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "mode": mode}, checks=FEW_CHECKS,
-                    env=hold(state, "w1", "v1"))  # fmt: skip
+                    hooked=True, env=hold(state, "w1", "v1"))  # fmt: skip
     w0, w1 = pool.workers
     publish_into(d.watch_dir, "v1", seed=1)
     wait_until(lambda: w1.info()["state"] == state, 120, what=f"w1 {state}")
@@ -324,7 +324,7 @@ def test_daemon_sigkilled_in_the_failure_path_undoes_the_rollout_on_restart(
     sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
     d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS,
-                    env=hold("UNHEALTHY", "w0", None))  # fmt: skip
+                    hooked=True, env=hold("UNHEALTHY", "w0", None))  # fmt: skip
     w0, w1 = pool.workers
     publish_into(d.watch_dir, "v1", seed=1, fault="nan")  # w0's post-check fails
     wait_until(lambda: any(e["worker"] == "w0" and e["to"] == "UNHEALTHY" for e in worker_events(d.registry)), 120,

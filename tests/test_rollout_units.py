@@ -6,11 +6,11 @@ import itertools
 
 import pytest
 
-from daemon.config import EMBEDDED, ConfigError, parse_config
-from daemon.rollout.journal import CheckpointRef
+from daemon.config import EMBEDDED, ConfigError, RolloutSettings, WorkerSpec, parse_config
+from daemon.registry.journal import CheckpointRef
+from daemon.registry.status import CheckpointStatus
 from daemon.rollout.planner import modes_of, plan
 from daemon.rollout.queue import Job, RolloutQueue
-from daemon.rollout.settings import RolloutSettings, WorkerSpec
 from daemon.rollout.states import ALLOWED, IllegalTransition, WorkerState, check_transition
 
 S = WorkerState
@@ -25,6 +25,9 @@ DIAGRAM = {
     (S.UNHEALTHY, S.RUNNING),
     (S.UNHEALTHY, S.UNHEALTHY),  # restart issued, still down
     *((s, S.UNHEALTHY) for s in S if s != S.UNHEALTHY),  # any --failure--> UNHEALTHY
+    # any --failure that may have left it partly updated--> UNCERTAIN --re-installed, checked--> RUNNING
+    *((s, S.UNCERTAIN) for s in (S.RUNNING, S.DRAINING, S.PAUSED, S.UPDATED)),
+    (S.UNCERTAIN, S.RUNNING),
 }
 
 
@@ -75,7 +78,7 @@ def test_plan_groups_roll_one_after_another_with_their_own_mode() -> None:
 
 
 def _ref(i: int) -> CheckpointRef:
-    return CheckpointRef(i, f"v{i}", None, f"/ckpt/v{i}", 21, "verified", True)
+    return CheckpointRef(i, f"v{i}", None, f"/ckpt/v{i}", 21, CheckpointStatus.VERIFIED, True)
 
 
 def test_queue_keeps_only_the_newest_waiting_checkpoint() -> None:

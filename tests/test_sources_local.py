@@ -12,13 +12,26 @@ from pathlib import Path
 import pytest
 from conftest import publish_tiny, wait_until
 
-from daemon.config import SourceConfig
 from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
 from daemon.sources.commit import CommitDetector
 from daemon.sources.local import LocalSource
+from daemon.sources.local import LocalSourceConfig as SourceConfig
 from daemon.tinymodel import make_tiny_checkpoint
 
 ALL = ["manifest", "index", "marker"]
+
+
+class FakeClock:
+    """The detector's clock seam: quiet periods pass when the test says so, not by sleeping."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 def test_manifest_commits_at_once_with_its_version(tmp_path):
@@ -48,9 +61,10 @@ def test_manifest_whose_file_never_arrives_is_handed_on_after_the_quiet_period(t
     # so the checks reject it with the missing file named, instead of waiting forever
     publish_tiny(tmp_path / "c", seed=1)
     (tmp_path / "c" / "config.json").unlink()
-    det = CommitDetector(ALL, quiet_period_s=0.2)
+    clock = FakeClock()
+    det = CommitDetector(ALL, quiet_period_s=0.2, clock=clock)
     assert not det.check(tmp_path / "c").committed
-    time.sleep(0.25)
+    clock.advance(0.25)
     assert det.check(tmp_path / "c").committed
 
 
@@ -61,19 +75,20 @@ def test_index_needs_all_shards_and_a_quiet_period(tmp_path):
     moved = ckpt / shards[-1]
     hidden = tmp_path / "hidden"
     moved.rename(hidden)
-    det = CommitDetector(["index"], quiet_period_s=0.3)
+    clock = FakeClock()
+    det = CommitDetector(["index"], quiet_period_s=0.3, clock=clock)
     d = det.check(ckpt)
     assert not d.committed and "missing" in d.reason
     hidden.rename(moved)
     d = det.check(ckpt)
     assert not d.committed and d.recheck_after_s is not None
-    time.sleep(0.15)
+    clock.advance(0.15)
     with open(moved, "ab") as f:  # still growing: the quiet period starts over
         f.write(b"\0")
     assert not det.check(ckpt).committed
-    time.sleep(0.2)
+    clock.advance(0.2)
     assert not det.check(ckpt).committed
-    time.sleep(0.15)
+    clock.advance(0.15)
     d = det.check(ckpt)
     assert (d.committed, d.signal, d.version) == (True, "index", "sharded")
 

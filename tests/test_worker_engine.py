@@ -12,7 +12,7 @@ from safetensors.torch import load_file, save_file
 
 from daemon.formats.checkpoint import LayoutError, weight_files
 from daemon.tinymodel import make_tiny_checkpoint
-from daemon.transport.base import check_table
+from daemon.transport.base import UpdateRequest, WorkerTransport, check_table
 from daemon.transport.disk import DiskTransport
 from daemon.worker import updates
 from daemon.worker.engine import Engine, SamplingParams, Sequence
@@ -106,7 +106,7 @@ def test_update_keeps_storage_and_reprefills_kept_sequences(engine_a: Engine, ck
     engine_a.pause()  # parked between steps, the sequence kept with its KV cache
     k = len(seq.generated)
     assert 3 <= k < 20 and seq.cache is not None
-    result = updates.apply_update(store, updates.UpdateBody.parse({"version": "b", "path": str(ckpts["b"])}))
+    result = updates.apply_update(store, updates.parse_request({"version": "b", "path": str(ckpts["b"])}))
     assert result["version"] == "b" and store.current.version == "b"
     assert store.previous is not None and store.previous.version == "a"
     assert store.data_ptrs() == ptrs
@@ -128,20 +128,15 @@ def test_failed_write_restores_previous_weights(engine_a: Engine, ckpts: dict[st
     store = engine_a.store
     before = run(engine_a, PROMPT, 6).generated
     bad = Path(shutil.copytree(ckpts["b"], tmp_path / "b-bad"))
-    transport, _ = updates.open_and_validate(updates.UpdateBody.parse({"version": "x", "path": str(bad)}), store)
+    transport = updates.open_and_validate(updates.parse_request({"version": "x", "path": str(bad)}), store).transport
     shard = weight_files(bad)[-1]
     os.truncate(shard, shard.stat().st_size // 2)  # damaged after validation, before the write
 
-    class Once:
-        def __call__(self, body: dict, st: WeightStore) -> DiskTransport:
-            return transport  # the already-validated transport over the now-damaged files
+    def once(request: UpdateRequest, st: WeightStore) -> WorkerTransport:
+        return transport  # the already-validated transport over the now-damaged files
 
-    updates.TRANSPORTS["test-once"] = Once()
-    try:
-        with pytest.raises(updates.WriteFailed, match="short read") as info:
-            updates.apply_update(store, updates.UpdateBody.parse({"version": "x", "transport": "test-once"}))
-    finally:
-        del updates.TRANSPORTS["test-once"]
+    with pytest.raises(updates.WriteFailed, match="short read") as info:
+        updates.apply_update(store, updates.parse_request({"version": "x", "path": str(bad)}), open_transport=once)
     assert info.value.detail["restored"] is True
     assert store.current.version == "a" and store.unhealthy is None
     assert run(engine_a, PROMPT, 6).generated == before

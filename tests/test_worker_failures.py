@@ -1,8 +1,9 @@
 """Failures in a real worker process: a shard damaged mid-update, a restore that fails (UNHEALTHY),
 recovery; and the daemon-side `BuiltinWorkerClient` against it, over a Unix socket.
 
-The worker runs with HOTSWAP_WORKER_PAUSE_BEFORE_WRITE_S so the test can truncate a shard after
-the worker validated it and before it writes (the window a real truncation would have to hit).
+The worker runs from tests/hooked_worker.py with a pause before every write, so the test can
+truncate a shard after the worker validated it and before it writes (the window a real truncation
+would have to hit).
 """
 
 from __future__ import annotations
@@ -16,14 +17,15 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from hooked_worker import PAUSE_BEFORE_WRITE_ENV
 from support_worker import DEVICE, WorkerProcess, start_worker, wait_until, write_token
 
-from daemon.adapters.base import UpdateRefused, UpdateRequest, WorkerError, WorkerUnreachable
+from daemon.adapters.base import UpdateRefused, WorkerError, WorkerUnreachable
 from daemon.adapters.builtin import BuiltinWorkerClient
 from daemon.formats.checkpoint import weight_files
 from daemon.tinymodel import make_tiny_checkpoint
+from daemon.transport.base import UpdateRequest
 from daemon.worker.server import main as worker_main
-from daemon.worker.updates import PAUSE_BEFORE_WRITE_ENV
 
 PROMPT = [1, 4, 9, 16, 25]
 PAUSE_S = 1.5
@@ -45,7 +47,7 @@ def w(root: Path) -> Iterator[WorkerProcess]:
     sock = root / "worker.sock"
     proc = start_worker(root / "good", root / "token", extra=["--uds", str(sock), "--version", "good",
                                                                "--step-delay-ms", "5"],
-                        env={PAUSE_BEFORE_WRITE_ENV: str(PAUSE_S)})
+                        env={PAUSE_BEFORE_WRITE_ENV: str(PAUSE_S)}, module="tests.hooked_worker")
     assert proc.url == f"unix:{sock}"
     yield proc
     proc.stop()
@@ -74,7 +76,7 @@ def update_in_thread(client: BuiltinWorkerClient, req: UpdateRequest) -> tuple[t
 
 def truncate_mid_update(client: BuiltinWorkerClient, src: Path, dst: Path, version: str) -> dict[str, Any]:
     ckpt = Path(shutil.copytree(src, dst))
-    t, out = update_in_thread(client, UpdateRequest(version=version, path=str(ckpt)))
+    t, out = update_in_thread(client, UpdateRequest(version=version, source={"path": str(ckpt)}))
     time.sleep(PAUSE_S / 2)  # validated (headers read), not yet writing
     shard = weight_files(ckpt)[-1]
     os.truncate(shard, shard.stat().st_size // 2)
@@ -98,9 +100,9 @@ def test_client_round_trip_and_error_mapping(w: WorkerProcess, client: BuiltinWo
     client.pause("keep")
     assert not client.ready() and client.weight_info().state == "PAUSED"
     with pytest.raises(UpdateRefused, match="shape"):
-        client.update(UpdateRequest(version="wide", path=str(root / "wide")))
+        client.update(UpdateRequest(version="wide", source={"path": str(root / "wide")}))
     with pytest.raises(UpdateRefused, match="does not exist"):
-        client.update(UpdateRequest(version="nope", path=str(root / "missing")))
+        client.update(UpdateRequest(version="nope", source={"path": str(root / "missing")}))
     with pytest.raises(UpdateRefused, match="drain in state PAUSED"):
         client.drain(1.0)
     client.resume()
@@ -163,14 +165,14 @@ def test_failed_restore_makes_the_worker_unhealthy_until_rolled_back(
         r = w.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
         assert r.status_code == 503 and "unhealthy" in r.json()["error"]["message"]
         for call in (client.resume, client.probe,
-                     lambda: client.update(UpdateRequest(version="next", path=str(root / "next")))):
+                     lambda: client.update(UpdateRequest(version="next", source={"path": str(root / "next")}))):
             with pytest.raises(WorkerError, match="503"):
                 call()
         with pytest.raises(WorkerError, match="restore failed"):
-            client.rollback()  # the files are still away
+            client.restore()  # the files are still away
     finally:
         (root / "good.away").rename(root / "good")
-    res = client.rollback()  # restores the last good version from its path
+    res = client.restore()  # restores the last good version from its path
     assert res.version == "good" and res.detail["state"] == "RUNNING"
     assert client.health() and client.ready()
     assert w.greedy(PROMPT) == before

@@ -1,46 +1,34 @@
-"""Daemon-side clients for workers: the reference worker, SGLang and vLLM.
+"""Daemon-side clients for workers, chosen by `[[workers]] kind`: one table of kinds.
 
-`make_client(spec, url=..., token_file=..., settings=...)` builds the client for
-one `[[workers]]` entry; the rollout engine only ever sees the `WorkerClient`
-protocol of `daemon.adapters.base`.
+    WORKER_KINDS   kind -> "module:connect", a `daemon.adapters.base.ClientFactory`
+    make_client(kind, name, url, token_file=..., timeouts=...) -> WorkerClient
+
+The rollout engine only ever sees the `WorkerClient` protocol and its `Capabilities`.
+
+How to add a worker kind (e.g. `vllm`): write `daemon/adapters/vllm.py` with a class that
+implements `WorkerClient` (declare its `capabilities`: pause modes, drain, transports,
+restores_itself, atomic_updates, reports_in_flight) and a `connect(name, url, *, token_file,
+timeouts)` function, then add one line here: `"vllm": "daemon.adapters.vllm:connect"`. The
+config (`[[workers]] kind`), the `workers` table's validation and the rollout pick it up by name.
 """
 
 from __future__ import annotations
 
-from pathlib import Path
-from typing import TYPE_CHECKING
+import importlib
+from typing import cast
 
-from daemon.adapters.base import WorkerClient, WorkerError
+from daemon.adapters.base import ClientFactory, Timeouts, WorkerClient
 
-if TYPE_CHECKING:
-    from daemon.rollout.settings import RolloutSettings, WorkerSpec
-
-
-def read_token(token_file: str, worker: str) -> str | None:
-    """The bearer token from `token_file` (first line, stripped); None when no file is configured."""
-    if not token_file:
-        return None
-    path = Path(token_file).expanduser()
-    try:
-        token = path.read_text().strip()
-    except OSError as exc:
-        raise WorkerError(f"worker {worker}: cannot read token_file {path}: {exc.strerror}") from None
-    if not token:
-        raise WorkerError(f"worker {worker}: token_file {path} is empty")
-    return token
+WORKER_KINDS: dict[str, str] = {
+    "builtin": "daemon.adapters.builtin:connect",
+}
+MANAGED_KIND = "builtin"  # the kind the daemon can run itself (`launch = "managed"`: `hotswap worker`)
 
 
-def make_client(spec: WorkerSpec, *, url: str, token_file: str, settings: RolloutSettings) -> WorkerClient:
-    """The client for one configured worker, with the rollout's step timeouts."""
-    if spec.kind == "builtin":
-        from daemon.adapters.builtin import BuiltinWorkerClient
+def make_client(kind: str, name: str, url: str, *, token_file: str | None, timeouts: Timeouts) -> WorkerClient:
+    module, attr = WORKER_KINDS[kind].split(":")
+    factory = cast(ClientFactory, getattr(importlib.import_module(module), attr))
+    return factory(name, url, token_file=token_file, timeouts=timeouts)
 
-        return BuiltinWorkerClient(
-            spec.name,
-            url,
-            token_file=token_file or None,
-            timeout_s=settings.request_timeout_s,
-            update_timeout_s=settings.update_timeout_s,
-            drain_timeout_s=settings.drain_timeout_s,
-        )
-    raise WorkerError(f"worker {spec.name}: kind {spec.kind!r} has no adapter yet (use kind = \"builtin\")")
+
+__all__ = ["MANAGED_KIND", "WORKER_KINDS", "make_client"]

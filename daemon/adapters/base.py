@@ -1,17 +1,28 @@
-"""The one interface the rollout engine uses to drive any worker.
+"""The one interface the rollout engine uses to drive any worker, and what a worker can do.
 
-Every adapter (builtin, sglang, vllm) implements `WorkerClient`; the rollout
-engine never speaks HTTP itself. Calls raise `WorkerError` subclasses with a
-message naming the worker and the step.
+Every adapter (builtin today; vLLM and SGLang next) implements `WorkerClient`; the rollout
+engine never speaks HTTP itself and never asks which adapter it holds: it reads
+`capabilities`. The daemon owns each worker's state (the `workers` table, moved only by the
+state machine in daemon.rollout); a client only carries calls. Going back to an earlier
+version is `rollback(request)`: the daemon passes the update request of the version to go back
+to, so no adapter has to keep previous weights. A worker that does keep them
+(`restores_itself`) may also be asked to `restore()` them by itself, e.g. after a failed write.
+
+Calls raise `WorkerError` subclasses with a message naming the worker and the step.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal, Protocol
 
-TransportName = Literal["disk", "ipc", "broadcast"]
-UpdateMode = Literal["copy", "swap"]
+from daemon.transport.base import UpdateMode, UpdateRequest
+
+PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
+
+__all__ = ["Capabilities", "PauseMode", "Timeouts", "UpdateMode", "UpdateRefused", "UpdateRequest", "UpdateResult",
+           "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "read_token"]  # fmt: skip
 
 
 class WorkerError(RuntimeError):
@@ -24,6 +35,25 @@ class WorkerUnreachable(WorkerError):
 
 class UpdateRefused(WorkerError):
     """The worker answered and refused the update; its weights are unchanged."""
+
+
+@dataclass(frozen=True, slots=True)
+class Capabilities:
+    """What an adapter's engine can do; the rollout engine plans by these flags, never by kind."""
+
+    pause_modes: tuple[PauseMode, ...] = ()  # how it can hold requests during an update; () = cannot pause
+    can_drain: bool = False  # readiness off, then in-flight requests finish (bounded wait)
+    transports: tuple[str, ...] = ("disk",)  # update transports it accepts (names in daemon.transport)
+    restores_itself: bool = False  # keeps its last good weights and can `restore()` them alone
+    atomic_updates: bool = False  # a failed update leaves the previous weights (else the worker is UNCERTAIN)
+    reports_in_flight: bool = False  # weight_info().in_flight counts the requests it is serving
+
+
+@dataclass(frozen=True, slots=True)
+class Timeouts:
+    request_s: float = 10.0  # every call without its own
+    update_s: float = 300.0  # the transfer into the worker's parameters
+    drain_s: float = 30.0  # in-flight requests finishing
 
 
 @dataclass(slots=True)
@@ -40,17 +70,6 @@ class WeightInfo:
 
 
 @dataclass(slots=True)
-class UpdateRequest:
-    version: str
-    transport: TransportName = "disk"
-    path: str | None = None  # disk: checkpoint directory
-    descriptor: dict[str, Any] | None = None  # ipc: loader's JSON descriptor
-    mode: UpdateMode = "copy"
-    expect_digest: str | None = None
-    expect_tensors: int | None = None
-
-
-@dataclass(slots=True)
 class UpdateResult:
     version: str
     duration_ms: float
@@ -59,15 +78,41 @@ class UpdateResult:
 
 class WorkerClient(Protocol):
     name: str
+    capabilities: Capabilities
 
     def health(self) -> bool: ...
     def ready(self) -> bool: ...
     def weight_info(self) -> WeightInfo: ...
     def drain(self, timeout_s: float) -> None: ...
-    def pause(self, mode: Literal["keep", "wait"] = "keep") -> None: ...
+    def pause(self, mode: PauseMode = "keep") -> None: ...
     def resume(self) -> None: ...
     def update(self, request: UpdateRequest) -> UpdateResult: ...
-    def rollback(self) -> UpdateResult: ...
+    def rollback(self, request: UpdateRequest) -> UpdateResult:
+        """Back to an earlier version: install the update request the daemon kept for it."""
+        ...
+
+    def restore(self) -> UpdateResult:
+        """Back to the weights the worker retained by itself (only with `restores_itself`)."""
+        ...
+
     def probe(self) -> str: ...  # one short greedy generation; returns the served weight_version
     def counters(self) -> dict[str, int]: ...  # requests_total, requests_failed
     def close(self) -> None: ...
+
+
+class ClientFactory(Protocol):
+    """What the registry names for a kind: builds the client for one configured worker."""
+
+    def __call__(self, name: str, url: str, *, token_file: str | None, timeouts: Timeouts) -> WorkerClient: ...
+
+
+def read_token(token_file: str | Path | None, worker: str) -> str | None:
+    """The bearer token from `token_file` (first line, stripped); None when no file is configured."""
+    if not token_file:
+        return None
+    path = Path(token_file).expanduser()
+    try:
+        token = path.read_text().strip()
+    except OSError as exc:
+        raise WorkerError(f"worker {worker}: cannot read token file {token_file}: {exc.strerror}") from None
+    return token or None

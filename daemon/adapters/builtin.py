@@ -12,24 +12,47 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 
 from daemon.adapters.base import (
+    Capabilities,
+    ClientFactory,
+    PauseMode,
+    Timeouts,
     UpdateRefused,
     UpdateRequest,
     UpdateResult,
     WeightInfo,
     WorkerError,
     WorkerUnreachable,
+    read_token,
 )
+from daemon.transport import TRANSPORTS
 
 GET_RETRIES = 2
 INFO_KEYS = ("version", "digest", "state", "in_flight", "tensors", "bytes", "device", "update_count")
 
 
+def connect(name: str, url: str, *, token_file: str | None, timeouts: Timeouts) -> BuiltinWorkerClient:
+    """The registry's factory (daemon.adapters.WORKER_KINDS["builtin"])."""
+    return BuiltinWorkerClient(name, url, token_file=token_file or None, timeout_s=timeouts.request_s,
+                               update_timeout_s=timeouts.update_s, drain_timeout_s=timeouts.drain_s)  # fmt: skip
+
+
 class BuiltinWorkerClient:
+    # Our own worker: it pauses and drains, takes every transport, validates before it writes and
+    # restores its previous weights itself when a write fails.
+    capabilities = Capabilities(
+        pause_modes=("keep", "wait"),
+        can_drain=True,
+        transports=tuple(TRANSPORTS),
+        restores_itself=True,
+        atomic_updates=True,
+        reports_in_flight=True,
+    )
+
     def __init__(
         self,
         name: str,
@@ -45,10 +68,7 @@ class BuiltinWorkerClient:
         self.name = name
         self.url = url
         if token is None and token_file:
-            try:
-                token = Path(token_file).expanduser().read_text().strip() or None
-            except OSError as exc:
-                raise WorkerError(f"worker {name}: cannot read token file {token_file}: {exc.strerror}") from None
+            token = read_token(token_file, name)
         self.timeout = timeout_s if timeout_s is not None else timeout
         self.update_timeout = update_timeout_s
         self.drain_timeout = drain_timeout_s
@@ -128,7 +148,7 @@ class BuiltinWorkerClient:
                 f"worker {self.name}: drain: {doc.get('in_flight')} request(s) still in flight after {timeout_s} s"
             )
 
-    def pause(self, mode: Literal["keep", "wait"] = "keep") -> None:
+    def pause(self, mode: PauseMode = "keep") -> None:
         self._admin("/admin/pause", "pause", {"mode": mode, "timeout_s": self.drain_timeout},
                     timeout=self.drain_timeout + self.timeout)
 
@@ -136,19 +156,16 @@ class BuiltinWorkerClient:
         self._admin("/admin/resume", "resume")
 
     def update(self, request: UpdateRequest) -> UpdateResult:
-        body: dict[str, Any] = {"version": request.version, "transport": request.transport, "mode": request.mode}
-        if request.path is not None:
-            body["path"] = request.path
-        if request.descriptor is not None:
-            body["descriptor"] = request.descriptor
-        expect = {k: v for k, v in (("digest", request.expect_digest), ("tensors", request.expect_tensors))
-                  if v is not None}
-        if expect:
-            body["expect"] = expect
-        doc = self._admin("/admin/update", "update", body, timeout=self.update_timeout)
+        doc = self._admin("/admin/update", "update", request.to_json(), timeout=self.update_timeout)
         return UpdateResult(str(doc["version"]), float(doc.get("duration_ms", 0.0)), doc)
 
-    def rollback(self) -> UpdateResult:
+    def rollback(self, request: UpdateRequest) -> UpdateResult:
+        """Back to an earlier version: the same in-place update, from the request the daemon kept."""
+        return self.update(request)
+
+    def restore(self) -> UpdateResult:
+        """`POST /admin/rollback`: the worker's retained previous version, or after a failed write
+        that could not be undone, the last good one."""
         doc = self._admin("/admin/rollback", "rollback", timeout=self.update_timeout)
         return UpdateResult(str(doc["version"]), float(doc.get("duration_ms", 0.0)), doc)
 
@@ -165,3 +182,7 @@ class BuiltinWorkerClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+# What daemon.adapters.WORKER_KINDS["builtin"] names; mypy checks it against the protocol.
+_FACTORY: ClientFactory = connect

@@ -61,7 +61,7 @@ def _scan(name: str, loc: TensorLocation, chunk: int) -> _Bad | None:
             got = os.preadv(fd, [memoryview(buf)[:want]], pos)
             if got != want:
                 raise OSError(f"{loc.file}: short read in tensor {name!r} at byte {pos}")
-            words = np.frombuffer(buf, dtype=bits.word, count=want // itemsize)
+            words: Any = np.frombuffer(buf, dtype=bits.word, count=want // itemsize)
             if bits.nan_only:
                 special = (words & (bits.exponent | bits.mantissa)) == (bits.exponent | bits.mantissa)
             else:

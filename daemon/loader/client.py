@@ -3,7 +3,7 @@
     client = LoaderClient("/run/hotswap/loader.sock")
     info = client.stage("step-1200", "/ckpt/step-1200", digest="8f3a21c0")   # once per version
     descriptor = client.descriptor("step-1200")   # JSON; one buffer per staged GPU
-    worker.update(UpdateRequest("step-1200", transport="ipc", descriptor=descriptor, mode="copy"))
+    worker.update(UpdateRequest("step-1200", "ipc", {"descriptor": descriptor}, "copy"))  # daemon.transport.base
 
 Workers acquire and release versions themselves (the descriptor names the loader socket), so
 the caller never has to. Each call opens its own connection: no state to lose on errors.

@@ -17,7 +17,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from daemon.formats.checkpoint import tensor_table
 from daemon.loader.staging import PinnedPool, plan_reads, read_into_devices, read_into_host
@@ -329,7 +329,7 @@ class LoaderStore:
                 if not buffers:
                     raise StoreError(f"version {version!r} is not staged on device {device}")
             v.exported = True
-            kind = "cuda" if self.backend.kind == "cuda" else "shm"
+            kind: Literal["cuda", "shm"] = "cuda" if self.backend.kind == "cuda" else "shm"
             desc = Descriptor(version, kind, v.size, v.slots, tuple(buffers), v.digest, self.socket_path)
             return desc.to_json()
 

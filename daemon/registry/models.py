@@ -1,13 +1,16 @@
 """SQLAlchemy 2 models of the registry: every version and every transition is a row.
 
-Statuses are plain strings validated here (not database enums) so that adding a
-status never needs a table rewrite in a migration. All timestamps are UTC and
+The closed vocabularies are enums here (checkpoint status, rollout trigger and outcome, failure
+kind); the columns store their plain string values, validated on assignment (not database enums),
+so that adding a status never needs a table rewrite in a migration. Checkpoint status changes
+only through `daemon.registry.status`. All timestamps are UTC and
 timezone-aware in Python on both SQLite and PostgreSQL (see `UTCDateTime`).
 """
 
 from __future__ import annotations
 
 from datetime import UTC, datetime
+from enum import StrEnum
 from typing import Any
 
 from sqlalchemy import (
@@ -26,22 +29,51 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 from sqlalchemy.types import TypeDecorator
 
-CHECKPOINT_STATUSES = (
-    "discovered",
-    "verifying",
-    "verified",
-    "rejected",
-    "deferred",
-    "staged",
-    "deployed",
-    "retired",
-    "superseded",
-    "duplicate",
-)
-WORKER_KINDS = ("builtin", "sglang", "vllm")
-WORKER_STATES = ("UNKNOWN", "RUNNING", "DRAINING", "PAUSED", "UPDATED", "UNHEALTHY", "UNREACHABLE")
-ROLLOUT_TRIGGERS = ("new", "rollback", "manual")
-ROLLOUT_OUTCOMES = ("succeeded", "failed", "rolled_back", "superseded")
+from daemon.adapters import WORKER_KINDS as ADAPTER_KINDS
+
+
+class CheckpointStatus(StrEnum):
+    DISCOVERED = "discovered"  # registered; nothing read past a listing
+    FETCHING = "fetching"  # its source is turning it into a local directory (download, receive)
+    VERIFYING = "verifying"
+    VERIFIED = "verified"
+    REJECTED = "rejected"
+    DEFERRED = "deferred"  # not enough headroom now; retried
+    STAGED = "staged"  # the transport holds a copy ready for workers (the loader)
+    DEPLOYED = "deployed"
+    RETIRED = "retired"  # was deployed, replaced
+    SUPERSEDED = "superseded"  # a newer version arrived before it was deployed
+    DUPLICATE = "duplicate"  # same content as an earlier version
+
+
+class RolloutTrigger(StrEnum):
+    NEW = "new"  # a newly verified checkpoint
+    ROLLBACK = "rollback"  # back to an earlier version (operator, health window, reconcile)
+    MANUAL = "manual"  # an operator's pin
+
+
+class RolloutOutcome(StrEnum):
+    SUCCEEDED = "succeeded"
+    FAILED = "failed"
+    ROLLED_BACK = "rolled_back"  # succeeded, then the health window rolled it back
+    SUPERSEDED = "superseded"  # stopped at a batch boundary for newer work
+
+
+class FailureKind(StrEnum):
+    """Why a worker failed a step (`rollouts.detail.kind`)."""
+
+    REFUSED = "refused"  # the worker answered and refused; its weights are unchanged
+    UNREACHABLE = "unreachable"  # no answer at all
+    MISMATCH = "mismatch"  # it answered with another version or digest than asked for
+    ERROR = "error"  # anything else
+    UNAVAILABLE = "unavailable"  # a worker was down before the rollout and could not be brought back
+
+
+# the rollout state machine's states (daemon.rollout.states) plus what the health poll observes
+WORKER_STATES = ("UNKNOWN", "RUNNING", "DRAINING", "PAUSED", "UPDATED", "UNHEALTHY", "UNCERTAIN", "UNREACHABLE")
+CHECKPOINT_STATUSES = tuple(s.value for s in CheckpointStatus)
+ROLLOUT_TRIGGERS = tuple(t.value for t in RolloutTrigger)
+ROLLOUT_OUTCOMES = tuple(o.value for o in RolloutOutcome)
 ALIAS_NAMES = ("serving", "last_good", "pinned")
 
 
@@ -168,7 +200,8 @@ class Worker(Base):
 
     @validates("kind")
     def _validate_kind(self, _key: str, value: str) -> str:
-        return _check_choice("workers.kind", value, WORKER_KINDS)  # type: ignore[return-value]
+        # the one table of kinds (daemon.adapters.WORKER_KINDS), read when the row is written
+        return _check_choice("workers.kind", value, tuple(ADAPTER_KINDS))  # type: ignore[return-value]
 
     @validates("state")
     def _validate_state(self, _key: str, value: str) -> str:

@@ -2,6 +2,7 @@
 
 Every function takes an open `Session`; the caller owns the transaction
 (`with registry.session() as s:`), so a step's writes commit together.
+Checkpoint status is written only by `daemon.registry.status`.
 """
 
 from __future__ import annotations
@@ -12,11 +13,9 @@ from typing import Any
 
 from sqlalchemy import Column as SAColumn
 from sqlalchemy import Float, Integer, MetaData, String, Table, Text, func, select
-from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from daemon.registry.models import (
-    CHECKPOINT_STATUSES,
     Check,
     Checkpoint,
     CheckpointFile,
@@ -24,9 +23,10 @@ from daemon.registry.models import (
     UTCDateTime,
     utcnow,
 )
+from daemon.registry.status import UNFINISHED, CheckpointStatus
 
 # Checkpoints in these statuses were being processed when the daemon stopped.
-UNFINISHED_STATUSES = ("discovered", "verifying")
+UNFINISHED_STATUSES = tuple(s.value for s in UNFINISHED)
 
 # The views, declared for reading only (their SQL lives in the migrations).
 _views = MetaData()
@@ -79,78 +79,6 @@ def get_checkpoint(s: Session, version: str) -> Checkpoint | None:
 
 def get_checkpoint_by_id(s: Session, checkpoint_id: int) -> Checkpoint | None:
     return s.get(Checkpoint, checkpoint_id)
-
-
-def register_discovered(
-    s: Session,
-    *,
-    version: str,
-    source: str,
-    uri: str,
-    local_path: str | None,
-    commit_signal: str | None,
-    discovered_at: datetime | None = None,
-) -> Checkpoint | None:
-    """Insert a `discovered` checkpoint; None when the version is already known (a no-op).
-
-    Uniqueness is enforced by the database, so two racing registrations of the
-    same version still produce one row.
-    """
-    if get_checkpoint(s, version) is not None:
-        return None
-    ckpt = Checkpoint(
-        version=version,
-        source=source,
-        uri=uri,
-        local_path=local_path,
-        commit_signal=commit_signal,
-        status="discovered",
-        discovered_at=discovered_at or utcnow(),
-    )
-    try:
-        with s.begin_nested():
-            s.add(ckpt)
-            s.flush()
-    except IntegrityError:
-        return None
-    record_event(
-        s,
-        checkpoint_id=ckpt.id,
-        from_state=None,
-        to_state="discovered",
-        detail={"source": source, "signal": commit_signal},
-    )
-    return ckpt
-
-
-def set_status(
-    s: Session,
-    ckpt: Checkpoint,
-    status: str,
-    message: str | None = None,
-    *,
-    duration_ms: float | None = None,
-    detail: dict[str, Any] | None = None,
-) -> None:
-    """Change a checkpoint's status and append the transition to `events`."""
-    if status not in CHECKPOINT_STATUSES:
-        raise ValueError(f"unknown checkpoint status {status!r}")
-    previous = ckpt.status
-    ckpt.status = status
-    ckpt.status_message = message
-    now = utcnow()
-    if status == "verified":
-        ckpt.verified_at = now
-    elif status == "deployed":
-        ckpt.deployed_at = now
-    record_event(
-        s,
-        checkpoint_id=ckpt.id,
-        from_state=previous,
-        to_state=status,
-        duration_ms=duration_ms,
-        detail=detail or ({"message": message} if message else None),
-    )
 
 
 def record_event(
@@ -223,7 +151,9 @@ def find_same_digest(s: Session, digest: str, exclude_id: int) -> Checkpoint | N
         .where(
             Checkpoint.digest == digest,
             Checkpoint.id != exclude_id,
-            Checkpoint.status.not_in(("duplicate", "rejected", "discovered", "verifying")),
+            Checkpoint.status.not_in(
+                (CheckpointStatus.DUPLICATE, CheckpointStatus.REJECTED, *UNFINISHED)
+            ),
         )
         .order_by(Checkpoint.id)
         .limit(1)

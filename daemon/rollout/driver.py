@@ -1,78 +1,82 @@
 """One worker through the state machine: update, restore, restart, and pick up after a crash.
 
-Every transition is committed to `events` (with the step's duration) before the
-next step starts. A step that fails moves the worker to UNHEALTHY and raises
-`StepFailed`; the engine then calls `restore` (back to the fallback version over
-the admin API, by the same transport) and, if that fails too, `restart` (the
+Every transition is committed to `events` (with the step's duration) before the next step
+starts; `move` is the only way a worker's state changes. A step that fails moves the worker to
+UNHEALTHY (or UNCERTAIN, when the step may have changed weights on an engine without atomic
+updates) and raises `StepFailed`; the engine then calls `restore` (back to the fallback version:
+the fallback's update request, installed and checked) and, if that fails too, `restart` (the
 configured restart command, then wait until the worker is healthy again).
+
+What a worker can do comes from its client's `capabilities` (pause modes, drain, whether it
+restores by itself, whether its updates are atomic); the driver never asks its kind.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
 from typing import Any
 
-from daemon.adapters.base import UpdateRefused, UpdateRequest, WeightInfo, WorkerError, WorkerUnreachable
+from daemon.adapters.base import UpdateRefused, WeightInfo, WorkerError, WorkerUnreachable
+from daemon.config import RolloutMode, RolloutSettings
 from daemon.logging import get_logger
-from daemon.rollout.faults import Faults
-from daemon.rollout.fleet import WorkerHandle
-from daemon.rollout.journal import CheckpointRef, Journal
-from daemon.rollout.restart import Restarter
-from daemon.rollout.settings import RolloutMode, RolloutSettings
-from daemon.rollout.states import BEGIN_STATE, WorkerState, check_transition, parse_state
+from daemon.registry.journal import Journal
+from daemon.registry.status import FailureKind
+from daemon.rollout.managed import Restarter
+from daemon.rollout.stage import Target
+from daemon.rollout.states import (
+    BEGIN_STATE,
+    FAILED,
+    Transition,
+    TransitionObserver,
+    WorkerHandle,
+    WorkerState,
+    check_transition,
+    parse_state,
+)
 
 log = get_logger(__name__)
 S = WorkerState
+
+# Steps after which a non-atomic engine may hold a mix of two versions.
+WRITE_STEPS = ("update", "rollback", "restore")
 
 
 class StepFailed(Exception):
     """A worker failed one step of a rollout; `reason` is one line naming the worker and step."""
 
-    def __init__(self, worker: str, step: str, reason: str, *, kind: str = "error") -> None:
+    def __init__(self, worker: str, step: str, reason: str, *, kind: FailureKind = FailureKind.ERROR) -> None:
         super().__init__(f"worker {worker}: {step}: {reason}")
         self.worker = worker
         self.step = step
         self.reason = reason
-        self.kind = kind  # refused | unreachable | mismatch | error
-
-
-@dataclass(frozen=True, slots=True)
-class Target:
-    """A version to put on a worker and the request that carries it (disk path or ipc descriptor)."""
-
-    checkpoint: CheckpointRef
-    request: UpdateRequest
-
-    @property
-    def version(self) -> str:
-        return self.checkpoint.version
-
-    def matches(self, info: WeightInfo) -> bool:
-        if info.version != self.checkpoint.version:
-            return False
-        return not (self.checkpoint.digest and info.digest and info.digest != self.checkpoint.digest)
+        self.kind = kind
 
 
 def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1000.0
 
 
-def _kind(exc: Exception) -> str:
+def _kind(exc: Exception) -> FailureKind:
     if isinstance(exc, UpdateRefused):
-        return "refused"
+        return FailureKind.REFUSED
     if isinstance(exc, WorkerUnreachable):
-        return "unreachable"
-    return "error"
+        return FailureKind.UNREACHABLE
+    return FailureKind.ERROR
 
 
 class WorkerDriver:
-    def __init__(self, journal: Journal, settings: RolloutSettings, restarter: Restarter, faults: Faults) -> None:
+    def __init__(
+        self,
+        journal: Journal,
+        settings: RolloutSettings,
+        restarter: Restarter,
+        observers: Iterable[TransitionObserver] = (),
+    ) -> None:
         self.journal = journal
         self.settings = settings
         self.restarter = restarter
-        self.faults = faults
+        self.observers = list(observers)
 
     # -- recording ---------------------------------------------------------------------
     def move(
@@ -87,7 +91,11 @@ class WorkerDriver:
         error: str | None = None,
         target_version: str | None = None,
     ) -> None:
-        """Record `h.state -> to` (an allowed transition) and only then let the engine go on."""
+        """Record `h.state -> to` (an allowed transition) and only then let the engine go on.
+
+        Then the observers hear of it (a test entry point may hold the daemon there);
+        `target_version` is the version the worker is moving to, when known.
+        """
         current = h.state if h.state is not None else S.RUNNING
         check_transition(h.name, current, to)
         self.journal.transition(
@@ -100,7 +108,7 @@ class WorkerDriver:
             weight_version=version,
             error=error,
         )
-        h.state = to
+        h.moved(to)
         log.info(
             "worker_transition",
             worker=h.name,
@@ -111,32 +119,37 @@ class WorkerDriver:
             version=version,
             error=error,
         )
-        self.faults.after_transition(h.name, to.value, target_version or version)
+        seen = Transition(rollout_id, h.name, current, to, target_version or version)
+        for observer in self.observers:
+            observer(seen)
 
     def fail(self, h: WorkerHandle, rollout_id: int | None, step: str, exc: Exception | str, t0: float) -> StepFailed:
-        """Record the move to UNHEALTHY for a failed step; return the exception to raise."""
+        """Record the move to UNHEALTHY (UNCERTAIN when the failed step may have left a non-atomic
+        engine partly updated) for a failed step; return the exception to raise."""
         if isinstance(exc, StepFailed):
             reason, kind = exc.reason, exc.kind
         elif isinstance(exc, Exception):
             reason, kind = str(exc), _kind(exc)
         else:
-            reason, kind = exc, "error"
+            reason, kind = exc, FailureKind.ERROR
         failed = StepFailed(h.name, step, reason, kind=kind)
+        partly = step in WRITE_STEPS and kind is not FailureKind.REFUSED and not h.client.capabilities.atomic_updates
         self.move(
             h,
             rollout_id,
-            S.UNHEALTHY,
+            S.UNCERTAIN if partly else S.UNHEALTHY,
             duration_ms=_ms(t0),
-            detail={"step": step, "error": reason, "kind": kind},
+            detail={"step": step, "error": reason, "kind": kind.value},
             error=str(failed),
         )
         return failed
 
     # -- the normal path ---------------------------------------------------------------
-    def update(self, h: WorkerHandle, rollout_id: int, target: Target, mode: RolloutMode) -> bool:
+    def update(self, h: WorkerHandle, rollout_id: int, target: Target, mode: RolloutMode, *, back: bool = False) -> bool:
         """RUNNING -> DRAINING|PAUSED -> UPDATED -> RUNNING on `target`. False when already on it.
 
-        Raises StepFailed after recording the move to UNHEALTHY.
+        `back`: the target is an earlier version (the client's `rollback(request)` installs it).
+        Raises StepFailed after recording the move to UNHEALTHY (or UNCERTAIN).
         """
         t0 = time.perf_counter()
         try:
@@ -145,33 +158,38 @@ class WorkerDriver:
             raise self.fail(h, rollout_id, "weight_info", exc, t0) from exc
         reported = parse_state(info.state)
         if reported == S.RUNNING and target.matches(info):
-            h.state = S.RUNNING
+            h.observed(S.RUNNING)
             return False
         if reported != S.RUNNING:
-            h.state = h.state or S.RUNNING
+            h.observed(h.state or S.RUNNING)
             raise self.fail(h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0)
-        h.state = S.RUNNING
+        h.observed(S.RUNNING)
         self.begin(h, rollout_id, mode, target.version)
-        self.transfer(h, rollout_id, target)
+        self.transfer(h, rollout_id, target, back=back)
         self.finish(h, rollout_id, target)
         return True
 
     def begin(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str | None) -> None:
         to = BEGIN_STATE[mode]
+        caps = h.client.capabilities
         t0 = time.perf_counter()
         try:
             if mode == "drain":
+                if not caps.can_drain:
+                    raise WorkerError(f"worker {h.name}: drain: this worker cannot drain (use mode = \"pause\")")
                 h.client.drain(self.settings.drain_timeout_s)
             else:
-                h.client.pause("keep")
+                if not caps.pause_modes:
+                    raise WorkerError(f"worker {h.name}: pause: this worker cannot pause (use mode = \"drain\")")
+                h.client.pause("keep" if "keep" in caps.pause_modes else caps.pause_modes[0])
         except WorkerError as exc:
             raise self.fail(h, rollout_id, mode, exc, t0) from exc
         self.move(h, rollout_id, to, duration_ms=_ms(t0), detail={"mode": mode}, target_version=target_version)
 
-    def transfer(self, h: WorkerHandle, rollout_id: int, target: Target) -> None:
+    def transfer(self, h: WorkerHandle, rollout_id: int, target: Target, *, back: bool = False) -> None:
         t0 = time.perf_counter()
         try:
-            result = h.client.update(target.request)
+            result = h.client.rollback(target.request) if back else h.client.update(target.request)
         except WorkerError as exc:
             raise self.fail(h, rollout_id, "update", exc, t0) from exc
         if result.version != target.version:
@@ -206,13 +224,14 @@ class WorkerDriver:
                 h.name,
                 "post_check",
                 f"weight_info shows version {info.version!r} digest {info.digest!r}, expected {version!r} digest {digest!r}",
-                kind="mismatch",
+                kind=FailureKind.MISMATCH,
             )
         served = h.client.probe()
         if served != version:
             raise StepFailed(
-                h.name, "post_check", f"probe generation served version {served!r}, expected {version!r}", kind="mismatch"
-            )
+                h.name, "post_check", f"probe generation served version {served!r}, expected {version!r}",
+                kind=FailureKind.MISMATCH,
+            )  # fmt: skip
         return served
 
     def resume(self, h: WorkerHandle) -> None:
@@ -221,14 +240,17 @@ class WorkerDriver:
             h.client.resume()
 
     def revert(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode) -> None:
-        """The normal path, but to the worker's own retained previous version (/admin/rollback).
+        """The normal path, but to the weights the worker retained by itself (`restore()`).
 
-        Used only when the registry knows no fallback version to send.
+        Used only when the registry knows no fallback version to send; a worker that cannot
+        restore by itself fails here and is restarted.
         """
         self.begin(h, rollout_id, mode, None)
         t0 = time.perf_counter()
         try:
-            result = h.client.rollback()
+            if not h.client.capabilities.restores_itself:
+                raise WorkerError(f"worker {h.name}: rollback: no known version to go back to")
+            result = h.client.restore()
         except WorkerError as exc:
             raise self.fail(h, rollout_id, "rollback", exc, t0) from exc
         self.move(h, rollout_id, S.UPDATED, duration_ms=_ms(t0), detail={"how": "worker rollback"}, version=result.version)
@@ -244,33 +266,37 @@ class WorkerDriver:
     def restore(
         self, h: WorkerHandle, rollout_id: int | None, fallback: Target | None, why: str, avoid: str | None = None
     ) -> bool:
-        """UNHEALTHY -> RUNNING on `fallback` over the admin API. False when the worker cannot be restored.
+        """UNHEALTHY/UNCERTAIN -> RUNNING on `fallback`: its request installed, then checked.
+        False when the worker cannot be restored.
 
         With no known fallback, a worker serving `avoid` (the version being rolled out) goes
-        back to its own retained previous version (/admin/rollback); any other keeps its weights.
+        back to the weights it retained itself, if it can; any other keeps its weights.
         """
-        assert h.state == S.UNHEALTHY, h.state
+        assert h.state in FAILED, h.state
+        caps = h.client.capabilities
         t0 = time.perf_counter()
         how = "unchanged"
         try:
             info = h.client.weight_info()
-            if parse_state(info.state) == S.UNHEALTHY:
+            if parse_state(info.state) == S.UNHEALTHY and caps.restores_itself:
                 # The worker's own write failed and could not be undone: it restores its retained
                 # last good weights first (the only call it takes in that state).
-                how = f"worker rollback to {h.client.rollback().version}"
+                how = f"worker rollback to {h.client.restore().version}"
                 info = h.client.weight_info()
             if fallback is None:
                 fallback_version = info.version or ""
-                if avoid is not None and info.version == avoid:
-                    fallback_version = h.client.rollback().version
+                if h.state == S.UNCERTAIN or (avoid is not None and info.version == avoid):
+                    if not caps.restores_itself:
+                        raise WorkerError(f"worker {h.name}: no known version to re-install")
+                    fallback_version = h.client.restore().version
                     how = f"worker rollback to {fallback_version}"
                 self.post_check(h, fallback_version, None)
             else:
-                if not fallback.matches(info):
-                    if parse_state(info.state) == S.RUNNING:
+                if h.state == S.UNCERTAIN or not fallback.matches(info):
+                    if parse_state(info.state) == S.RUNNING and caps.pause_modes:
                         # The transfer needs the worker out of RUNNING; pause keeps its queue.
-                        h.client.pause("keep")
-                    h.client.update(fallback.request)
+                        h.client.pause("keep" if "keep" in caps.pause_modes else caps.pause_modes[0])
+                    h.client.rollback(fallback.request)
                     how = f"update to {fallback.version} ({fallback.request.transport})"
                 self.post_check(h, fallback.version, fallback.checkpoint.digest)
                 fallback_version = fallback.version
@@ -302,7 +328,7 @@ class WorkerDriver:
         """
         assert h.state == S.UNHEALTHY, h.state
         t0 = time.perf_counter()
-        outcome = self.restarter.restart(h, fallback.checkpoint if fallback else None)
+        outcome = self.restarter.restart(h.spec, h.url, h.managed, fallback.checkpoint if fallback else None)
         self.move(
             h,
             rollout_id,
@@ -340,7 +366,7 @@ class WorkerDriver:
     def recover(
         self, h: WorkerHandle, rollout_id: int | None, why: str, fallback: Target | None, avoid: str | None = None
     ) -> bool:
-        """From UNHEALTHY: restore, else restart. True once the worker is RUNNING again."""
+        """From UNHEALTHY or UNCERTAIN: restore, else restart. True once the worker is RUNNING again."""
         if self.restore(h, rollout_id, fallback, why, avoid):
             return True
         return self.restart(h, rollout_id, fallback, why, avoid)

@@ -15,14 +15,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.adapters.base import WorkerError
+from daemon.config import RolloutMode, RolloutSettings
 from daemon.logging import get_logger
-from daemon.rollout.driver import StepFailed, Target, WorkerDriver
-from daemon.rollout.fleet import Fleet, WorkerHandle
-from daemon.rollout.journal import CheckpointRef, Journal
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger
+from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.planner import Batch, modes_of, plan
-from daemon.rollout.settings import RolloutMode, RolloutSettings
-from daemon.rollout.stage import StageError, Stager
-from daemon.rollout.states import WorkerState, parse_state
+from daemon.rollout.stage import StageError, Stager, Target
+from daemon.rollout.states import FAILED, Fleet, WorkerHandle, WorkerState, parse_state
 
 log = get_logger(__name__)
 
@@ -30,11 +30,11 @@ log = get_logger(__name__)
 @dataclass
 class RolloutResult:
     rollout_id: int
-    outcome: str  # succeeded | failed | superseded
+    outcome: RolloutOutcome  # succeeded | failed | superseded
     reason: str | None = None
     moved: list[str] = field(default_factory=list)  # workers this rollout put on the target
     unrecovered: list[str] = field(default_factory=list)  # workers left UNHEALTHY after a failure
-    kind: str | None = None  # of the failure: refused | unreachable | mismatch | error | unavailable
+    kind: FailureKind | None = None  # of the failure
 
 
 class RolloutEngine:
@@ -49,7 +49,7 @@ class RolloutEngine:
         self,
         ckpt: CheckpointRef,
         *,
-        trigger: str,
+        trigger: RolloutTrigger,
         fallback: CheckpointRef | None,
         should_yield: Callable[[], bool] = lambda: False,
         only: Collection[str] | None = None,
@@ -73,37 +73,38 @@ class RolloutEngine:
         try:
             target = self.stager.target(ckpt)
         except StageError as exc:
-            self.journal.finish_rollout(rid, "failed", {"reason": str(exc), "step": "stage"})
+            self.journal.finish_rollout(rid, RolloutOutcome.FAILED, {"reason": str(exc), "step": "stage"})
             log.warning("rollout_failed", rollout=rid, version=ckpt.version, reason=str(exc))
-            return RolloutResult(rid, "failed", str(exc))
-        if ckpt.status == "verified" and self.stager.transport == "ipc":
-            self.journal.set_status(ckpt.id, "staged", f"staged in the loader for rollout {rid}")
+            return RolloutResult(rid, RolloutOutcome.FAILED, str(exc))
+        if ckpt.status == CheckpointStatus.VERIFIED and target.staged:
+            self.journal.move_status(ckpt.id, CheckpointStatus.STAGED, f"staged by {self.stager.transport} for rollout {rid}")
 
         unavailable = self._preflight(rid, ckpt, fallback, [w for b in batches for w in b.workers])
         if unavailable:
             reason = f"worker {', '.join(unavailable)} not available before the rollout and could not be restored"
             self.journal.finish_rollout(
-                rid, "failed", {"reason": reason, "kind": "unavailable", "step": "preflight", "unrecovered": unavailable}
-            )
+                rid, RolloutOutcome.FAILED,
+                {"reason": reason, "kind": FailureKind.UNAVAILABLE.value, "step": "preflight", "unrecovered": unavailable},
+            )  # fmt: skip
             log.warning("rollout_failed", rollout=rid, version=ckpt.version, reason=reason)
-            return RolloutResult(rid, "failed", reason, unrecovered=unavailable, kind="unavailable")
+            return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable, kind=FailureKind.UNAVAILABLE)
 
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         for batch in batches:
             if should_yield():
                 names = [h.name for h, _ in moved]
-                self.journal.finish_rollout(rid, "superseded", {"moved": names})
+                self.journal.finish_rollout(rid, RolloutOutcome.SUPERSEDED, {"moved": names})
                 log.info("rollout_superseded", rollout=rid, version=ckpt.version, moved=names)
-                return RolloutResult(rid, "superseded", "stopped at a batch boundary for newer work", moved=names)
+                return RolloutResult(rid, RolloutOutcome.SUPERSEDED, "stopped at a batch boundary for newer work", moved=names)
             outcomes = self._run_batch(batch, rid, target)
             moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
             failures = [(h, f) for h, _, f in outcomes if f is not None]
             if failures:
                 return self._fail(rid, ckpt, fallback, failures, moved)
         names = [h.name for h, _ in moved]
-        self.journal.finish_rollout(rid, "succeeded", {"moved": names})
+        self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED, {"moved": names})
         log.info("rollout_succeeded", rollout=rid, version=ckpt.version, moved=names)
-        return RolloutResult(rid, "succeeded", moved=names)
+        return RolloutResult(rid, RolloutOutcome.SUCCEEDED, moved=names)
 
     def _preflight(self, rid: int, ckpt: CheckpointRef, fallback: CheckpointRef | None, names: list[str]) -> list[str]:
         """Before any worker leaves RUNNING: a worker that is down or stuck is brought back on the
@@ -118,16 +119,16 @@ class RolloutEngine:
                     info = h.client.weight_info()
                     reported = parse_state(info.state)
                     if reported == WorkerState.RUNNING:
-                        h.state = WorkerState.RUNNING
+                        h.observed(WorkerState.RUNNING)
                         continue
                     problem = f"worker reports state {info.state!r}"
                     if reported is not None:
-                        h.state = reported
+                        h.observed(reported)
                 except WorkerError as exc:
                     problem = str(exc)
                 fb = fb or self.fallback_target(fallback)
-                if h.state != WorkerState.UNHEALTHY:
-                    h.state = h.state or WorkerState.RUNNING
+                if h.state not in FAILED:
+                    h.observed(h.state or WorkerState.RUNNING)
                     self.driver.move(h, rid, WorkerState.UNHEALTHY, duration_ms=None,
                                      detail={"step": "preflight", "error": problem}, error=problem)  # fmt: skip
                 why = f"not available before the rollout of {ckpt.version}: {problem}"
@@ -183,7 +184,7 @@ class RolloutEngine:
             with h.busy:
                 try:
                     if fb is not None:
-                        self.driver.update(h, rid, fb, mode)
+                        self.driver.update(h, rid, fb, mode, back=True)
                     else:
                         self.driver.revert(h, rid, mode)
                 except StepFailed as exc:
@@ -194,11 +195,11 @@ class RolloutEngine:
             "reason": str(first),
             "worker": first.worker,
             "step": first.step,
-            "kind": first.kind,
+            "kind": first.kind.value,
             "restored_to": fallback.version if fallback else "worker's previous version",
             "rolled_back": [h.name for h, _ in moved],
             "unrecovered": unrecovered,
         }
-        self.journal.finish_rollout(rid, "failed", detail)
+        self.journal.finish_rollout(rid, RolloutOutcome.FAILED, detail)
         log.warning("rollout_failed", rollout=rid, version=ckpt.version, **detail)
-        return RolloutResult(rid, "failed", str(first), moved=[], unrecovered=unrecovered, kind=first.kind)
+        return RolloutResult(rid, RolloutOutcome.FAILED, str(first), moved=[], unrecovered=unrecovered, kind=first.kind)

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.adapters.base import WorkerError
+from daemon.config import RolloutSettings
 from daemon.logging import get_logger
-from daemon.rollout.fleet import Fleet
-from daemon.rollout.settings import RolloutSettings
+from daemon.rollout.states import Fleet
 
 log = get_logger(__name__)
 

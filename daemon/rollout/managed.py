@@ -1,10 +1,17 @@
-"""`launch = "managed"`: the daemon runs a reference worker itself as a supervised child.
+"""Bringing a worker process back: the daemon's own managed children, and restart commands.
+
+`launch = "managed"`: the daemon runs a reference worker itself as a supervised child.
 
 The child is `hotswap worker --model DIR --version V --host 127.0.0.1 --port P
 --token-file F --device D`, with its log in `<state_dir>/logs/worker-NAME.log`.
 Its pid and port are kept in `<state_dir>/worker-NAME.json`, so a daemon that
 was killed adopts the still-running child on its next start instead of starting
 a second one. The token file is created (0600) on first use.
+
+`Restarter`: a worker that cannot be restored over its admin API is restarted. External
+workers get their configured `restart_command` (e.g. `systemctl restart hotswap-worker@0`),
+run without a shell, with placeholders filled in per argument; managed workers are relaunched
+by the daemon on the fallback checkpoint.
 
 Also here: the embedded default's tiny seed checkpoint, made on first start so
 the quickstart has something to serve before any checkpoint is dropped in.
@@ -22,17 +29,24 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
 
 import psutil
 
+from daemon.config import WorkerSpec
+from daemon.formats.checkpoint import MANIFEST_NAME, tensor_table
 from daemon.logging import get_logger
-from daemon.rollout.journal import CheckpointRef, Journal
-from daemon.rollout.settings import WorkerSpec
+from daemon.manifest import load_manifest, publish
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.tinymodel import make_tiny_checkpoint
 
 log = get_logger(__name__)
 
 SEED_VERSION = "tiny-seed"
 STOP_TIMEOUT_S = 10.0
+COMMAND_TIMEOUT_S = 120.0
+OUTPUT_TAIL = 2000
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -55,16 +69,10 @@ def ensure_seed(journal: Journal, state_dir: Path) -> CheckpointRef:
     existing = journal.checkpoint_by_version(SEED_VERSION)
     if existing is not None and existing.local_path and Path(existing.local_path).is_dir():
         return existing
-    from daemon.manifest import publish
-    from daemon.tinymodel import make_tiny_checkpoint
-
     directory = state_dir / "seed" / SEED_VERSION
-    if not (directory / "hotswap-manifest.json").exists():
+    if not (directory / MANIFEST_NAME).exists():
         make_tiny_checkpoint(directory, seed=0, tokenizer=True)  # text prompts and chat work at once
         publish(directory, version=SEED_VERSION)
-    from daemon.formats.checkpoint import tensor_table
-    from daemon.manifest import load_manifest
-
     manifest = load_manifest(directory)
     table, _ = tensor_table(directory)
     ref = journal.register_seed(
@@ -186,3 +194,65 @@ class ManagedWorker:
             version = self.version
         self.stop()
         return self.launch(model, version)
+
+
+# -- restart commands -----------------------------------------------------------------------
+
+
+class _Placeholders(dict[str, str]):
+    def __missing__(self, key: str) -> str:
+        raise KeyError(key)
+
+
+def fill(argv: list[str], values: dict[str, str]) -> list[str]:
+    ph = _Placeholders(values)
+    return [arg.format_map(ph) for arg in argv]
+
+
+class Restarter:
+    def restart(
+        self, spec: WorkerSpec, url: str, managed: ManagedWorker | None, fallback: CheckpointRef | None
+    ) -> dict[str, Any]:
+        """Issue the restart; returns what was done for the event's detail (`issued`: bool)."""
+        if managed is not None:
+            path = fallback.local_path if fallback else None
+            version = fallback.version if fallback else None
+            try:
+                pid = managed.relaunch(path, version)
+            except Exception as exc:  # noqa: BLE001 - recorded in the event
+                return {"issued": False, "how": "managed relaunch", "error": str(exc)}
+            return {"issued": True, "how": "managed relaunch", "pid": pid, "version": version}
+        argv = spec.restart_argv()
+        if not argv:
+            return {"issued": False, "how": "none", "error": "no restart_command configured"}
+        parts = urlsplit(url)
+        values = {
+            "name": spec.name,
+            "url": url,
+            "port": str(parts.port or ""),
+            "device": spec.device,
+            "version": fallback.version if fallback else "",
+            "path": (fallback.local_path or "") if fallback else "",
+            "token_file": spec.token_file,
+        }
+        try:
+            cmd = fill(argv, values)
+        except KeyError as exc:
+            return {"issued": False, "how": "command", "error": f"unknown placeholder {exc}"}
+        log.warning("restart_command", worker=spec.name, argv=cmd)
+        try:
+            done = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                timeout=COMMAND_TIMEOUT_S,
+                stdin=subprocess.DEVNULL,
+                env=os.environ.copy(),
+            )
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            return {"issued": False, "how": "command", "argv": cmd, "error": str(exc)}
+        out = (done.stdout + done.stderr)[-OUTPUT_TAIL:]
+        if done.returncode != 0:
+            log.warning("restart_command_failed", worker=spec.name, rc=done.returncode, output=out)
+        # A non-zero exit is recorded, but the worker may still come back: we wait for it anyway.
+        return {"issued": True, "how": "command", "argv": cmd, "rc": done.returncode, "output": out}

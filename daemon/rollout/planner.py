@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
-from daemon.rollout.settings import RolloutMode, RolloutSettings, WorkerSpec
+from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,9 +1,13 @@
-"""What the rollout runner does next: operator commands first, then the newest waiting checkpoint.
+"""The rollout runner's bookkeeping: what it does next (`RolloutQueue`) and what it decided (`RolloutState`).
 
-Checkpoints that arrive while a rollout runs wait in a single slot: a newer
-arrival replaces the waiting one, which the caller records as `superseded`.
-Operator commands (rollback, pin, unpin) queue in order and carry a Future the
-API waits on.
+Operator commands go first, then the newest waiting checkpoint. Checkpoints that arrive while a
+rollout runs wait in a single slot: a newer arrival replaces the waiting one, which the caller
+records as `superseded`. Operator commands (rollback, pin, unpin) queue in order and carry a
+Future the API waits on; a refused one fails it with `CommandError`.
+
+`RolloutState` (pinned, serving, the job in progress, a version held back for unavailable
+workers) is written by the runner thread and read by the API and the health poll: every access
+takes its lock, and the one compound step (take the held-back version) is one call.
 """
 
 from __future__ import annotations
@@ -14,7 +18,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from daemon.rollout.journal import CheckpointRef
+from daemon.registry.journal import CheckpointRef
 
 JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile"]
 
@@ -83,3 +87,67 @@ class RolloutQueue:
     def pending(self) -> CheckpointRef | None:
         with self._cond:
             return self._pending
+
+
+class CommandError(ValueError):
+    """An operator command that cannot be done; `http_status` is what the API answers with."""
+
+    def __init__(self, message: str, http_status: int = 409) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+
+
+@dataclass
+class RolloutState:
+    """What the runner decided, shared with the API and poll threads; every access takes the lock."""
+
+    _pinned: str | None = None
+    _serving: str | None = None
+    _current_job: str | None = None
+    _blocked: CheckpointRef | None = None  # waiting for unavailable workers to come back
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def pinned(self) -> str | None:
+        with self._lock:
+            return self._pinned
+
+    @property
+    def serving(self) -> str | None:
+        with self._lock:
+            return self._serving
+
+    @property
+    def current_job(self) -> str | None:
+        with self._lock:
+            return self._current_job
+
+    @property
+    def blocked(self) -> CheckpointRef | None:
+        with self._lock:
+            return self._blocked
+
+    def set_pinned(self, version: str | None) -> None:
+        with self._lock:
+            self._pinned = version
+
+    def set_serving(self, version: str | None) -> None:
+        with self._lock:
+            self._serving = version
+
+    def set_current_job(self, job: str | None) -> None:
+        with self._lock:
+            self._current_job = job
+
+    def set_blocked(self, ckpt: CheckpointRef | None) -> None:
+        with self._lock:
+            self._blocked = ckpt
+
+    def take_blocked(self, older_than: int | None = None) -> CheckpointRef | None:
+        """Clear and return the held-back version (only if it is older than `older_than`, when given)."""
+        with self._lock:
+            b = self._blocked
+            if b is None or (older_than is not None and b.id >= older_than):
+                return None
+            self._blocked = None
+            return b

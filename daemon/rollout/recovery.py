@@ -14,13 +14,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from daemon.adapters.base import WeightInfo, WorkerError
+from daemon.config import RolloutMode
 from daemon.logging import get_logger
-from daemon.rollout.driver import StepFailed, Target, WorkerDriver
+from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
+from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.engine import RolloutEngine
-from daemon.rollout.fleet import WorkerHandle
-from daemon.rollout.journal import CheckpointRef, Journal, RolloutRef
 from daemon.rollout.planner import plan
-from daemon.rollout.states import ALLOWED, WorkerState, parse_state
+from daemon.rollout.stage import Target
+from daemon.rollout.states import ALLOWED, FAILED, WorkerHandle, WorkerState, parse_state
 
 log = get_logger(__name__)
 S = WorkerState
@@ -58,7 +59,9 @@ class Recovery:
         fb = self.engine.fallback_target(fallback) if fallback else None
         why = f"daemon restarted during rollout {rollout.id} ({'finishing' if finish else 'undoing'} it)"
         unrecovered: list[str] = []
-        modes = {name: b.mode for b in plan(self.engine.fleet.specs, self.engine.settings) for name in b.workers}
+        modes: dict[str, RolloutMode] = {
+            name: b.mode for b in plan(self.engine.fleet.specs, self.engine.settings) for name in b.workers
+        }
         for h in self.engine.fleet:
             with h.busy:
                 if not self._bring(h, rollout.id, goal, fb, modes.get(h.name, "drain"), why):
@@ -66,11 +69,11 @@ class Recovery:
         return Recovered(rollout.id, goal_ckpt.version, finish, unrecovered)
 
     def _bring(
-        self, h: WorkerHandle, rid: int, goal: Target | None, fallback: Target | None, mode: str, why: str
+        self, h: WorkerHandle, rid: int, goal: Target | None, fallback: Target | None, mode: RolloutMode, why: str
     ) -> bool:
         """Take one worker from whatever state it is in to RUNNING on `goal`. False if it stays UNHEALTHY."""
         recorded, _ = self.journal.worker_state(h.name)
-        h.state = parse_state(recorded)
+        h.observed(parse_state(recorded))
         try:
             info: WeightInfo | None = h.client.weight_info()
         except WorkerError:
@@ -78,15 +81,15 @@ class Recovery:
         observed = parse_state(info.state) if info else None
         try:
             if info is None or observed is None:
-                h.state = h.state or S.RUNNING
-                if h.state != S.UNHEALTHY:
+                h.observed(h.state or S.RUNNING)
+                if h.state not in FAILED:
                     self.driver.move(
                         h, rid, S.UNHEALTHY, duration_ms=None, detail={"observed": True, "why": why, "answer": None if info is None else info.state},
                         error="no usable answer from the worker after the daemon restarted",
                     )
                 return self.driver.recover(h, rid, why, goal or fallback)
             if h.state is None:
-                h.state = observed  # nothing recorded that we could contradict
+                h.observed(observed)  # nothing recorded that we could contradict
             elif observed != h.state:
                 if observed in ALLOWED[h.state]:
                     self.driver.move(h, rid, observed, duration_ms=None, detail={"observed": True, "why": why},
@@ -102,7 +105,7 @@ class Recovery:
                 raise StepFailed(h.name, "recover", "the version to recover to has no local copy")
             if h.state == S.RUNNING:
                 if not goal.matches(info):
-                    self.driver.update(h, rid, goal, mode)  # type: ignore[arg-type]
+                    self.driver.update(h, rid, goal, mode)
                 return True
             if h.state in (S.DRAINING, S.PAUSED):
                 self.driver.transfer(h, rid, goal)

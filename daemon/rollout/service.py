@@ -1,46 +1,59 @@
 """The rollout service: the one object the daemon talks to for "roll this out" and manual control.
 
-One runner thread does everything that moves workers, in order: bootstrap
-(launch managed workers, then crash recovery), then jobs from the queue:
-operator commands first, then the newest waiting checkpoint. A periodic health
-poll (APScheduler, on the daemon's scheduler) keeps `workers` current.
+One runner thread does everything that moves workers, in order: start-up (launch managed
+workers, then crash recovery), then jobs from the queue: operator commands first (rollback,
+pin, unpin, reconcile), then the newest waiting checkpoint. A periodic health poll (on the
+daemon's scheduler) keeps `workers` current. What the runner decided (serving, pinned, the job
+in progress, a version held back for unavailable workers) is one `RolloutState`, guarded by a
+lock, read by the API and the poll threads.
 
     service = RolloutService.from_config(config, registry)
     service.start(scheduler)
-    coordinator.add_step("roll out", lambda c: service.submit(c.checkpoint_id))
+    coordinator.on_verified = service.submit
+
+One module on purpose, though long: every job runs on the one runner thread over the one
+RolloutState, and splitting the jobs out (as commands/poll/startup once were) made modules
+that import the service back.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from apscheduler.schedulers.base import BaseScheduler
 
 from daemon.adapters import make_client
-from daemon.adapters.base import WorkerError
+from daemon.adapters.base import Timeouts, WorkerError
+from daemon.config import Config, LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.logging import get_logger
-from daemon.registry import Registry
-from daemon.rollout import commands, health, poll, startup
-from daemon.rollout.commands import CommandError
+from daemon.registry.db import Registry
+from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
+from daemon.registry.models import WORKER_STATES
+from daemon.registry.status import (
+    DEPLOYABLE,
+    WAITING,
+    CheckpointStatus,
+    FailureKind,
+    RolloutOutcome,
+    RolloutTrigger,
+)
+from daemon.rollout import health
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.faults import Faults
-from daemon.rollout.fleet import Fleet, WorkerHandle
-from daemon.rollout.journal import CheckpointRef, Journal
-from daemon.rollout.managed import ManagedWorker
-from daemon.rollout.queue import Job, JobKind, RolloutQueue
-from daemon.rollout.restart import Restarter
-from daemon.rollout.settings import LoaderSettings, RolloutSettings, WorkerSpec
+from daemon.rollout.managed import ManagedWorker, Restarter, ensure_seed
+from daemon.rollout.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
+from daemon.rollout.recovery import Recovery
 from daemon.rollout.stage import Stager
-
-if TYPE_CHECKING:
-    from apscheduler.schedulers.base import BaseScheduler
-
-    from daemon.config import Config
+from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
+from daemon.transport.base import SenderOptions
 
 log = get_logger(__name__)
+C, T = CheckpointStatus, RolloutTrigger
 
 LOOKAHEAD_MAX_S = 600.0  # longest wait for newer checkpoints still being verified
 MOVES_FLEET: tuple[JobKind, ...] = ("rollback", "pin")  # operator commands that redeploy every worker
@@ -54,48 +67,51 @@ class RolloutService:
         workers: list[WorkerSpec],
         state_dir: Path,
         loader: LoaderSettings | None = None,
+        observers: Iterable[TransitionObserver] = (),
+        restarter: Restarter | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = state_dir
         self.journal = Journal(registry)
+        timeouts = Timeouts(settings.request_timeout_s, settings.update_timeout_s, settings.drain_timeout_s)
         handles = []
         for spec in workers:
             managed = ManagedWorker(spec, state_dir) if spec.launch == "managed" else None
             url = managed.url if managed else spec.url.rstrip("/")
             token_file = str(managed.token_file) if managed else spec.token_file
-            client = make_client(spec, url=url, token_file=token_file, settings=settings)
+            client = make_client(spec.kind, spec.name, url, token_file=token_file or None, timeouts=timeouts)
+            if settings.transport not in client.capabilities.transports:
+                raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
         self.fleet = Fleet(handles)
-        self.faults = Faults.from_env()
-        self.driver = WorkerDriver(self.journal, settings, Restarter(), self.faults)
-        self.stager = Stager(settings, _loader_client(loader, settings, state_dir) if settings.transport == "ipc" else None)
+        self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(), observers)
+        options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
+                                loader.socket if loader else "")  # fmt: skip
+        self.stager = Stager(settings.transport, options)
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
         self.queue = RolloutQueue()
-        self.pinned: str | None = None
-        self.serving_version: str | None = None
-        self.current_job: str | None = None
-        self.blocked: CheckpointRef | None = None  # waiting for unavailable workers to come back
+        self.state = RolloutState()
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
 
     @classmethod
-    def from_config(cls, config: Config, registry: Registry) -> RolloutService:
-        return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader)
+    def from_config(
+        cls, config: Config, registry: Registry, observers: Iterable[TransitionObserver] = ()
+    ) -> RolloutService:
+        return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers)
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, scheduler: BaseScheduler | None = None) -> None:
-        self.journal.register_workers((h.spec, h.url) for h in self.fleet)
+        self.journal.register_workers((h.name, h.spec.kind, h.url, h.spec.device) for h in self.fleet)
         # On the caller's thread, before the coordinator starts: making the seed imports
         # transformers, and two threads importing it at once can fail.
-        startup.seed_if_empty(self)
+        self._seed_if_empty()
         self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
         self._thread.start()
         if scheduler is not None:
-            scheduler.add_job(
-                poll.poll, "interval", args=[self], seconds=self.settings.health_poll_s, id="worker-health",
-                max_instances=1, coalesce=True,
-            )  # fmt: skip
+            scheduler.add_job(self.poll, "interval", seconds=self.settings.health_poll_s, id="worker-health",
+                              max_instances=1, coalesce=True)  # fmt: skip
 
     def stop(self, stop_managed: bool = True, timeout: float = 30.0) -> None:
         self._stopping.set()
@@ -106,6 +122,7 @@ class RolloutService:
             for h in self.fleet:
                 if h.managed is not None:
                     h.managed.stop()
+        self.stager.close()
         self.fleet.close()
 
     @property
@@ -113,23 +130,22 @@ class RolloutService:
         return self._stopping.is_set()
 
     def wait_ready(self, timeout: float | None = None) -> bool:
-        """True once bootstrap and crash recovery are done."""
+        """True once start-up and crash recovery are done."""
         return self._ready.wait(timeout)
 
     # -- inputs ----------------------------------------------------------------------------
     def submit(self, checkpoint_id: int) -> None:
-        """A verified checkpoint to roll out (from the coordinator). Returns at once."""
+        """A verified checkpoint to roll out (the coordinator's `on_verified`). Returns at once."""
         ckpt = self.journal.checkpoint(checkpoint_id)
         if ckpt is None:
             return
         replaced = self.queue.offer(ckpt)
         if replaced is not None:
             self.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
-        blocked = self.blocked
-        if blocked is not None and blocked.id < ckpt.id:  # a newer version takes its turn
-            self.blocked = None
+        blocked = self.state.take_blocked(older_than=ckpt.id)  # a newer version takes its turn
+        if blocked is not None:
             self.supersede(blocked, by=ckpt)
-        log.info("rollout_queued", version=ckpt.version, pinned=self.pinned, busy=self.current_job)
+        log.info("rollout_queued", version=ckpt.version, pinned=self.state.pinned, busy=self.state.current_job)
 
     def rollback(self, to: str | None = None) -> Future[dict[str, Any]]:
         return self.queue.command(Job("rollback", version=to))
@@ -145,10 +161,10 @@ class RolloutService:
         last_good = self.journal.alias("last_good")
         return {
             "ready": self._ready.is_set(),
-            "current": self.current_job,
+            "current": self.state.current_job,
             "pending": pending.version if pending else None,
-            "pinned": self.pinned,
-            "serving": self.serving_version,
+            "pinned": self.state.pinned,
+            "serving": self.state.serving,
             "last_good": last_good.version if last_good else None,
             "transport": self.settings.transport,
             "workers": [
@@ -161,16 +177,16 @@ class RolloutService:
     # -- the runner ------------------------------------------------------------------------
     def _run(self) -> None:
         try:
-            startup.bootstrap(self)
+            self._bootstrap()
         except Exception:
             log.exception("rollout_bootstrap_failed")
         finally:
             self._ready.set()
         while not self._stopping.is_set():
-            job = self.queue.take(0.5, deploy_allowed=self.pinned is None)
+            job = self.queue.take(0.5, deploy_allowed=self.state.pinned is None)
             if job is None:
                 continue
-            self.current_job = job.describe()
+            self.state.set_current_job(job.describe())
             try:
                 job.future.set_result(self._execute(job))
             except CommandError as exc:
@@ -180,25 +196,26 @@ class RolloutService:
                 log.exception("rollout_job_failed", job=job.describe())
                 job.future.set_exception(exc)
             finally:
-                self.current_job = None
+                self.state.set_current_job(None)
 
     def _execute(self, job: Job) -> dict[str, Any]:
         if job.kind == "deploy":
             assert job.checkpoint is not None
             return self._deploy_new(job.checkpoint)
         if job.kind == "rollback":
-            return commands.rollback(self, job.version)
+            return self._rollback(job.version)
         if job.kind == "pin":
             assert job.version is not None
-            return commands.pin(self, job.version)
+            return self._pin(job.version)
         if job.kind == "unpin":
-            return commands.unpin(self)
-        return commands.reconcile(self)
+            return self._unpin()
+        return self._reconcile()
 
     def _yield_wanted(self, checkpoint_id: int) -> bool:
         """Stop a rollout at the next batch boundary: something that moves every worker anyway is waiting."""
         return self.queue.newer_than(checkpoint_id) or self.queue.has_command(MOVES_FLEET) or self.stopping
 
+    # -- jobs ------------------------------------------------------------------------------
     def _deploy_new(self, ckpt: CheckpointRef) -> dict[str, Any]:
         # Newer checkpoints still being verified would supersede this one: wait for them.
         deadline = time.monotonic() + LOOKAHEAD_MAX_S
@@ -213,15 +230,108 @@ class RolloutService:
             self.supersede(ckpt, by=self.queue.pending)
             return {"version": ckpt.version, "outcome": "superseded"}
         fresh = self.journal.checkpoint(ckpt.id)
-        if fresh is None or fresh.status not in ("verified", "staged"):
+        if fresh is None or fresh.status not in WAITING:
             return {"version": ckpt.version, "outcome": "skipped", "status": fresh.status if fresh else None}
         serving = self.journal.alias("serving")
         fallback = self.fallback()
         result = self.engine.deploy(
-            fresh, trigger="new", fallback=fallback, should_yield=lambda: self._yield_wanted(fresh.id)
+            fresh, trigger=T.NEW, fallback=fallback, should_yield=lambda: self._yield_wanted(fresh.id)
         )
-        return self.conclude(fresh, result, serving, fallback, trigger="new")
+        return self.conclude(fresh, result, serving, fallback, trigger=T.NEW)
 
+    def _deployable(self, version: str) -> CheckpointRef:
+        ckpt = self.journal.checkpoint_by_version(version)
+        if ckpt is None:
+            raise CommandError(f"unknown version {version!r} (see `hotswap history`)", 404)
+        if not ckpt.verified or ckpt.status not in DEPLOYABLE:
+            raise CommandError(f"version {version!r} is {ckpt.status}: only verified versions can be deployed")
+        if not ckpt.local_path or not Path(ckpt.local_path).is_dir():
+            raise CommandError(f"version {version!r} has no local copy (was {ckpt.local_path!r})")
+        return ckpt
+
+    def _rollback(self, to: str | None) -> dict[str, Any]:
+        serving = self.journal.alias("serving")
+        if to is not None:
+            target = self._deployable(to)
+        else:
+            last_good = self.journal.alias("last_good")
+            if last_good is not None and serving is not None and last_good.id != serving.id:
+                candidate: CheckpointRef | None = last_good
+            else:
+                candidate = self.journal.previous_deployed(serving.id if serving else -1)
+            if candidate is None:
+                raise CommandError("nothing to roll back to: no earlier version was ever deployed")
+            target = self._deployable(candidate.version)
+        pinned = self.state.pinned
+        if pinned is not None and pinned != target.version:
+            raise CommandError(f"pinned to {pinned}: run `hotswap unpin` first")
+        result = self.engine.deploy(
+            target, trigger=T.ROLLBACK, fallback=target,
+            detail={"by": "operator", "from": serving.version if serving else None},
+        )  # fmt: skip
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            if serving is not None and serving.id != target.id:
+                self.journal.checkpoint_event(
+                    serving.id, "rolled_back", {"to": target.version, "by": "operator"}, result.rollout_id
+                )
+                self.journal.move_status(serving.id, C.RETIRED, f"rolled back by operator to {target.version}")
+            self.mark_serving(target, None, f"restored by operator rollback (rollout {result.rollout_id})")
+            self.journal.set_alias("last_good", target.id)
+        return {"rollout_id": result.rollout_id, "version": target.version, "outcome": result.outcome.value,
+                "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
+
+    def _pin(self, version: str) -> dict[str, Any]:
+        target = self._deployable(version)
+        serving = self.journal.alias("serving")
+        self.journal.set_alias("pinned", target.id)
+        self.state.set_pinned(target.version)
+        out: dict[str, Any] = {"pinned": target.version, "outcome": "pinned", "rollout_id": None}
+        fallback = self.fallback()
+        result = self.engine.deploy(
+            target, trigger=T.MANUAL, fallback=fallback if fallback and fallback.id != target.id else serving,
+            detail={"by": "operator", "pin": True},
+        )  # fmt: skip
+        out.update(rollout_id=result.rollout_id, outcome=result.outcome.value, reason=result.reason)
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            self.mark_serving(target, serving, f"pinned by operator (rollout {result.rollout_id})")
+            self.journal.set_alias("last_good", target.id)
+        else:
+            self.journal.set_alias("pinned", None)
+            self.state.set_pinned(None)
+            out["pinned"] = None
+        return out
+
+    def _unpin(self) -> dict[str, Any]:
+        was = self.state.pinned
+        self.journal.set_alias("pinned", None)
+        self.state.set_pinned(None)
+        pending = self.queue.pending
+        self.queue.wake()
+        return {"unpinned": was, "outcome": "unpinned", "next": pending.version if pending else None}
+
+    def _reconcile(self) -> dict[str, Any]:
+        """Bring workers that run something other than the serving version back to it."""
+        serving = self.journal.alias("serving")
+        if serving is None:
+            return {"outcome": "nothing to reconcile"}
+        target = self.engine.fallback_target(serving)
+        drifted = []
+        for h in self.fleet:
+            try:
+                info = h.client.weight_info()
+            except WorkerError:
+                continue
+            if info.state == WorkerState.RUNNING and target is not None and not target.matches(info):
+                drifted.append(h.name)
+        if not drifted:
+            return {"outcome": "in sync"}
+        log.warning("reconciling", workers=drifted, version=serving.version)
+        result = self.engine.deploy(
+            serving, trigger=T.ROLLBACK, fallback=serving, only=drifted, detail={"by": "reconcile"}
+        )
+        return {"rollout_id": result.rollout_id, "outcome": result.outcome.value, "workers": drifted}
+
+    # -- what a rollout's result means for the registry ------------------------------------
     def conclude(
         self,
         ckpt: CheckpointRef,
@@ -229,34 +339,35 @@ class RolloutService:
         previous: CheckpointRef | None,
         fallback: CheckpointRef | None,
         *,
-        trigger: str,
+        trigger: RolloutTrigger,
     ) -> dict[str, Any]:
-        out = {"rollout_id": result.rollout_id, "version": ckpt.version, "outcome": result.outcome, "reason": result.reason}
-        if result.outcome == "succeeded":
+        out = {"rollout_id": result.rollout_id, "version": ckpt.version, "outcome": result.outcome.value,
+               "reason": result.reason}  # fmt: skip
+        if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
-            if trigger == "new" and self.settings.health_window_s > 0:
+            if trigger == T.NEW and self.settings.health_window_s > 0:
                 out.update(self.health_window(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)
-        elif result.outcome == "failed" and result.kind == "unavailable":
+        elif result.outcome == RolloutOutcome.FAILED and result.kind == FailureKind.UNAVAILABLE:
             # Not the version's fault: it waits until every worker answers again (see poll).
-            self.blocked = ckpt
-            self.journal.set_status(
-                ckpt.id, ckpt.status, f"not deployed yet (rollout {result.rollout_id}): {result.reason}; "
+            self.state.set_blocked(ckpt)
+            self.journal.note(
+                ckpt.id, f"not deployed yet (rollout {result.rollout_id}): {result.reason}; "
                 "retried when every worker is back",
             )  # fmt: skip
-        elif result.outcome == "failed":
+        elif result.outcome == RolloutOutcome.FAILED:
             where = fallback.version if fallback else "their previous version"
-            self.journal.set_status(
-                ckpt.id, "rejected", f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
+            self.journal.move_status(
+                ckpt.id, C.REJECTED, f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
             )
-        elif result.outcome == "superseded":
+        elif result.outcome == RolloutOutcome.SUPERSEDED:
             newer = self.queue.pending
             if newer is not None and newer.id > ckpt.id:
                 self.supersede(ckpt, by=newer, rollout_id=result.rollout_id)
             else:
                 why = "the daemon shutting down (resumed on its next start)" if self.stopping else "an operator command"
-                self.journal.set_status(ckpt.id, ckpt.status, f"rollout {result.rollout_id} stopped for {why}")
+                self.journal.note(ckpt.id, f"rollout {result.rollout_id} stopped for {why}")
         return out
 
     def health_window(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
@@ -271,49 +382,49 @@ class RolloutService:
             return {"health_window": "ok"}
         log.warning("health_window_failed", version=ckpt.version, reason=verdict.reason)
         self.journal.amend_rollout(
-            rid, outcome="rolled_back", detail={"health_window": {**window, "ok": False, "reason": verdict.reason}}
+            rid, outcome=RolloutOutcome.ROLLED_BACK, detail={"health_window": {**window, "ok": False, "reason": verdict.reason}}
         )
         if fallback is None or fallback.id == ckpt.id:
-            self.journal.set_status(ckpt.id, "deployed", f"health window failed ({verdict.reason}) but no earlier version to roll back to")
+            self.journal.note(ckpt.id, f"health window failed ({verdict.reason}) but no earlier version to roll back to")
             return {"health_window": "failed", "rolled_back": None}
         # Recorded before the rollback runs: a daemon killed during it finds the verdict written.
-        self.journal.set_status(ckpt.id, "rejected", f"rolled back to {fallback.version} after deploy: {verdict.reason}")
+        self.journal.move_status(ckpt.id, C.REJECTED, f"rolled back to {fallback.version} after deploy: {verdict.reason}")
         self.journal.checkpoint_event(
             ckpt.id, "rolled_back", {"to": fallback.version, "by": "health_window", "reason": verdict.reason}, rid
         )
         rb = self.engine.deploy(
-            fallback, trigger="rollback", fallback=fallback,
+            fallback, trigger=T.ROLLBACK, fallback=fallback,
             detail={"by": "health_window", "from": ckpt.version, "reason": verdict.reason, "rolled_back_rollout": rid},
         )  # fmt: skip
-        if rb.outcome == "succeeded" or (rb.outcome == "failed" and rb.kind != "unavailable"):
+        if rb.outcome == RolloutOutcome.SUCCEEDED or (rb.outcome == RolloutOutcome.FAILED and rb.kind != FailureKind.UNAVAILABLE):
             # A failed rollback still restored every worker it reached to the fallback.
             self.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
             self.journal.set_alias("last_good", fallback.id)
         else:
             log.error("automatic_rollback_incomplete", version=ckpt.version, outcome=rb.outcome, reason=rb.reason)
         return {"health_window": "failed", "rolled_back": fallback.version, "rollback_rollout_id": rb.rollout_id,
-                "rollback_outcome": rb.outcome, "reason": verdict.reason}  # fmt: skip
+                "rollback_outcome": rb.outcome.value, "reason": verdict.reason}  # fmt: skip
 
     def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
         self.journal.set_alias("serving", ckpt.id)
-        self.serving_version = ckpt.version
+        self.state.set_serving(ckpt.version)
         fresh = self.journal.checkpoint(ckpt.id)
-        if fresh is not None and fresh.status != "deployed":
-            self.journal.set_status(ckpt.id, "deployed", message)
+        if fresh is not None and fresh.status != C.DEPLOYED:
+            self.journal.move_status(ckpt.id, C.DEPLOYED, message)
         if previous is not None and previous.id != ckpt.id:
             old = self.journal.checkpoint(previous.id)
-            if old is not None and old.status == "deployed":
-                self.journal.set_status(previous.id, "retired", f"replaced by {ckpt.version}")
+            if old is not None and old.status == C.DEPLOYED:
+                self.journal.move_status(previous.id, C.RETIRED, f"replaced by {ckpt.version}")
         last_good = self.journal.alias("last_good")
         self.stager.retain({ckpt.version} | ({last_good.version} if last_good else set()))
 
     def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
         fresh = self.journal.checkpoint(ckpt.id)
-        if fresh is None or fresh.status not in ("verified", "staged"):
+        if fresh is None or fresh.status not in WAITING:
             return
         where = f" during rollout {rollout_id}" if rollout_id else " before it was deployed"
-        self.journal.set_status(
-            ckpt.id, "superseded", f"superseded by {by.version if by else 'a newer version'}{where}",
+        self.journal.move_status(
+            ckpt.id, C.SUPERSEDED, f"superseded by {by.version if by else 'a newer version'}{where}",
             detail={"by": by.version if by else None, "rollout_id": rollout_id},
         )  # fmt: skip
         log.info("superseded", version=ckpt.version, by=by.version if by else None)
@@ -333,8 +444,129 @@ class RolloutService:
                 return known
         return None
 
-def _loader_client(loader: LoaderSettings | None, settings: RolloutSettings, state_dir: Path) -> Any:
-    from daemon.loader.client import LoaderClient
+    # -- start-up: seed, managed workers, crash recovery ------------------------------------
+    def _bootstrap(self) -> None:
+        """First on the runner's thread, before any queued checkpoint: unfinished rollouts are
+        finished or undone, an interrupted health window is watched again, drifted workers are
+        reconciled and a waiting version is resumed."""
+        pinned = self.journal.alias("pinned")
+        self.state.set_pinned(pinned.version if pinned else None)
+        serving = self._launch_managed()
+        self.state.set_serving(serving.version if serving else None)
+        open_rollouts = self.journal.unfinished_rollouts()
+        for r in open_rollouts[:-1]:
+            self.journal.finish_rollout(r.id, RolloutOutcome.FAILED, {"reason": "left unfinished; a later rollout replaced it"})
+        if open_rollouts:
+            self._recover_unfinished(open_rollouts[-1])
+        else:
+            serving = self.journal.alias("serving")
+            last_good = self.journal.alias("last_good")
+            rid = self.journal.last_rollout_of(serving.id) if serving else None
+            if serving is not None and rid is not None and (last_good is None or last_good.id != serving.id):
+                # The daemon stopped inside a health window: watch again before trusting the version.
+                log.info("health_window_resumed", version=serving.version)
+                self.health_window(serving, rid, last_good)
+        self.queue.command(Job("reconcile"))
+        serving = self.journal.alias("serving")
+        waiting = self.journal.newest_waiting(serving.id if serving else 0)
+        if waiting is not None:
+            log.info("resuming_waiting_checkpoint", version=waiting.version)
+            self.submit(waiting.id)
 
-    socket_path = (loader.socket if loader and loader.socket else "") or str(state_dir / "loader.sock")
-    return LoaderClient(socket_path, timeout=settings.request_timeout_s, stage_timeout=settings.stage_timeout_s)
+    def _seed_if_empty(self) -> None:
+        """A fleet of managed workers only, with nothing deployed yet: serve the tiny seed."""
+        managed = [h for h in self.fleet if h.managed is not None]
+        if not managed or len(managed) != len(self.fleet) or any(h.spec.model for h in managed):
+            return
+        if self.journal.alias("serving") is None:
+            seed = ensure_seed(self.journal, self.state_dir)
+            self.journal.set_alias("serving", seed.id)
+            self.journal.set_alias("last_good", seed.id)
+
+    def _launch_managed(self) -> CheckpointRef | None:
+        serving = self.journal.alias("serving")
+        managed = [h for h in self.fleet if h.managed is not None]
+        for h in managed:
+            assert h.managed is not None
+            if h.managed.adopt():
+                continue
+            model = serving.local_path if serving and serving.local_path else h.spec.model
+            if not model:
+                log.error("managed_worker_without_model", worker=h.name)
+                continue
+            h.managed.launch(model, serving.version if serving else None)
+        for h in managed:
+            if self.driver.wait_answering(h, self.settings.restart_timeout_s) is None:
+                log.error("managed_worker_not_ready", worker=h.name,
+                          log_file=str(h.managed.log_file if h.managed else ""))  # fmt: skip
+        return serving
+
+    def _recover_unfinished(self, rollout: RolloutRef) -> None:
+        fb_version = rollout.detail.get("fallback")
+        fallback = self.journal.checkpoint_by_version(fb_version) if fb_version else None
+        serving = self.journal.alias("serving")
+        rec = Recovery(self.journal, self.engine, self.driver).run(rollout, fallback)
+        detail = {"recovered": True, "recovered_to": rec.version, "unrecovered": rec.unrecovered}
+        ckpt = rollout.checkpoint
+        if rec.finished and not rec.unrecovered:
+            self.journal.finish_rollout(rollout.id, RolloutOutcome.SUCCEEDED, detail)
+            self.conclude(ckpt, RolloutResult(rollout.id, RolloutOutcome.SUCCEEDED), serving, fallback, trigger=rollout.trigger)
+            if rollout.trigger != T.NEW:
+                self.journal.set_alias("last_good", ckpt.id)
+        else:
+            reason = "daemon restarted after the rollout had failed; undone" if not rec.finished else "not every worker recovered"
+            self.journal.finish_rollout(rollout.id, RolloutOutcome.FAILED, {**detail, "reason": reason})
+            if rollout.trigger == T.NEW:
+                self.journal.move_status(ckpt.id, C.REJECTED, f"rollout {rollout.id}: {reason}")
+
+    # -- the health poll (an APScheduler job on the daemon's scheduler) ---------------------
+    def poll(self) -> None:
+        """Keep each idle worker's `workers` row current from its /weight_info: one that stops
+        answering is UNREACHABLE (an `events` row when the state changes), a managed worker whose
+        process died is relaunched, a worker on another version than serving asks for a reconcile,
+        and a version held back for an unavailable worker is retried once all are back."""
+        if not self.wait_ready(0) or self.stopping or self._busy():
+            return  # during a job the engine itself records every state change
+        drift = False
+        running = 0
+        for h in self.fleet:
+            if not h.busy.acquire(blocking=False):
+                continue
+            try:
+                drift |= self._poll_one(h)
+                running += h.state == WorkerState.RUNNING
+            except Exception:
+                log.exception("health_poll_failed", worker=h.name)
+            finally:
+                h.busy.release()
+        if self._busy():
+            return
+        if drift:
+            self.queue.command(Job("reconcile"))
+        if running == len(self.fleet):
+            blocked = self.state.take_blocked()
+            if blocked is not None:
+                log.info("fleet_back", retrying=blocked.version)
+                self.submit(blocked.id)
+
+    def _busy(self) -> bool:
+        return self.state.current_job is not None
+
+    def _poll_one(self, h: WorkerHandle) -> bool:
+        if h.managed is not None and h.managed.pid is not None and not h.managed.alive():
+            serving = self.journal.alias("serving")
+            log.warning("managed_worker_died", worker=h.name)
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error="managed worker process exited")
+            h.managed.relaunch(serving.local_path if serving else None, serving.version if serving else None)
+            return False
+        try:
+            info = h.client.weight_info()
+        except WorkerError as exc:
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
+            h.observed(None)
+            return False
+        state = info.state if info.state in WORKER_STATES else "UNKNOWN"
+        self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
+        h.observed(parse_state(info.state))
+        serving_version = self.state.serving
+        return info.state == WorkerState.RUNNING.value and serving_version is not None and info.version != serving_version

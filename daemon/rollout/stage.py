@@ -1,74 +1,59 @@
 """Turning a checkpoint into the update request the workers receive, by the configured transport.
 
-disk: the verified checkpoint's local directory.
-ipc:  the loader stages the version once (`LoaderClient.stage`) before any worker
-      leaves RUNNING; workers get its JSON descriptor and open the buffer themselves.
+`Stager` holds the daemon side of the transport named by `[rollout] transport` (from the
+registry, daemon.transport) and asks it to `prepare` a verified checkpoint before any worker
+leaves RUNNING (disk: its directory; ipc: stage it in the loader, then its descriptor). It never
+asks which transport it holds. A `Target` is a version plus the request that carries it.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
 
-from daemon.adapters.base import UpdateRequest
-from daemon.logging import get_logger
-from daemon.rollout.driver import Target
-from daemon.rollout.journal import CheckpointRef
-from daemon.rollout.settings import RolloutSettings
+from daemon.adapters.base import WeightInfo
+from daemon.registry.journal import CheckpointRef
+from daemon.transport import daemon_transport
+from daemon.transport.base import DaemonTransport, Expect, Outgoing, SenderOptions, StageError, UpdateRequest
 
-log = get_logger(__name__)
+__all__ = ["StageError", "Stager", "Target"]
 
 
-class StageError(RuntimeError):
-    """The checkpoint cannot be offered to workers (no local copy, loader refused)."""
+@dataclass(frozen=True, slots=True)
+class Target:
+    """A version to put on a worker and the request that carries it (disk path or ipc descriptor)."""
+
+    checkpoint: CheckpointRef
+    request: UpdateRequest
+    staged: bool = False  # the transport holds a staged copy of it
+
+    @property
+    def version(self) -> str:
+        return self.checkpoint.version
+
+    def matches(self, info: WeightInfo) -> bool:
+        if info.version != self.checkpoint.version:
+            return False
+        return not (self.checkpoint.digest and info.digest and info.digest != self.checkpoint.digest)
 
 
 class Stager:
-    def __init__(self, settings: RolloutSettings, loader: Any | None = None) -> None:
-        self.settings = settings
-        self.loader = loader  # daemon.loader.client.LoaderClient when transport = "ipc"
-        self._staged: set[str] = set()
+    def __init__(self, transport_name: str, options: SenderOptions, transport: DaemonTransport | None = None) -> None:
+        self.transport_name = transport_name
+        self.sender = transport or daemon_transport(transport_name, options)
 
     @property
     def transport(self) -> str:
-        return self.settings.transport
+        return self.transport_name
 
     def target(self, ckpt: CheckpointRef) -> Target:
-        if not ckpt.local_path:
-            raise StageError(f"{ckpt.version}: no local copy to deploy from")
-        common: dict[str, Any] = {
-            "version": ckpt.version,
-            "expect_digest": ckpt.digest,
-            "expect_tensors": ckpt.tensor_count,
-        }
-        if self.settings.transport == "disk":
-            return Target(ckpt, UpdateRequest(transport="disk", path=ckpt.local_path, mode="copy", **common))
-        if self.loader is None:
-            raise StageError("transport = \"ipc\" needs a [loader] (socket of `hotswap loader`)")
-        from daemon.loader.client import LoaderError
-
-        try:
-            if ckpt.version not in self._staged:
-                info = self.loader.stage(ckpt.version, ckpt.local_path, digest=ckpt.digest)
-                log.info("staged", version=ckpt.version, bytes=info.bytes, seconds=info.seconds, devices=info.devices)
-                self._staged.add(ckpt.version)
-            descriptor = self.loader.descriptor(ckpt.version)
-        except LoaderError as exc:
-            self._staged.discard(ckpt.version)
-            raise StageError(f"{ckpt.version}: staging in the loader failed: {exc}") from exc
-        return Target(
-            ckpt,
-            UpdateRequest(transport="ipc", descriptor=descriptor, mode=self.settings.update_mode, **common),
-        )
+        """Raises StageError when the checkpoint cannot be offered (no local copy, loader refused)."""
+        expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count)
+        prepared = self.sender.prepare(Outgoing(ckpt.version, ckpt.local_path, expect))
+        return Target(ckpt, prepared.request, prepared.staged)
 
     def retain(self, versions: set[str]) -> None:
-        """Free staged versions no worker can need any more (everything but serving and last_good)."""
-        if self.loader is None:
-            return
-        from daemon.loader.client import LoaderError
+        """Free what no worker can need any more (everything but serving and last_good)."""
+        self.sender.retain(versions)
 
-        for version in sorted(self._staged - versions):
-            try:
-                self.loader.drop(version)
-                self._staged.discard(version)
-            except LoaderError as exc:
-                log.warning("loader_drop_failed", version=version, error=str(exc))
+    def close(self) -> None:
+        self.sender.close()

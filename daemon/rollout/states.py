@@ -1,4 +1,5 @@
-"""The per-worker state machine of a rollout (DESIGN.md, "Worker state machine").
+"""The per-worker state machine of a rollout (DESIGN.md, "Worker state machine"), and the handles
+that carry each worker's position in it.
 
 ```
 RUNNING ──begin──▶ DRAINING (drain mode) | PAUSED (pause mode)
@@ -6,15 +7,28 @@ DRAINING/PAUSED ──transfer ok──▶ UPDATED
 UPDATED ──post-check ok──▶ RUNNING
 any ──failure──▶ UNHEALTHY ──restore last good──▶ RUNNING
 UNHEALTHY ──restart command issued──▶ UNHEALTHY (stays until the worker is back)
+any ──failure that may have left it partly updated (engines without atomic updates)──▶ UNCERTAIN
+UNCERTAIN ──known version re-installed and checked──▶ RUNNING
+UNCERTAIN ──that failed too──▶ UNHEALTHY (then the restart command)
 ```
 
-Only these transitions exist; anything else raises `IllegalTransition`, so a bug
-in the engine cannot write a history that skips a step.
+Only these transitions exist; anything else raises `IllegalTransition`, so a bug in the engine
+cannot write a history that skips a step. The daemon owns every worker's state: a handle's
+`state` changes only through `WorkerDriver.move` (recorded in `events` first) or, when the
+daemon learns where a worker is without moving it (a poll, the check before a rollout, crash
+recovery), through `observed()`.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from enum import StrEnum
+
+from daemon.adapters.base import WorkerClient
+from daemon.config import WorkerSpec
+from daemon.rollout.managed import ManagedWorker
 
 
 class WorkerState(StrEnum):
@@ -23,21 +37,40 @@ class WorkerState(StrEnum):
     PAUSED = "PAUSED"
     UPDATED = "UPDATED"
     UNHEALTHY = "UNHEALTHY"
+    UNCERTAIN = "UNCERTAIN"  # may be partly updated: serving nothing we can name until re-installed
 
 
 S = WorkerState
 
 ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
-    S.RUNNING: frozenset({S.DRAINING, S.PAUSED, S.UNHEALTHY}),
-    S.DRAINING: frozenset({S.UPDATED, S.UNHEALTHY}),
-    S.PAUSED: frozenset({S.UPDATED, S.UNHEALTHY}),
-    S.UPDATED: frozenset({S.RUNNING, S.UNHEALTHY}),
+    S.RUNNING: frozenset({S.DRAINING, S.PAUSED, S.UNHEALTHY, S.UNCERTAIN}),
+    S.DRAINING: frozenset({S.UPDATED, S.UNHEALTHY, S.UNCERTAIN}),
+    S.PAUSED: frozenset({S.UPDATED, S.UNHEALTHY, S.UNCERTAIN}),
+    S.UPDATED: frozenset({S.RUNNING, S.UNHEALTHY, S.UNCERTAIN}),
     # The self-loop records "restart command issued, still not back"; it is the only one.
     S.UNHEALTHY: frozenset({S.RUNNING, S.UNHEALTHY}),
+    S.UNCERTAIN: frozenset({S.RUNNING, S.UNHEALTHY}),
 }
+FAILED: frozenset[WorkerState] = frozenset({S.UNHEALTHY, S.UNCERTAIN})  # where a failed step leaves a worker
 
 # Where a worker goes when a rollout begins on it, by the group's mode.
 BEGIN_STATE: dict[str, WorkerState] = {"drain": S.DRAINING, "pause": S.PAUSED}
+
+
+@dataclass(frozen=True, slots=True)
+class Transition:
+    """One recorded worker transition, as observers see it (after it was committed)."""
+
+    rollout_id: int | None
+    worker: str
+    from_state: WorkerState
+    to_state: WorkerState
+    version: str | None  # the version the worker is moving to or reached, when known
+
+
+# Called after every recorded transition, on the engine's thread. Production registers none; a
+# test entry point (tests/hooked_daemon.py) uses one to hold the daemon at an exact step.
+TransitionObserver = Callable[[Transition], None]
 
 
 class IllegalTransition(RuntimeError):
@@ -58,3 +91,56 @@ def check_transition(worker: str, current: WorkerState, target: WorkerState) -> 
     if target not in ALLOWED[current]:
         allowed = ", ".join(sorted(ALLOWED[current])) or "none"
         raise IllegalTransition(f"worker {worker}: {current} -> {target} is not allowed (from {current}: {allowed})")
+
+
+@dataclass(eq=False)
+class WorkerHandle:
+    """One `[[workers]]` entry: its config, its client, its position in the state machine as the
+    daemon last recorded it, and (for `launch = "managed"`) the child process the daemon runs.
+    `busy` is held while the engine drives the worker, so the health poll never reports a state
+    the engine is in the middle of changing."""
+
+    spec: WorkerSpec
+    client: WorkerClient
+    url: str
+    managed: ManagedWorker | None = None
+    _state: WorkerState | None = None  # None = not known yet
+    busy: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+    @property
+    def state(self) -> WorkerState | None:
+        return self._state
+
+    def moved(self, to: WorkerState) -> None:
+        """Only `WorkerDriver.move` calls this, after the transition was checked and recorded."""
+        self._state = to
+
+    def observed(self, state: WorkerState | None) -> None:
+        """The daemon learned where the worker is (its own report) without moving it."""
+        self._state = state
+
+
+class Fleet:
+    def __init__(self, handles: list[WorkerHandle]) -> None:
+        self._handles = {h.name: h for h in handles}
+        self.specs = [h.spec for h in handles]
+
+    def __iter__(self) -> Iterator[WorkerHandle]:
+        return iter(self._handles.values())
+
+    def __len__(self) -> int:
+        return len(self._handles)
+
+    def __getitem__(self, name: str) -> WorkerHandle:
+        return self._handles[name]
+
+    def names(self) -> list[str]:
+        return list(self._handles)
+
+    def close(self) -> None:
+        for h in self:
+            h.client.close()

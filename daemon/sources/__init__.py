@@ -1,5 +1,40 @@
-"""Checkpoint sources: where committed checkpoints come from (local folders; S3 and push later)."""
+"""Checkpoint sources: where committed checkpoints come from, chosen by `[[sources]] type`.
 
-from daemon.sources.commit import CommitDetector, Decision, DiscoveredCheckpoint
+    SOURCE_TYPES   type name -> "module:Class" of a `daemon.sources.base.SourceType`
+    source_type(name) -> the class;  build_source(config, emit, scheduler) -> a running-ready Source
 
-__all__ = ["CommitDetector", "Decision", "DiscoveredCheckpoint"]
+How to add a source type (e.g. `s3`): write `daemon/sources/s3.py` with a config dataclass
+(`validate(key)` raises `ValueError("{key}.field: ...")`, `label` property) and a class with
+`config_type = ThatConfig`, `__init__(config, emit, scheduler)`, `start`, `stop`, `describe`,
+`fetch` (download into its cache; `FetchError` on failure) and `prune` (its cache only); then add
+one line here: `"s3": "daemon.sources.s3:S3Source"`. The config loader, the coordinator's fetch
+step, `/status` and the retention job pick it up by name; nothing else changes.
+
+Entries are imported by name on first use, so a daemon that only watches folders never imports
+another source's client library.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, cast
+
+from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Source, SourceType
+
+SOURCE_TYPES: dict[str, str] = {
+    "local": "daemon.sources.local:LocalSource",
+}
+
+
+def source_type(name: str) -> SourceType:
+    module, attr = SOURCE_TYPES[name].split(":")
+    return cast(SourceType, getattr(importlib.import_module(module), attr))
+
+
+def build_source(config: Any, emit: Emit, scheduler: Any = None) -> Source:
+    """The source for one parsed `[[sources]]` entry (its `type` picks the class)."""
+    return source_type(config.type)(config, emit, scheduler)
+
+
+__all__ = ["SOURCE_TYPES", "DiscoveredCheckpoint", "Emit", "FetchError", "FetchItem", "Source", "build_source",
+           "source_type"]  # fmt: skip

@@ -18,26 +18,17 @@ from __future__ import annotations
 import json
 import os
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
+from daemon.sources.base import DiscoveredCheckpoint
 
 MANIFEST_PEEK_BYTES = 64 * 1024 * 1024
-
-
-@dataclass(frozen=True, slots=True)
-class DiscoveredCheckpoint:
-    """A committed checkpoint directory, as a source hands it to the coordinator."""
-
-    source: str  # the source's label
-    directory: Path
-    version: str  # manifest version, else the directory name
-    signal: str  # manifest | index | marker | push
-    uri: str
-    detected_at: datetime
-    detected_monotonic: float = field(default_factory=time.monotonic)
+COMMIT_SIGNALS = ("manifest", "index", "marker")
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,19 +50,24 @@ class _Quiet:
 
 
 class CommitDetector:
-    """Stateful (remembers snapshots for quiet periods); one per source; not thread-safe."""
+    """Stateful (remembers snapshots for quiet periods); one per source; not thread-safe.
+
+    `clock` is the seam for the quiet period (seconds, monotonic); tests pass a fake one.
+    """
 
     def __init__(
         self,
         signals: list[str],
         quiet_period_s: float = 2.0,
         marker_names: list[str] | None = None,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.signals = list(signals)
         self.quiet_period_s = quiet_period_s
         self.marker_names = list(marker_names or [])
         self._quiet: dict[Path, _Quiet] = {}
-        self._now = time.monotonic
+        self._now = clock
 
     def forget(self, directory: Path) -> None:
         self._quiet.pop(directory, None)
@@ -83,7 +79,7 @@ class CommitDetector:
         reasons: list[str] = []
         recheck: float | None = None
         for signal in self.signals:
-            d = getattr(self, f"_check_{signal}")(directory)
+            d: Decision = getattr(self, f"_check_{signal}")(directory)
             if d.committed:
                 self.forget(directory)
                 return d
@@ -185,7 +181,7 @@ def snapshot(directory: Path) -> Snapshot:
     return tuple(out)
 
 
-def _read_json(path: Path) -> dict | None:
+def _read_json(path: Path) -> dict[str, Any] | None:
     try:
         with open(path, "rb") as f:
             raw = f.read(MANIFEST_PEEK_BYTES)

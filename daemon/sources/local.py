@@ -1,4 +1,4 @@
-"""Local watched folders: every direct subdirectory of a watched folder is a checkpoint.
+"""`type = "local"`: a watched folder; every direct subdirectory of it is a checkpoint.
 
 Filesystem events (watchdog: inotify on Linux) mark a checkpoint directory dirty;
 one checker thread asks the `CommitDetector` about dirty directories shortly
@@ -14,21 +14,59 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections.abc import Callable
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
 
 from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import BaseScheduler
 from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
+from watchdog.observers.api import BaseObserver
 
-from daemon.config import SourceConfig
 from daemon.logging import get_logger
-from daemon.sources.commit import CommitDetector, DiscoveredCheckpoint, discovered
+from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
+from daemon.sources.commit import COMMIT_SIGNALS, CommitDetector, discovered
 
 EMIT_RETRY_S = 1.0  # after a failed hand-over (database unreachable), look again this much later
 COALESCE_S = 0.02  # how long after an event the directory is looked at (bursts become one look)
 
 log = get_logger(__name__)
+
+
+@dataclass
+class LocalSourceConfig:
+    """`[[sources]]` with `type = "local"` (the default)."""
+
+    path: str  # required: folder whose subdirectories are checkpoints
+    type: Literal["local"] = "local"
+    name: str = ""  # label stored in checkpoints.source; "" = "local:<path>"
+    commit_signals: list[str] = field(default_factory=lambda: list(COMMIT_SIGNALS))  # checked in this order
+    quiet_period_s: float = 2.0  # index signal: shard sizes unchanged this long
+    marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])
+    rescan_interval_s: float = 10.0  # safety net for missed filesystem events
+    create: bool = True  # create the folder if it does not exist
+
+    def validate(self, key: str) -> None:
+        if not self.path:
+            raise ValueError(f"{key}.path: must not be empty")
+        for s in self.commit_signals:
+            if s not in COMMIT_SIGNALS:
+                raise ValueError(f"{key}.commit_signals: {s!r} is not one of {', '.join(COMMIT_SIGNALS)}")
+        if not self.commit_signals:
+            raise ValueError(f"{key}.commit_signals: at least one signal is needed")
+        if self.quiet_period_s < 0:
+            raise ValueError(f"{key}.quiet_period_s: must be >= 0")
+        if self.rescan_interval_s <= 0:
+            raise ValueError(f"{key}.rescan_interval_s: must be > 0")
+        if "marker" in self.commit_signals and not self.marker_names:
+            raise ValueError(f"{key}.marker_names: the marker signal needs at least one name")
+
+    @property
+    def label(self) -> str:
+        return self.name or f"{self.type}:{self.path}"
 
 
 class _Handler(FileSystemEventHandler):
@@ -44,14 +82,15 @@ class _Handler(FileSystemEventHandler):
 
 
 class LocalSource:
-    """Watches one folder; calls `emit` once per committed checkpoint directory."""
+    """Watches one folder; calls `emit` once per committed checkpoint directory (a `Source`).
 
-    def __init__(
-        self,
-        config: SourceConfig,
-        emit: Callable[[DiscoveredCheckpoint], None],
-        scheduler: BackgroundScheduler | None = None,
-    ) -> None:
+    Its checkpoints are local from the start, so `fetch` only confirms the directory, and
+    `prune` never deletes anything: the folder belongs to the user.
+    """
+
+    config_type: ClassVar[type[LocalSourceConfig]] = LocalSourceConfig
+
+    def __init__(self, config: LocalSourceConfig, emit: Emit, scheduler: BaseScheduler | None = None) -> None:
         self.config = config
         self.root = Path(config.path).expanduser().absolute()
         self.label = config.label
@@ -59,7 +98,7 @@ class LocalSource:
         self.detector = CommitDetector(config.commit_signals, config.quiet_period_s, config.marker_names)
         self._scheduler = scheduler
         self._own_scheduler = scheduler is None
-        self._observer: Observer | None = None
+        self._observer: BaseObserver | None = None
         self._emitted: set[Path] = set()
         self._due: list[tuple[float, str]] = []  # heap of (monotonic due time, directory name)
         self._scheduled: dict[str, float] = {}
@@ -108,6 +147,20 @@ class LocalSource:
             self._scheduler.shutdown(wait=False)
         if self._thread is not None:
             self._thread.join(timeout=5)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.label, "path": str(self.root), "type": self.config.type}
+
+    def fetch(self, item: FetchItem, progress: Progress) -> Path:
+        """Nothing to fetch: the checkpoint was registered with its directory in the folder."""
+        parts = urlsplit(item.uri)
+        directory = Path(url2pathname(parts.path)) if parts.scheme == "file" else None
+        if directory is None or not directory.is_dir():
+            raise FetchError(f"{item.uri}: the checkpoint directory is gone from {self.root}")
+        return directory
+
+    def prune(self, protected: frozenset[Path]) -> list[Path]:
+        return []  # the watched folder is the user's: the daemon deletes nothing in it
 
     def _start_observer(self) -> None:
         if self._observer is not None or not self.root.is_dir():
@@ -210,3 +263,7 @@ class LocalSource:
             log.debug("not committed yet", directory=str(directory), reason=decision.reason)
         if decision.recheck_after_s is not None:
             self.mark_dirty(name, decision.recheck_after_s)
+
+
+# What daemon.sources.SOURCE_TYPES["local"] names; mypy checks it against the protocol.
+_TYPE: SourceType = LocalSource

@@ -1,1 +1,65 @@
-"""Weight transports: disk (in-place loader), ipc (CUDA IPC / shared memory), broadcast."""
+"""Weight transports, chosen by name: one row per transport names its daemon side and its worker side.
+
+    TRANSPORTS       name -> TransportEntry(daemon side, worker side, stages)
+    daemon_transport(name, options) -> DaemonTransport   (the rollout's Stager holds one)
+    worker_transport(request, store) -> WorkerTransport  (the worker's update path builds one per update)
+
+Interfaces: `daemon.transport.base`. Today: disk (`disk.py`: in-place reader threads, the
+directory is the request) and ipc (`ipc_stage.py` stages in the loader and hands out its
+descriptor; `ipc.py` opens it in the worker and copies or swaps).
+
+How to add a transport (e.g. `broadcast`): write `daemon/transport/broadcast.py` with a daemon
+side (a class taking `SenderOptions`, with `name`, `prepare`, `retain`, `close`) and a worker
+side (a factory `(request, store) -> WorkerTransport`; add `open()` or `lease()` if it can open
+before the pause or be swapped in), then add one row here:
+`"broadcast": TransportEntry("daemon.transport.broadcast:BroadcastSender",
+"daemon.transport.broadcast:open_update")`. Config validation (`[rollout] transport`), the
+rollout's stager, the worker's `/admin/update` and the adapters' capability lists read this table.
+
+Entries are imported by name when first used, so the daemon never imports the worker sides
+(torch) and the worker never imports the daemon sides.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, cast
+
+from daemon.transport.base import (
+    DaemonTransport,
+    DaemonTransportFactory,
+    SenderOptions,
+    UpdateRequest,
+    WorkerTransport,
+    WorkerTransportFactory,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class TransportEntry:
+    daemon_side: str  # "module:attr" of a DaemonTransportFactory
+    worker_side: str  # "module:attr" of a WorkerTransportFactory
+    stages: bool = False  # it stages a copy (GPU or shared memory): verification checks that headroom too
+
+
+TRANSPORTS: dict[str, TransportEntry] = {
+    "disk": TransportEntry("daemon.transport.disk:DiskSender", "daemon.transport.disk:open_update"),
+    "ipc": TransportEntry("daemon.transport.ipc_stage:IpcSender", "daemon.transport.ipc:open_update", stages=True),
+}
+
+
+def _resolve(target: str) -> Any:
+    module, attr = target.split(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def daemon_transport(name: str, options: SenderOptions) -> DaemonTransport:
+    factory = cast(DaemonTransportFactory, _resolve(TRANSPORTS[name].daemon_side))
+    return factory(options)
+
+
+def worker_transport(request: UpdateRequest, store: Any) -> WorkerTransport:
+    """Build the worker side for `request` (its name must be in TRANSPORTS; the caller checks)."""
+    factory = cast(WorkerTransportFactory, _resolve(TRANSPORTS[request.transport].worker_side))
+    return factory(request, store)

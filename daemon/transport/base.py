@@ -1,20 +1,40 @@
-"""The small interface every weight transport implements (httpx-style transports).
+"""The two small interfaces every weight transport implements (httpx-style), and the request between them.
 
-A transport is opened on a source (a checkpoint directory, an IPC descriptor, a
-process group), reports the full tensor table *before* anything is written, and
-then writes into parameters that already exist. The worker validates the table
-against its live parameters with `check_table` first, so a mismatch is refused
-before a single parameter changes.
+Daemon side, `DaemonTransport.prepare(version)` -> `Prepared`: turn a verified checkpoint into
+the `UpdateRequest` every worker receives (disk: the directory; ipc: stage it in the loader once
+and hand out its descriptor). It runs before any worker leaves RUNNING; `retain(versions)` frees
+what no worker can need any more.
+
+Worker side, `WorkerTransport`: opened on what a request names (a directory, a descriptor, a
+process group), it reports the full tensor table *before* anything is written (`table()`), then
+writes into parameters that already exist (`write_into`). The worker validates the table against
+its live parameters with `check_table` first, so a mismatch is refused before a single parameter
+changes. `source_digest()` is the content digest as the transport found it at its source (never
+the sender's claim; the request's `expect` is what the worker compares it with); `stats()` says
+what the transfer did; `close()` releases everything it opened. Optional capabilities, asked
+with `isinstance`:
+
+* `OpensBeforePause.open()`: acquire and map the source (IPC handles) before the worker pauses,
+  so only `write_into` runs inside the pause window.
+* `SwapCapable.lease(params)`: tensors the parameters may point at directly (swap mode: no copy;
+  the previous version stays resident, so rollback is a pointer flip), validated against the
+  live parameters, with a `release` for when no version record uses them any more.
+
+Neither side ever asks which transport it holds; `daemon.transport.TRANSPORTS` names both sides.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
+
+UpdateMode = Literal["copy", "swap"]
 
 # safetensors dtype string <-> torch dtype name
 ST_TO_TORCH: dict[str, str] = {
@@ -45,6 +65,155 @@ class TransportError(RuntimeError):
     """The transport failed while writing; the caller must restore the previous weights."""
 
 
+class StageError(RuntimeError):
+    """The daemon side cannot offer a checkpoint to workers (no local copy, the loader refused)."""
+
+
+class BadUpdateRequest(ValueError):
+    """An update request that does not say what it must (the worker answers 422)."""
+
+
+@dataclass(frozen=True, slots=True)
+class ExpectedFile:
+    """A file of the verified checkpoint as the registry recorded it: size and digests by algorithm."""
+
+    path: str
+    bytes: int
+    digests: Mapping[str, str] = field(default_factory=dict)  # e.g. {"crc32c": "8f3a21c0", "sha256": "9f2c..."}
+
+
+@dataclass(frozen=True, slots=True)
+class Expect:
+    """What the registry verified, for the worker to check the bytes it reads against."""
+
+    digest: str | None = None  # content digest
+    tensors: int | None = None  # tensor count
+    files: tuple[ExpectedFile, ...] = ()  # per-file digests (check while loading)
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {}
+        if self.digest is not None:
+            doc["digest"] = self.digest
+        if self.tensors is not None:
+            doc["tensors"] = self.tensors
+        if self.files:
+            doc["files"] = [{"path": f.path, "bytes": f.bytes, "digests": dict(f.digests)} for f in self.files]
+        return doc
+
+    @classmethod
+    def from_json(cls, doc: Any) -> Expect:
+        if doc is None:
+            return cls()
+        if not isinstance(doc, dict):
+            raise BadUpdateRequest("'expect' must be an object {digest, tensors, files}")
+        digest, tensors, files = doc.get("digest"), doc.get("tensors"), doc.get("files") or []
+        if digest is not None and not isinstance(digest, str):
+            raise BadUpdateRequest("expect.digest must be a string")
+        if tensors is not None and (not isinstance(tensors, int) or isinstance(tensors, bool) or tensors < 0):
+            raise BadUpdateRequest("expect.tensors must be a non-negative integer")
+        if not isinstance(files, list):
+            raise BadUpdateRequest("expect.files must be a list of {path, bytes, digests}")
+        parsed = []
+        for i, f in enumerate(files):
+            ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
+                  and isinstance(f.get("digests", {}), dict)
+                  and all(isinstance(k, str) and isinstance(v, str) for k, v in f.get("digests", {}).items()))  # fmt: skip
+            if not ok:
+                raise BadUpdateRequest(f"expect.files[{i}] must be {{path: str, bytes: int, digests: {{alg: hex}}}}")
+            parsed.append(ExpectedFile(f["path"], f["bytes"], dict(f.get("digests", {}))))
+        return cls(digest, tensors, tuple(parsed))
+
+
+# the envelope's own keys; every other key of an update body belongs to the transport
+_ENVELOPE = ("version", "transport", "mode", "expect")
+
+
+@dataclass(frozen=True, slots=True)
+class UpdateRequest:
+    """What a worker receives to install one version: a transport-neutral envelope plus the
+    transport's own fields (`source`: disk {"path"}, ipc {"descriptor"}, ...).
+
+    As JSON (the reference worker's `POST /admin/update` body) the source fields sit at the top
+    level: `{version, transport, mode, expect: {digest, tensors, files}, path | descriptor | ...}`.
+    """
+
+    version: str
+    transport: str = "disk"
+    source: Mapping[str, Any] = field(default_factory=dict)
+    mode: UpdateMode = "copy"
+    expect: Expect = field(default_factory=Expect)
+
+    def to_json(self) -> dict[str, Any]:
+        body: dict[str, Any] = {"version": self.version, "transport": self.transport, "mode": self.mode,
+                                **{k: v for k, v in self.source.items() if k not in _ENVELOPE}}  # fmt: skip
+        expect = self.expect.to_json()
+        if expect:
+            body["expect"] = expect
+        return body
+
+    @classmethod
+    def from_json(cls, body: Any) -> UpdateRequest:
+        """Parse the envelope (the transport checks its own fields when it is built)."""
+        if not isinstance(body, dict):
+            raise BadUpdateRequest("update body must be a JSON object")
+        version = body.get("version")
+        if not isinstance(version, str) or not version.strip():
+            raise BadUpdateRequest("'version' must be a non-empty string")
+        transport = body.get("transport", "disk")
+        if not isinstance(transport, str):
+            raise BadUpdateRequest("'transport' must be a string")
+        mode = body.get("mode", "copy")
+        if mode not in ("copy", "swap"):
+            raise BadUpdateRequest(f"mode must be 'copy' or 'swap', not {mode!r}")
+        source = {k: v for k, v in body.items() if k not in _ENVELOPE}
+        return cls(version.strip(), transport, source, mode, Expect.from_json(body.get("expect")))
+
+
+@dataclass(frozen=True, slots=True)
+class Prepared:
+    """A verified checkpoint made ready for workers by the daemon side of a transport."""
+
+    request: UpdateRequest
+    staged: bool = False  # the transport holds a staged copy of it (the checkpoint becomes `staged`)
+
+
+@dataclass(frozen=True, slots=True)
+class Outgoing:
+    """What the daemon side is asked to prepare: a verified version and where its bytes are."""
+
+    version: str
+    local_path: str | None
+    expect: Expect
+
+
+@dataclass(frozen=True, slots=True)
+class SenderOptions:
+    """What a daemon side may need from the daemon's config (built by the rollout service)."""
+
+    state_dir: Path
+    update_mode: UpdateMode = "copy"
+    request_timeout_s: float = 10.0
+    stage_timeout_s: float = 600.0
+    loader_socket: str = ""  # the staging loader's Unix socket; "" = <state_dir>/loader.sock
+
+
+class DaemonTransport(Protocol):
+    name: str
+
+    def prepare(self, item: Outgoing) -> Prepared:
+        """The request workers get for `item`; raises StageError. Called before any worker pauses."""
+        ...
+
+    def retain(self, versions: set[str]) -> None:
+        """Free whatever is held for versions not in `versions` (serving and last good stay)."""
+        ...
+
+    def close(self) -> None: ...
+
+
+DaemonTransportFactory = Callable[[SenderOptions], DaemonTransport]
+
+
 @dataclass(frozen=True, slots=True)
 class TensorSpec:
     name: str
@@ -57,7 +226,7 @@ class TensorSpec:
         return math.prod(self.shape)
 
 
-class WeightTransport(Protocol):
+class WorkerTransport(Protocol):
     name: str
 
     def table(self) -> dict[str, TensorSpec]:
@@ -68,7 +237,56 @@ class WeightTransport(Protocol):
         """Copy every tensor into the existing storage of `params` (same keys as table())."""
         ...
 
+    def source_digest(self) -> str | None:
+        """The content digest as found at the source (a manifest, the loader's staging); None if none."""
+        ...
+
+    def stats(self) -> dict[str, Any]:
+        """Facts about the last transfer, merged into the update's answer (keys chosen by the transport)."""
+        ...
+
     def close(self) -> None: ...
+
+
+# Built by the worker for each update: (request, the worker's WeightStore) -> transport.
+WorkerTransportFactory = Callable[[UpdateRequest, Any], WorkerTransport]
+
+
+@runtime_checkable
+class OpensBeforePause(Protocol):
+    def open(self) -> None:
+        """Acquire and map the source; raises (nothing written) when it cannot."""
+        ...
+
+
+@dataclass
+class SwapLease:
+    """Validated (live parameter, tensor to point it at) pairs, and how to let the tensors go."""
+
+    pairs: list[tuple[torch.Tensor, torch.Tensor]]
+    release: Callable[[], None]
+
+
+@runtime_checkable
+class SwapCapable(Protocol):
+    def lease(self, params: dict[str, torch.Tensor]) -> SwapLease:
+        """Tensors `params` may point at for as long as the lease is not released; raises when a
+        tensor does not fit its parameter (nothing changed)."""
+        ...
+
+
+def pair_up(params: Mapping[str, torch.Tensor], views: Mapping[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each live parameter with the tensor it would point at, refusing any that does not fit."""
+    pairs = []
+    for name, p in params.items():
+        t = views[name]
+        if p.shape != t.shape or p.dtype != t.dtype or p.device != t.device:
+            raise TransportError(
+                f"tensor {name!r}: cannot point live {p.dtype}{list(p.shape)}@{p.device} "
+                f"at {t.dtype}{list(t.shape)}@{t.device}"
+            )
+        pairs.append((p, t))
+    return pairs
 
 
 def spec_of(name: str, t: torch.Tensor) -> TensorSpec:

@@ -1,5 +1,8 @@
 """Disk transport: overwrite live parameters in place from a safetensors checkpoint directory.
 
+Daemon side (`DiskSender`): the request is the verified checkpoint's local directory.
+Worker side (`open_update` -> `DiskTransport`), the rest of this module:
+
 Every shard header is parsed (strictly) before anything is written, so `table()` gives the whole
 tensor table for `check_table`. `write_into` then writes into the parameters' existing storage;
 no tensor is reallocated, so `data_ptr()`s, CUDA graphs and the caching allocator stay valid.
@@ -19,16 +22,29 @@ parameters partly written: the caller (the worker) restores the previous weights
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table
-from daemon.transport.base import TensorSpec, TransportError
+from daemon.manifest import load_manifest
+from daemon.transport.base import (
+    BadUpdateRequest,
+    DaemonTransportFactory,
+    Outgoing,
+    Prepared,
+    SenderOptions,
+    StageError,
+    TensorSpec,
+    TransportError,
+    UpdateRequest,
+    WorkerTransportFactory,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -37,6 +53,34 @@ if TYPE_CHECKING:
 # help up to about the core count; 32 MiB chunks were as good as 64.
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
 DEFAULT_READERS = 16
+
+
+class DiskSender:
+    """Daemon side: workers read the verified checkpoint's directory themselves."""
+
+    name = "disk"
+
+    def __init__(self, options: SenderOptions) -> None:
+        self.options = options
+
+    def prepare(self, item: Outgoing) -> Prepared:
+        if not item.local_path:
+            raise StageError(f"{item.version}: no local copy to deploy from")
+        return Prepared(UpdateRequest(item.version, "disk", {"path": item.local_path}, "copy", item.expect))
+
+    def retain(self, versions: set[str]) -> None:
+        return None  # nothing held: the directories are the registry's
+
+    def close(self) -> None:
+        return None
+
+
+def open_update(request: UpdateRequest, store: object) -> DiskTransport:
+    """Worker side, from an update request: `path` names the checkpoint directory."""
+    path = request.source.get("path")
+    if not isinstance(path, str) or not path:
+        raise BadUpdateRequest("disk transport needs 'path' (a checkpoint directory)")
+    return DiskTransport(path)
 
 
 @dataclass(frozen=True, slots=True)
@@ -189,23 +233,23 @@ class DiskTransport:
     def write_into(self, params: dict[str, torch.Tensor]) -> None:
         self.last_stats = self.write(params)
 
+    def source_digest(self) -> str | None:
+        """The checkpoint's manifest digest, or None when it has no manifest."""
+        if not (self.directory / MANIFEST_NAME).exists():
+            return None
+        return load_manifest(self.directory).digest
+
+    def stats(self) -> dict[str, Any]:
+        st = self.last_stats
+        return {} if st is None else {"read_path": st.path}
+
     def close(self) -> None:
         self._locations = None
 
     # -- details ----------------------------------------------------------------------------
-    def manifest_digest(self) -> str | None:
-        """The checkpoint's manifest digest, or None when it has no manifest."""
-        if not (self.directory / MANIFEST_NAME).exists():
-            return None
-        from daemon.manifest import load_manifest
-
-        return load_manifest(self.directory).digest
-
     def manifest_version(self) -> str | None:
         if not (self.directory / MANIFEST_NAME).exists():
             return None
-        from daemon.manifest import load_manifest
-
         return load_manifest(self.directory).version
 
     def write(self, params: dict[str, torch.Tensor]) -> WriteStats:
@@ -342,7 +386,7 @@ class DiskTransport:
                     with contextlib.suppress(Exception):
                         stream.synchronize()
 
-        _run_readers([lambda r=r: work(r) for r in range(readers)], fds, errors)
+        _run_readers([functools.partial(work, r) for r in range(readers)], fds, errors)
         stats.bytes += sum(c.nbytes for c in chunks)
         stats.chunks += len(chunks)
         stats.readers = readers
@@ -368,3 +412,7 @@ def _as_transport_error(exc: BaseException) -> TransportError:
     if isinstance(exc, TransportError):
         return exc
     return TransportError(f"{type(exc).__name__}: {exc}")
+
+
+# What daemon.transport.TRANSPORTS["disk"] names; mypy checks them against the protocols.
+_SIDES: tuple[DaemonTransportFactory, WorkerTransportFactory] = (DiskSender, open_update)

@@ -1,23 +1,21 @@
-"""The ipc transport: weights from a loader's staged buffer, by copy or by pointer swap.
+"""The ipc transport's worker side: weights from a loader's staged buffer, by copy or by pointer swap.
 
-How a rollout uses it (the daemon side needs nothing else):
+The daemon side (`daemon.transport.ipc_stage`) stages the version in the loader and sends
 
-    from daemon.loader.client import LoaderClient
-    loader = LoaderClient(cfg.loader.socket)
-    loader.stage(version, checkpoint_dir, digest=digest)   # before the first worker leaves RUNNING
-    descriptor = loader.descriptor(version)                 # JSON, safe to pass through HTTP
-    # for each worker, one at a time:
     POST /admin/update {"version": version, "transport": "ipc", "descriptor": descriptor,
                         "mode": "copy" | "swap", "expect": {"digest": digest, "tensors": n}}
 
-Worker side (this module): `IpcTransport(descriptor, device=...)` parses the descriptor
-strictly, `table()` reports the tensor table without mapping anything, `prepare()` acquires
-the version at the loader (when the descriptor names one) and opens the buffer once per
-version (`IpcOpener` caches and reference-counts open buffers), `write_into(params)` copies
-(mode `copy`: graph-safe, the parameters keep their own storage), `views()` gives tensors
-that point into the shared buffer (mode `swap`: see `point_params_at`), and `close()` drops
-this transport's reference and releases the version at the loader. A buffer is unmapped (or
-its CUDA IPC handle closed) when the last reference and the last view of it are gone.
+`open_update(request, store)` builds an `IpcTransport`: it parses the descriptor strictly;
+`table()` reports the tensor table without mapping anything; `open()` acquires the version at
+the loader (when the descriptor names one) and opens the buffer once per version (`IpcOpener`
+caches and reference-counts open buffers), so a dead loader or a bad buffer is a refusal
+before anything is written; `write_into(params)` copies (mode `copy`: graph-safe, the
+parameters keep their own storage); `lease(params)` gives validated pairs of parameters and
+tensors in the shared buffer (mode `swap`: the worker's store points the parameters at them and
+keeps a pointer flip back); `close()` drops this transport's reference and releases the version
+at the loader. A lease outlives the update: its `release` (when no version record uses it any
+more) closes the buffer on a background thread, off the update's critical section. A buffer is
+unmapped (or its CUDA IPC handle closed) when the last reference and the last view are gone.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import queue
 import threading
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,7 +31,17 @@ from typing import Any
 
 import torch
 
-from daemon.transport.base import ST_TO_TORCH, TensorSpec, TransportError
+from daemon.loader.client import LoaderClient, LoaderError
+from daemon.transport.base import (
+    ST_TO_TORCH,
+    BadUpdateRequest,
+    SwapLease,
+    TensorSpec,
+    TransportError,
+    UpdateRequest,
+    WorkerTransportFactory,
+    pair_up,
+)
 from daemon.transport.ipc_descriptor import (
     HOST_DEVICE,
     BufferRef,
@@ -183,14 +192,15 @@ class IpcTransport:
         """The content digest the loader recorded when staging (the worker checks expect.digest)."""
         return self.descriptor.digest
 
-    def prepare(self) -> None:
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def open(self) -> None:
         """Acquire the version at the loader and open its buffer; raises IpcRefused, writes nothing."""
         if self._opened is not None:
             return
         buf = self.descriptor.buffer_for(_device_uuid_of(self.device))
         if self.descriptor.loader and not self._acquired:
-            from daemon.loader.client import LoaderClient, LoaderError
-
             try:
                 LoaderClient(self.descriptor.loader, timeout=10.0).acquire(
                     self.version, self.worker, pid=os.getpid()
@@ -206,7 +216,7 @@ class IpcTransport:
 
     def views(self) -> dict[str, torch.Tensor]:
         """Tensors pointing into the shared buffer, by name (for swap mode). Do not write into them."""
-        self.prepare()
+        self.open()
         assert self._opened is not None
         return self._opened.views()
 
@@ -241,10 +251,16 @@ class IpcTransport:
         except RuntimeError as exc:
             raise TransportError(f"version {self.version!r}: copy failed ({exc})") from exc
 
+    def lease(self, params: dict[str, torch.Tensor]) -> SwapLease:
+        """Swap mode: the parameters paired with their views (validated), held until `release`."""
+        pairs = pair_up(params, self.views())
+        held = self.detach()
+        return SwapLease(pairs, lambda: _release_later(held))
+
     def detach(self) -> IpcTransport:
         """Hand this transport's loader acquisition and open buffer to a new one (a lease that
         outlives the update, for swap mode); this one is then closed without releasing them."""
-        self.prepare()
+        self.open()
         lease = IpcTransport(self.descriptor, device=self.device, worker=self.worker, opener=self._opener)
         lease._opened, lease._acquired = self._opened, self._acquired
         self._opened, self._acquired = None, False
@@ -260,8 +276,6 @@ class IpcTransport:
         if not self._acquired:
             return
         self._acquired = False
-        from daemon.loader.client import LoaderClient, LoaderError
-
         try:
             LoaderClient(self.descriptor.loader or "", timeout=10.0).release(self.version, self.worker)
         except LoaderError as exc:
@@ -298,3 +312,52 @@ def point_params_at(params: Mapping[str, torch.Tensor], targets: Mapping[str, to
         previous[name] = p.data
         p.data = targets[name]
     return previous
+
+
+def open_update(request: UpdateRequest, store: Any) -> IpcTransport:
+    """Worker side, from an update request: `descriptor` is the loader's JSON descriptor."""
+    descriptor = request.source.get("descriptor")
+    if not isinstance(descriptor, dict):
+        raise BadUpdateRequest("the ipc transport needs 'descriptor' (the loader's JSON descriptor)")
+    return IpcTransport(descriptor, device=store.device)
+
+
+# Ending a lease closes an IPC handle (a device synchronize) and tells the loader: done off the
+# update's critical section (a queue put), in order, by one daemon thread.
+_leases: queue.SimpleQueue[IpcTransport] = queue.SimpleQueue()
+_outstanding = 0
+_done = threading.Condition()
+_thread: threading.Thread | None = None
+
+
+def _release_loop() -> None:
+    global _outstanding
+    while True:
+        lease = _leases.get()
+        try:
+            lease.close()
+        except Exception as exc:  # noqa: BLE001 - a release must never take the worker down
+            log.warning("releasing %s failed: %s", lease.version, exc)
+        with _done:
+            _outstanding -= 1
+            _done.notify_all()
+
+
+def _release_later(lease: IpcTransport) -> None:
+    global _outstanding, _thread
+    with _done:
+        _outstanding += 1
+        if _thread is None:
+            _thread = threading.Thread(target=_release_loop, name="ipc-release", daemon=True)
+            _thread.start()
+    _leases.put(lease)
+
+
+def wait_for_releases(timeout: float = 30.0) -> bool:
+    """Block until every scheduled lease release has finished (tests, benchmarks, shutdown)."""
+    with _done:
+        return _done.wait_for(lambda: _outstanding == 0, timeout)
+
+
+# What daemon.transport.TRANSPORTS["ipc"] names; mypy checks it against the protocol.
+_WORKER_SIDE: WorkerTransportFactory = open_update

@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import threading
+from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
@@ -48,8 +49,17 @@ class Unavailable(updates.UpdateError):
 
 
 class Controller:
-    def __init__(self, loaded: LoadedModel, store: WeightStore, engine: Engine, *, model_dir: str) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        store: WeightStore,
+        engine: Engine,
+        *,
+        model_dir: str,
+        before_write: Sequence[updates.BeforeWrite] = (),
+    ) -> None:
         self.loaded = loaded
+        self.before_write = tuple(before_write)  # test seam (tests/hooked_worker.py); empty in production
         self.store = store
         self.engine = engine
         self.model_dir = model_dir
@@ -140,9 +150,9 @@ class Controller:
             return {"state": self.state.value, "version": self.store.current.version}
 
     def update(self, raw: Any) -> dict[str, Any]:
-        body = updates.UpdateBody.parse(raw)
+        request = updates.parse_request(raw)
         with self._admin:
-            return self._while_quiet(lambda: updates.apply_update(self.store, body))
+            return self._while_quiet(lambda: updates.apply_update(self.store, request, before_write=self.before_write))
 
     def rollback(self) -> dict[str, Any]:
         with self._admin:
@@ -160,7 +170,7 @@ class Controller:
         return probe(self.engine, max_tokens)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _while_quiet(self, change: Any) -> dict[str, Any]:
+    def _while_quiet(self, change: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run a weight change in a state that allows it; set the state after it."""
         state = self.state
         if state is WorkerState.UNHEALTHY:

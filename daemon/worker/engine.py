@@ -55,8 +55,8 @@ _ids = itertools.count(1)
 class Sequence:
     prompt: list[int]
     params: SamplingParams
-    on_token: Callable[[Sequence, int], None] | None = None
-    on_done: Callable[[Sequence], None] | None = None
+    on_token: Callable[[Sequence, int], object] | None = None  # return values are ignored
+    on_done: Callable[[Sequence], object] | None = None
     id: int = field(default_factory=lambda: next(_ids))
     generated: list[int] = field(default_factory=list)
     cache: Any = None  # transformers cache; None -> (re-)prefill on the next step

@@ -135,7 +135,7 @@ async def read_json(receive_body: Callable[[], Any], offload: Offload, most: int
                             f"needs at most {most}, refused before parsing", code="context_length_exceeded")
     if len(raw) <= INLINE_JSON_BYTES:
         return parse_json(raw)  # type: ignore[no-any-return]
-    return await offload.run(parse_json, raw)  # type: ignore[no-any-return]
+    return await offload.run(parse_json, raw)
 
 
 def most_request_bytes(max_chars: int, max_positions: int) -> int:

@@ -136,7 +136,8 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
         return error(503, f"not ready: state {ctl.state.value}", ready=False, state=ctl.state.value)
 
     async def weight_info(request: Request) -> dict[str, Any]:
-        return ctl.weight_info()
+        info: dict[str, Any] = ctl.weight_info()
+        return info
 
     async def drain(request: Request) -> dict[str, Any]:
         body = await body_of(request)
@@ -193,9 +194,12 @@ def initial_version(model_dir: Path, given: str | None) -> tuple[str, str | None
     return given or version or model_dir.resolve().name, digest
 
 
-def build_worker(args: argparse.Namespace) -> tuple[Any, Serving]:
+def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) -> tuple[Any, Serving]:
     """Model, weights, store, engine, controller and serving state; raises with a clear message
-    on bad input."""
+    on bad input.
+
+    `before_write`: hooks run inside each update just before it writes (a test seam; see
+    tests/hooked_worker.py). Production passes none."""
     from daemon.worker.control import Controller
     from daemon.worker.engine import Engine
     from daemon.worker.model import build_model, pick_device, served_name_default
@@ -216,7 +220,7 @@ def build_worker(args: argparse.Namespace) -> tuple[Any, Serving]:
                            request={"transport": "disk", "path": str(model_dir), "version": version})
     store = WeightStore(loaded.params, device, record)
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
-    ctl = Controller(loaded, store, engine, model_dir=str(model_dir))
+    ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write)
     log.info("loaded %s (%d tensors, %d bytes) on %s in %.2f s", version, store.tensors, store.bytes, device, load_s)
     name = args.served_model_name or served_name_default(model_dir, loaded.config)
     if args.max_body_bytes < 1024 or args.max_queue < 0:
@@ -248,7 +252,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ()) -> int:
     args = parse_args(argv)
     try:
         from daemon.logging import configure_logging
@@ -258,7 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     try:
         token = read_token(args.token_file) if args.token_file else None
-        ctl, serving = build_worker(args)
+        ctl, serving = build_worker(args, before_write=before_write)
     except (ValueError, LayoutError, HeaderError, TableMismatch, TransportError, OSError) as exc:
         print(f"hotswap worker: {exc}", file=sys.stderr)
         return 2

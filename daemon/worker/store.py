@@ -12,15 +12,22 @@
   any prefix cache is cleared); kept sequences are re-prefilled under the new weights.
 * `unhealthy`: set when a failed write could not be undone; the worker then refuses traffic.
 
-Hook points for other transports (see `daemon.worker.updates`):
+Hook points for transports (see `daemon.worker.updates`):
 
-* `VersionRecord.request` keeps the update body that produced a version, so the registry's
-  factory can rebuild a transport for it (restore after a failed write, rollback).
+* `VersionRecord.request` keeps the update body that produced a version, so the transport
+  registry can rebuild a transport for it (restore after a failed write, rollback).
 * `VersionRecord.restore`: an optional zero-copy way back to that version (swap mode sets it to
   a pointer flip that re-points `params` at the retained buffers); when set, rollback and
   failure recovery call it instead of re-reading the source.
 * `VersionRecord.release`: called when a record is dropped from the store (swap mode frees or
   returns the retained buffers / IPC handles of a version nobody can roll back to any more).
+
+Swap mode lives here, whatever transport leased the tensors: `swap_in(lease, record)` points
+every parameter at the lease's tensors (the worker's own storage is remembered at the first
+swap), and `prepare_for_copy()`, called before every in-place write, points them back at the
+worker's own storage first (a leased buffer is never written) and forgets "own storage holds
+version X", since the write is about to overwrite it. Rollback is a pointer flip both ways.
+Swap mode breaks captured CUDA graphs (they keep the old addresses); copy mode is the default.
 """
 
 from __future__ import annotations
@@ -32,6 +39,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+from daemon.transport.base import SwapLease
 
 
 @dataclass(slots=True)
@@ -51,6 +60,24 @@ class VersionRecord:
                 "path": self.path, "mode": self.mode, "loaded_at": self.loaded_at}
 
 
+class _Flip:
+    """A zero-copy restore: point every parameter at its paired tensor (validated when paired)."""
+
+    def __init__(self, store: WeightStore, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.store = store
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] | None = pairs
+
+    def __call__(self) -> None:
+        if self.pairs is None:
+            raise RuntimeError("the buffers of this version were released")
+        for p, t in self.pairs:  # the whole flip: one .data assignment per tensor
+            p.data = t
+        self.store._pointing_at = self
+
+    def clear(self) -> None:
+        self.pairs = None
+
+
 class WeightStore:
     def __init__(self, params: dict[str, torch.Tensor], device: torch.device, current: VersionRecord) -> None:
         self.params = params
@@ -62,6 +89,8 @@ class WeightStore:
         self.unhealthy: str | None = None  # reason, when the weights are not a whole version
         self.invalidators: list[Callable[[], None]] = []
         self.last_update: dict[str, Any] = {}
+        self._own: _Flip | None = None  # the worker's own storage, captured at the first swap
+        self._pointing_at: _Flip | None = None  # where the parameters point now (None: never swapped)
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -103,3 +132,38 @@ class WeightStore:
     def invalidate_caches(self) -> None:
         for fn in self.invalidators:
             fn()
+
+    # -- swap mode (call with `lock` held) ---------------------------------------------------
+    def swap_in(self, lease: SwapLease, record: VersionRecord) -> None:
+        """Point every parameter at the lease's tensors; `record` gets the flip back and the release."""
+        if self._own is None:  # first swap: the parameters are on the worker's own storage
+            self._own = _Flip(self, [(p, p.data) for p in self.params.values()])
+            self._pointing_at = self._own
+        came_from = self._pointing_at
+        flip = _Flip(self, lease.pairs)
+        try:
+            flip()
+        except BaseException:
+            if came_from is not None:
+                came_from()
+            lease.release()
+            raise
+        if came_from is self._own and self.current.restore is None:
+            self.current.restore = self._own  # the version we came from still sits in own storage
+        record.restore = flip
+
+        def release() -> None:
+            flip.clear()  # drop our views first, so the buffer can be unmapped when the lease ends
+            lease.release()
+
+        record.release = release
+
+    def prepare_for_copy(self) -> None:
+        """Before writing in place: back onto own storage, which no longer holds its old version."""
+        if self._own is None:
+            return
+        if self._pointing_at is not self._own:
+            self._own()
+        for rec in (self.current, self.previous):
+            if rec is not None and rec.restore is self._own:
+                rec.restore = None

@@ -1,17 +1,18 @@
 """The update path: request -> transport -> table check -> in-place write -> caches dropped -> version set.
 
-Transports are picked by name from `TRANSPORTS` (name -> factory(body, store) -> WeightTransport).
-Swap mode (pointer swap instead of copy) is supplied per transport through `SWAP_HANDLERS`
-(name -> handler(transport, store, record) that re-points `store.params` and sets
-`record.restore` / `record.release`); a transport without one refuses mode "swap".
+Transports are built by name through `daemon.transport.worker_transport` (the registry); this
+module never asks which one it holds. Optional capabilities are asked with `isinstance`:
+`OpensBeforePause` (opened before the write phase) and `SwapCapable` (mode "swap": the store
+points the parameters at the transport's leased tensors; a transport without it refuses "swap").
 
-Order of an update, all before any parameter changes except the last two steps:
-1. body validated (version, transport, mode, expect);
-2. transport built and its whole tensor table read (`table()`: headers / descriptor only);
+Order of an update, all before any parameter changes except the last step:
+1. request parsed (version, transport, mode, expect);
+2. transport built and opened, its whole tensor table read (`table()`: headers / descriptor only);
 3. `check_table` against the live parameters (names, shapes, dtypes, byte counts);
 4. expect.tensors against the table, expect.digest against the source's digest (manifest);
+   in swap mode, the lease of validated tensors is taken here;
 5. under the store lock (the scheduler is parked between steps): write_into(params), or the
-   swap handler; then every cache is invalidated and the version committed.
+   swap; then every cache is invalidated and the version committed.
 If step 5 fails, the previous weights are put back (the current record's `restore`, else a
 fresh transport for the current record's request) before the caller hears about it; if that
 fails too the store is marked unhealthy and the engine fails its requests.
@@ -20,27 +21,31 @@ fails too the store is marked unhealthy and the engine fails its requests.
 from __future__ import annotations
 
 import logging
-import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from daemon.formats.checkpoint import LayoutError
 from daemon.formats.safetensors import HeaderError
-from daemon.transport import ipc_worker
-from daemon.transport.base import TableMismatch, TransportError, WeightTransport, check_table
-from daemon.transport.disk import DiskTransport
+from daemon.transport import TRANSPORTS, worker_transport
+from daemon.transport.base import (
+    BadUpdateRequest,
+    OpensBeforePause,
+    SwapCapable,
+    SwapLease,
+    TableMismatch,
+    TransportError,
+    UpdateRequest,
+    WorkerTransport,
+    check_table,
+)
 from daemon.worker.store import VersionRecord, WeightStore
 
 log = logging.getLogger("hotswap.worker.updates")
 
-# test hook: seconds to sleep after validation, right before the write phase starts, so a
-# test can damage the source in between (a shard truncated mid-update). Unset in production.
-PAUSE_BEFORE_WRITE_ENV = "HOTSWAP_WORKER_PAUSE_BEFORE_WRITE_S"
-
-TransportFactory = Callable[[dict[str, Any], WeightStore], WeightTransport]
-SwapHandler = Callable[[WeightTransport, WeightStore, VersionRecord], None]
+OpenTransport = Callable[[UpdateRequest, WeightStore], WorkerTransport]
+BeforeWrite = Callable[[UpdateRequest], None]
 
 
 class UpdateError(Exception):
@@ -69,117 +74,117 @@ class WriteFailed(UpdateError):
     status = 500
 
 
-def _disk_from_request(body: dict[str, Any], store: WeightStore) -> WeightTransport:
-    path = body.get("path")
-    if not isinstance(path, str) or not path:
-        raise BadRequest("disk transport needs 'path' (a checkpoint directory)")
-    return DiskTransport(path)
-
-
-TRANSPORTS: dict[str, TransportFactory] = {"disk": _disk_from_request, "ipc": ipc_worker.transport_from_request}
-SWAP_HANDLERS: dict[str, SwapHandler] = {"ipc": ipc_worker.swap_in}
+def parse_request(raw: Any) -> UpdateRequest:
+    """Step 1: the body of `POST /admin/update` as an `UpdateRequest`; BadRequest when it is not one."""
+    try:
+        request = UpdateRequest.from_json(raw)
+    except BadUpdateRequest as exc:
+        raise BadRequest(str(exc)) from None
+    if request.transport not in TRANSPORTS:
+        raise BadRequest(f"unknown transport {request.transport!r}; this worker has {sorted(TRANSPORTS)}")
+    return request
 
 
 @dataclass(slots=True)
-class UpdateBody:
-    version: str
-    transport: str
-    mode: str
-    expect_digest: str | None
-    expect_tensors: int | None
-    raw: dict[str, Any]
+class Opened:
+    """A transport whose table was read and checked, what its source says its digest is, and in
+    swap mode the lease of tensors to point at."""
 
-    @classmethod
-    def parse(cls, body: Any) -> UpdateBody:
-        if not isinstance(body, dict):
-            raise BadRequest("update body must be a JSON object")
-        version = body.get("version")
-        if not isinstance(version, str) or not version.strip():
-            raise BadRequest("'version' must be a non-empty string")
-        transport = body.get("transport", "disk")
-        if transport not in TRANSPORTS:
-            raise BadRequest(f"unknown transport {transport!r}; this worker has {sorted(TRANSPORTS)}")
-        mode = body.get("mode", "copy")
-        if mode not in ("copy", "swap"):
-            raise BadRequest(f"mode must be 'copy' or 'swap', not {mode!r}")
-        if mode == "swap" and transport not in SWAP_HANDLERS:
-            raise BadRequest(f"mode 'swap' is not supported for transport {transport!r}")
-        expect = body.get("expect") or {}
-        if not isinstance(expect, dict):
-            raise BadRequest("'expect' must be an object {digest, tensors}")
-        digest, tensors = expect.get("digest"), expect.get("tensors")
-        if digest is not None and not isinstance(digest, str):
-            raise BadRequest("expect.digest must be a string")
-        if tensors is not None and (not isinstance(tensors, int) or isinstance(tensors, bool) or tensors < 0):
-            raise BadRequest("expect.tensors must be a non-negative integer")
-        return cls(version.strip(), transport, mode, digest, tensors, dict(body))
+    transport: WorkerTransport
+    digest: str | None
+    lease: SwapLease | None = None
 
 
-def open_and_validate(body: UpdateBody, store: WeightStore) -> tuple[WeightTransport, str | None]:
-    """Steps 2-4: returns the transport (table read and checked) and the source digest."""
+def open_and_validate(
+    request: UpdateRequest, store: WeightStore, open_transport: OpenTransport = worker_transport
+) -> Opened:
+    """Steps 2-4. Nothing is written; on refusal everything opened is closed again."""
     try:
-        transport = TRANSPORTS[body.transport](body.raw, store)
-        table = transport.table()
+        transport = open_transport(request, store)
     except UpdateError:
         raise
+    except BadUpdateRequest as exc:
+        raise BadRequest(str(exc)) from None
     except (HeaderError, LayoutError, TransportError, OSError, ValueError) as exc:
         raise BadRequest(f"cannot read the new weights: {exc}") from None
     try:
-        check_table(table, store.params)
-    except TableMismatch as exc:
+        if request.mode == "swap" and not isinstance(transport, SwapCapable):
+            raise BadRequest(f"mode 'swap' is not supported for transport {request.transport!r}")
+        try:
+            if isinstance(transport, OpensBeforePause):
+                transport.open()
+            table = transport.table()
+        except (HeaderError, LayoutError, TransportError, OSError, ValueError) as exc:
+            raise BadRequest(f"cannot read the new weights: {exc}") from None
+        try:
+            check_table(table, store.params)
+        except TableMismatch as exc:
+            raise Refused(f"tensor table does not match the served model (needs a restart rollout): {exc}") from None
+        expect = request.expect
+        if expect.tensors is not None and expect.tensors != len(table):
+            raise Refused(f"expected {expect.tensors} tensors, the source has {len(table)}")
+        try:
+            digest = transport.source_digest()
+        except Exception as exc:
+            raise BadRequest(f"cannot read the source's manifest: {exc}") from None
+        if expect.digest is not None and digest is not None and digest != expect.digest:
+            raise Refused(f"expected digest {expect.digest}, the source's manifest says {digest}")
+        lease = None
+        if request.mode == "swap":
+            assert isinstance(transport, SwapCapable)
+            try:
+                lease = transport.lease(store.params)
+            except (TransportError, ValueError) as exc:
+                raise BadRequest(f"cannot read the new weights: {exc}") from None
+    except BaseException:
         transport.close()
-        raise Refused(f"tensor table does not match the served model (needs a restart rollout): {exc}") from None
-    if body.expect_tensors is not None and body.expect_tensors != len(table):
-        transport.close()
-        raise Refused(f"expected {body.expect_tensors} tensors, the source has {len(table)}")
-    digest = _source_digest(transport)
-    if body.expect_digest is not None and digest is not None and digest != body.expect_digest:
-        transport.close()
-        raise Refused(f"expected digest {body.expect_digest}, the source's manifest says {digest}")
-    return transport, digest
+        raise
+    return Opened(transport, digest, lease)
 
 
-def _source_digest(transport: WeightTransport) -> str | None:
-    fn = getattr(transport, "manifest_digest", None) or getattr(transport, "source_digest", None)
-    if fn is None:
-        return None
-    try:
-        return fn()
-    except Exception as exc:
-        raise BadRequest(f"cannot read the source's manifest: {exc}") from None
+def apply_update(
+    store: WeightStore,
+    request: UpdateRequest,
+    *,
+    open_transport: OpenTransport = worker_transport,
+    before_write: Sequence[BeforeWrite] = (),
+) -> dict[str, Any]:
+    """Validate, then write under the store lock. Raises UpdateError subclasses.
 
-
-def apply_update(store: WeightStore, body: UpdateBody) -> dict[str, Any]:
-    """Validate, then write under the store lock. Raises UpdateError subclasses."""
+    `before_write` run between validation and the write phase (a test seam: the failure tests
+    damage the source there); production passes none.
+    """
     t0 = time.perf_counter()
-    transport, digest = open_and_validate(body, store)
+    opened = open_and_validate(request, store, open_transport)
+    transport, digest = opened.transport, opened.digest
     validated_ms = (time.perf_counter() - t0) * 1e3
+    path = request.source.get("path")
     record = VersionRecord(
-        version=body.version,
-        digest=digest if digest is not None else body.expect_digest,
-        transport=body.transport,
-        path=body.raw.get("path") if body.transport == "disk" else None,
-        mode=body.mode,
-        request={k: v for k, v in body.raw.items() if k != "expect"},
+        version=request.version,
+        digest=digest if digest is not None else request.expect.digest,
+        transport=request.transport,
+        path=path if isinstance(path, str) else None,
+        mode=request.mode,
+        request={k: v for k, v in request.to_json().items() if k != "expect"},
     )
-    delay = float(os.environ.get(PAUSE_BEFORE_WRITE_ENV, "0") or 0)
-    if delay > 0:
-        time.sleep(delay)
     try:
+        for hook in before_write:
+            hook(request)
         with store.lock:
             previous = store.current.version
             t1 = time.perf_counter()
             try:
-                if body.mode == "swap":
-                    SWAP_HANDLERS[body.transport](transport, store, record)
+                if opened.lease is not None:
+                    lease, opened.lease = opened.lease, None
+                    store.swap_in(lease, record)
                 else:
-                    ipc_worker.before_copy(store)  # a swap may have left params on a loader buffer
+                    store.prepare_for_copy()  # a swap may have left params on a leased buffer
                     transport.write_into(store.params)
             except Exception as exc:
-                log.error("write of %s failed: %s; restoring %s", body.version, exc, previous)
+                log.error("write of %s failed: %s; restoring %s", request.version, exc, previous)
                 restored = restore_current(store)
                 raise WriteFailed(
-                    f"writing version {body.version} failed: {exc}; "
+                    f"writing version {request.version} failed: {exc}; "
                     + (f"restored {previous}" if restored else f"restoring {previous} failed too: {store.unhealthy}"),
                     restored=restored,
                 ) from None
@@ -187,23 +192,23 @@ def apply_update(store: WeightStore, body: UpdateBody) -> dict[str, Any]:
             store.invalidate_caches()
             store.commit(record)
     finally:
+        if opened.lease is not None:  # taken, never used: the update stopped before the swap
+            opened.lease.release()
         transport.close()
-    stats = getattr(transport, "last_stats", None)
     result: dict[str, Any] = {
-        "version": body.version,
+        "version": request.version,
         "previous_version": previous,
         "duration_ms": (time.perf_counter() - t0) * 1e3,
         "validate_ms": validated_ms,
         "write_ms": write_ms,
-        "transport": body.transport,
-        "mode": body.mode,
+        "transport": request.transport,
+        "mode": request.mode,
         "digest": record.digest,
         "digest_checked": digest is not None,
         "tensors": store.tensors,
         "bytes": store.bytes,
+        **transport.stats(),
     }
-    if stats is not None:
-        result["read_path"] = getattr(stats, "path", None)
     store.last_update = result
     return result
 
@@ -226,15 +231,18 @@ def restore_current(store: WeightStore) -> bool:
     return True
 
 
-def _open_record(store: WeightStore, rec: VersionRecord) -> WeightTransport | None:
+def _open_record(store: WeightStore, rec: VersionRecord) -> WorkerTransport | None:
     """A transport for `rec` with its table read and checked (nothing written); None when the
     record has a zero-copy `restore` instead."""
     if rec.restore is not None:
         return None
     if rec.transport not in TRANSPORTS:
         raise TransportError(f"transport {rec.transport!r} is not available to reload {rec.version}")
-    transport = TRANSPORTS[rec.transport](rec.request, store)
+    request = UpdateRequest.from_json({**rec.request, "version": rec.version, "transport": rec.transport, "mode": "copy"})
+    transport = worker_transport(request, store)
     try:
+        if isinstance(transport, OpensBeforePause):
+            transport.open()
         check_table(transport.table(), store.params)
     except BaseException:
         transport.close()
@@ -242,13 +250,13 @@ def _open_record(store: WeightStore, rec: VersionRecord) -> WeightTransport | No
     return transport
 
 
-def _write_record(rec: VersionRecord, transport: WeightTransport | None, store: WeightStore) -> None:
+def _write_record(rec: VersionRecord, transport: WorkerTransport | None, store: WeightStore) -> None:
     if transport is None:
         assert rec.restore is not None
         rec.restore()
         return
     try:
-        ipc_worker.before_copy(store)
+        store.prepare_for_copy()
         transport.write_into(store.params)
     finally:
         transport.close()
@@ -266,7 +274,7 @@ def rollback(store: WeightStore) -> dict[str, Any]:
             if not restore_current(store):
                 raise WriteFailed(f"restore failed: {store.unhealthy}", restored=False)
             return {"version": store.current.version, "rolled_back_from": None,
-                    "duration_ms": (time.perf_counter() - t0) * 1e3, "recovered": True}
+                    "duration_ms": (time.perf_counter() - t0) * 1e3, "recovered": True}  # fmt: skip
         prev = store.previous
         if prev is None:
             raise Refused("no previous version is retained: nothing to roll back to")
@@ -287,4 +295,4 @@ def rollback(store: WeightStore) -> dict[str, Any]:
         store.invalidate_caches()
         store.swap_current_and_previous()
     return {"version": store.current.version, "rolled_back_from": came_from,
-            "duration_ms": (time.perf_counter() - t0) * 1e3}
+            "duration_ms": (time.perf_counter() - t0) * 1e3}  # fmt: skip

@@ -3,7 +3,7 @@
 Each write commits before the call returns, so an event is durable before the
 engine takes the next step: a daemon killed at any point finds the last thing
 it did in `events`. Rows cross threads as frozen `CheckpointRef`s, never as
-live ORM objects.
+live ORM objects. Status changes go through `daemon.registry.status`.
 """
 
 from __future__ import annotations
@@ -14,9 +14,17 @@ from typing import Any
 
 from sqlalchemy import delete, func, select, update
 
-from daemon.registry import Alias, Checkpoint, Event, Registry, Rollout, Worker, utcnow
-from daemon.registry.queries import record_event, set_status
-from daemon.rollout.settings import WorkerSpec
+from daemon.registry import status
+from daemon.registry.db import Registry
+from daemon.registry.models import Alias, Checkpoint, Event, Rollout, Worker, utcnow
+from daemon.registry.queries import record_event
+from daemon.registry.status import (
+    UNFINISHED,
+    WAITING,
+    CheckpointStatus,
+    RolloutOutcome,
+    RolloutTrigger,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,7 +34,7 @@ class CheckpointRef:
     digest: str | None
     local_path: str | None
     tensor_count: int | None
-    status: str
+    status: CheckpointStatus
     verified: bool  # its checks passed at some point (verified_at set)
 
     def __str__(self) -> str:
@@ -37,7 +45,7 @@ class CheckpointRef:
 class RolloutRef:
     id: int
     checkpoint: CheckpointRef
-    trigger: str
+    trigger: RolloutTrigger
     transport: str
     mode: str
     detail: dict[str, Any]
@@ -50,9 +58,10 @@ def _ref(c: Checkpoint) -> CheckpointRef:
         digest=c.digest,
         local_path=c.local_path,
         tensor_count=c.tensor_count,
-        status=c.status,
+        status=CheckpointStatus(c.status),
         verified=c.verified_at is not None,
     )
+
 
 
 class Journal:
@@ -87,13 +96,21 @@ class Journal:
                 a.checkpoint_id = checkpoint_id
                 a.updated_at = utcnow()
 
-    def set_status(
-        self, checkpoint_id: int, status: str, message: str | None = None, detail: dict[str, Any] | None = None
+    def move_status(
+        self, checkpoint_id: int, to: CheckpointStatus, message: str | None = None, detail: dict[str, Any] | None = None
     ) -> None:
+        """A status transition (see `daemon.registry.status.TRANSITIONS`)."""
         with self.registry.session() as s:
             c = s.get(Checkpoint, checkpoint_id)
             if c is not None:
-                set_status(s, c, status, message, detail=detail)
+                status.move(s, c, to, message, detail=detail)
+
+    def note(self, checkpoint_id: int, message: str) -> None:
+        """Only the status message changes (e.g. why a verified version waits)."""
+        with self.registry.session() as s:
+            c = s.get(Checkpoint, checkpoint_id)
+            if c is not None:
+                status.note(s, c, message)
 
     def checkpoint_event(self, checkpoint_id: int, to_state: str, detail: dict[str, Any], rollout_id: int | None) -> None:
         """A checkpoint milestone that is not a status (e.g. `rolled_back`)."""
@@ -108,7 +125,7 @@ class Journal:
                 .where(
                     Checkpoint.id != exclude_id,
                     Checkpoint.deployed_at.is_not(None),
-                    Checkpoint.status.in_(("deployed", "retired")),
+                    Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
                 )
                 .order_by(Checkpoint.deployed_at.desc(), Checkpoint.id.desc())
                 .limit(1)
@@ -117,13 +134,11 @@ class Journal:
 
     def newer_in_verification(self, checkpoint_id: int) -> bool:
         """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""
-        from daemon.registry.queries import UNFINISHED_STATUSES
-
         with self.registry.session() as s:
             n = s.scalar(
                 select(func.count())
                 .select_from(Checkpoint)
-                .where(Checkpoint.id > checkpoint_id, Checkpoint.status.in_(UNFINISHED_STATUSES))
+                .where(Checkpoint.id > checkpoint_id, Checkpoint.status.in_(UNFINISHED))
             )
             return bool(n)
 
@@ -132,7 +147,7 @@ class Journal:
         with self.registry.session() as s:
             c = s.scalars(
                 select(Checkpoint)
-                .where(Checkpoint.id > after_id, Checkpoint.status.in_(("verified", "staged")))
+                .where(Checkpoint.id > after_id, Checkpoint.status.in_(WAITING))
                 .order_by(Checkpoint.id.desc())
                 .limit(1)
             ).one_or_none()
@@ -149,35 +164,22 @@ class Journal:
         with self.registry.session() as s:
             c = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
             if c is None:
-                now = utcnow()
-                c = Checkpoint(
-                    version=version,
-                    source="embedded",
-                    uri=f"file://{local_path}",
-                    local_path=local_path,
-                    commit_signal="manifest",
-                    digest=digest,
-                    total_bytes=total_bytes,
-                    tensor_count=tensors,
-                    status="discovered",
-                    discovered_at=now,
-                )
-                s.add(c)
-                s.flush()
-                set_status(s, c, "verified", "made by the daemon (embedded default)")
-                set_status(s, c, "deployed", "initial version of the managed worker")
+                c = status.create_made(
+                    s, version=version, local_path=local_path, digest=digest, total_bytes=total_bytes, tensors=tensors,
+                    why="made by the daemon (embedded default)", deployed="initial version of the managed worker",
+                )  # fmt: skip
             return _ref(c)
 
     # -- workers -------------------------------------------------------------------
-    def register_workers(self, specs: Iterable[tuple[WorkerSpec, str]]) -> None:
-        """Insert or refresh a `workers` row per configured worker (its state is kept)."""
+    def register_workers(self, workers: Iterable[tuple[str, str, str, str]]) -> None:
+        """Insert or refresh a `workers` row per configured (name, kind, url, device); its state is kept."""
         with self.registry.session() as s:
-            for spec, url in specs:
-                w = s.scalars(select(Worker).where(Worker.name == spec.name)).one_or_none()
+            for name, kind, url, device in workers:
+                w = s.scalars(select(Worker).where(Worker.name == name)).one_or_none()
                 if w is None:
-                    s.add(Worker(name=spec.name, kind=spec.kind, url=url, device=spec.device, state="UNKNOWN"))
+                    s.add(Worker(name=name, kind=kind, url=url, device=device, state="UNKNOWN"))
                 else:
-                    w.kind, w.url, w.device = spec.kind, url, spec.device
+                    w.kind, w.url, w.device = kind, url, device
 
     def worker_state(self, name: str) -> tuple[str, str | None]:
         with self.registry.session() as s:
@@ -197,7 +199,8 @@ class Journal:
         error: str | None = None,
         device: str | None = None,
     ) -> None:
-        """Append a worker transition and move `workers.state` (and its version) with it."""
+        """Append a worker transition and move `workers.state` (and its version) with it.
+        Called only by the state machine's move (`daemon.rollout.driver`)."""
         with self.registry.session() as s:
             record_event(
                 s,
@@ -243,12 +246,12 @@ class Journal:
 
     # -- rollouts ------------------------------------------------------------------
     def start_rollout(
-        self, checkpoint_id: int, *, trigger: str, transport: str, mode: str, detail: dict[str, Any]
+        self, checkpoint_id: int, *, trigger: RolloutTrigger, transport: str, mode: str, detail: dict[str, Any]
     ) -> int:
         with self.registry.session() as s:
             r = Rollout(
                 checkpoint_id=checkpoint_id,
-                trigger=trigger,
+                trigger=trigger.value,
                 transport=transport,
                 mode=mode,
                 started_at=utcnow(),
@@ -258,38 +261,40 @@ class Journal:
             s.flush()
             return r.id
 
-    def finish_rollout(self, rollout_id: int, outcome: str, detail: dict[str, Any] | None = None) -> None:
+    def finish_rollout(self, rollout_id: int, outcome: RolloutOutcome, detail: dict[str, Any] | None = None) -> None:
         with self.registry.session() as s:
             r = s.get(Rollout, rollout_id)
             if r is None:
                 return
-            r.outcome = outcome
+            r.outcome = outcome.value
             r.finished_at = utcnow()
             if detail:
                 r.detail = {**(r.detail or {}), **detail}
 
-    def amend_rollout(self, rollout_id: int, *, outcome: str | None = None, detail: dict[str, Any]) -> None:
+    def amend_rollout(self, rollout_id: int, *, outcome: RolloutOutcome | None = None, detail: dict[str, Any]) -> None:
         """Change a finished rollout's outcome (health window verdict) without moving finished_at."""
         with self.registry.session() as s:
             r = s.get(Rollout, rollout_id)
             if r is None:
                 return
-            if outcome:
-                r.outcome = outcome
+            if outcome is not None:
+                r.outcome = outcome.value
             r.detail = {**(r.detail or {}), **detail}
 
     def unfinished_rollouts(self) -> list[RolloutRef]:
         with self.registry.session() as s:
             rows = s.scalars(select(Rollout).where(Rollout.outcome.is_(None)).order_by(Rollout.id)).all()
             return [
-                RolloutRef(r.id, _ref(r.checkpoint), r.trigger, r.transport, r.mode, dict(r.detail or {}))
+                RolloutRef(r.id, _ref(r.checkpoint), RolloutTrigger(r.trigger), r.transport, r.mode, dict(r.detail or {}))
                 for r in rows
             ]
 
     def rollout_had_failure(self, rollout_id: int) -> bool:
         with self.registry.session() as s:
             n = s.scalar(
-                select(func.count()).select_from(Event).where(Event.rollout_id == rollout_id, Event.to_state == "UNHEALTHY")
+                select(func.count())
+                .select_from(Event)
+                .where(Event.rollout_id == rollout_id, Event.to_state.in_(("UNHEALTHY", "UNCERTAIN")))
             )
             return bool(n)
 

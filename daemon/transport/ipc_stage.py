@@ -1,0 +1,62 @@
+"""The ipc transport's daemon side: stage a verified version in the loader once, hand out its descriptor.
+
+The loader (`hotswap loader`, daemon.loader) holds staged versions in GPU memory (shared host
+memory without a GPU) and exports them as JSON descriptors; workers open them themselves
+(`daemon.transport.ipc`). Staging happens before the first worker leaves RUNNING; versions no
+worker can need any more (everything but serving and last good) are dropped from the loader.
+"""
+
+from __future__ import annotations
+
+from daemon.loader.client import LoaderClient, LoaderError
+from daemon.logging import get_logger
+from daemon.transport.base import (
+    DaemonTransportFactory,
+    Outgoing,
+    Prepared,
+    SenderOptions,
+    StageError,
+    UpdateRequest,
+)
+
+log = get_logger(__name__)
+
+
+class IpcSender:
+    name = "ipc"
+
+    def __init__(self, options: SenderOptions) -> None:
+        self.options = options
+        socket_path = options.loader_socket or str(options.state_dir / "loader.sock")
+        self.loader = LoaderClient(socket_path, timeout=options.request_timeout_s, stage_timeout=options.stage_timeout_s)
+        self._staged: set[str] = set()
+
+    def prepare(self, item: Outgoing) -> Prepared:
+        if not item.local_path:
+            raise StageError(f"{item.version}: no local copy to deploy from")
+        try:
+            if item.version not in self._staged:
+                info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest)
+                log.info("staged", version=item.version, bytes=info.bytes, seconds=info.seconds, devices=info.devices)
+                self._staged.add(item.version)
+            descriptor = self.loader.descriptor(item.version)
+        except LoaderError as exc:
+            self._staged.discard(item.version)
+            raise StageError(f"{item.version}: staging in the loader failed: {exc}") from exc
+        request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
+        return Prepared(request, staged=True)
+
+    def retain(self, versions: set[str]) -> None:
+        for version in sorted(self._staged - versions):
+            try:
+                self.loader.drop(version)
+                self._staged.discard(version)
+            except LoaderError as exc:
+                log.warning("loader_drop_failed", version=version, error=str(exc))
+
+    def close(self) -> None:
+        return None
+
+
+# What daemon.transport.TRANSPORTS["ipc"] names; mypy checks it against the protocol.
+_DAEMON_SIDE: DaemonTransportFactory = IpcSender

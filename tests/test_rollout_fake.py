@@ -1,0 +1,394 @@
+"""The rollout engine, driver, recovery and health window in-process, against `FakeWorkerClient`s
+and a real SQLite registry: every failure branch in milliseconds. The multi-process tests
+(test_rollout_faults.py, test_rollout_e2e.py) stay the end-to-end proof with real workers.
+
+The promise checked throughout: after any failure every worker is RUNNING on one whole version
+(the fallback), or is named as unrecovered; never a mix.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
+from support_rollout import rollouts, worker_events
+
+from daemon import adapters
+from daemon.adapters.base import UpdateRefused
+from daemon.config import RolloutSettings, WorkerSpec
+from daemon.registry import Registry, status
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import CheckpointStatus as C
+from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
+from daemon.rollout import health
+from daemon.rollout.driver import WorkerDriver
+from daemon.rollout.engine import RolloutEngine
+from daemon.rollout.recovery import Recovery
+from daemon.rollout.service import RolloutService
+from daemon.rollout.stage import Stager
+from daemon.rollout.states import Fleet, Transition, WorkerHandle, WorkerState
+from daemon.transport.base import SenderOptions
+
+S = WorkerState
+FAST = {"health_window_s": 0.0, "restart_timeout_s": 2.0, "drain_timeout_s": 1.0}
+
+
+@pytest.fixture
+def reg(tmp_path: Path) -> Iterator[Registry]:
+    r = Registry(f"sqlite:///{tmp_path / 'registry.db'}")
+    r.upgrade()
+    yield r
+    r.close()
+
+
+def verified(reg: Registry, version: str, digest: str | None = None) -> CheckpointRef:
+    with reg.session() as s:
+        c = status.create(s, version=version, source="t", uri=f"file:///ckpt/{version}", local_path=f"/ckpt/{version}",
+                          commit_signal="manifest")  # fmt: skip
+        assert c is not None
+        c.digest, c.tensor_count = digest, 21
+        status.move(s, c, C.VERIFYING)
+        status.move(s, c, C.VERIFIED)
+        cid = c.id
+    ref = Journal(reg).checkpoint(cid)
+    assert ref is not None
+    return ref
+
+
+@dataclass
+class Rig:
+    reg: Registry
+    journal: Journal
+    fleet: Fleet
+    fakes: dict[str, FakeWorkerClient]
+    driver: WorkerDriver
+    engine: RolloutEngine
+    restarts: Restarts
+    seen: list[Transition]
+
+    def deploy(self, ckpt: CheckpointRef, fallback: CheckpointRef | None, **kw: Any) -> Any:
+        return self.engine.deploy(ckpt, trigger=RolloutTrigger.NEW, fallback=fallback, **kw)
+
+    def path(self, rollout_id: int, worker: str) -> list[tuple[str, str, str]]:
+        return [(e["from"], e["to"], e["detail"].get("action") or e["detail"].get("step") or "")
+                for e in worker_events(self.reg, rollout_id) if e["worker"] == worker]  # fmt: skip
+
+    def on(self) -> set[tuple[str, str | None]]:
+        return {(f.state, f.version) for f in self.fakes.values()}
+
+
+def rig(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, mode: str = "drain", **settings: Any) -> Rig:
+    cfg = RolloutSettings(mode=mode, **{**FAST, **settings})  # type: ignore[arg-type]
+    journal = Journal(reg)
+    handles = [WorkerHandle(WorkerSpec(name=f.name, url=f"http://fake/{f.name}"), f, f"http://fake/{f.name}")
+               for f in fakes]  # fmt: skip
+    fleet = Fleet(handles)
+    journal.register_workers((h.name, "builtin", h.url, "cpu") for h in fleet)
+    restarts = Restarts({f.name: f for f in fakes})
+    seen: list[Transition] = []
+    driver = WorkerDriver(journal, cfg, restarts, observers=[seen.append])  # type: ignore[arg-type]
+    stager = Stager("disk", SenderOptions(tmp_path))
+    engine = RolloutEngine(journal, fleet, cfg, driver, stager)
+    return Rig(reg, journal, fleet, {f.name: f for f in fakes}, driver, engine, restarts, seen)
+
+
+FORWARD = [("RUNNING", "DRAINING", ""), ("DRAINING", "UPDATED", ""), ("UPDATED", "RUNNING", "")]
+
+
+def test_a_rollout_moves_every_worker_through_the_state_machine_in_order(reg: Registry, tmp_path: Path) -> None:
+    r = rig(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and res.moved == ["w0", "w1"]
+    assert r.on() == {("RUNNING", "v1")}
+    for w in ("w0", "w1"):
+        assert r.path(res.rollout_id, w) == FORWARD
+    # observers hear every transition after it was recorded, with the version it moves to
+    assert [(t.worker, t.to_state, t.version) for t in r.seen][:3] == [
+        ("w0", S.DRAINING, "v1"), ("w0", S.UPDATED, "v1"), ("w0", S.RUNNING, "v1")]  # fmt: skip
+    # already there: nothing moves
+    again = r.deploy(v1, v0)
+    assert again.outcome == RolloutOutcome.SUCCEEDED and again.moved == []
+
+
+def test_a_refused_update_rolls_back_the_workers_already_moved(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w1.fail("update", UpdateRefused("worker w1: update: HTTP 409: tensor table does not match"))
+    res = r.deploy(v1, v0)
+    assert (res.outcome, res.kind, res.unrecovered) == (RolloutOutcome.FAILED, FailureKind.REFUSED, [])
+    assert r.on() == {("RUNNING", "v0")}  # no mixed versions
+    assert r.path(res.rollout_id, "w1") == [("RUNNING", "DRAINING", ""), ("DRAINING", "UNHEALTHY", "update"),
+                                            ("UNHEALTHY", "RUNNING", "restored")]  # fmt: skip
+    assert r.path(res.rollout_id, "w0") == FORWARD + FORWARD  # to v1, then back to v0
+    assert "rollback" in w0.calls  # going back installs the fallback's request
+    (row,) = [x for x in rollouts(reg) if x["id"] == res.rollout_id]
+    assert row["detail"]["rolled_back"] == ["w0"] and row["detail"]["kind"] == "refused"
+
+
+def test_a_worker_that_dies_mid_update_is_restarted_on_the_fallback(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w1.fail("update", crash=True)
+    res = r.deploy(v1, v0)
+    assert (res.outcome, res.kind, res.unrecovered) == (RolloutOutcome.FAILED, FailureKind.UNREACHABLE, [])
+    assert r.restarts.done == ["w1"] and r.on() == {("RUNNING", "v0")}
+    assert r.path(res.rollout_id, "w1") == [
+        ("RUNNING", "DRAINING", ""), ("DRAINING", "UNHEALTHY", "update"), ("UNHEALTHY", "UNHEALTHY", "restore_failed"),
+        ("UNHEALTHY", "UNHEALTHY", "restart"), ("UNHEALTHY", "RUNNING", "restored"),
+    ]  # fmt: skip
+
+
+def test_a_failed_post_check_restores_the_last_good_version(reg: Registry, tmp_path: Path) -> None:
+    w0 = FakeWorkerClient("w0")
+    r = rig(reg, tmp_path, w0, mode="pause")
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w0.fail("probe", served="something-else")
+    res = r.deploy(v1, v0)
+    assert (res.outcome, res.kind) == (RolloutOutcome.FAILED, FailureKind.MISMATCH)
+    assert r.on() == {("RUNNING", "v0")}
+    assert [(a, b) for a, b, _ in r.path(res.rollout_id, "w0")] == [
+        ("RUNNING", "PAUSED"), ("PAUSED", "UPDATED"), ("UPDATED", "UNHEALTHY"), ("UNHEALTHY", "RUNNING")]  # fmt: skip
+
+
+def test_a_partial_write_on_an_engine_without_atomic_updates_is_uncertain_until_reinstalled(
+    reg: Registry, tmp_path: Path
+) -> None:
+    w0 = FakeWorkerClient("w0", atomic=False, restores_itself=False)
+    r = rig(reg, tmp_path, w0)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w0.fail("update", partial=True)
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.FAILED and res.unrecovered == []
+    assert r.path(res.rollout_id, "w0") == [("RUNNING", "DRAINING", ""), ("DRAINING", "UNCERTAIN", "update"),
+                                            ("UNCERTAIN", "RUNNING", "restored")]  # fmt: skip
+    assert (w0.state, w0.version) == ("RUNNING", "v0") and w0.calls.count("rollback") == 1  # v0 re-installed
+
+
+def test_an_uncertain_worker_whose_reinstall_fails_is_restarted(reg: Registry, tmp_path: Path) -> None:
+    w0 = FakeWorkerClient("w0", atomic=False, restores_itself=False)
+    r = rig(reg, tmp_path, w0)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w0.fail("update", partial=True)
+    w0.fail("rollback", partial=True)
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.FAILED and res.unrecovered == []
+    assert [(a, b, s) for a, b, s in r.path(res.rollout_id, "w0")][1:] == [
+        ("DRAINING", "UNCERTAIN", "update"), ("UNCERTAIN", "UNHEALTHY", "restore_failed"),
+        ("UNHEALTHY", "UNHEALTHY", "restart"), ("UNHEALTHY", "RUNNING", "restored"),
+    ]  # fmt: skip
+    assert (w0.state, w0.version) == ("RUNNING", "v0") and w0.version != MIXED
+
+
+def test_a_worker_that_cannot_be_brought_back_is_named_and_the_rest_serve_the_fallback(
+    reg: Registry, tmp_path: Path
+) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w1.fail("update", crash=True)
+    r.restarts.refuse.add("w1")
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.FAILED and res.unrecovered == ["w1"]
+    assert (w0.state, w0.version) == ("RUNNING", "v0")  # the healthy one is back on the fallback
+    assert r.fleet["w1"].state == S.UNHEALTHY
+    assert r.journal.worker_state("w1")[0] == "UNHEALTHY"
+
+
+def test_a_dead_worker_before_the_rollout_is_brought_back_first_or_the_rollout_does_not_start(
+    reg: Registry, tmp_path: Path
+) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1, v2 = verified(reg, "v0"), verified(reg, "v1"), verified(reg, "v2")
+    w1.alive = False
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and r.on() == {("RUNNING", "v1")}
+    assert r.path(res.rollout_id, "w1")[0] == ("RUNNING", "UNHEALTHY", "preflight")
+    w1.alive = False
+    r.restarts.refuse.add("w1")
+    res = r.deploy(v2, v1)
+    assert (res.outcome, res.kind, res.unrecovered) == (RolloutOutcome.FAILED, FailureKind.UNAVAILABLE, ["w1"])
+    assert (w0.state, w0.version) == ("RUNNING", "v1") and r.path(res.rollout_id, "w0") == []  # nobody moved
+
+
+def test_without_a_known_fallback_a_worker_that_cannot_restore_itself_is_restarted(
+    reg: Registry, tmp_path: Path
+) -> None:
+    w0 = FakeWorkerClient("w0", version="boot", restores_itself=False)
+    r = rig(reg, tmp_path, w0)
+    v1 = verified(reg, "v1")
+    w0.fail("probe", served="boot")
+    res = r.deploy(v1, None)
+    assert res.outcome == RolloutOutcome.FAILED and r.restarts.done == ["w0"]
+    assert r.path(res.rollout_id, "w0")[-2:] == [("UNHEALTHY", "UNHEALTHY", "restart"), ("UNHEALTHY", "RUNNING", "restored")]
+
+
+def test_a_batch_boundary_yields_to_newer_work(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    batches = iter([False, True])
+    res = r.deploy(v1, v0, should_yield=lambda: next(batches))
+    assert res.outcome == RolloutOutcome.SUPERSEDED and res.moved == ["w0"]
+    assert (w0.version, w1.version) == ("v1", "v0")
+
+
+# -- crash recovery ----------------------------------------------------------------------------
+
+
+def _open_rollout(r: Rig, ckpt: CheckpointRef, fallback: CheckpointRef) -> int:
+    return r.journal.start_rollout(ckpt.id, trigger=RolloutTrigger.NEW, transport="disk", mode="drain",
+                                   detail={"version": ckpt.version, "fallback": fallback.version})  # fmt: skip
+
+
+def test_recovery_finishes_a_rollout_a_killed_daemon_left_half_way(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    rid = _open_rollout(r, v1, v0)
+    target = r.engine.fallback_target(v1)
+    assert target is not None
+    r.driver.update(r.fleet["w0"], rid, target, "drain")  # w0 done
+    r.driver.begin(r.fleet["w1"], rid, "drain", "v1")  # w1 DRAINING when the daemon died
+    fresh = rig(reg, tmp_path, w0, w1)  # a new daemon: nothing known in memory
+    rollout = fresh.journal.unfinished_rollouts()[-1]
+    rec = Recovery(fresh.journal, fresh.engine, fresh.driver).run(rollout, v0)
+    assert (rec.finished, rec.version, rec.unrecovered) == (True, "v1", [])
+    assert fresh.on() == {("RUNNING", "v1")}
+    assert [(a, b) for a, b, _ in fresh.path(rid, "w1")] == [("RUNNING", "DRAINING"), ("DRAINING", "UPDATED"),
+                                                               ("UPDATED", "RUNNING")]  # fmt: skip
+
+
+def test_recovery_undoes_a_rollout_whose_failure_path_had_begun(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    rid = _open_rollout(r, v1, v0)
+    target = r.engine.fallback_target(v1)
+    assert target is not None
+    r.driver.update(r.fleet["w0"], rid, target, "drain")
+    r.driver.begin(r.fleet["w1"], rid, "drain", "v1")
+    r.driver.transfer(r.fleet["w1"], rid, target)
+    r.driver.move(r.fleet["w1"], rid, S.UNHEALTHY, duration_ms=None, detail={"step": "post_check"})  # then killed
+    fresh = rig(reg, tmp_path, w0, w1)
+    rec = Recovery(fresh.journal, fresh.engine, fresh.driver).run(fresh.journal.unfinished_rollouts()[-1], v0)
+    assert (rec.finished, rec.version, rec.unrecovered) == (False, "v0", [])
+    assert fresh.on() == {("RUNNING", "v0")}  # everyone back on the fallback: no mixed versions
+
+
+def test_recovery_restarts_a_worker_that_does_not_answer(reg: Registry, tmp_path: Path) -> None:
+    w0 = FakeWorkerClient("w0")
+    r = rig(reg, tmp_path, w0)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    rid = _open_rollout(r, v1, v0)
+    r.driver.begin(r.fleet["w0"], rid, "drain", "v1")
+    w0.alive = False  # died with the daemon
+    fresh = rig(reg, tmp_path, w0)
+    rec = Recovery(fresh.journal, fresh.engine, fresh.driver).run(fresh.journal.unfinished_rollouts()[-1], v0)
+    assert rec.unrecovered == [] and fresh.restarts.done == ["w0"] and w0.state == "RUNNING"
+
+
+# -- the health window -------------------------------------------------------------------------
+
+
+def _during(fn: Any) -> Any:
+    """A should_abort that runs `fn` once, at the window's first sample (traffic inside the window)."""
+    done: list[bool] = []
+
+    def abort() -> bool:
+        if not done:
+            done.append(True)
+            fn()
+        return False
+
+    return abort
+
+
+def test_health_window_verdicts(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, max_error_rate=0.01, min_window_requests=5)
+    w0.traffic(100, failed=50)  # before the window: not counted
+    assert health.watch(r.fleet, settings, lambda: False).ok
+
+    verdict = health.watch(r.fleet, settings, _during(lambda: (w0.traffic(10), w1.traffic(10, failed=3))))
+    assert not verdict.ok
+    assert verdict.reason is not None and "worker w1 error rate 30.0% (3 of 10 requests failed)" in verdict.reason
+    assert verdict.workers["w0"] == {"requests": 10, "failed": 0, "rate": 0.0}
+
+    few = health.watch(r.fleet, settings, _during(lambda: w1.traffic(2, failed=2)))
+    assert few.ok  # 2 requests < min_window_requests: no verdict on w1
+    assert health.watch(r.fleet, settings, lambda: True).aborted
+    w1.alive = False
+    gone = health.watch(r.fleet, settings, lambda: False)
+    assert not gone.ok and "worker w1 did not answer at the start of the health window" in (gone.reason or "")
+
+
+# -- the service over fakes: a whole new-checkpoint job, through the kind registry ---------------
+
+
+@pytest.fixture
+def fake_kind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    monkeypatch.setitem(adapters.WORKER_KINDS, "fake", "fake_worker:connect")  # the one registry line
+    yield
+    FAKES.clear()
+
+
+def _service(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, **settings: Any) -> RolloutService:
+    for f in fakes:
+        FAKES[f.name] = f
+    specs = [WorkerSpec(name=f.name, url=f"http://fake/{f.name}", kind="fake") for f in fakes]
+    svc = RolloutService(reg, RolloutSettings(**{**FAST, **settings}), specs, tmp_path, restarter=Restarts(dict(FAKES)))  # type: ignore[arg-type]
+    svc.start()
+    assert svc.wait_ready(10)
+    return svc
+
+
+def test_service_deploys_a_new_checkpoint_and_records_serving(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        out = svc._deploy_new(v1)
+        assert out["outcome"] == "succeeded"
+        assert svc.journal.alias("serving") == svc.journal.checkpoint(v1.id)
+        assert svc.journal.checkpoint(v1.id).status == C.DEPLOYED  # type: ignore[union-attr]
+        assert svc.state.serving == "v1" and {f.version for f in FAKES.values()} == {"v1"}
+    finally:
+        svc.stop()
+
+
+def test_service_rejects_a_version_whose_rollout_failed_and_keeps_serving(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("update", UpdateRefused("worker w1: update: HTTP 409: shape"))
+        out = svc._deploy_new(v1)
+        row = svc.journal.checkpoint(v1.id)
+        assert out["outcome"] == "failed" and row is not None and row.status == C.REJECTED
+        assert svc.journal.alias("serving") == svc.journal.checkpoint(v0.id)
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+    finally:
+        svc.stop()
+
+
+def test_service_refuses_a_worker_kind_that_does_not_take_the_transport(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    f = FakeWorkerClient("w0")
+    f.capabilities = type(f.capabilities)(transports=("disk",))
+    FAKES["w0"] = f
+    with pytest.raises(ValueError, match="w0 .* does not take transport 'ipc'"):
+        RolloutService(reg, RolloutSettings(transport="ipc"), [WorkerSpec(name="w0", url="http://fake/w0", kind="fake")],
+                       tmp_path)  # fmt: skip
