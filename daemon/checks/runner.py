@@ -11,10 +11,12 @@ from typing import Any
 
 from daemon.checks.base import (
     CHECK_NAMES,
+    REQUIRES,
     CheckContext,
     CheckFailed,
     CheckResult,
     CheckSettings,
+    CheckSkipped,
     VerifyReport,
 )
 
@@ -54,23 +56,34 @@ def run_checks(
     """
     ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
     results: list[CheckResult] = []
+    passed: set[str] = set()
     failure: CheckResult | None = None
     for name in CHECK_NAMES:
         if name not in settings.enabled:
             continue
         started = datetime.now(UTC)
         t0 = time.perf_counter()
-        deferred = False
+        deferred = skipped = False
         try:
+            missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
+            if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
+                raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
             detail = _resolve(name)(ctx)
             ok = True
+        except CheckSkipped as exc:
+            detail = {"skipped": exc.reason, **exc.detail}
+            ok, skipped = True, True
         except CheckFailed as exc:
             detail = {"reason": exc.reason, **exc.detail}
             ok, deferred = False, exc.deferred
         except Exception as exc:  # a bug or an OS fault in a check must still reject, with the cause
             detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
             ok = False
-        result = CheckResult(name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred)
+        result = CheckResult(
+            name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred, skipped
+        )
+        if ok and not skipped:
+            passed.add(name)
         results.append(result)
         if on_result is not None:
             on_result(result)
