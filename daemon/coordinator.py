@@ -244,6 +244,7 @@ class Coordinator:
                     started_at=result.started_at,
                     duration_ms=result.duration_ms,
                     deferred=result.deferred,
+                    status=result.status,
                 )
             vlog.info(
                 "check",
@@ -268,7 +269,12 @@ class Coordinator:
                 ckpt.step = report.manifest.step
                 ckpt.parent = report.manifest.parent
             if report.files:
-                q.replace_files(s, ckpt, [(f.path, f.bytes, f.crc32c or None) for f in report.files])
+                q.replace_files(
+                    s,
+                    ckpt,
+                    [(f.path, f.bytes, f.crc32c or None) for f in report.files],
+                    hashes={f.path: (f.hash_alg, f.hash) for f in report.files if f.hash and f.hash_alg},
+                )
             if not report.ok:
                 status = "deferred" if report.deferred else "rejected"
                 q.set_status(s, ckpt, status, report.reason, duration_ms=duration_ms)
