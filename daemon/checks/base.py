@@ -199,6 +199,7 @@ class CheckContext:
     settings: CheckSettings
     reference: Path | None
     manifest: Manifest | None = None  # what the manifest claims (None: index/marker-committed)
+    recorded: list[ManifestFile] | None = None  # digests an earlier verify recorded (the registry's)
     files: list[ManifestFile] = field(default_factory=list)  # sizes; crc32c/hash "" until computed
     file_list_from: str | None = None  # "manifest" | "directory" once the manifest check listed files
     hashed: bool = False  # files carry crc32c and hash computed from the bytes

@@ -140,7 +140,7 @@ def _summary(result: CheckResult) -> str:
     if result.name == "crc32c":
         return (
             f"{d['files']} files, {d['bytes'] / 1e9:.3f} GB at {d.get('gb_per_s')} GB/s "
-            f"({d.get('hash_alg')} + crc32c), digest {d['digest']}{weak}"
+            f"({d.get('hash_alg')} + crc32c), compared with {d.get('compared')}, digest {d['digest']}{weak}"
         )
     parts = [f"{k}={v}" for k, v in d.items() if isinstance(v, str | int | float) and k not in ("reason", "weak")]
     text = ", ".join(parts)

@@ -23,8 +23,15 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
     root = ctx.directory
     files = ctx.files
     manifest = ctx.manifest
-    alg = manifest.hash_alg if manifest is not None and not manifest.weak else ctx.settings.hash_alg
+    recorded = ctx.recorded
+    recorded_alg = next((r.hash_alg for r in recorded or [] if r.hash and r.hash_alg), None)
+    if manifest is not None and not manifest.weak:
+        alg = manifest.hash_alg
+    else:
+        alg = recorded_alg or ctx.settings.hash_alg
     assert alg is not None
+    if recorded is not None:
+        _same_file_list(files, recorded)
     t0 = time.perf_counter()
     try:
         digests = hash_files(
@@ -50,13 +57,20 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
                 f"{f.path}: {d.bytes} bytes when hashed, {f.bytes} when listed (changed meanwhile)",
                 {"file": f.path},
             )
+    compared: list[str] = []
     if manifest is not None:
-        _compare(manifest.files, digests)
-        detail["compared"] = "crc32c" if manifest.weak else f"crc32c and {alg}"
-        if manifest.weak:
-            detail["weak"] = "format 1: only CRC32C compared; the strong hashes were computed, not checked"
+        _compare(manifest.files, digests, "the manifest's")
+        compared.append("manifest: crc32c" if manifest.weak else f"manifest: crc32c and {alg}")
+    if recorded is not None:
+        by_path = {r.path: r for r in recorded}
+        _compare([by_path[f.path] for f in files], digests, "the recorded")
+        compared.append(f"recorded: crc32c{' and ' + alg if recorded_alg == alg else ''}")
+    if compared:
+        detail["compared"] = "; ".join(compared)
     else:
-        detail["compared"] = f"nothing (no manifest): crc32c and {alg} computed and recorded"
+        detail["compared"] = f"nothing (no manifest): crc32c and {alg} computed and recorded as the reference"
+    if manifest is not None and manifest.weak and recorded_alg != alg:
+        detail["weak"] = "format 1: only CRC32C compared; the strong hashes were computed, not checked"
     ctx.files = [
         ManifestFile(f.path, d.bytes, d.crc32c, d.hash, alg) for f, d in zip(files, digests, strict=True)
     ]
@@ -66,15 +80,34 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
     return detail
 
 
-def _compare(listed: list[ManifestFile], digests: list[FileDigest]) -> None:
-    crc_bad = [(f, d) for f, d in zip(listed, digests, strict=True) if f.crc32c != d.crc32c]
-    hash_bad = [(f, d) for f, d in zip(listed, digests, strict=True) if f.hash and f.hash != d.hash]
+def _same_file_list(files: list[ManifestFile], recorded: list[ManifestFile]) -> None:
+    now, then = {f.path for f in files}, {r.path for r in recorded}
+    if now != then:
+        diff = sorted(now ^ then)
+        where = "new since" if diff[0] in now else "missing since"
+        raise CheckFailed(
+            f"{diff[0]}: {where} the recorded verify (file list changed)"
+            + (f"; and {len(diff) - 1} more" if len(diff) > 1 else ""),
+            {"file": diff[0], "changed": diff[:20]},
+        )
+
+
+def _compare(listed: list[ManifestFile], digests: list[FileDigest], whose: str = "the manifest's") -> None:
+    for f, d in zip(listed, digests, strict=True):
+        if f.bytes != d.bytes:
+            raise CheckFailed(f"{f.path}: {d.bytes} bytes, {whose} {f.bytes}", {"file": f.path})
+    crc_bad = [(f, d) for f, d in zip(listed, digests, strict=True) if f.crc32c and f.crc32c != d.crc32c]
+    hash_bad = [
+        (f, d)
+        for f, d in zip(listed, digests, strict=True)
+        if f.hash and (f.hash_alg or d.hash_alg) == d.hash_alg and f.hash != d.hash
+    ]
     # a strong-hash mismatch with the CRC intact is the forgery case: name it first
     forged = [(f, d) for f, d in hash_bad if f.crc32c == d.crc32c]
     if forged:
         f, d = forged[0]
         raise CheckFailed(
-            f"{f.path}: {d.hash_alg} does not match the manifest's although its crc32c does "
+            f"{f.path}: {d.hash_alg} does not match {whose} although its crc32c does "
             "(the file was altered so as to keep its CRC)"
             + (f"; {len(hash_bad) - 1} more files differ" if len(hash_bad) > 1 else ""),
             {
@@ -89,7 +122,7 @@ def _compare(listed: list[ManifestFile], digests: list[FileDigest]) -> None:
     if crc_bad:
         f, d = crc_bad[0]
         raise CheckFailed(
-            f"{f.path}: crc32c {d.crc32c} does not match the manifest's {f.crc32c} (file corrupted)"
+            f"{f.path}: crc32c {d.crc32c} does not match {whose} {f.crc32c} (file corrupted)"
             + (f"; {len(crc_bad) - 1} more files differ" if len(crc_bad) > 1 else ""),
             {
                 "file": f.path,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -19,6 +19,7 @@ from daemon.checks.base import (
     CheckSkipped,
     VerifyReport,
 )
+from daemon.manifest import ManifestFile
 
 # check name -> "module:function"; imported on first use so cheap checks never pay for torch
 _CHECKS: dict[str, str] = {
@@ -47,14 +48,23 @@ def run_checks(
     *,
     reference: Path | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
+    recorded: Iterable[Any] | None = None,
 ) -> VerifyReport:
     """Run every enabled check on `directory`; `reference` is the serving version's directory.
 
     Each result goes to `on_result` as soon as it is known (the coordinator writes a
     `checks` row). A failing check stops the run: the report is not ok, and `deferred`
     says whether to retry later (headroom) rather than reject.
+
+    `recorded`: the file digests an earlier verify recorded for this version (rows with
+    path, bytes, crc32c, hash_alg, hash, e.g. `checkpoint_files`), for a re-verify: the
+    bytes must still match them, with or without a manifest.
     """
     ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
+    if recorded is not None:
+        ctx.recorded = [
+            ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded
+        ]
     results: list[CheckResult] = []
     passed: set[str] = set()
     failure: CheckResult | None = None
