@@ -44,7 +44,7 @@ class CheckSettings:
     require_manifest: bool = False  # reject index/marker-committed checkpoints (no manifest)
     hmac_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> shared key file
     ed25519_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> public key file (PEM or raw)
-    # a format-1 manifest (CRC32C only) while keys or require_manifest say manifests are trusted
+    # accept a format-1 manifest (CRC32C only: its signature does not cover the weights) with keys set
     allow_format1_manifest: bool = False
     hash_alg: str = DEFAULT_HASH_ALG  # strong hash for checkpoints without a format-2 manifest
     header_cap_bytes: int = HEADER_CAP_BYTES

@@ -55,7 +55,7 @@ def _parser() -> argparse.ArgumentParser:
         "--allow-format1",
         action="store_true",
         default=None,
-        help="accept a format-1 (CRC32C-only) manifest although keys or --require-manifest are given",
+        help="accept a format-1 (CRC32C-only) manifest although signature keys are given",
     )
     ap.add_argument(
         "--hmac-key", action="append", metavar="KEY_ID=FILE", help="trusted HMAC key (repeatable)"

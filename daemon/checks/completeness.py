@@ -2,11 +2,13 @@
 
 Format 2 lists a strong hash per file under the signature; the crc32c check compares
 the bytes with it. Format 1 lists only CRC32C, which a deliberate edit can keep (CRC32C
-is linear): it is read, flagged weak in the detail and the log, and refused where the
-configuration says manifests are trusted (signature keys or require_manifest) unless
-`checks.allow_format1_manifest` is on. The strong hashes are then computed from the
-bytes as they are now: they pin the content from here on, they cannot prove what the
-signer meant.
+is linear): it is read, flagged weak in the detail and the log. Where signature keys are
+configured it is refused unless `checks.allow_format1_manifest` is on: the operator asked
+for a signature to protect the weights, and a format-1 signature covers only CRCs. (An
+unsigned manifest of either format is no proof against whoever can write the directory,
+and both catch accidents, so require_manifest alone does not refuse format 1.) The
+strong hashes are then computed from the bytes as they are now: they pin the content
+from here on; they cannot prove what the publisher meant.
 """
 
 from __future__ import annotations
@@ -120,14 +122,14 @@ def check_manifest(ctx: CheckContext) -> dict[str, Any]:
 
 
 def _format1(ctx: CheckContext, signed: bool) -> dict[str, Any]:
-    """Refuse a format-1 manifest where manifests are trusted, unless allowed; else flag it weak."""
+    """Refuse a format-1 manifest where signatures are required, unless allowed; else flag it weak."""
     settings = ctx.settings
-    trusted = settings.keys_configured or settings.require_manifest
-    why = "signature keys are configured" if settings.keys_configured else "checks.require_manifest is on"
+    trusted = settings.keys_configured
     if trusted and not settings.allow_format1_manifest:
         raise CheckFailed(
-            f"{MANIFEST_NAME} is {FORMAT_1} (CRC32C only{'; ' + FORMAT1_SIGNED if signed else ''}) and {why}: "
-            "re-publish it with `hotswap publish` (format 2), or set checks.allow_format1_manifest = true",
+            f"{MANIFEST_NAME} is {FORMAT_1} (CRC32C only; {FORMAT1_SIGNED if signed else 'unsigned'}) and "
+            "signature keys are configured: re-publish it with `hotswap publish` (format 2), "
+            "or set checks.allow_format1_manifest = true",
             {"format": FORMAT_1, "weak": FORMAT1_WEAK},
         )
     weak = FORMAT1_WEAK + (f"; {FORMAT1_SIGNED}" if signed else "")
