@@ -56,15 +56,13 @@ def run_checks(
     `checks` row). A failing check stops the run: the report is not ok, and `deferred`
     says whether to retry later (headroom) rather than reject.
 
-    `recorded`: the file digests an earlier verify recorded for this version (rows with
-    path, bytes, crc32c, hash_alg, hash, e.g. `checkpoint_files`), for a re-verify: the
-    bytes must still match them, with or without a manifest.
+    `recorded`: the file digests an earlier verify recorded for this version (anything with
+    path, bytes, crc32c, hash_alg, hash, e.g. its `checkpoint_files` rows), for a re-verify:
+    the file list and bytes must still match them, with or without a manifest.
     """
     ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
-    if recorded is not None:
-        ctx.recorded = [
-            ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded
-        ]
+    rows = [ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded or ()]
+    ctx.recorded = rows or None  # nothing recorded (e.g. crc32c was off then): nothing to hold it to
     results: list[CheckResult] = []
     passed: set[str] = set()
     failure: CheckResult | None = None
