@@ -65,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--require-manifest", action="store_true", default=None)
     ap.add_argument("--headroom-factor", type=float)
-    ap.add_argument("--threads", type=int, help="CRC32C / finite-scan threads (default: one per core)")
+    ap.add_argument(
+        "--threads", type=int, help="hashing (CRC32C + strong hash) and finite-scan threads (default: one per core)"
+    )
     ap.add_argument("--device", help="forward-pass device (cpu, cuda:0, ...)")
     ap.add_argument("--top1-min", type=float, help="minimum top-1 agreement with --reference")
     ap.add_argument("--kl-max", type=float, help="maximum mean KL(reference || new), nats")
