@@ -273,7 +273,10 @@ def _status_style(status: str) -> str:
 
 
 def publish_main(argv: Sequence[str] | None = None) -> int:
-    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--key-file F --key-id ID [--alg A]]`."""
+    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--hash blake3|sha256]
+    [--key-file F --key-id ID [--alg A]]`."""
+    from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS  # here: `hotswap` stays quick to start
+
     ap = argparse.ArgumentParser(prog="hotswap publish", description="Write hotswap-manifest.json (last).")
     ap.add_argument("directory", type=Path)
     ap.add_argument("--version", help="version label (default: the directory name)")
@@ -284,6 +287,12 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
     )
     ap.add_argument("--key-id")
     ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
+    ap.add_argument(
+        "--hash",
+        choices=list(HASH_ALGORITHMS),
+        default=DEFAULT_HASH_ALG,
+        help=f"per-file strong hash (default {DEFAULT_HASH_ALG}: fastest, uses every core)",
+    )
     ap.add_argument("--threads", type=int)
     args = ap.parse_args(argv)
     from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
@@ -300,7 +309,9 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
             except SignatureError as exc:
                 print(f"hotswap publish: {exc}", file=sys.stderr)
                 return 2
-        m = publish(args.directory, args.version, args.step, args.parent, signer, threads=args.threads)
+        m = publish(
+            args.directory, args.version, args.step, args.parent, signer, hash_alg=args.hash, threads=args.threads
+        )
     except (ManifestError, OSError) as exc:
         print(f"hotswap publish: {exc}", file=sys.stderr)
         return 1

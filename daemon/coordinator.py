@@ -311,6 +311,7 @@ class Coordinator:
                     started_at=result.started_at,
                     duration_ms=result.duration_ms,
                     deferred=result.deferred,
+                    status=result.status,
                 )
             vlog.info(
                 "check",
@@ -335,7 +336,12 @@ class Coordinator:
                 ckpt.step = report.manifest.step
                 ckpt.parent = report.manifest.parent
             if report.files:
-                q.replace_files(s, ckpt, [(f.path, f.bytes, f.crc32c or None) for f in report.files])
+                q.replace_files(
+                    s,
+                    ckpt,
+                    [(f.path, f.bytes, f.crc32c or None) for f in report.files],
+                    hashes={f.path: (f.hash_alg, f.hash) for f in report.files if f.hash and f.hash_alg},
+                )
             if not report.ok:
                 failed = C.DEFERRED if report.deferred else C.REJECTED
                 status.move(s, ckpt, failed, report.reason, duration_ms=duration_ms)

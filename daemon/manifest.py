@@ -1,9 +1,18 @@
 """The checkpoint manifest: what `hotswap publish` writes last and every check starts from.
 
-Format (DESIGN.md): `{"format": "hotswap.manifest/1", "version", "step", "parent",
-"created_at", "files": [{"path", "bytes", "crc32c"}], "signature": {alg, key_id, value}}`.
+Format 2 (written by `hotswap publish`):
+
+    {"format": "hotswap.manifest/2", "version", "step", "parent", "created_at",
+     "hash_alg": "blake3" | "sha256",
+     "digest": "<hash_alg>:<hex>",          # content digest, see daemon.hashing.content_digest
+     "files": [{"path", "bytes", "crc32c": "<8 hex>", "<hash_alg>": "<64 hex>"}],
+     "signature": {"alg": "hmac-sha256" | "ed25519", "key_id", "value": "<base64>"}}
+
 The signature covers the canonical JSON (sorted keys, no whitespace, UTF-8) of every
-other field. Paths are relative, normalised and stay inside the checkpoint.
+other field, so it protects the strong per-file hashes. Format 1 (`hotswap.manifest/1`,
+files with path, bytes, crc32c only) is still read: its CRCs cannot detect a deliberate
+edit (CRC32C is linear), so the checks flag it as weak. Paths are relative, normalised
+and stay inside the checkpoint.
 """
 
 from __future__ import annotations
@@ -11,19 +20,26 @@ from __future__ import annotations
 import json
 import os
 import posixpath
-import stat
-import struct
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.crc import crc32c_file, crc32c_files
 from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats.smallfile import MANIFEST_CAP_BYTES, SmallFileError, SmallFileMissing, read_small_file
+from daemon.hashing import (
+    DEFAULT_HASH_ALG,
+    HASH_ALGORITHMS,
+    content_digest,
+    crc32c_file,
+    hash_files,
+    is_hex_digest,
+)
 
 __all__ = [
     "FORMAT",
+    "FORMAT_1",
+    "FORMAT_2",
     "MANIFEST_NAME",
     "MANIFEST_CAP_BYTES",
     "Manifest",
@@ -34,15 +50,15 @@ __all__ = [
     "canonical_bytes",
     "check_relative_path",
     "crc32c_file",
-    "digest",
     "list_checkpoint_files",
     "load_manifest",
     "parse_manifest",
     "publish",
 ]
 
-FORMAT = "hotswap.manifest/1"
-MANIFEST_CAP_BYTES = 64 * 1024 * 1024  # a manifest listing a million files is still far below this
+FORMAT_1 = "hotswap.manifest/1"  # CRC32C only: read, flagged weak
+FORMAT_2 = "hotswap.manifest/2"  # CRC32C + a strong hash per file
+FORMAT = FORMAT_2  # what `publish` writes
 _TMP_PREFIX = f".{MANIFEST_NAME}.tmp"
 
 
@@ -52,9 +68,13 @@ class ManifestError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class ManifestFile:
+    """One file: as a manifest lists it, or as the checks measured it ("" where not known)."""
+
     path: str  # relative, normalised, '/'-separated
     bytes: int
     crc32c: str  # 8 lowercase hex digits
+    hash: str = ""  # hex of `hash_alg` ("" in format 1, or before hashing)
+    hash_alg: str | None = None  # "blake3" | "sha256"
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,10 +104,23 @@ class Manifest:
     files: list[ManifestFile]
     signature: Signature | None = None
     extra: dict[str, Any] = field(default_factory=dict)  # unknown top-level keys, kept so signatures verify
+    format: str = FORMAT_2
+    hash_alg: str | None = DEFAULT_HASH_ALG  # None in format 1
 
     @property
-    def digest(self) -> str:
-        return digest(self.files)
+    def weak(self) -> bool:
+        """Format 1: only CRC32C per file, which a deliberate edit can keep unchanged."""
+        return self.format == FORMAT_1
+
+    @property
+    def digest(self) -> str | None:
+        """Content digest `<alg>:<hex>` over the listed strong hashes; None for format 1.
+
+        This is what the manifest claims; the checks recompute it from the bytes.
+        """
+        if self.format == FORMAT_1 or self.hash_alg is None:
+            return None
+        return content_digest(self.files, self.hash_alg)
 
     @property
     def total_bytes(self) -> int:
@@ -97,12 +130,23 @@ class Manifest:
         """Everything the signature covers, as a JSON-ready dict."""
         doc: dict[str, Any] = dict(self.extra)
         doc.update(
-            format=FORMAT,
+            format=self.format,
             version=self.version,
             step=self.step,
             parent=self.parent,
             created_at=self.created_at,
-            files=[{"path": f.path, "bytes": f.bytes, "crc32c": f.crc32c} for f in self.files],
+        )
+        if self.format == FORMAT_1:
+            doc["files"] = [{"path": f.path, "bytes": f.bytes, "crc32c": f.crc32c} for f in self.files]
+            return doc
+        assert self.hash_alg is not None
+        doc.update(
+            hash_alg=self.hash_alg,
+            digest=self.digest,
+            files=[
+                {"path": f.path, "bytes": f.bytes, "crc32c": f.crc32c, self.hash_alg: f.hash}
+                for f in self.files
+            ],
         )
         return doc
 
@@ -124,15 +168,6 @@ def canonical_bytes(doc: dict[str, Any]) -> bytes:
     """Sorted keys, no whitespace, UTF-8; `signature` left out."""
     body = {k: v for k, v in doc.items() if k != "signature"}
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
-
-
-def digest(files: Iterable[ManifestFile]) -> str:
-    """Content digest: CRC32C over each file's CRC (4 bytes, big-endian), files sorted by path."""
-    import crc32c
-
-    ordered = sorted(files, key=lambda f: f.path)
-    packed = b"".join(struct.pack(">I", int(f.crc32c, 16)) for f in ordered)
-    return f"{crc32c.crc32c(packed):08x}"
 
 
 def check_relative_path(path: object, root: Path | None = None) -> str:
@@ -158,15 +193,16 @@ def check_relative_path(path: object, root: Path | None = None) -> str:
 
 
 def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_NAME) -> Manifest:
-    """Strictly parse manifest bytes; `root` enables the symlink-out check."""
+    """Strictly parse manifest bytes (format 1 or 2); `root` enables the symlink-out check."""
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise ManifestError(f"{where}: not valid UTF-8 JSON ({exc})") from None
+        raise ManifestError(f"{where}: not valid UTF-8 JSON ({str(exc)[:200]})") from None
     if not isinstance(doc, dict):
         raise ManifestError(f"{where}: top level is not a JSON object")
-    if doc.get("format") != FORMAT:
-        raise ManifestError(f"{where}: format is {doc.get('format')!r}, expected {FORMAT!r}")
+    fmt = doc.get("format")
+    if fmt not in (FORMAT_1, FORMAT_2):
+        raise ManifestError(f"{where}: format is {fmt!r}, expected {FORMAT_2!r} (or {FORMAT_1!r})")
     version = _opt(doc, "version", str, where)
     step = doc.get("step")
     if step is not None and (not isinstance(step, int) or isinstance(step, bool) or step < 0):
@@ -175,14 +211,20 @@ def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_N
     created_at = _opt(doc, "created_at", str, where)
     if version is not None and (not version or "/" in version or version in (".", "..")):
         raise ManifestError(f"{where}: version {version!r} is not a usable label")
+    hash_alg: str | None = None
+    if fmt == FORMAT_2:
+        hash_alg = doc.get("hash_alg")
+        if hash_alg not in HASH_ALGORITHMS:
+            raise ManifestError(f"{where}: hash_alg is {hash_alg!r}, expected one of {list(HASH_ALGORITHMS)}")
+    keys = {"path", "bytes", "crc32c"} | ({hash_alg} if hash_alg else set())
     raw_files = doc.get("files")
     if not isinstance(raw_files, list):
         raise ManifestError(f"{where}: 'files' must be a list")
     files: list[ManifestFile] = []
     seen: set[str] = set()
     for i, item in enumerate(raw_files):
-        if not isinstance(item, dict) or set(item) != {"path", "bytes", "crc32c"}:
-            raise ManifestError(f"{where}: files[{i}] must have exactly path, bytes, crc32c")
+        if not isinstance(item, dict) or set(item) != keys:
+            raise ManifestError(f"{where}: files[{i}] must have exactly {', '.join(sorted(keys))}")
         path = item["path"]
         try:
             check_relative_path(path, root)
@@ -198,7 +240,14 @@ def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_N
             raise ManifestError(f"{where}: file {path!r}: bytes must be a non-negative integer")
         if not isinstance(crc, str) or len(crc) != 8 or any(c not in "0123456789abcdef" for c in crc):
             raise ManifestError(f"{where}: file {path!r}: crc32c must be 8 lowercase hex digits, got {crc!r}")
-        files.append(ManifestFile(path, size, crc))
+        strong = ""
+        if hash_alg is not None:
+            strong = item[hash_alg]
+            if not is_hex_digest(hash_alg, strong):
+                raise ManifestError(
+                    f"{where}: file {path!r}: {hash_alg} must be 64 lowercase hex digits, got {strong!r:.80}"
+                )
+        files.append(ManifestFile(path, size, crc, strong, hash_alg))
     files.sort(key=lambda f: f.path)
     signature = None
     if "signature" in doc and doc["signature"] is not None:
@@ -209,8 +258,16 @@ def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_N
             raise ManifestError(f"{where}: signature must have string alg, key_id and value")
         signature = Signature(sig["alg"], sig["key_id"], sig["value"])
     known = {"format", "version", "step", "parent", "created_at", "files", "signature"}
+    if fmt == FORMAT_2:
+        known |= {"hash_alg", "digest"}
     extra = {k: v for k, v in doc.items() if k not in known}
-    return Manifest(version, step, parent, created_at, files, signature, extra)
+    manifest = Manifest(version, step, parent, created_at, files, signature, extra, fmt, hash_alg)
+    if fmt == FORMAT_2 and doc.get("digest") != manifest.digest:
+        raise ManifestError(
+            f"{where}: digest {doc.get('digest')!r:.80} does not match its files' hashes "
+            f"({manifest.digest})"
+        )
+    return manifest
 
 
 def _opt(doc: dict[str, Any], key: str, typ: type, where: str) -> Any:
@@ -221,28 +278,15 @@ def _opt(doc: dict[str, Any], key: str, typ: type, where: str) -> Any:
 
 
 def load_manifest(directory: str | Path) -> Manifest:
-    """Read and strictly validate `<directory>/hotswap-manifest.json`."""
+    """Read (bounded, regular file only, inside the checkpoint) and strictly validate the manifest."""
     root = Path(directory)
-    path = root / MANIFEST_NAME
     try:
-        # O_NONBLOCK + fstat: a FIFO planted under the manifest's name must not hang the daemon
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    except FileNotFoundError:
-        raise ManifestError(f"{path}: no manifest") from None
-    except OSError as exc:
-        raise ManifestError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ManifestError(f"{path}: not a regular file")
-        with os.fdopen(os.dup(fd), "rb") as f:
-            raw = f.read(MANIFEST_CAP_BYTES + 1)
-    except OSError as exc:
-        raise ManifestError(f"{path}: unreadable ({exc.strerror or exc})") from None
-    finally:
-        os.close(fd)
-    if len(raw) > MANIFEST_CAP_BYTES:
-        raise ManifestError(f"{path}: larger than the {MANIFEST_CAP_BYTES}-byte cap")
-    return parse_manifest(raw, root, str(path))
+        raw = read_small_file(root, MANIFEST_NAME, MANIFEST_CAP_BYTES)
+    except SmallFileMissing:
+        raise ManifestError(f"{root / MANIFEST_NAME}: no manifest") from None
+    except SmallFileError as exc:
+        raise ManifestError(str(exc)) from None
+    return parse_manifest(raw, root, str(root / MANIFEST_NAME))
 
 
 def list_checkpoint_files(directory: str | Path) -> list[str]:
@@ -280,40 +324,36 @@ def publish(
     parent: str | None = None,
     signer: Signer | None = None,
     *,
+    hash_alg: str = DEFAULT_HASH_ALG,
     threads: int | None = None,
 ) -> Manifest:
-    """Hash every file and write the manifest atomically (tmp + fsync + rename), last.
+    """Hash every file (CRC32C and `hash_alg`, one read) and write a format-2 manifest atomically, last.
 
-    The version defaults to the directory name.
+    The version defaults to the directory name. tmp + fsync + rename, then the directory is fsynced.
     """
     root = Path(directory)
     if not root.is_dir():
         raise ManifestError(f"{root}: not a directory")
+    if hash_alg not in HASH_ALGORITHMS:
+        raise ManifestError(f"hash algorithm {hash_alg!r} unknown; known: {list(HASH_ALGORITHMS)}")
     rels = list_checkpoint_files(root)
     if not rels:
         raise ManifestError(f"{root}: nothing to publish (no files)")
-    sizes = [(root / r).stat().st_size for r in rels]
-    crcs = crc32c_files([root / r for r in rels], threads=threads)
-    files = [ManifestFile(r, s, c) for r, s, c in zip(rels, sizes, crcs, strict=True)]
+    digests = hash_files([root / r for r in rels], alg=hash_alg, threads=threads)
+    files = [ManifestFile(r, d.bytes, d.crc32c, d.hash, hash_alg) for r, d in zip(rels, digests, strict=True)]
     manifest = Manifest(
         version=version if version is not None else root.resolve().name,
         step=step,
         parent=parent,
         created_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         files=files,
+        format=FORMAT_2,
+        hash_alg=hash_alg,
     )
-    if manifest.version is not None:
-        parse_manifest(manifest.to_json().encode(), None, "new manifest")  # same rules as readers apply
+    parse_manifest(manifest.to_json().encode(), None, "new manifest")  # same rules as readers apply
     if signer is not None:
         value = signer.sign(manifest.canonical())
-        manifest = Manifest(
-            manifest.version,
-            step,
-            parent,
-            manifest.created_at,
-            files,
-            Signature(signer.alg, signer.key_id, value),
-        )
+        manifest = replace(manifest, signature=Signature(signer.alg, signer.key_id, value))
     _write_atomically(root / MANIFEST_NAME, manifest.to_json().encode("utf-8"))
     return manifest
 

@@ -152,7 +152,7 @@ def test_manifest_path_leaving_or_not_normalised_is_rejected(tmp_path: Path, bad
     d = published(tmp_path / "v")
 
     def add(doc: dict) -> dict:
-        doc["files"].append({"path": bad_path, "bytes": 1, "crc32c": "00000000"})
+        doc["files"].append({"path": bad_path, "bytes": 1, "crc32c": "00000000", "blake3": "0" * 64})
         return doc
 
     edit_manifest(d, add)
@@ -387,8 +387,11 @@ def test_settings_reject_unknown_names_and_keys():
         CheckSettings.from_mapping({"headroom": 2})
     with pytest.raises(ValueError, match="headroom_factor"):
         CheckSettings.from_mapping({"headroom_factor": 0})
-    s = CheckSettings.from_mapping({"hmac_keys": {"t": "/k"}, "enabled": ["manifest"], "reference_dir": "/r"})
-    assert s.hmac_keys == {"t": Path("/k")} and s.enabled == ("manifest",) and s.reference_dir == Path("/r")
+    s = CheckSettings.from_mapping(
+        {"hmac_keys": {"t": "/k"}, "enabled": ["manifest", "crc32c"], "reference_dir": "/r"}
+    )
+    assert s.hmac_keys == {"t": Path("/k")} and s.enabled == ("manifest", "crc32c")
+    assert s.reference_dir == Path("/r")
 
 
 def test_forward_pass_uses_the_checkpoints_tokenizer_and_rejects_a_broken_one(tmp_path: Path):

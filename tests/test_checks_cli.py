@@ -22,9 +22,13 @@ def test_good_checkpoint_exits_zero_and_prints_every_check(
     d = published(tmp_path / "v", shards=2)
     assert main([str(d), *NO_FORWARD]) == 0
     out = capsys.readouterr().out
-    for name in ("manifest", "headers", "crc32c", "compat", "finite", "headroom"):
-        assert name in out
-    assert "forward" not in out and "verified" in out and "FAIL" not in out
+    rows = {line.split()[1]: line for line in out.splitlines() if line.startswith("│")}
+    for name in ("manifest", "headers", "crc32c", "finite", "headroom"):
+        assert "pass" in rows[name]
+    # no serving version: compat did not run, and forward was left out; neither says "pass"
+    assert "skipped" in rows["compat"] and "pass" not in rows["compat"]
+    assert "skipped" in rows["forward"] and "disabled" in rows["forward"]
+    assert "verified" in out and "FAIL" not in out
 
 
 def test_rejected_checkpoint_exits_one_and_json_names_the_file(
@@ -37,8 +41,12 @@ def test_rejected_checkpoint_exits_one_and_json_names_the_file(
     report = json.loads(capsys.readouterr().out)
     assert report["ok"] is False and report["deferred"] is False
     assert report["reason"].startswith("crc32c: ") and shard.name in report["reason"]
-    assert [r["name"] for r in report["results"]] == ["manifest", "headers", "crc32c"]
-    assert report["results"][-1]["detail"]["file"] == shard.name
+    ran = [r for r in report["results"] if r["status"] != "skipped"]
+    assert [(r["name"], r["status"]) for r in ran] == [("manifest", "pass"), ("headers", "pass"), ("crc32c", "fail")]
+    assert ran[-1]["detail"]["file"] == shard.name
+    assert {r["name"]: r["status"] for r in report["results"][3:]} == {
+        n: "skipped" for n in ("compat", "finite", "headroom", "forward")
+    }
 
 
 def test_incompatible_reference_and_deferred_headroom_exit_codes(
@@ -59,9 +67,14 @@ def test_signature_keys_from_flags_and_from_a_config_file(tmp_path: Path, capsys
     assert main([str(d), "--checks", "manifest", "--hmac-key", f"t1={key}", "--no-progress"]) == 1
     assert "unsigned" in capsys.readouterr().out
     config = tmp_path / "hotswap.toml"
-    config.write_text(f'[checks]\nenabled = ["manifest"]\nhmac_keys = {{ t1 = "{key}" }}\n')
+    config.write_text(f'[checks]\nenabled = ["manifest", "crc32c"]\nhmac_keys = {{ t1 = "{key}" }}\n')
     assert main([str(d), "-c", str(config), "--no-progress"]) == 1
     assert "unsigned" in capsys.readouterr().out
+    # keys configured but the bytes never compared with what they sign: the config is refused
+    config.write_text(f'[checks]\nenabled = ["manifest"]\nhmac_keys = {{ t1 = "{key}" }}\n')
+    assert main([str(d), "-c", str(config), "--no-progress"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "checks.enabled" in err[0] and "'crc32c' is not enabled" in err[0]
 
 
 @pytest.mark.parametrize(

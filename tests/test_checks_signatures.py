@@ -32,16 +32,16 @@ def test_hmac_signed_manifest_passes_and_bad_signatures_are_rejected(tmp_path: P
     wrong_key = _hmac_key(tmp_path, "k2", b"another-key")
     d = make_tiny_checkpoint(tmp_path / "v")
     publish(d, signer=HmacSigner("trainer-1", b"s3cret-key-1"))
-    settings = CheckSettings(enabled=("manifest",), hmac_keys={"trainer-1": good_key})
+    settings = CheckSettings(enabled=("manifest", "crc32c"), hmac_keys={"trainer-1": good_key})
     report = run_checks(d, settings)
     assert report.ok, report.reason
     assert report.results[0].detail["signature"] == {"alg": "hmac-sha256", "key_id": "trainer-1"}
 
-    wrong = CheckSettings(enabled=("manifest",), hmac_keys={"trainer-1": wrong_key})
+    wrong = CheckSettings(enabled=("manifest", "crc32c"), hmac_keys={"trainer-1": wrong_key})
     name, reason = reject(d, wrong)
     assert "bad hmac-sha256 signature" in reason and "trainer-1" in reason
 
-    unknown = CheckSettings(enabled=("manifest",), hmac_keys={"other": good_key})
+    unknown = CheckSettings(enabled=("manifest", "crc32c"), hmac_keys={"other": good_key})
     assert "'trainer-1'" in reject(d, unknown)[1] and "not configured" in reject(d, unknown)[1]
 
     # altering any signed field (here the version) breaks the signature
@@ -51,7 +51,7 @@ def test_hmac_signed_manifest_passes_and_bad_signatures_are_rejected(tmp_path: P
 
 def test_unsigned_manifest_or_no_manifest_rejected_when_keys_are_configured(tmp_path: Path):
     key = _hmac_key(tmp_path, "k", b"k")
-    settings = CheckSettings(enabled=("manifest",), hmac_keys={"t": key})
+    settings = CheckSettings(enabled=("manifest", "crc32c"), hmac_keys={"t": key})
     d = published(tmp_path / "v")
     assert "unsigned" in reject(d, settings)[1]
     (d / MANIFEST_NAME).unlink()
@@ -71,7 +71,7 @@ def test_ed25519_signature_verifies_and_a_forged_one_is_rejected(tmp_path: Path)
             serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
         )
     )
-    settings = CheckSettings(enabled=("manifest",), ed25519_keys={"trainer": pub})
+    settings = CheckSettings(enabled=("manifest", "crc32c"), ed25519_keys={"trainer": pub})
     d = make_tiny_checkpoint(tmp_path / "v")
     publish(d, signer=Ed25519Signer("trainer", key))
     assert run_checks(d, settings).ok

@@ -35,6 +35,10 @@ def test_published_checkpoint_becomes_verified_and_shows_in_history(db_url, daem
         ckpt = q.get_checkpoint(s, "step-100")
         assert sorted(f.path for f in ckpt.files) == sorted(f.path for f in manifest.files)
         assert {f.path: f.crc32c for f in ckpt.files} == {f.path: f.crc32c for f in manifest.files}
+        # the strong hashes, as computed from the bytes (equal to the signed ones), are the reference
+        assert {f.path: (f.hash_alg, f.hash) for f in ckpt.files} == {
+            f.path: ("blake3", f.hash) for f in manifest.files
+        }
         checks = q.checks_of(s, ckpt.id)
         assert [c.name for c in checks] == [
             "manifest",
@@ -46,6 +50,8 @@ def test_published_checkpoint_becomes_verified_and_shows_in_history(db_url, daem
             "forward",
         ]
         assert all(c.ok for c in checks)
+        # nothing serving yet: compat did not run, and its row says so
+        assert [c.status for c in checks] == ["pass", "pass", "pass", "skipped", "pass", "pass", "pass"]
 
     out = hotswap_cli("history", "--json", "-c", str(d.config_path))
     assert out.returncode == 0, out.stderr
@@ -74,6 +80,23 @@ def test_crc_mismatch_is_rejected_naming_the_file(db_url, daemon_factory, tmp_pa
     row = d.wait_status("bad-crc", "rejected")
     assert row["status_message"].startswith("crc32c:")
     assert "model.safetensors" in row["status_message"]
+    assert d.alive()
+
+
+def test_crc_preserving_forgery_in_a_signed_checkpoint_is_rejected_by_the_daemon(db_url, daemon_factory, tmp_path):
+    from support_checks import forge_keeping_crc
+
+    from daemon.checks.signatures import HmacSigner
+
+    key = tmp_path / "trainer.key"
+    key.write_text("trainer-secret\n")
+    d = daemon_factory(db_url, checks={"hmac_keys": {"trainer-1": str(key)}, "require_manifest": True})
+    src = make_tiny_checkpoint(tmp_path / "build" / "forged", seed=3)
+    publish(src, version="forged", signer=HmacSigner("trainer-1", b"trainer-secret"))
+    forge_keeping_crc(src / "model.safetensors")  # lm_head negated, every CRC and the signature intact
+    shutil.copytree(src, d.watch_dir / "forged")
+    row = d.wait_status("forged", "rejected")
+    assert row["status_message"].startswith("crc32c: model.safetensors: blake3 does not match")
     assert d.alive()
 
 
@@ -176,6 +199,17 @@ def test_marker_and_index_signals(db_url, daemon_factory, tmp_path):
     r1 = d.wait_status("marker-1", "verified")
     r2 = d.wait_status("index-1", "verified")
     assert (r1["commit_signal"], r2["commit_signal"]) == ("marker", "index")
+    # no manifest: the verify stage's hashes of the bytes are recorded and become the reference
+    import blake3
+
+    from daemon.registry import queries as q
+
+    with d.registry.session() as s:
+        files = q.get_checkpoint(s, "index-1").files
+        assert {f.path for f in files} == {p.name for p in index_dir.iterdir()}
+        for f in files:
+            assert (f.hash_alg, f.hash) == ("blake3", blake3.blake3((index_dir / f.path).read_bytes()).hexdigest())
+    assert r2["digest"].startswith("blake3:")
     wait_until(lambda: d.get("/status").json()["checkpoints"].get("verified") == 2, 5)
 
 

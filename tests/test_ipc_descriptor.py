@@ -42,6 +42,12 @@ def test_round_trip_through_json(kind: str) -> None:
     assert all(t.offset % ALIGN == 0 for t in parsed.tensors)
 
 
+@pytest.mark.parametrize("digest", ["blake3:" + "ab" * 32, "sha256:" + "0" * 64, "0a1b2c3d", None])
+def test_content_digests_of_both_manifest_formats_are_accepted(digest: str | None) -> None:
+    doc = {**make_doc(), "digest": digest}
+    assert parse_descriptor(doc).digest == digest
+
+
 def _mutate(doc: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
     out = copy.deepcopy(doc)
     target = out
@@ -68,6 +74,7 @@ BAD: list[tuple[str, list[Any], Any, str]] = [
     ("wrong format", ["format"], "hotswap.ipc/0", "is not 'hotswap.ipc/1'"),
     ("unknown kind", ["kind"], "nvlink", "kind 'nvlink'"),
     ("bad digest", ["digest"], "XYZ", "8 lowercase hex"),
+    ("unknown digest algorithm", ["digest"], "md5:" + "0" * 32, "<blake3|sha256>:<64 hex>"),
     ("relative loader", ["loader"], "loader.sock", "absolute path"),
     ("empty version", ["version"], "", "non-empty"),
     ("no tensors", ["tensors"], [], "1 to"),

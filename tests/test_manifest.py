@@ -1,29 +1,33 @@
-"""The manifest: publish writes it last and atomically, load is strict, CRCs and digests are exact."""
+"""The manifest: publish writes format 2 last and atomically, load is strict, hashes and digests exact."""
 
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
-import struct
 from pathlib import Path
 
+import blake3
 import crc32c
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from daemon.cli import publish_main  # `hotswap publish` is a CLI command
-from daemon.crc import crc32c_combine, crc32c_files
+from daemon.crc import crc32c_combine
 from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.hashing import content_digest, crc32c_files
 from daemon.manifest import (
     FORMAT,
+    FORMAT_1,
+    FORMAT_2,
     ManifestError,
     ManifestFile,
     canonical_bytes,
     crc32c_file,
-    digest,
     load_manifest,
+    parse_manifest,
     publish,
 )
 from daemon.tinymodel import make_tiny_checkpoint
@@ -38,8 +42,8 @@ def test_crc32c_file_matches_the_library_on_whole_bytes(tmp_path: Path, size: in
     p.write_bytes(data)
     expected = f"{crc32c.crc32c(data):08x}"
     assert crc32c_file(p) == expected
-    # split into many segments over threads, in small chunks: the combined CRC is the same
-    assert crc32c_files([p], threads=3, chunk=65_536, segment=1_000_003) == [expected]
+    # split into many chunks over threads: the combined CRC is the same
+    assert crc32c_files([p], threads=3, chunk=65_536) == [expected]
 
 
 def test_crc32c_files_keeps_order_across_threads(tmp_path: Path):
@@ -48,7 +52,7 @@ def test_crc32c_files_keeps_order_across_threads(tmp_path: Path):
     for i, b in enumerate(blobs):
         paths.append(tmp_path / f"{i}.bin")
         paths[-1].write_bytes(b)
-    assert crc32c_files(paths, threads=4, segment=500_000) == [f"{crc32c.crc32c(b):08x}" for b in blobs]
+    assert crc32c_files(paths, threads=4, chunk=500_000) == [f"{crc32c.crc32c(b):08x}" for b in blobs]
 
 
 @settings(max_examples=200, deadline=None)
@@ -97,17 +101,62 @@ def test_publish_lists_every_file_with_size_and_crc_and_writes_atomically(tmp_pa
     }
     assert [f.path for f in m.files] == sorted(on_disk)
     for f in m.files:
-        assert f.bytes == len(on_disk[f.path]) and f.crc32c == f"{crc32c.crc32c(on_disk[f.path]):08x}"
+        data = on_disk[f.path]
+        assert f.bytes == len(data) and f.crc32c == f"{crc32c.crc32c(data):08x}"
+        assert f.hash_alg == "blake3" and f.hash == blake3.blake3(data).hexdigest()  # as `b3sum` prints
     loaded = load_manifest(d)
-    assert loaded == m and loaded.digest == m.digest
+    assert loaded == m and loaded.digest == m.digest and not loaded.weak
     doc = json.loads((d / MANIFEST_NAME).read_text())
-    assert doc["format"] == FORMAT and doc["created_at"].endswith("Z")
+    assert doc["format"] == FORMAT == FORMAT_2 and doc["created_at"].endswith("Z")
+    assert doc["hash_alg"] == "blake3" and doc["digest"] == m.digest
+    assert set(doc["files"][0]) == {"path", "bytes", "crc32c", "blake3"}
 
 
-def test_digest_is_crc32c_of_the_per_file_crcs_in_path_order():
-    files = [ManifestFile("b", 1, "00000002"), ManifestFile("a", 1, "deadbeef")]
-    assert digest(files) == f"{crc32c.crc32c(struct.pack('>II', 0xDEADBEEF, 2)):08x}"
-    assert digest(files) == digest(list(reversed(files)))
+def test_publish_with_sha256_matches_sha256sum(tmp_path: Path):
+    d = make_tiny_checkpoint(tmp_path / "v")
+    m = publish(d, hash_alg="sha256")
+    for f in m.files:
+        assert f.hash == hashlib.sha256((d / f.path).read_bytes()).hexdigest()
+    assert m.digest is not None and m.digest.startswith("sha256:")
+    assert set(json.loads((d / MANIFEST_NAME).read_text())["files"][0]) == {"path", "bytes", "crc32c", "sha256"}
+
+
+def test_content_digest_is_the_strong_hash_of_path_size_hash_lines_in_path_order():
+    h1, h2 = "1" * 64, "2" * 64
+    files = [ManifestFile("b", 1, "00000002", h2, "blake3"), ManifestFile("a", 7, "deadbeef", h1, "blake3")]
+    expected = blake3.blake3(f"a\x007\x00{h1}\nb\x001\x00{h2}\n".encode()).hexdigest()
+    assert content_digest(files, "blake3") == f"blake3:{expected}"
+    assert content_digest(list(reversed(files)), "blake3") == f"blake3:{expected}"
+    renamed = [ManifestFile("c", 1, "00000002", h2, "blake3"), files[1]]
+    assert content_digest(renamed, "blake3") != content_digest(files, "blake3")  # names are content too
+    with pytest.raises(ValueError, match="no sha256 hash"):
+        content_digest(files, "sha256")
+
+
+def test_manifest_digest_that_does_not_match_its_files_is_rejected(tmp_path: Path):
+    d = make_tiny_checkpoint(tmp_path / "v")
+    publish(d)
+    doc = json.loads((d / MANIFEST_NAME).read_text())
+    doc["digest"] = "blake3:" + "0" * 64
+    (d / MANIFEST_NAME).write_text(json.dumps(doc))
+    with pytest.raises(ManifestError, match="does not match its files' hashes"):
+        load_manifest(d)
+
+
+def test_format1_manifest_is_still_read_and_keeps_its_canonical_bytes(tmp_path: Path):
+    """A manifest written by the previous release: readable, weak, no strong digest, same signed bytes."""
+    doc = {
+        "format": FORMAT_1,
+        "version": "old",
+        "step": 3,
+        "parent": None,
+        "created_at": "2026-11-01T00:00:00Z",
+        "files": [{"path": "model.safetensors", "bytes": 4, "crc32c": "0000abcd"}],
+    }
+    m = parse_manifest(json.dumps(doc).encode())
+    assert m.format == FORMAT_1 and m.weak and m.hash_alg is None and m.digest is None
+    assert m.files == [ManifestFile("model.safetensors", 4, "0000abcd")]
+    assert m.canonical() == canonical_bytes(doc)  # what the old publisher signed
 
 
 def test_same_content_published_twice_has_the_same_digest(tmp_path: Path):
@@ -119,7 +168,7 @@ def test_same_content_published_twice_has_the_same_digest(tmp_path: Path):
 
 def test_canonical_json_is_sorted_compact_utf8_without_signature():
     doc = {"version": "ü", "format": FORMAT, "files": [], "signature": {"value": "x"}}
-    assert canonical_bytes(doc) == '{"files":[],"format":"hotswap.manifest/1","version":"ü"}'.encode()
+    assert canonical_bytes(doc) == '{"files":[],"format":"hotswap.manifest/2","version":"ü"}'.encode()
 
 
 def test_unknown_top_level_keys_are_kept_so_signatures_still_verify(tmp_path: Path):
@@ -143,7 +192,11 @@ def _write(d: Path, doc: object) -> None:
     (d / MANIFEST_NAME).write_text(json.dumps(doc))
 
 
-GOOD_FILE = {"path": "model.safetensors", "bytes": 1, "crc32c": "0000abcd"}
+GOOD_FILE = {"path": "model.safetensors", "bytes": 1, "crc32c": "0000abcd", "blake3": "ab" * 32}
+
+
+def _doc(files: list, **top: object) -> dict:
+    return {"format": FORMAT, "hash_alg": "blake3", "digest": "blake3:" + "0" * 64, "files": files, **top}
 
 
 @pytest.mark.parametrize(
@@ -161,11 +214,15 @@ GOOD_FILE = {"path": "model.safetensors", "bytes": 1, "crc32c": "0000abcd"}
         ([{**GOOD_FILE, "bytes": -1}], "non-negative integer"),
         ([{**GOOD_FILE, "bytes": True}], "non-negative integer"),
         ([{**GOOD_FILE, "path": MANIFEST_NAME}], "may not list itself"),
-        ([{"path": "x", "bytes": 1}], "exactly path, bytes, crc32c"),
+        ([{"path": "x", "bytes": 1}], "exactly blake3, bytes, crc32c, path"),
+        ([{k: v for k, v in GOOD_FILE.items() if k != "blake3"}], "exactly blake3, bytes, crc32c, path"),
+        ([{**GOOD_FILE, "blake3": "AB" * 32}], "64 lowercase hex"),
+        ([{**GOOD_FILE, "blake3": "ab" * 16}], "64 lowercase hex"),
+        ([{**GOOD_FILE, "sha256": "ab" * 32}], "exactly blake3, bytes, crc32c, path"),
     ],
 )
 def test_load_manifest_rejects_bad_entries(tmp_path: Path, files: list, message: str):
-    _write(tmp_path, {"format": FORMAT, "version": "v", "files": files})
+    _write(tmp_path, _doc(files, version="v"))
     with pytest.raises(ManifestError, match=message):
         load_manifest(tmp_path)
 
@@ -173,12 +230,15 @@ def test_load_manifest_rejects_bad_entries(tmp_path: Path, files: list, message:
 @pytest.mark.parametrize(
     "doc,message",
     [
-        ({"format": "hotswap.manifest/2", "files": []}, "format"),
-        ({"format": FORMAT}, "'files' must be a list"),
-        ({"format": FORMAT, "files": [], "step": -3}, "step"),
-        ({"format": FORMAT, "files": [], "version": 5}, "version must be a str"),
-        ({"format": FORMAT, "files": [], "version": "a/b"}, "not a usable label"),
-        ({"format": FORMAT, "files": [], "signature": {"alg": "hmac-sha256"}}, "signature"),
+        ({"format": "hotswap.manifest/3", "files": []}, "format"),
+        ({"format": FORMAT, "hash_alg": "blake3"}, "'files' must be a list"),
+        ({"format": FORMAT, "files": []}, "hash_alg is None"),
+        ({"format": FORMAT, "hash_alg": "md5", "files": []}, "hash_alg is 'md5'"),
+        ({"format": FORMAT, "hash_alg": "blake3", "files": []}, "digest None does not match"),
+        (_doc([], step=-3), "step"),
+        (_doc([], version=5), "version must be a str"),
+        (_doc([], version="a/b"), "not a usable label"),
+        (_doc([], signature={"alg": "hmac-sha256"}), "signature"),
         ([], "not a JSON object"),
     ],
 )
@@ -195,7 +255,7 @@ def test_load_manifest_rejects_missing_oversized_and_symlink_out(tmp_path: Path)
     outside.mkdir()
     (outside / "w.safetensors").write_bytes(b"x")
     (tmp_path / "link").symlink_to(outside)
-    _write(tmp_path, {"format": FORMAT, "files": [{**GOOD_FILE, "path": "link/w.safetensors"}]})
+    _write(tmp_path, _doc([{**GOOD_FILE, "path": "link/w.safetensors"}]))
     with pytest.raises(ManifestError, match="symlink leaving the checkpoint"):
         load_manifest(tmp_path)
 
@@ -230,7 +290,7 @@ def test_publish_command_signs_with_hmac_and_ed25519(tmp_path: Path, capsys: pyt
     assert "published step-7" in out and "signed hmac-sha256/t1" in out
     doc = json.loads((d / MANIFEST_NAME).read_text())
     assert doc["signature"]["alg"] == "hmac-sha256" and len(base64.b64decode(doc["signature"]["value"])) == 32
-    assert run_checks(d, CheckSettings(enabled=("manifest",), hmac_keys={"t1": hkey})).ok
+    assert run_checks(d, CheckSettings(enabled=("manifest", "crc32c"), hmac_keys={"t1": hkey})).ok
 
     priv = Ed25519PrivateKey.generate()
     pem = tmp_path / "ed.pem"
@@ -244,7 +304,7 @@ def test_publish_command_signs_with_hmac_and_ed25519(tmp_path: Path, capsys: pyt
         priv.public_key().public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     )
     assert publish_main([str(d), "--key-file", str(pem), "--key-id", "ed", "--alg", "ed25519"]) == 0
-    assert run_checks(d, CheckSettings(enabled=("manifest",), ed25519_keys={"ed": pub})).ok
+    assert run_checks(d, CheckSettings(enabled=("manifest", "crc32c"), ed25519_keys={"ed": pub})).ok
 
 
 def test_publish_command_errors_are_clear(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

@@ -11,6 +11,7 @@ from daemon.checks.base import (
     CheckFailed,
     CheckResult,
     CheckSettings,
+    CheckSkipped,
     VerifyReport,
 )
 from daemon.checks.runner import run_checks
@@ -21,6 +22,7 @@ __all__ = [
     "CheckFailed",
     "CheckResult",
     "CheckSettings",
+    "CheckSkipped",
     "VerifyReport",
     "run_checks",
 ]

@@ -10,10 +10,17 @@ from typing import Any
 
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
+from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS
 from daemon.manifest import Manifest, ManifestFile
 
 # cheap to dear, the order they run in (DESIGN.md "Checks")
 CHECK_NAMES: tuple[str, ...] = ("manifest", "headers", "crc32c", "compat", "finite", "headroom", "forward")
+
+# A check that needs another's result. "crc32c" (which also computes the strong hashes)
+# compares against the file list and hashes the "manifest" check reads; without it there
+# is nothing to compare with. compat/finite/headroom/forward parse the headers themselves
+# (daemon.checks.headers.load_table), so they run that dependency rather than need it.
+REQUIRES: dict[str, tuple[str, ...]] = {"crc32c": ("manifest",)}
 
 # fixed token ids used when the checkpoint has no tokenizer; small ids fit any vocabulary >= 64
 DEFAULT_PROMPTS: tuple[tuple[int, ...], ...] = (
@@ -37,8 +44,11 @@ class CheckSettings:
     require_manifest: bool = False  # reject index/marker-committed checkpoints (no manifest)
     hmac_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> shared key file
     ed25519_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> public key file (PEM or raw)
+    # accept a format-1 manifest (CRC32C only: its signature does not cover the weights) with keys set
+    allow_format1_manifest: bool = False
+    hash_alg: str = DEFAULT_HASH_ALG  # strong hash for checkpoints without a format-2 manifest
     header_cap_bytes: int = HEADER_CAP_BYTES
-    crc_threads: int | None = None  # None: one per CPU core
+    crc_threads: int | None = None  # hashing (CRC32C + strong hash) threads; None: one per CPU core
     crc_chunk_bytes: int = 8 * 1024 * 1024
     reference_dir: Path | None = None  # compat/forward reference when the caller passes none
     finite_chunk_bytes: int = 16 * 1024 * 1024
@@ -67,6 +77,11 @@ class CheckSettings:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
+        if self.hash_alg not in HASH_ALGORITHMS:
+            raise ValueError(f"checks.hash_alg: {self.hash_alg!r} is not one of {list(HASH_ALGORITHMS)}")
+        problem = dependency_problem(self.enabled, self.keys_configured, self.require_manifest)
+        if problem:
+            raise ValueError(problem)
 
     @property
     def keys_configured(self) -> bool:
@@ -99,14 +114,56 @@ class CheckSettings:
             raise ValueError(f"{where}: {exc}") from None
 
 
+def dependency_problem(enabled: tuple[str, ...], keys_configured: bool, require_manifest: bool) -> str | None:
+    """One line naming `checks.enabled` when the enabled set leaves a needed check out, else None."""
+    for name in enabled:
+        for needed in REQUIRES.get(name, ()):
+            if needed not in enabled:
+                return (
+                    f"checks.enabled: {name!r} needs {needed!r} (the file list and hashes it compares "
+                    f"against); enable {needed!r} or drop {name!r}"
+                )
+    if (keys_configured or require_manifest) and "manifest" not in enabled:
+        why = "signature keys are configured" if keys_configured else "checks.require_manifest is on"
+        return f"checks.enabled: {why} but 'manifest' is not enabled, so nothing would read or verify it"
+    if keys_configured and "crc32c" not in enabled:
+        return (
+            "checks.enabled: signature keys are configured but 'crc32c' is not enabled: the signed "
+            "hashes would never be compared with the bytes"
+        )
+    return None
+
+
+CHECK_STATUSES = ("pass", "fail", "deferred", "skipped")
+
+
 @dataclass(frozen=True, slots=True)
 class CheckResult:
     name: str
-    ok: bool
-    detail: dict[str, Any]  # detail["reason"]: one human line when not ok
+    ok: bool  # did not reject (a skipped check is ok but did not pass: see `status`)
+    detail: dict[str, Any]  # detail["reason"]: one human line when not ok; detail["skipped"] when skipped
     started_at: datetime
     duration_ms: float
     deferred: bool = False  # not ok, but retry later (headroom) instead of rejecting
+    skipped: bool = False  # the check did not run (e.g. compat with no serving version)
+
+    @property
+    def status(self) -> str:
+        """pass | fail | deferred | skipped: what a person reads; never "pass" for what did not run."""
+        if self.skipped:
+            return "skipped"
+        if self.ok:
+            return "pass"
+        return "deferred" if self.deferred else "fail"
+
+
+class CheckSkipped(Exception):
+    """Raised inside a check that cannot run here (nothing to compare with); `reason` says why."""
+
+    def __init__(self, reason: str, detail: dict[str, Any] | None = None):
+        super().__init__(reason)
+        self.reason = reason
+        self.detail = detail or {}
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,10 +172,12 @@ class VerifyReport:
     deferred: bool
     results: list[CheckResult]
     reason: str | None  # "<check>: <reason>" of the first failure
-    digest: str | None  # content digest (manifest's, or computed by the crc32c check)
+    digest: str | None  # content digest `<alg>:<hex>` computed from the bytes; None when not hashed
     total_bytes: int
     tensor_count: int
-    files: list[ManifestFile] = field(default_factory=list)  # with CRCs when known ("" when not computed)
+    # every file with size, and crc32c / hash / hash_alg as computed from its bytes by the crc32c
+    # check ("" / None when that check did not run): the reference later transports compare with
+    files: list[ManifestFile] = field(default_factory=list)
     manifest: Manifest | None = None
 
 
@@ -139,10 +198,12 @@ class CheckContext:
     directory: Path
     settings: CheckSettings
     reference: Path | None
-    manifest: Manifest | None = None
-    files: list[ManifestFile] = field(default_factory=list)  # crc32c "" until computed
-    crcs_known: bool = False
-    digest: str | None = None
+    manifest: Manifest | None = None  # what the manifest claims (None: index/marker-committed)
+    recorded: list[ManifestFile] | None = None  # digests an earlier verify recorded (the registry's)
+    files: list[ManifestFile] = field(default_factory=list)  # sizes; crc32c/hash "" until computed
+    file_list_from: str | None = None  # "manifest" | "directory" once the manifest check listed files
+    hashed: bool = False  # files carry crc32c and hash computed from the bytes
+    digest: str | None = None  # set only from hashes computed from the bytes
     headers: list[SafetensorsHeader] | None = None
     table: dict[str, TensorLocation] | None = None
 

@@ -14,7 +14,14 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from daemon.checks.base import CHECK_NAMES, CheckResult, CheckSettings, VerifyReport
+from daemon.checks.base import (
+    CHECK_NAMES,
+    REQUIRES,
+    CheckResult,
+    CheckSettings,
+    VerifyReport,
+    dependency_problem,
+)
 from daemon.checks.runner import run_checks
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_DEFERRED = 0, 1, 2, 3
@@ -39,8 +46,17 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--reference", type=Path, help="serving version to check compatibility against")
     ap.add_argument("--json", action="store_true", help="print the report as JSON on stdout")
     ap.add_argument("-c", "--config", type=Path, help="take [checks] settings from this daemon config")
-    ap.add_argument("--checks", help=f"comma-separated subset of: {','.join(CHECK_NAMES)}")
-    ap.add_argument("--skip", help="comma-separated checks to leave out")
+    ap.add_argument(
+        "--checks",
+        help=f"comma-separated subset of: {','.join(CHECK_NAMES)} (checks they need are added: crc32c needs manifest)",
+    )
+    ap.add_argument("--skip", help="comma-separated checks to leave out (not one another enabled check needs)")
+    ap.add_argument(
+        "--allow-format1",
+        action="store_true",
+        default=None,
+        help="accept a format-1 (CRC32C-only) manifest although signature keys are given",
+    )
     ap.add_argument(
         "--hmac-key", action="append", metavar="KEY_ID=FILE", help="trusted HMAC key (repeatable)"
     )
@@ -49,7 +65,9 @@ def _parser() -> argparse.ArgumentParser:
     )
     ap.add_argument("--require-manifest", action="store_true", default=None)
     ap.add_argument("--headroom-factor", type=float)
-    ap.add_argument("--threads", type=int, help="CRC32C / finite-scan threads (default: one per core)")
+    ap.add_argument(
+        "--threads", type=int, help="hashing (CRC32C + strong hash) and finite-scan threads (default: one per core)"
+    )
     ap.add_argument("--device", help="forward-pass device (cpu, cuda:0, ...)")
     ap.add_argument("--top1-min", type=float, help="minimum top-1 agreement with --reference")
     ap.add_argument("--kl-max", type=float, help="maximum mean KL(reference || new), nats")
@@ -67,22 +85,41 @@ def _settings(args: argparse.Namespace) -> CheckSettings:
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
     changes: dict[str, Any] = {}
+    if args.hmac_key:
+        changes["hmac_keys"] = {**base.hmac_keys, **_key_pairs(args.hmac_key, "--hmac-key")}
+    if args.ed25519_key:
+        changes["ed25519_keys"] = {**base.ed25519_keys, **_key_pairs(args.ed25519_key, "--ed25519-key")}
+    keys = bool(changes.get("hmac_keys", base.hmac_keys) or changes.get("ed25519_keys", base.ed25519_keys))
+    require_manifest = bool(args.require_manifest or base.require_manifest)
     enabled = list(base.enabled)
     if args.checks:
         enabled = [c.strip() for c in args.checks.split(",") if c.strip()]
+        unknown = set(enabled) - set(CHECK_NAMES)
+        if unknown:
+            raise ValueError(f"--checks: unknown check names {sorted(unknown)}; known: {list(CHECK_NAMES)}")
+        # what a named check needs runs too, so nothing passes on nothing; keys need the bytes hashed
+        needs = [n for name in enabled for n in REQUIRES.get(name, ())]
+        needs += ["manifest", "crc32c"] if keys else ["manifest"] if require_manifest else []
+        enabled += [n for n in needs if n not in enabled]
     if args.skip:
         skip = {c.strip() for c in args.skip.split(",")}
         unknown = skip - set(CHECK_NAMES)
         if unknown:
             raise ValueError(f"--skip: unknown check names {sorted(unknown)}; known: {list(CHECK_NAMES)}")
+        for name in enabled:
+            needed = [n for n in REQUIRES.get(name, ()) if n in skip]
+            if needed and name not in skip:
+                raise ValueError(
+                    f"--skip {needed[0]}: the {name} check needs it (skip {name} too, or keep {needed[0]})"
+                )
         enabled = [c for c in enabled if c not in skip]
-    changes["enabled"] = tuple(enabled)
-    if args.hmac_key:
-        changes["hmac_keys"] = {**base.hmac_keys, **_key_pairs(args.hmac_key, "--hmac-key")}
-    if args.ed25519_key:
-        changes["ed25519_keys"] = {**base.ed25519_keys, **_key_pairs(args.ed25519_key, "--ed25519-key")}
+        problem = dependency_problem(tuple(enabled), keys, require_manifest)
+        if problem:
+            raise ValueError(f"--skip {','.join(sorted(skip))}: {problem.removeprefix('checks.enabled: ')}")
+    changes["enabled"] = tuple(n for n in CHECK_NAMES if n in enabled)
     for flag, field_name in [
         ("require_manifest", "require_manifest"),
+        ("allow_format1", "allow_format1_manifest"),
         ("headroom_factor", "headroom_factor"),
         ("threads", "crc_threads"),
         ("device", "forward_device"),
@@ -99,18 +136,48 @@ def _summary(result: CheckResult) -> str:
     d = result.detail
     if not result.ok:
         return str(d.get("reason", ""))
-    if "skipped" in d:
-        return f"skipped: {d['skipped']}"
+    if result.skipped:
+        return str(d.get("skipped", ""))
+    weak = f"; WEAK: {d['weak']}" if "weak" in d else ""
     if result.name == "crc32c":
         return (
-            f"{d['files']} files, {d['bytes'] / 1e9:.3f} GB at {d.get('gb_per_s')} GB/s, digest {d['digest']}"
+            f"{d['files']} files, {d['bytes'] / 1e9:.3f} GB at {d.get('gb_per_s')} GB/s "
+            f"({d.get('hash_alg')} + crc32c), compared with {d.get('compared')}, digest {d['digest']}{weak}"
         )
-    parts = [f"{k}={v}" for k, v in d.items() if isinstance(v, str | int | float) and k != "reason"]
+    parts = [f"{k}={v}" for k, v in d.items() if isinstance(v, str | int | float) and k not in ("reason", "weak")]
     text = ", ".join(parts)
-    return text if len(text) <= 110 else text[:107] + "..."
+    return (text if len(text) <= 110 else text[:107] + "...") + weak
 
 
-def _report_json(directory: Path, report: VerifyReport) -> dict[str, Any]:
+def _not_run(settings: CheckSettings, report: VerifyReport) -> list[tuple[str, str]]:
+    """(name, why) of each check that did not run: disabled, or after the first failure."""
+    ran = {r.name for r in report.results}
+    out = []
+    for name in CHECK_NAMES:
+        if name in ran:
+            continue
+        if name not in settings.enabled:
+            out.append((name, "disabled"))
+        elif not report.ok:
+            out.append((name, "not reached (an earlier check failed)"))
+    return out
+
+
+def _report_json(directory: Path, report: VerifyReport, settings: CheckSettings) -> dict[str, Any]:
+    rows: dict[str, dict[str, Any]] = {
+        r.name: {
+            "name": r.name,
+            "status": r.status,
+            "ok": r.ok,
+            "deferred": r.deferred,
+            "started_at": r.started_at.isoformat(),
+            "duration_ms": round(r.duration_ms, 3),
+            "detail": r.detail,
+        }
+        for r in report.results
+    }
+    for name, why in _not_run(settings, report):
+        rows[name] = {"name": name, "status": "skipped", "ok": None, "detail": {"skipped": why}}
     return {
         "directory": str(directory),
         "ok": report.ok,
@@ -120,22 +187,20 @@ def _report_json(directory: Path, report: VerifyReport) -> dict[str, Any]:
         "digest": report.digest,
         "total_bytes": report.total_bytes,
         "tensor_count": report.tensor_count,
-        "results": [
-            {
-                "name": r.name,
-                "ok": r.ok,
-                "deferred": r.deferred,
-                "started_at": r.started_at.isoformat(),
-                "duration_ms": round(r.duration_ms, 3),
-                "detail": r.detail,
-            }
-            for r in report.results
+        "results": [rows[n] for n in CHECK_NAMES if n in rows],  # every check, in run order
+        "files": [
+            {"path": f.path, "bytes": f.bytes, "crc32c": f.crc32c, "hash_alg": f.hash_alg, "hash": f.hash}
+            for f in report.files
         ],
     }
 
 
-def _print_table(directory: Path, report: VerifyReport) -> None:
+_STYLE = {"pass": "[green]pass", "fail": "[red]FAIL", "deferred": "[yellow]deferred", "skipped": "[dim]skipped"}
+
+
+def _print_table(directory: Path, report: VerifyReport, settings: CheckSettings) -> None:
     from rich.console import Console
+    from rich.markup import escape
     from rich.table import Table
 
     console = Console()
@@ -144,17 +209,23 @@ def _print_table(directory: Path, report: VerifyReport) -> None:
     table.add_column("result")
     table.add_column("ms", justify="right")
     table.add_column("detail", overflow="fold")
-    for r in report.results:
-        status = "[green]pass" if r.ok else ("[yellow]deferred" if r.deferred else "[red]FAIL")
-        table.add_row(r.name, status, f"{r.duration_ms:.1f}", _summary(r))
+    ran = {r.name: r for r in report.results}
+    not_run = dict(_not_run(settings, report))
+    for name in CHECK_NAMES:
+        if name in ran:
+            r = ran[name]
+            table.add_row(name, _STYLE[r.status], f"{r.duration_ms:.1f}", escape(_summary(r)))
+        elif name in not_run:
+            table.add_row(name, _STYLE["skipped"], "", not_run[name])
     console.print(table)
     if report.ok:
+        digest = report.digest or "not computed (the crc32c check did not run)"
         console.print(
-            f"[green]verified[/]: digest {report.digest}, {report.total_bytes} bytes, {report.tensor_count} tensors"
+            f"[green]verified[/]: digest {digest}, {report.total_bytes} bytes, {report.tensor_count} tensors"
         )
     else:
         word = "deferred" if report.deferred else "rejected"
-        console.print(f"[{'yellow' if report.deferred else 'red'}]{word}[/]: {report.reason}")
+        console.print(f"[{'yellow' if report.deferred else 'red'}]{word}[/]: {escape(report.reason or '')}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -192,9 +263,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         report = run_checks(args.directory, settings, reference=args.reference, on_result=on_result)
 
     if args.json:
-        print(json.dumps(_report_json(args.directory, report), indent=2, default=str))
+        print(json.dumps(_report_json(args.directory, report, settings), indent=2, default=str))
     else:
-        _print_table(args.directory, report)
+        _print_table(args.directory, report, settings)
     if report.ok:
         return EXIT_OK
     return EXIT_DEFERRED if report.deferred else EXIT_REJECTED

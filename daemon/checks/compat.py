@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.checks.base import CheckContext, CheckFailed
+from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped
 from daemon.checks.headers import load_table
 from daemon.formats.checkpoint import LayoutError, tensor_table
 from daemon.formats.safetensors import HeaderError
@@ -19,7 +19,7 @@ def check_compat(ctx: CheckContext) -> dict[str, Any]:
     table = load_table(ctx)
     ref_dir = ctx.reference
     if ref_dir is None:
-        return {"skipped": "no serving version or configured reference to compare with"}
+        raise CheckSkipped("no serving version or configured reference to compare with")
     try:
         ref_table, _ = tensor_table(ref_dir)
     except (LayoutError, HeaderError, OSError) as exc:

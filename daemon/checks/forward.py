@@ -8,13 +8,12 @@ the checkpoint directory; prompts are fixed token ids.
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
 from daemon.checks.headers import load_table
-from daemon.formats.checkpoint import weight_files
+from daemon.formats.checkpoint import LayoutError, read_config, weight_files
 
 if TYPE_CHECKING:
     import torch
@@ -26,14 +25,20 @@ def build_model(directory: Path, device: str) -> torch.nn.Module:
     """The checkpoint's model from its config.json with its own weights, in eval mode."""
     import torch
     from safetensors.torch import load_file
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
-    config_path = directory / "config.json"
-    if not config_path.is_file():
+    doc = _config_doc(directory)
+    if doc is None:
         raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
     try:
-        config = AutoConfig.from_pretrained(str(directory), local_files_only=True)
-    except (OSError, ValueError, KeyError) as exc:
+        # from the bounded read, not from_pretrained's own unbounded one (what AutoConfig does inside)
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+        model_type = doc.get("model_type")
+        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+            raise ValueError(f"unknown model_type {model_type!r}")
+        config = CONFIG_MAPPING[model_type].from_dict(doc)
+    except (OSError, ValueError, KeyError, TypeError) as exc:
         raise CheckFailed(f"{directory.name}/config.json: transformers cannot use it ({exc})") from None
     dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
@@ -73,6 +78,13 @@ def build_model(directory: Path, device: str) -> torch.nn.Module:
             {"unexpected": bad[:20]},
         )
     return model.to(device).eval()
+
+
+def _config_doc(directory: Path) -> dict[str, Any] | None:
+    try:
+        return read_config(directory)
+    except LayoutError as exc:
+        raise CheckFailed(str(exc).replace(f"{directory.parent}/", "")) from None
 
 
 def _no_init_weights() -> Any:
@@ -126,12 +138,9 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     load_table(ctx)  # headers are sound before torch reads them
     settings = ctx.settings
     device = settings.forward_device
-    config = (
-        json.loads((ctx.directory / "config.json").read_bytes())
-        if (ctx.directory / "config.json").is_file()
-        else {}
-    )
-    vocab = int(config.get("vocab_size") or 0) or 2**31
+    config = _config_doc(ctx.directory) or {}
+    vocab_size = config.get("vocab_size")
+    vocab = vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else 2**31
     prompts, source = prompt_ids(ctx, vocab)
     model = build_model(ctx.directory, device)
     new = _logits(model, prompts, device)

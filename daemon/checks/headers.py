@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
-from daemon.formats.checkpoint import INDEX_NAME, LayoutError, TensorLocation, weight_files
+from daemon.formats.checkpoint import INDEX_NAME, LayoutError, TensorLocation, read_index, weight_files
 from daemon.formats.safetensors import HeaderError, SafetensorsHeader, read_header
 
 
@@ -70,14 +69,17 @@ def check_headers(ctx: CheckContext) -> dict[str, Any]:
         "tensor_bytes": sum(loc.entry.nbytes for loc in table.values()),
     }
     index = root / INDEX_NAME
-    if index.exists():
-        detail.update(_check_index(index, table, root))
+    if index.exists() or index.is_symlink():
+        detail.update(_check_index(table, root))
     return detail
 
 
-def _check_index(index: Path, table: dict[str, TensorLocation], root: Path) -> dict[str, Any]:
-    doc = json.loads(index.read_bytes())  # parsed once already by weight_files; well-formed here
-    weight_map: dict[str, str] = doc["weight_map"]
+def _check_index(table: dict[str, TensorLocation], root: Path) -> dict[str, Any]:
+    try:
+        doc = read_index(root)
+    except LayoutError as exc:
+        raise CheckFailed(_relative(str(exc), root)) from None
+    weight_map = doc.get("weight_map")
     if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
         raise CheckFailed(f"{INDEX_NAME}: weight_map must map tensor names to shard file names")
     for name, shard in weight_map.items():

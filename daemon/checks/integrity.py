@@ -1,4 +1,11 @@
-"""Check "crc32c": hash every file in parallel and compare with the manifest."""
+"""Check "crc32c": hash every file once (CRC32C and the strong hash), in parallel; compare with the manifest.
+
+Format 2: both CRC32C and the strong hash must match; the strong hash is what decides
+(a CRC-preserving edit is named as such). Format 1: the CRCs must match and the strong
+hashes are computed with `checks.hash_alg`. No manifest: both are computed. In every
+case the hashes computed here, never the manifest's claims, become the report's files
+and content digest (the reference for duplicate detection and for transports).
+"""
 
 from __future__ import annotations
 
@@ -6,47 +13,121 @@ import time
 from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
-from daemon.crc import crc32c_files
-from daemon.manifest import ManifestFile, digest
+from daemon.hashing import FileDigest, content_digest, hash_files
+from daemon.manifest import ManifestFile
 
 
 def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
+    if ctx.file_list_from is None:
+        raise CheckFailed("no file list to hash: the manifest check did not run")
     root = ctx.directory
     files = ctx.files
+    manifest = ctx.manifest
+    recorded = ctx.recorded
+    recorded_alg = next((r.hash_alg for r in recorded or [] if r.hash and r.hash_alg), None)
+    if manifest is not None and not manifest.weak:
+        alg = manifest.hash_alg
+    else:
+        alg = recorded_alg or ctx.settings.hash_alg
+    assert alg is not None
+    if recorded is not None:
+        _same_file_list(files, recorded)
     t0 = time.perf_counter()
     try:
-        crcs = crc32c_files(
+        digests = hash_files(
             [root / f.path for f in files],
+            alg=alg,
             threads=ctx.settings.crc_threads,
             chunk=ctx.settings.crc_chunk_bytes,
         )
     except OSError as exc:
         raise CheckFailed(f"reading for crc32c failed: {exc}") from None
     seconds = time.perf_counter() - t0
-    nbytes = sum(f.bytes for f in files)
+    nbytes = sum(d.bytes for d in digests)
     detail: dict[str, Any] = {
         "files": len(files),
         "bytes": nbytes,
+        "hash_alg": alg,
         "seconds": round(seconds, 4),
         "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None,
     }
-    if ctx.crcs_known:
-        bad = [(f, c) for f, c in zip(files, crcs, strict=True) if f.crc32c != c]
-        if bad:
-            f, c = bad[0]
+    for f, d in zip(files, digests, strict=True):
+        if d.bytes != f.bytes:
             raise CheckFailed(
-                f"{f.path}: crc32c {c} does not match the manifest's {f.crc32c} (file corrupted)"
-                + (f"; {len(bad) - 1} more files differ" if len(bad) > 1 else ""),
-                {
-                    "file": f.path,
-                    "crc32c": c,
-                    "expected": f.crc32c,
-                    "mismatched": [b.path for b, _ in bad][:20],
-                },
+                f"{f.path}: {d.bytes} bytes when hashed, {f.bytes} when listed (changed meanwhile)",
+                {"file": f.path},
             )
+    compared: list[str] = []
+    if manifest is not None:
+        _compare(manifest.files, digests, "the manifest's")
+        compared.append("manifest: crc32c" if manifest.weak else f"manifest: crc32c and {alg}")
+    if recorded is not None:
+        by_path = {r.path: r for r in recorded}
+        _compare([by_path[f.path] for f in files], digests, "the recorded")
+        compared.append(f"recorded: crc32c{' and ' + alg if recorded_alg == alg else ''}")
+    if compared:
+        detail["compared"] = "; ".join(compared)
     else:
-        ctx.files = [ManifestFile(f.path, f.bytes, c) for f, c in zip(files, crcs, strict=True)]
-        ctx.crcs_known = True
-        ctx.digest = digest(ctx.files)
+        detail["compared"] = f"nothing (no manifest): crc32c and {alg} computed and recorded as the reference"
+    if manifest is not None and manifest.weak and recorded_alg != alg:
+        detail["weak"] = "format 1: only CRC32C compared; the strong hashes were computed, not checked"
+    ctx.files = [
+        ManifestFile(f.path, d.bytes, d.crc32c, d.hash, alg) for f, d in zip(files, digests, strict=True)
+    ]
+    ctx.hashed = True
+    ctx.digest = content_digest(ctx.files, alg)
     detail["digest"] = ctx.digest
     return detail
+
+
+def _same_file_list(files: list[ManifestFile], recorded: list[ManifestFile]) -> None:
+    now, then = {f.path for f in files}, {r.path for r in recorded}
+    if now != then:
+        diff = sorted(now ^ then)
+        where = "new since" if diff[0] in now else "missing since"
+        raise CheckFailed(
+            f"{diff[0]}: {where} the recorded verify (file list changed)"
+            + (f"; and {len(diff) - 1} more" if len(diff) > 1 else ""),
+            {"file": diff[0], "changed": diff[:20]},
+        )
+
+
+def _compare(listed: list[ManifestFile], digests: list[FileDigest], whose: str = "the manifest's") -> None:
+    for f, d in zip(listed, digests, strict=True):
+        if f.bytes != d.bytes:
+            raise CheckFailed(f"{f.path}: {d.bytes} bytes, {whose} {f.bytes}", {"file": f.path})
+    crc_bad = [(f, d) for f, d in zip(listed, digests, strict=True) if f.crc32c and f.crc32c != d.crc32c]
+    hash_bad = [
+        (f, d)
+        for f, d in zip(listed, digests, strict=True)
+        if f.hash and (f.hash_alg or d.hash_alg) == d.hash_alg and f.hash != d.hash
+    ]
+    # a strong-hash mismatch with the CRC intact is the forgery case: name it first
+    forged = [(f, d) for f, d in hash_bad if f.crc32c == d.crc32c]
+    if forged:
+        f, d = forged[0]
+        raise CheckFailed(
+            f"{f.path}: {d.hash_alg} does not match {whose} although its crc32c does "
+            "(the file was altered so as to keep its CRC)"
+            + (f"; {len(hash_bad) - 1} more files differ" if len(hash_bad) > 1 else ""),
+            {
+                "file": f.path,
+                "hash_alg": d.hash_alg,
+                "hash": d.hash,
+                "expected": f.hash,
+                "crc32c": d.crc32c,
+                "mismatched": [b.path for b, _ in hash_bad][:20],
+            },
+        )
+    if crc_bad:
+        f, d = crc_bad[0]
+        raise CheckFailed(
+            f"{f.path}: crc32c {d.crc32c} does not match {whose} {f.crc32c} (file corrupted)"
+            + (f"; {len(crc_bad) - 1} more files differ" if len(crc_bad) > 1 else ""),
+            {
+                "file": f.path,
+                "crc32c": d.crc32c,
+                "expected": f.crc32c,
+                "mismatched": [b.path for b, _ in crc_bad][:20],
+            },
+        )

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 import importlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from daemon.checks.base import (
     CHECK_NAMES,
+    REQUIRES,
     CheckContext,
     CheckFailed,
     CheckResult,
     CheckSettings,
+    CheckSkipped,
     VerifyReport,
 )
+from daemon.manifest import ManifestFile
 
 # check name -> "module:function"; imported on first use so cheap checks never pay for torch
 _CHECKS: dict[str, str] = {
@@ -45,32 +48,50 @@ def run_checks(
     *,
     reference: Path | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
+    recorded: Iterable[Any] | None = None,
 ) -> VerifyReport:
     """Run every enabled check on `directory`; `reference` is the serving version's directory.
 
     Each result goes to `on_result` as soon as it is known (the coordinator writes a
     `checks` row). A failing check stops the run: the report is not ok, and `deferred`
     says whether to retry later (headroom) rather than reject.
+
+    `recorded`: the file digests an earlier verify recorded for this version (anything with
+    path, bytes, crc32c, hash_alg, hash, e.g. its `checkpoint_files` rows), for a re-verify:
+    the file list and bytes must still match them, with or without a manifest.
     """
     ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
+    rows = [ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded or ()]
+    ctx.recorded = rows or None  # nothing recorded (e.g. crc32c was off then): nothing to hold it to
     results: list[CheckResult] = []
+    passed: set[str] = set()
     failure: CheckResult | None = None
     for name in CHECK_NAMES:
         if name not in settings.enabled:
             continue
         started = datetime.now(UTC)
         t0 = time.perf_counter()
-        deferred = False
+        deferred = skipped = False
         try:
+            missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
+            if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
+                raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
             detail = _resolve(name)(ctx)
             ok = True
+        except CheckSkipped as exc:
+            detail = {"skipped": exc.reason, **exc.detail}
+            ok, skipped = True, True
         except CheckFailed as exc:
             detail = {"reason": exc.reason, **exc.detail}
             ok, deferred = False, exc.deferred
         except Exception as exc:  # a bug or an OS fault in a check must still reject, with the cause
             detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
             ok = False
-        result = CheckResult(name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred)
+        result = CheckResult(
+            name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred, skipped
+        )
+        if ok and not skipped:
+            passed.add(name)
         results.append(result)
         if on_result is not None:
             on_result(result)

@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from daemon.formats.safetensors import SafetensorsHeader, TensorEntry, read_header
+from daemon.formats.smallfile import (
+    CONFIG_CAP_BYTES,
+    INDEX_CAP_BYTES,
+    SmallFileError,
+    SmallFileMissing,
+    read_json_object,
+)
 
 INDEX_NAME = "model.safetensors.index.json"
 MANIFEST_NAME = "hotswap-manifest.json"
@@ -20,12 +27,14 @@ def weight_files(directory: str | Path) -> list[Path]:
     """The safetensors files of a checkpoint: the index's shards when sharded, else *.safetensors."""
     d = Path(directory)
     index = d / INDEX_NAME
-    if index.exists():
+    if index.exists() or index.is_symlink():
+        doc = read_index(d)
+        weight_map = doc.get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise LayoutError(f"{index}: unreadable index ('weight_map' must be an object)")
         try:
-            doc = json.loads(index.read_text("utf-8"))
-            weight_map = doc["weight_map"]
             names = sorted(set(weight_map.values()))
-        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        except TypeError as exc:
             raise LayoutError(f"{index}: unreadable index ({exc})") from None
         for name in names:
             if not isinstance(name, str) or "/" in name or name.startswith("."):
@@ -35,6 +44,24 @@ def weight_files(directory: str | Path) -> list[Path]:
     if not files:
         raise LayoutError(f"{d}: no *.safetensors files")
     return files
+
+
+def read_index(directory: str | Path) -> dict[str, Any]:
+    """model.safetensors.index.json as a dict, read bounded (daemon.formats.smallfile)."""
+    try:
+        return read_json_object(directory, INDEX_NAME, INDEX_CAP_BYTES)
+    except SmallFileError as exc:
+        raise LayoutError(f"unreadable index: {exc}") from None
+
+
+def read_config(directory: str | Path) -> dict[str, Any] | None:
+    """config.json as a dict, read bounded; None when there is none."""
+    try:
+        return read_json_object(directory, "config.json", CONFIG_CAP_BYTES)
+    except SmallFileMissing:
+        return None
+    except SmallFileError as exc:
+        raise LayoutError(str(exc)) from None
 
 
 @dataclass(frozen=True, slots=True)

@@ -133,7 +133,7 @@ class Checkpoint(Base):
     commit_signal: Mapped[str | None] = mapped_column(String(32))  # manifest | index | marker | push
     step: Mapped[int | None] = mapped_column(BigInteger)
     parent: Mapped[str | None] = mapped_column(String(255))
-    digest: Mapped[str | None] = mapped_column(String(16), index=True)
+    digest: Mapped[str | None] = mapped_column(String(80), index=True)  # "<alg>:<hex>" (daemon.hashing)
     total_bytes: Mapped[int | None] = mapped_column(BigInteger)
     tensor_count: Mapped[int | None] = mapped_column(Integer)
     status: Mapped[str] = mapped_column(String(32), index=True, default="discovered")
@@ -166,6 +166,9 @@ class CheckpointFile(Base):
     path: Mapped[str] = mapped_column(Text)
     bytes: Mapped[int] = mapped_column(BigInteger)
     crc32c: Mapped[str | None] = mapped_column(String(8))
+    # the strong hash the verify stage computed from the bytes: what transports compare with
+    hash_alg: Mapped[str | None] = mapped_column(String(16))  # "blake3" | "sha256"
+    hash: Mapped[str | None] = mapped_column(String(128))  # hex
 
     checkpoint: Mapped[Checkpoint] = relationship(back_populates="files")
 
@@ -178,6 +181,7 @@ class Check(Base):
     name: Mapped[str] = mapped_column(String(64))
     ok: Mapped[bool] = mapped_column(Boolean)
     deferred: Mapped[bool] = mapped_column(Boolean, default=False)
+    status: Mapped[str | None] = mapped_column(String(16))  # pass | fail | deferred | skipped
     detail: Mapped[dict[str, Any]] = mapped_column(default=dict)
     started_at: Mapped[datetime] = mapped_column(default=utcnow)
     duration_ms: Mapped[float] = mapped_column(Float)

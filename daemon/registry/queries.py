@@ -7,7 +7,7 @@ Checkpoint status is written only by `daemon.registry.status`.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from datetime import datetime
 from typing import Any
 
@@ -116,12 +116,16 @@ def add_check(
     started_at: datetime,
     duration_ms: float,
     deferred: bool = False,
+    status: str | None = None,
 ) -> Check:
+    if status is None:  # pass | fail | deferred | skipped; "skipped" is ok but never "pass"
+        status = "deferred" if deferred else "fail" if not ok else "skipped" if "skipped" in detail else "pass"
     row = Check(
         checkpoint_id=checkpoint_id,
         name=name,
         ok=ok,
         deferred=deferred,
+        status=status,
         detail=_jsonable(detail),
         started_at=started_at,
         duration_ms=duration_ms,
@@ -130,12 +134,22 @@ def add_check(
     return row
 
 
-def replace_files(s: Session, ckpt: Checkpoint, files: Iterable[tuple[str, int, str | None]]) -> None:
-    """Set a checkpoint's file list (path, bytes, crc32c), replacing any earlier one."""
+def replace_files(
+    s: Session,
+    ckpt: Checkpoint,
+    files: Iterable[tuple[str, int, str | None]],
+    *,
+    hashes: Mapping[str, tuple[str, str]] | None = None,
+) -> None:
+    """Set a checkpoint's file list (path, bytes, crc32c), replacing any earlier one.
+
+    `hashes`: path -> (hash_alg, hex) of the strong hashes computed from the bytes.
+    """
     ckpt.files.clear()
     s.flush()
     for path, size, crc in files:
-        ckpt.files.append(CheckpointFile(path=path, bytes=size, crc32c=crc))
+        alg, digest = (hashes or {}).get(path, (None, None))
+        ckpt.files.append(CheckpointFile(path=path, bytes=size, crc32c=crc, hash_alg=alg, hash=digest))
 
 
 def clear_checks(s: Session, checkpoint_id: int) -> None:

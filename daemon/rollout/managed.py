@@ -74,6 +74,10 @@ def ensure_seed(journal: Journal, state_dir: Path) -> CheckpointRef:
         make_tiny_checkpoint(directory, seed=0, tokenizer=True)  # text prompts and chat work at once
         publish(directory, version=SEED_VERSION)
     manifest = load_manifest(directory)
+    if manifest.digest is None:  # a format-1 seed left by an older install: give it strong hashes
+        publish(directory, version=SEED_VERSION)
+        manifest = load_manifest(directory)
+    assert manifest.digest is not None
     table, _ = tensor_table(directory)
     ref = journal.register_seed(
         version=SEED_VERSION,

@@ -15,7 +15,6 @@ then it is handed on and the checks reject it with the exact file named.
 
 from __future__ import annotations
 
-import json
 import os
 import time
 from collections.abc import Callable
@@ -25,9 +24,10 @@ from pathlib import Path
 from typing import Any
 
 from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
+from daemon.formats.smallfile import INDEX_CAP_BYTES, SmallFileError, read_json_object
 from daemon.sources.base import DiscoveredCheckpoint
 
-MANIFEST_PEEK_BYTES = 64 * 1024 * 1024
+MANIFEST_PEEK_BYTES = INDEX_CAP_BYTES  # the larger of the manifest's and the index's caps
 COMMIT_SIGNALS = ("manifest", "index", "marker")
 
 
@@ -182,13 +182,10 @@ def snapshot(directory: Path) -> Snapshot:
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        with open(path, "rb") as f:
-            raw = f.read(MANIFEST_PEEK_BYTES)
-        doc = json.loads(raw.decode("utf-8"))
-    except (OSError, ValueError):
+    try:  # bounded, regular files only (a FIFO cannot hang the source), never a symlink out
+        return read_json_object(path.parent, path.name, MANIFEST_PEEK_BYTES)
+    except SmallFileError:
         return None
-    return doc if isinstance(doc, dict) else None
 
 
 def discovered(source: str, directory: Path, decision: Decision) -> DiscoveredCheckpoint:

@@ -48,7 +48,8 @@ MAX_VERSION_CHARS = 256
 Kind = Literal["cuda", "shm"]
 _TOP_KEYS = {"format", "kind", "version", "digest", "loader", "size", "tensors", "buffers"}
 _TENSOR_KEYS = {"name", "dtype", "shape", "offset", "bytes"}
-_DIGEST_RE = re.compile(r"^[0-9a-f]{8}$")
+# content digest: "<alg>:<64 hex>" (manifest format 2, daemon.hashing) or a legacy 8-hex CRC digest
+_DIGEST_RE = re.compile(r"^(?:(?:blake3|sha256):[0-9a-f]{64}|[0-9a-f]{8})$")
 
 
 class IpcRefused(ValueError):
@@ -257,7 +258,7 @@ def parse_descriptor(doc: Any) -> Descriptor:
     version = _str(doc["version"], "version", max_chars=MAX_VERSION_CHARS)
     digest = doc["digest"]
     if digest is not None and (not isinstance(digest, str) or not _DIGEST_RE.match(digest)):
-        raise DescriptorError(f"digest {digest!r} must be 8 lowercase hex digits or null")
+        raise DescriptorError(f"digest {digest!r:.80} must be '<blake3|sha256>:<64 hex>', 8 lowercase hex or null")
     loader = doc["loader"]
     if loader is not None:
         loader = _str(loader, "loader", max_chars=4096)
