@@ -80,3 +80,19 @@ def test_ed25519_signature_verifies_and_a_forged_one_is_rejected(tmp_path: Path)
     assert name == "manifest" and "bad ed25519 signature by key 'trainer'" in reason
     edit_manifest(d, lambda doc: {**doc, "signature": {**doc["signature"], "value": "%%%"}})
     assert "not valid base64" in reject(d, settings)[1]
+
+
+def test_raw_ed25519_key_ending_in_a_newline_byte_is_kept_whole(tmp_path: Path) -> None:
+    # a raw 32-byte key is binary: its last byte may be 0x0a and must not be stripped
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+    from daemon.checks.signatures import read_ed25519_private, read_ed25519_public
+
+    seed = bytes(range(31)) + b"\n"
+    priv = Ed25519PrivateKey.from_private_bytes(seed)
+    (tmp_path / "k").write_bytes(seed)
+    pub_raw = priv.public_key().public_bytes_raw()
+    (tmp_path / "p").write_bytes(pub_raw[:31] + b"\n")  # a public key ending in 0x0a too
+    loaded = read_ed25519_private(tmp_path / "k")
+    assert loaded.private_bytes_raw() == seed
+    assert len(read_ed25519_public(tmp_path / "p").public_bytes_raw()) == 32

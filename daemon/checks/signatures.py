@@ -48,8 +48,20 @@ def read_hmac_key(path: Path) -> bytes:
     return _read_key_file(path)
 
 
+def _read_ed25519_file(path: Path) -> bytes:
+    """PEM text (one trailing newline dropped), or exactly 32 raw bytes: a raw key whose last
+    byte happens to be 0x0a must not lose it (1 key in 256)."""
+    try:
+        raw = Path(path).read_bytes()
+    except OSError as exc:
+        raise SignatureError(f"key file {path}: unreadable ({exc.strerror or exc})") from None
+    if len(raw) == 32 and not raw.startswith(b"-----BEGIN"):
+        return raw
+    return _read_key_file(path)
+
+
 def read_ed25519_private(path: Path) -> Ed25519PrivateKey:
-    data = _read_key_file(path)
+    data = _read_ed25519_file(path)
     try:
         if data.startswith(b"-----BEGIN"):
             key = serialization.load_pem_private_key(data + b"\n", password=None)
@@ -64,7 +76,7 @@ def read_ed25519_private(path: Path) -> Ed25519PrivateKey:
 
 
 def read_ed25519_public(path: Path) -> Ed25519PublicKey:
-    data = _read_key_file(path)
+    data = _read_ed25519_file(path)
     try:
         if data.startswith(b"-----BEGIN"):
             key = serialization.load_pem_public_key(data + b"\n")
