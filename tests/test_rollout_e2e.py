@@ -128,6 +128,10 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         publish_into(watch, "step-2", seed=2)
         d.wait_status("step-2", "deployed", timeout=120)
         assert json.loads((state / "worker-local.json").read_text())["pid"] == first_pid
+        # `deployed` is written before the health window runs: crash the worker only once the
+        # window has passed step-2 (last_good), so this checks the relaunch, not the window
+        wait_until(lambda: httpx.get(f"{d.api_url}/v1/rollout", timeout=5).json()["last_good"] == "step-2",
+                   30, what="step-2's health window")  # fmt: skip
 
         os.kill(first_pid, signal.SIGKILL)  # the worker crashes: the health poll relaunches it
         relaunched = wait_until(lambda: (p := json.loads((state / "worker-local.json").read_text())["pid"]) != first_pid and p,

@@ -190,6 +190,7 @@ def test_drain_waits_for_in_flight_and_refuses_new_requests(w: WorkerProcess) ->
     failed0 = w.info()["requests_failed"]
     res = w.admin("/admin/drain", {"timeout_s": 30})
     assert res == {"state": "DRAINING", "drained": True, "in_flight": 0}
+    t.join(30)  # the worker has sent the last chunk; the client thread may not have read it yet
     assert outcome.get("done") and chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert w.get("/ready").status_code == 503
     r = w.post("/v1/completions", {"prompt": PROMPT, "max_tokens": 2})
