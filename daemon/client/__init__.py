@@ -1,0 +1,4 @@
+"""The trainer side of hotswap: objects a training loop uses to hand checkpoints to the daemon.
+
+Each way in lives in its own module and is re-exported here (one line each).
+"""
