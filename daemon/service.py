@@ -34,7 +34,8 @@ from sqlalchemy import select
 
 from daemon import systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
-from daemon.config import Config
+from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
@@ -76,6 +77,7 @@ class Daemon:
     sources: list[Source]
     rollout: RolloutService | None
     api: ApiServer | None = None
+    guard: ControlGuard | None = None  # the control token check (start() makes it): for every state-changing route
     stop_event: threading.Event = field(default_factory=threading.Event)
     _stops: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
 
@@ -86,6 +88,10 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            self.guard = ControlGuard(ensure_control_token(cfg.state_dir), hosts=cfg.api.allowed_hosts)
+        except TokenFileError as exc:
+            raise ConfigError(f"daemon.state_dir: {exc}") from None
         log.info("starting", config=cfg.source_file, database=redact_url(cfg.database_url), pid=os.getpid())
         self.registry.upgrade()
         self._started("registry", self.registry.close)
@@ -105,7 +111,7 @@ class Daemon:
         self._add_jobs()
         listen = cfg.daemon.listen_host_port
         if listen is not None:
-            self.api = ApiServer(self._app(), *listen)
+            self.api = ApiServer(self._app(), *listen, cfg.api.tls_certfile, cfg.api.tls_keyfile)
             self.api.start()
             self._started("api", self.api.stop)
         self._write_runtime_file()
@@ -141,11 +147,12 @@ class Daemon:
             self.scheduler.add_job(systemd.watchdog_ping, "interval", seconds=interval, id="sd-watchdog")
 
     def _app(self) -> Any:
+        assert self.guard is not None  # start() made it
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
-                         queue_depth=self.coordinator.queue_depth)  # fmt: skip
+                         queue_depth=self.coordinator.queue_depth, guard=self.guard)  # fmt: skip
         app = create_app(state)
         if self.rollout is not None:
-            app.include_router(rollout_router(self.rollout))
+            app.include_router(rollout_router(self.rollout, self.guard))
         return app
 
     def prune(self) -> list[Path]:
