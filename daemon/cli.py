@@ -30,6 +30,7 @@ from typing import Any
 
 from daemon import __version__
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.statelock import StateDirLocked
 
 # command -> "module:function" taking argv (list[str]) and returning an exit code
 DELEGATED: dict[str, tuple[str, str]] = {
@@ -134,7 +135,11 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     config = _config(args)
     from daemon.service import run_daemon
 
-    return run_daemon(config)
+    try:
+        return run_daemon(config)
+    except StateDirLocked as exc:
+        print(f"hotswap daemon: {exc}", file=sys.stderr)
+        return 2
 
 
 def _registry(config: Config, migrate: bool = False) -> Any:
