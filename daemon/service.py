@@ -34,10 +34,11 @@ from sqlalchemy import select
 
 from daemon import systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
-from daemon.config import Config
+from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
+from daemon.preflight import port_error, preflight
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -105,7 +106,10 @@ class Daemon:
         self._add_jobs()
         listen = cfg.daemon.listen_host_port
         if listen is not None:
-            self.api = ApiServer(self._app(), *listen)
+            try:
+                self.api = ApiServer(self._app(), *listen)
+            except OSError as exc:  # taken since the preflight looked
+                raise ConfigError(port_error(cfg.source_file, cfg.daemon.listen, exc)) from None
             self.api.start()
             self._started("api", self.api.stop)
         self._write_runtime_file()
@@ -142,11 +146,21 @@ class Daemon:
 
     def _app(self) -> Any:
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
-                         queue_depth=self.coordinator.queue_depth)  # fmt: skip
+                         queue_depth=self.coordinator.queue_depth, problems=self.health_problems)  # fmt: skip
         app = create_app(state)
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout))
         return app
+
+    def health_problems(self) -> list[str]:
+        """What makes the daemon unhealthy now: each source's `health_problem()` (optional)."""
+        problems: list[str] = []
+        for source in self.sources:
+            check = getattr(source, "health_problem", None)
+            problem = check() if callable(check) else None
+            if problem:
+                problems.append(problem)
+        return problems
 
     def prune(self) -> list[Path]:
         """The retention hook: let each source delete directories it created, except protected ones."""
@@ -218,6 +232,7 @@ def _preload_forward_check() -> None:
 
 
 def run_daemon(config: Config, observers: Observers | None = None) -> int:
+    preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
     configure_logging(config.daemon.log_level)
     d = build_daemon(config, observers)
     signal.signal(signal.SIGTERM, lambda *_: d.stop_event.set())

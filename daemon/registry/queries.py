@@ -16,6 +16,8 @@ from sqlalchemy import Float, Integer, MetaData, String, Table, Text, func, sele
 from sqlalchemy.orm import Session
 
 from daemon.registry.models import (
+    ALIAS_NAMES,
+    Alias,
     Check,
     Checkpoint,
     CheckpointFile,
@@ -206,6 +208,12 @@ def history(s: Session, limit: int | None = None, newest_first: bool = True) -> 
     if limit:
         q = q.limit(limit)
     return [dict(r) for r in s.execute(q).mappings()]
+
+
+def aliases(s: Session) -> dict[str, str | None]:
+    """serving, last_good, pinned -> the version each names (None when unset)."""
+    found = dict(s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint, Alias.checkpoint_id == Checkpoint.id)).all())
+    return {name: found.get(name) for name in ALIAS_NAMES}
 
 
 def worker_rows(s: Session) -> list[dict[str, Any]]:
