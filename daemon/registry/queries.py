@@ -202,9 +202,14 @@ def status_counts(s: Session) -> dict[str, int]:
 
 
 def history(s: Session, limit: int | None = None, newest_first: bool = True) -> list[dict[str, Any]]:
-    """Rows of the `version_history` view as dicts."""
+    """Rows of the `version_history` view as dicts, plus `last_deployed_at` (the latest deploy:
+    a rollback's or pin's time; `deployed_at` is the first)."""
     order = version_history.c.checkpoint_id.desc() if newest_first else version_history.c.checkpoint_id
-    q = select(version_history).order_by(order)
+    q = (
+        select(version_history, Checkpoint.last_deployed_at)
+        .join(Checkpoint, Checkpoint.id == version_history.c.checkpoint_id)
+        .order_by(order)
+    )
     if limit:
         q = q.limit(limit)
     return [dict(r) for r in s.execute(q).mappings()]
