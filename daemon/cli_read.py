@@ -127,19 +127,31 @@ def history_cells(row: dict[str, Any], ts: Callable[[datetime | None], str]) -> 
     }
 
 
-def fit_columns(cells: list[dict[str, str]], width: int) -> list[str]:
-    """The column keys to show in `width` terminal columns (rich's default box: 3 per column + 1)."""
-    def need(key: str, header: str) -> int:
-        longest = max([len(header.split(" /")[0]), *(len(c[key]) for c in cells)])
-        return min(longest, max(_SHRINKS[key], len(header.split(" /")[0]))) if key in _SHRINKS else longest
+def fit_columns(cells: list[dict[str, str]], width: int) -> dict[str, int]:
+    """Column key -> width for `width` terminal columns (rich's default box: 3 per column + 1).
+
+    Columns are dropped by priority until the rest fit with the shrinkable ones (version, reason,
+    ended) at their minimum; the space left then goes to those, in priority order."""
+    def natural(key: str, header: str) -> int:
+        return max([len(header), *(len(c[key]) for c in cells)])
+
+    def minimum(key: str, header: str) -> int:
+        nat = natural(key, header)
+        return min(nat, max(_SHRINKS[key], len(header.split(" /")[0]))) if key in _SHRINKS else nat
 
     shown = [(k, h, p) for k, h, p in _COLUMNS if p == 0 or any(c[k] for c in cells)]
-    while sum(need(k, h) + 3 for k, h, _ in shown) + 1 > width:
+    while sum(minimum(k, h) + 3 for k, h, _ in shown) + 1 > width:
         droppable = [c for c in shown if c[2] > 0]
         if not droppable:
             break
         shown.remove(max(droppable, key=lambda c: c[2]))
-    return [k for k, _, _ in shown]
+    widths = {k: minimum(k, h) for k, h, _ in shown}
+    spare = width - (sum(w + 3 for w in widths.values()) + 1)
+    for k, h, _ in sorted((c for c in shown if c[0] in _SHRINKS), key=lambda c: c[2]):
+        extra = max(0, min(spare, natural(k, h) - widths[k]))
+        widths[k] += extra
+        spare -= extra
+    return widths
 
 
 def history_cmd(args: argparse.Namespace) -> int:
@@ -159,14 +171,17 @@ def history_cmd(args: argparse.Namespace) -> int:
         return 0
     console = Console(highlight=False, emoji=False)
     cells = [history_cells(r, ts_full if args.wide else ts_short) for r in rows]
-    keys = [k for k, _, _ in _COLUMNS] if args.wide else fit_columns(cells, console.width)
+    widths: dict[str, int | None] = (
+        {k: None for k, _, _ in _COLUMNS} if args.wide else dict(fit_columns(cells, console.width))
+    )
+    keys = [k for k, _, _ in _COLUMNS if k in widths]
     left_out = [h for k, h, _ in _COLUMNS if k not in keys and any(c[k] for c in cells)]
     title = f"hotswap history ({len(rows)} newest)" if args.limit else "hotswap history"
     table = Table(title=title, caption=f"left out to fit: {', '.join(left_out)} (--wide or --json for all)"
                   if left_out else None)  # fmt: skip
     headers = {k: h for k, h, _ in _COLUMNS}
     for k in keys:
-        table.add_column(headers[k], no_wrap=True, overflow="fold" if args.wide else "ellipsis",
+        table.add_column(headers[k], no_wrap=True, overflow="fold" if args.wide else "ellipsis", width=widths[k],
                          justify="right" if k == "bytes" else "left")  # fmt: skip
     for c in cells:
         table.add_row(*(Text(c[k], style=_STYLES.get(c[k], "")) if k == "status" else Text(c[k]) for k in keys))
