@@ -131,3 +131,13 @@ def test_status_of_a_running_daemon_shows_health_and_queue(daemon_factory, tmp_p
     assert lines["daemon"].strip().startswith(f"running (pid {d.pid}, {d.api_url}")
     assert lines["health"].strip() == "ok"
     assert lines["queue"].strip() == "0"
+
+
+def test_verify_prints_a_markup_named_directory_literally(tmp_path: Path) -> None:
+    from daemon.tinymodel import make_tiny_checkpoint
+
+    ckpt = tmp_path / "x[/bold]:joy:[red]"
+    make_tiny_checkpoint(ckpt, seed=1)
+    out = hotswap_cli("verify", str(ckpt), "--skip", "forward", "--no-progress", env={"COLUMNS": "200"})
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr and f"hotswap verify {ckpt}" in out.stdout and "😂" not in out.stdout
