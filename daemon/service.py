@@ -6,6 +6,8 @@
         stage      -> roll out -> watch     the rollout service (daemon.rollout), when [[workers]] exist
         plus the scheduler's periodic jobs and the HTTP API (daemon.api)
 
+`run_daemon` first runs `daemon.preflight` (API port free, token and key files usable, required
+source folders present: one line and exit 2, before anything is created or launched).
 `Daemon.start()`: migrate the database, then start each part in that order (the rollout
 service first: it makes the seed and recovers a killed daemon's rollout before checkpoints
 flow), then write `<state_dir>/daemon.json` (pid and API URL, for the CLI and tests) and tell
