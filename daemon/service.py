@@ -6,6 +6,8 @@
         stage      -> roll out -> watch     the rollout service (daemon.rollout), when [[workers]] exist
         plus the scheduler's periodic jobs and the HTTP API (daemon.api)
 
+`run_daemon` first runs `daemon.preflight` (API port free, token and key files usable, required
+source folders present: one line and exit 2, before anything is created or launched).
 `Daemon.start()`: migrate the database, then start each part in that order (the rollout
 service first: it makes the seed and recovers a killed daemon's rollout before checkpoints
 flow), then write `<state_dir>/daemon.json` (pid and API URL, for the CLI and tests) and tell
@@ -34,11 +36,12 @@ from sqlalchemy import select
 
 from daemon import systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
-from daemon.config import Config
+from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
+from daemon.preflight import port_error, preflight
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -124,7 +127,10 @@ class Daemon:
         self._add_jobs()
         listen = cfg.daemon.listen_host_port
         if listen is not None:
-            self.api = ApiServer(self._app(), *listen)
+            try:
+                self.api = ApiServer(self._app(), *listen)
+            except OSError as exc:  # taken since the preflight looked
+                raise ConfigError(port_error(cfg.source_file, cfg.daemon.listen, exc)) from None
             self.api.start()
             self._started("api", self.api.stop)
         self._write_runtime_file()
@@ -158,7 +164,7 @@ class Daemon:
 
     def _app(self) -> Any:
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
-                         queue_depth=self.coordinator.queue_depth)  # fmt: skip
+                         queue_depth=self.coordinator.queue_depth, problems=self.health_problems)  # fmt: skip
         self.api_state = state
         app = create_app(state)
         if self.rollout is not None:
@@ -175,6 +181,16 @@ class Daemon:
                                           self.rollout.settings if self.rollout else None, on_sources))  # fmt: skip
         systemd.status("config reload refused: " + result.error if result.error else "config reloaded")
         return result
+
+    def health_problems(self) -> list[str]:
+        """What makes the daemon unhealthy now: each source's `health_problem()` (optional)."""
+        problems: list[str] = []
+        for source in self.sources:
+            check = getattr(source, "health_problem", None)
+            problem = check() if callable(check) else None
+            if problem:
+                problems.append(problem)
+        return problems
 
     def prune(self) -> list[Path]:
         """The retention hook: let each source delete directories it created, except protected ones."""
@@ -250,7 +266,9 @@ def _preload_forward_check() -> None:
 
 def run_daemon(config: Config, observers: Observers | None = None) -> int:
     lock = StateDirLock(config.state_dir)
-    lock.acquire()  # first of all: a refused second daemon prints one line and changes nothing
+    lock.check_free()  # a second daemon on this state dir: one line naming the holder (before its busy port)
+    preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
+    lock.acquire()
     configure_logging(config.daemon.log_level)
     d = build_daemon(config, observers)
     d.state_lock = lock

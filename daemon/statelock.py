@@ -26,6 +26,19 @@ class StateDirLock:
         self.path = Path(state_dir) / LOCK_FILE
         self._fd: int | None = None
 
+    def check_free(self) -> None:
+        """Raise `StateDirLocked` if a live daemon holds the lock; creates nothing (for preflight)."""
+        try:
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            return  # no lock file (or no state dir yet): nobody holds it
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise self._locked(_read_pid(fd)) from None
+        finally:
+            os.close(fd)
+
     def acquire(self) -> None:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
@@ -34,14 +47,15 @@ class StateDirLock:
         except BlockingIOError:
             holder = _read_pid(fd)
             os.close(fd)
-            who = f"pid {holder}" if holder else "another process"
-            raise StateDirLocked(
-                f"another hotswap daemon ({who}) already runs on state directory {self.path.parent}; "
-                "stop it first or give this one its own [daemon] state_dir"
-            ) from None
+            raise self._locked(holder) from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd
+
+    def _locked(self, holder: int | None) -> StateDirLocked:
+        who = f"pid {holder}" if holder else "another process"
+        return StateDirLocked(f"another hotswap daemon ({who}) already runs on state directory {self.path.parent}; "
+                              "stop it first or give this one its own [daemon] state_dir")  # fmt: skip
 
     def release(self) -> None:
         if self._fd is None:
