@@ -193,6 +193,13 @@ def test_the_token_is_made_once_0600_and_a_file_others_can_read_or_own_stops_the
     assert line.startswith("hotswap: error: daemon.state_dir: token file"), start.stderr
     assert "open to other users (mode 644)" in line and str(path) in line
     path.chmod(0o600)
+    real = path.with_name("elsewhere.token")
+    path.rename(real)
+    path.symlink_to(real)  # a link another user could point anywhere: never followed
+    start = hotswap_cli("daemon", "-c", str(daemon.config_path), timeout=60)
+    assert start.returncode == 2 and "is not a regular file" in start.stderr.strip().splitlines()[-1]
+    path.unlink()
+    real.rename(path)
     if os.getuid() == 0:  # only root can hand the file to someone else
         os.chown(path, 65534, -1)
         start = hotswap_cli("daemon", "-c", str(daemon.config_path), timeout=60)
