@@ -236,8 +236,7 @@ class NotRunning(RuntimeError):
     pass
 
 
-def _daemon_url(config_path: str | None) -> str:
-    config = load_config(config_path)
+def _daemon_url(config: Config) -> str:
     runtime = read_runtime_file(config)
     where = str(config.runtime_file)
     if not runtime:
@@ -255,20 +254,46 @@ def _daemon_url(config_path: str | None) -> str:
 
 
 def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST to the running daemon with its control token (`<state_dir>/control.token`)."""
     import httpx
 
-    url = _daemon_url(config_path)
+    from daemon.auth import TokenFileError, control_token_path, read_token_file
+
+    config = load_config(config_path)
+    url = _daemon_url(config)
+    token_file = control_token_path(config.state_dir)
     try:
-        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30)
+        token = read_token_file(token_file)
+    except TokenFileError as exc:
+        raise NotRunning(f"cannot send the daemon's control token: {exc} (run as the daemon's user)") from None
+    try:
+        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30,
+                       headers={"Authorization": f"Bearer {token}"}, verify=_tls_trust(config, url))  # fmt: skip
     except httpx.TransportError as exc:
         raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
     try:
         doc: dict[str, Any] = r.json()
     except ValueError:
         doc = {"error": r.text[:500]}
+    if r.status_code in (401, 403):
+        raise RuntimeError(f"the daemon at {url} refused the request ({doc.get('error') or r.status_code}; "
+                           f"token from {token_file})")  # fmt: skip
     if r.status_code != 200:
         raise RuntimeError(doc.get("error") or f"HTTP {r.status_code}")
     return doc
+
+
+def _tls_trust(config: Config, url: str) -> Any:
+    """For an HTTPS daemon: trust exactly its own certificate ([api] tls_certfile), nothing else."""
+    import ssl
+
+    if not url.startswith("https:") or not config.api.tls_certfile:
+        return True
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no system CAs: only the file below is trusted
+    ctx.load_verify_locations(cafile=str(Path(config.api.tls_certfile).expanduser()))
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the daemon's own leaf is the trust anchor
+    ctx.check_hostname = False  # pinned to that certificate: whatever name the CLI dialled
+    return ctx
 
 
 def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -318,8 +343,9 @@ def rollback_main(argv: Sequence[str] | None = None) -> int:
 def pin_main(argv: Sequence[str] | None = None) -> int:
     p = _control_parser("pin", "Deploy VERSION and keep it: new checkpoints wait until `hotswap unpin`.")
     p.add_argument("version", metavar="VERSION")
+    p.add_argument("--force", action="store_true", help="pin even a version that was rejected")
     args = p.parse_args(argv)
-    return _control(args, "/v1/rollout/pin", {"version": args.version})
+    return _control(args, "/v1/rollout/pin", {"version": args.version, "force": args.force})
 
 
 def unpin_main(argv: Sequence[str] | None = None) -> int:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
 from daemon.adapters import MANAGED_KIND, WORKER_KINDS
+from daemon.apiconfig import ApiSettings, listen_problem
 from daemon.checks import CheckSettings
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
@@ -285,6 +286,7 @@ def _default_sources() -> list[Any]:
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    api: ApiSettings = field(default_factory=ApiSettings)  # [api]: TLS, remote access (daemon.apiconfig)
     # [[sources]]: each table's `type` picks its dataclass from daemon.sources.SOURCE_TYPES.
     sources: list[Any] = field(default_factory=_default_sources)
     # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
@@ -364,6 +366,8 @@ def _parse(doc: dict[str, Any]) -> Config:
             values[name] = _convert(doc[name], hints[name], name)
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
+    if problem := listen_problem(config.daemon.listen_host_port, config.api):
+        raise ConfigError(problem)
     if TRANSPORTS[config.rollout.transport].stages:
         # a transport that stages a copy (the loader) needs that room too, so headroom checks it
         config.checks.ipc_enabled = True

@@ -28,6 +28,7 @@ class Job:
     kind: JobKind
     checkpoint: CheckpointRef | None = None  # deploy
     version: str | None = None  # rollback --to / pin
+    force: bool = False  # pin: a rejected version too
     future: Future[dict[str, Any]] = field(default_factory=Future)
 
     def describe(self) -> str:

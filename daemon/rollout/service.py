@@ -150,8 +150,9 @@ class RolloutService:
     def rollback(self, to: str | None = None) -> Future[dict[str, Any]]:
         return self.queue.command(Job("rollback", version=to))
 
-    def pin(self, version: str) -> Future[dict[str, Any]]:
-        return self.queue.command(Job("pin", version=version))
+    def pin(self, version: str, force: bool = False) -> Future[dict[str, Any]]:
+        """Deploy `version` and hold it; a `rejected` one only with `force`."""
+        return self.queue.command(Job("pin", version=version, force=force))
 
     def unpin(self) -> Future[dict[str, Any]]:
         return self.queue.command(Job("unpin"))
@@ -206,7 +207,7 @@ class RolloutService:
             return self._rollback(job.version)
         if job.kind == "pin":
             assert job.version is not None
-            return self._pin(job.version)
+            return self._pin(job.version, job.force)
         if job.kind == "unpin":
             return self._unpin()
         return self._reconcile()
@@ -280,8 +281,11 @@ class RolloutService:
         return {"rollout_id": result.rollout_id, "version": target.version, "outcome": result.outcome.value,
                 "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
 
-    def _pin(self, version: str) -> dict[str, Any]:
+    def _pin(self, version: str, force: bool = False) -> dict[str, Any]:
         target = self._deployable(version)
+        if target.status == C.REJECTED and not force:
+            raise CommandError(f"version {version!r} was rejected (see `hotswap history`): "
+                               "pin it anyway with --force")  # fmt: skip
         serving = self.journal.alias("serving")
         self.journal.set_alias("pinned", target.id)
         self.state.set_pinned(target.version)
