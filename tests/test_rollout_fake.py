@@ -18,7 +18,7 @@ from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
 from support_rollout import rollouts, worker_events
 
 from daemon import adapters
-from daemon.adapters.base import UpdateRefused
+from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
@@ -314,14 +314,15 @@ def _during(fn: Any) -> Any:
 def test_health_window_verdicts(reg: Registry, tmp_path: Path) -> None:
     w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
     r = rig(reg, tmp_path, w0, w1)
-    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, max_error_rate=0.01, min_window_requests=5)
+    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, max_error_rate=0.01, min_window_requests=5,
+                               health_probe_s=0)  # fmt: skip
     w0.traffic(100, failed=50)  # before the window: not counted
     assert health.watch(r.fleet, settings, lambda: False).ok
 
     verdict = health.watch(r.fleet, settings, _during(lambda: (w0.traffic(10), w1.traffic(10, failed=3))))
     assert not verdict.ok
     assert verdict.reason is not None and "worker w1 error rate 30.0% (3 of 10 requests failed)" in verdict.reason
-    assert verdict.workers["w0"] == {"requests": 10, "failed": 0, "rate": 0.0}
+    assert verdict.workers["w0"] == {"requests": 10, "failed": 0, "probes": 0, "probes_failed": 0, "rate": 0.0}
 
     few = health.watch(r.fleet, settings, _during(lambda: w1.traffic(2, failed=2)))
     assert few.ok  # 2 requests < min_window_requests: no verdict on w1
@@ -329,6 +330,32 @@ def test_health_window_verdicts(reg: Registry, tmp_path: Path) -> None:
     w1.alive = False
     gone = health.watch(r.fleet, settings, lambda: False)
     assert not gone.ok and "worker w1 did not answer at the start of the health window" in (gone.reason or "")
+
+
+def test_health_window_one_bad_request_cannot_trip_it_and_probes_count(reg: Registry, tmp_path: Path) -> None:
+    """Finding 6: one failed request of one (100 %) is below the default minimum of 10 requests;
+    the daemon's probes count as requests, a non-finite or wrong-version probe is decisive."""
+    w0 = FakeWorkerClient("w0", version="v1")
+    r = rig(reg, tmp_path, w0)
+    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, health_probe_s=0.01)
+    assert settings.min_window_requests == 10
+    one = health.watch(r.fleet, settings, _during(lambda: w0.traffic(1, failed=1)), "v1")
+    assert one.ok, one.reason
+    assert one.workers["w0"]["failed"] == 1 and one.workers["w0"]["probes"] >= 1
+    # enough server faults still trip it
+    many = health.watch(r.fleet, settings, _during(lambda: w0.traffic(20, failed=5)), "v1")
+    assert not many.ok and "worker w0 error rate" in (many.reason or "")
+    # a probe with non-finite logits is a fault of the weights: decisive, whatever the counts
+    w0.fail("probe", NonFiniteOutput("worker w0: probe: non-finite logits under version v1"))
+    nan = health.watch(r.fleet, settings, lambda: False, "v1")
+    assert not nan.ok and "non-finite logits" in (nan.reason or "") and "health window" in (nan.reason or "")
+    w0.fail("probe", served="v0")
+    other = health.watch(r.fleet, settings, lambda: False, "v1")
+    assert not other.ok and "served version 'v0', expected 'v1'" in (other.reason or "")
+    # a probe that errors otherwise (HTTP 500) is one failed request, not a verdict on its own
+    w0.fail("probe", WorkerError("worker w0: probe: HTTP 500: boom"))
+    err = health.watch(r.fleet, settings, lambda: False, "v1")
+    assert err.ok and err.workers["w0"]["probes_failed"] == 1
 
 
 # -- the service over fakes: a whole new-checkpoint job, through the kind registry ---------------

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import DaemonProcess, hotswap_cli, wait_until
 from support_rollout import (
@@ -175,6 +176,28 @@ def test_error_rate_spike_after_deploy_rolls_back(
         assert paths[(w, "v1")] == [["RUNNING", "DRAINING", "UPDATED", "RUNNING"]]
         assert paths[(w, "v0")] == [["RUNNING", "DRAINING", "UPDATED", "RUNNING"]]  # the rollback
     assert aliases(d.registry) == {"serving": "v0", "last_good": "v0"}
+
+
+def test_one_bad_client_request_in_the_health_window_cannot_roll_back(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """Finding 6: a completion with seed 2**64 during v1's health window is the client's error
+    (400, not counted); v1 keeps serving and becomes last good."""
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "health_window_s": 8.0})
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1)
+    d.wait_status("v1", "deployed", timeout=180)
+    assert aliases(d.registry)["last_good"] == "v0", "still inside v1's health window"
+    before = w0.info()
+    r = httpx.post(f"{w0.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "seed": 2**64}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "seed" in r.json()["error"]["message"]
+    after = w0.info()
+    assert after["requests_failed"] == before["requests_failed"], "a request error is not a server fault"
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v1", 120, what="v1's health window to pass")
+    assert d.row("v1")["status"] == "deployed"
+    assert rollout_of(d, "v1")["detail"]["health_window"]["ok"] is True
+    assert_fleet_on([w0, w1], "v1")
 
 
 @pytest.mark.parametrize("state", ["DRAINING", "PAUSED", "UPDATED"])

@@ -371,7 +371,8 @@ class RolloutService:
         return out
 
     def health_window(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        verdict = health.watch(self.fleet, self.settings, lambda: self.queue.has_command(MOVES_FLEET) or self.stopping)
+        verdict = health.watch(self.fleet, self.settings, lambda: self.queue.has_command(MOVES_FLEET) or self.stopping,
+                               ckpt.version)  # fmt: skip
         window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
         if verdict.aborted:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
