@@ -22,6 +22,7 @@ from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.models import Checkpoint
 from daemon.registry.status import CheckpointStatus as C
 from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
 from daemon.rollout import health
@@ -419,3 +420,63 @@ def test_service_refuses_a_worker_kind_that_does_not_take_the_transport(reg: Reg
     with pytest.raises(ValueError, match="w0 .* does not take transport 'ipc'"):
         RolloutService(reg, RolloutSettings(transport="ipc"), [WorkerSpec(name="w0", url="http://fake/w0", kind="fake")],
                        tmp_path)  # fmt: skip
+
+
+def _wait_status(svc: RolloutService, ckpt_id: int, want: C, timeout: float = 20.0) -> CheckpointRef:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = svc.journal.checkpoint(ckpt_id)
+        if row is not None and row.status == want and not svc._busy() and svc.queue.pending is None:
+            return row
+        time.sleep(0.02)
+    raise AssertionError(f"checkpoint {ckpt_id} not {want} (is {svc.journal.checkpoint(ckpt_id)})")
+
+
+def test_service_retries_a_version_whose_rollout_failed_for_a_crashed_worker(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """Finding 9: a worker that dies mid-update is not the checkpoint's fault: v1 stays verified,
+    is rolled out again once the worker is back on v0, and ends serving."""
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("update", crash=True)
+        svc.submit(v1.id)
+        row = _wait_status(svc, v1.id, C.DEPLOYED)
+        assert row.status == C.DEPLOYED
+        outcomes = [(r["outcome"], r["detail"].get("kind")) for r in rollouts(reg) if r["version"] == "v1"]
+        assert outcomes == [("failed", "unreachable"), ("succeeded", None)]
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v1")}
+        assert svc.journal.alias("serving") == svc.journal.checkpoint(v1.id)
+    finally:
+        svc.stop()
+
+
+def test_service_gives_up_on_a_version_that_keeps_crashing_a_worker(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """The retries are bounded: after max_infra_retries more crashes the version is rejected."""
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1, max_infra_retries=2)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("update", crash=True, times=10)
+        svc.submit(v1.id)
+        row = _wait_status(svc, v1.id, C.REJECTED)
+        assert row.status == C.REJECTED
+        assert [r["outcome"] for r in rollouts(reg) if r["version"] == "v1"] == ["failed"] * 3
+        with reg.session() as s:
+            message = s.get(Checkpoint, v1.id).status_message  # type: ignore[union-attr]
+        assert message is not None and "gave up after 2 retries" in message
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+    finally:
+        svc.stop()

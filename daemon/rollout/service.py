@@ -43,6 +43,7 @@ from daemon.registry.status import (
     RolloutTrigger,
 )
 from daemon.rollout import health
+from daemon.rollout.attribution import attribute
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.managed import ManagedWorker, Restarter, ensure_seed
@@ -349,18 +350,28 @@ class RolloutService:
                 out.update(self.health_window(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)
-        elif result.outcome == RolloutOutcome.FAILED and result.kind == FailureKind.UNAVAILABLE:
-            # Not the version's fault: it waits until every worker answers again (see poll).
-            self.state.set_blocked(ckpt)
-            self.journal.note(
-                ckpt.id, f"not deployed yet (rollout {result.rollout_id}): {result.reason}; "
-                "retried when every worker is back",
-            )  # fmt: skip
-        elif result.outcome == RolloutOutcome.FAILED:
+        elif result.outcome == RolloutOutcome.FAILED and trigger == T.NEW:
+            verdict = attribute(self.journal.registry, ckpt.id, result.kind, result.unrecovered, result.reason,
+                                self.settings.max_infra_retries)  # fmt: skip
+            out["attribution"] = verdict.verdict
             where = fallback.version if fallback else "their previous version"
-            self.journal.move_status(
-                ckpt.id, C.REJECTED, f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
-            )
+            if verdict.verdict == "reject":
+                self.journal.move_status(
+                    ckpt.id, C.REJECTED, f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
+                    + (f" ({verdict.message})" if verdict.attempts else ""),
+                )  # fmt: skip
+            else:
+                # Not the version's fault: it stays verified and is rolled out again (bounded).
+                self.journal.note(ckpt.id, f"rollout {result.rollout_id}: {verdict.message}")
+                log.warning("rollout_failed_not_the_checkpoint", version=ckpt.version, kind=result.kind,
+                            attempts=verdict.attempts, retry=verdict.verdict)  # fmt: skip
+                if verdict.verdict == "retry_when_back":
+                    self.state.set_blocked(ckpt)  # see poll
+                else:
+                    self.submit(ckpt.id)
+        elif result.outcome == RolloutOutcome.FAILED and result.kind == FailureKind.UNAVAILABLE:
+            self.state.set_blocked(ckpt)  # an operator's target: retried when every worker is back
+            self.journal.note(ckpt.id, f"not deployed yet (rollout {result.rollout_id}): {result.reason}")
         elif result.outcome == RolloutOutcome.SUPERSEDED:
             newer = self.queue.pending
             if newer is not None and newer.id > ckpt.id:
