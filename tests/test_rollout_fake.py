@@ -46,12 +46,12 @@ def reg(tmp_path: Path) -> Iterator[Registry]:
     r.close()
 
 
-def verified(reg: Registry, version: str, digest: str | None = None) -> CheckpointRef:
+def verified(reg: Registry, version: str, digest: str | None = None, step: int | None = None) -> CheckpointRef:
     with reg.session() as s:
         c = status.create(s, version=version, source="t", uri=f"file:///ckpt/{version}", local_path=f"/ckpt/{version}",
                           commit_signal="manifest")  # fmt: skip
         assert c is not None
-        c.digest, c.tensor_count = digest, 21
+        c.digest, c.tensor_count, c.step = digest, 21, step
         status.move(s, c, C.VERIFYING)
         status.move(s, c, C.VERIFIED)
         cid = c.id
@@ -478,5 +478,25 @@ def test_service_gives_up_on_a_version_that_keeps_crashing_a_worker(
             message = s.get(Checkpoint, v1.id).status_message  # type: ignore[union-attr]
         assert message is not None and "gave up after 2 retries" in message
         assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+    finally:
+        svc.stop()
+
+
+def test_service_never_deploys_a_lower_step_over_the_serving_one(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    """Point 11: step-999 verified after step-1000 serves is superseded, not deployed over it."""
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0", version="step-1000"))
+    try:
+        s1000 = verified(reg, "step-1000", step=1000)
+        svc.journal.set_alias("serving", s1000.id)
+        svc.journal.set_alias("last_good", s1000.id)
+        s999 = verified(reg, "step-999", step=999)
+        svc.submit(s999.id)
+        row = _wait_status(svc, s999.id, C.SUPERSEDED)
+        assert row.status == C.SUPERSEDED
+        assert FAKES["w0"].version == "step-1000" and "update" not in FAKES["w0"].calls
+        s1001 = verified(reg, "step-1001", step=1001)
+        svc.submit(s1001.id)
+        assert _wait_status(svc, s1001.id, C.DEPLOYED).status == C.DEPLOYED
+        assert FAKES["w0"].version == "step-1001"
     finally:
         svc.stop()
