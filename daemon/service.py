@@ -32,8 +32,9 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import select
 
-from daemon import systemd
+from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
+from daemon.auth import ControlGuard, ensure_control_token
 from daemon.config import Config
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
@@ -144,6 +145,7 @@ class Daemon:
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
                          queue_depth=self.coordinator.queue_depth)  # fmt: skip
         app = create_app(state)
+        app.include_router(reverify.router(self.coordinator, ControlGuard(ensure_control_token(self.config.state_dir))))
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout))
         return app

@@ -215,3 +215,21 @@ def test_a_fifo_in_place_of_a_manifest_never_hangs_discovery(
     src.rescan()
     wait_status(reg, "next", "verified")  # the source kept going
     assert row(reg, "fifo") is None
+
+
+def test_reverify_without_a_running_daemon_queues_it_for_the_next_start(tmp_path: Path, reg: Registry) -> None:
+    from conftest import hotswap_cli, make_config_file
+
+    with reg.session() as s:
+        c = status.create(s, version="offline", source="t", uri="file:///x/offline", local_path=str(tmp_path / "x"),
+                          commit_signal="manifest")  # fmt: skip
+        assert c is not None
+        status.move(s, c, C.VERIFYING)
+        status.move(s, c, C.REJECTED, "crc32c mismatch")
+    cfg = make_config_file(tmp_path / "c.toml", database={"url": str(reg.engine.url)},
+                           daemon={"state_dir": str(tmp_path / "state")})  # fmt: skip
+    out = hotswap_cli("reverify", "offline", "-c", str(cfg))
+    assert out.returncode == 0, out.stderr
+    assert "was rejected; queued: the daemon verifies it at its next start" in out.stdout
+    assert row(reg, "offline")["status"] == "discovered"  # type: ignore[index]
+    assert Coordinator(reg, CHEAP).resume_unfinished() == ["offline"]
