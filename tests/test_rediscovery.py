@@ -198,6 +198,7 @@ def test_symlinked_checkpoints_leading_out_of_the_folder_are_refused(
     assert "outside the watched folder" in src._refused[src.root / "linked"]
     assert "with-link/tokenizer_config.json is a symlink to" in src._refused[src.root / "with-link"]
     assert row(reg, "outside-dir") is None and row(reg, "outside-file") is None
+    assert set(src.describe()["refused"]) == {"linked", "with-link"}
 
 
 def test_a_fifo_in_place_of_a_manifest_never_hangs_discovery(

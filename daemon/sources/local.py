@@ -160,7 +160,10 @@ class LocalSource:
             self._thread.join(timeout=5)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.label, "path": str(self.root), "type": self.config.type}
+        out: dict[str, Any] = {"name": self.label, "path": str(self.root), "type": self.config.type}
+        if self._refused:  # symlinks out of the folder, with the reason (also logged once)
+            out["refused"] = {p.name: why for p, why in sorted(self._refused.items())}
+        return out
 
     def fetch(self, item: FetchItem, progress: Progress) -> Path:
         """Nothing to fetch: the checkpoint was registered with its directory in the folder."""
