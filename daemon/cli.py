@@ -41,6 +41,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "rollback": ("daemon.cli:rollback_main", "roll every worker back to the version before (or --to VERSION)"),
     "pin": ("daemon.cli:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
     "unpin": ("daemon.cli:unpin_main", "let new checkpoints deploy again"),
+    "reverify": ("daemon.reverify:main", "verify VERSION again from the start (e.g. after its files changed)"),
 }
 
 EXIT_OK = 0

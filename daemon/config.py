@@ -142,11 +142,13 @@ class RolloutSettings:
     update_timeout_s: float = 300.0  # the transfer into the worker's parameters
     restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
     stage_timeout_s: float = 600.0  # ipc: loader staging a version
+    max_infra_retries: int = 3  # a version whose rollout failed for a crashed/unreachable worker: retries, then rejected
     # Post-deploy health window: roll back when a worker's failed share exceeds the bound.
     health_window_s: float = 5.0
     max_error_rate: float = 0.01
-    min_window_requests: int = 1  # fewer requests than this in the window: no verdict on that worker
+    min_window_requests: int = 10  # fewer requests than this in the window: no verdict on that worker
     health_sample_s: float = 0.5
+    health_probe_s: float = 1.0  # a greedy probe this often in the window (0 = none); a failed one counts
     health_poll_s: float = 5.0  # background poll of every worker's /weight_info
     request_timeout_s: float = 10.0  # every other admin call (weight_info, pause, probe, resume, ...)
 
@@ -170,6 +172,10 @@ class RolloutSettings:
             raise _error(key, f"health_window_s: must be >= 0 (0 = no window), got {self.health_window_s}")
         if not 0 <= self.max_error_rate <= 1:
             raise _error(key, f"max_error_rate: must be between 0 and 1 (a share, 0.01 = 1 %), got {self.max_error_rate}")
+        if self.max_infra_retries < 0:
+            raise _error(key, f"max_infra_retries: must be >= 0, got {self.max_infra_retries}")
+        if self.health_probe_s < 0:
+            raise _error(key, f"health_probe_s: must be >= 0 (0 = no probes in the window), got {self.health_probe_s}")
         if self.min_window_requests < 1:
             raise _error(key, f"min_window_requests: must be >= 1, got {self.min_window_requests}")
         for name in self.groups:

@@ -34,7 +34,7 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import select
 
-from daemon import systemd
+from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
 from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
 from daemon.config import Config, ConfigError
@@ -175,6 +175,7 @@ class Daemon:
                          guard=self.guard)  # fmt: skip
         self.api_state = state
         app = create_app(state)
+        app.include_router(reverify.router(self.coordinator, self.guard))
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout, self.guard))
         return app
