@@ -34,6 +34,7 @@ from sqlalchemy import select
 
 from daemon import systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
+from daemon.broadcast_api import broadcast_router
 from daemon.config import Config
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
@@ -146,6 +147,7 @@ class Daemon:
         app = create_app(state)
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout))
+            app.include_router(broadcast_router(self.rollout, self.config.state_dir))  # trainer broadcast
         return app
 
     def prune(self) -> list[Path]:
