@@ -32,6 +32,7 @@ import torch.distributed as dist
 from daemon.auth import control_token_path, read_token_file
 from daemon.transport.base import TORCH_TO_ST
 from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, buckets, parse_table
+from daemon.transport.broadcast_worker import bucket_broadcast, vote
 
 
 class BroadcastFailed(RuntimeError):
@@ -113,9 +114,9 @@ class BroadcastPush:
                     opts = dist.ProcessGroupNCCL.Options()
                     opts._timeout = timeout
                     pg = dist.ProcessGroupNCCL(store, 0, world, opts)
-                if _vote(pg, 1, comm, timeout):
+                if vote(pg, 1, comm, timeout):
                     self._send(pg, named, table, comm, timeout)
-                    _vote(pg, 1, comm, timeout)
+                    vote(pg, 1, comm, timeout)
             except Exception:  # noqa: BLE001 - the daemon's verdict below says what happened
                 pass
         finally:
@@ -143,7 +144,7 @@ class BroadcastPush:
             view = buf[:used]
             for p in pieces:
                 view[p.offset : p.offset + p.size].copy_(flat[p.name][p.start : p.start + p.size])
-            pg.broadcast([view], 0).wait(timeout)
+            bucket_broadcast(pg, view, timeout)
 
     def _wait(self, session: str) -> dict[str, Any]:
         deadline = time.monotonic() + self.timeout_s * 3 + 120
@@ -167,10 +168,3 @@ class BroadcastPush:
             raise BroadcastFailed(f"daemon refused the broadcast: HTTP {r.status_code}: {doc.get('error')}", doc)
         return dict(doc)
 
-
-def _vote(pg: Any, value: int, comm: torch.device, timeout: timedelta) -> bool:
-    flag = torch.tensor([value], dtype=torch.int32, device=comm)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    pg.allreduce([flag], opts).wait(timeout)
-    return bool(flag.item())

@@ -162,13 +162,17 @@ def open_update(request: UpdateRequest, store: Any) -> WorkerTransport:
         raise
 
 
-def _vote(group: Group, value: int) -> int:
-    """MIN all-reduce of one int32 over the group."""
-    flag = torch.tensor([value], dtype=torch.int32, device=group.comm_device)
+def vote(pg: Any, value: int, device: torch.device, timeout: timedelta) -> int:
+    """MIN all-reduce of one int32 over the group (the trainer's side calls it too)."""
+    flag = torch.tensor([value], dtype=torch.int32, device=device)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    group.pg.allreduce([flag], opts).wait(timedelta(seconds=group.spec.timeout_s))
+    opts.reduceOp, opts.timeout = dist.ReduceOp.MIN, timeout
+    pg.allreduce([flag], opts).wait(timeout)
     return int(flag.item())
+
+
+def _vote(group: Group, value: int) -> int:
+    return vote(group.pg, value, group.comm_device, timedelta(seconds=group.spec.timeout_s))
 
 
 class BroadcastReceiver:
@@ -229,7 +233,7 @@ class BroadcastReceiver:
         try:
             for used, pieces in buckets(self._table, self.bucket_bytes):
                 view = buf[:used]
-                g.pg.broadcast([view], 0).wait(timeout)
+                bucket_broadcast(g.pg, view, timeout)
                 host = view if view.device.type == "cpu" else view.cpu()
                 hasher.update(memoryview(host.numpy()))
                 for p in pieces:
@@ -294,3 +298,10 @@ class BroadcastReceiver:
             shutil.rmtree(dest)
         tmp.rename(dest)
         return (time.perf_counter() - t0) * 1e3
+
+
+def bucket_broadcast(pg: Any, tensor: torch.Tensor, timeout: timedelta) -> None:
+    """One broadcast from rank 0 (the trainer) over `pg`, waited for at most `timeout`."""
+    opts = dist.BroadcastOptions()
+    opts.rootRank, opts.rootTensor, opts.timeout = 0, 0, timeout
+    pg.broadcast([tensor], opts).wait(timeout)
