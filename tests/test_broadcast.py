@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 
 from tests.support_rollout import (
@@ -104,3 +105,80 @@ def test_a_broadcast_update_serves_exactly_what_a_disk_update_of_the_same_weight
     assert outputs(pool) == broadcast
     # the first worker kept the broadcast version on disk: an operator rollback re-installs it from there
     assert Path(row["local_path"], "model.safetensors").is_file()
+
+
+def snapshot(pool: WorkerPool) -> list[tuple[str, str | None, int, str]]:
+    return [(i["version"], i["digest"], i["update_count"], i["storage_id"]) for i in (w.info() for w in pool.workers)]
+
+
+def test_a_wrong_table_is_refused_before_any_write(tmp_path: Path, pool: WorkerPool, fleet: Any) -> None:
+    d = fleet
+    before, served = snapshot(pool), outputs(pool)
+    weights = build_checkpoint(tmp_path / "wide", "wide", seed=3, fault="shape")  # intermediate_size differs
+    run = trainer(d, weights, "bc-wide", tmp_path / "out.json")
+    assert run.returncode == 0, run.stdout + run.stderr
+    (doc,) = json.loads((tmp_path / "out.json").read_text())
+    assert not doc["ok"]
+    result = doc["result"]
+    assert result["outcome"] == "failed"
+    errors = [w.get("error", "") for w in result["workers"]]
+    assert all("shape" in e and "live" in e for e in errors), errors
+    # nothing was written: same version, digest, update count and storage; same outputs
+    assert snapshot(pool) == before
+    assert outputs(pool) == served
+    assert [w.info()["state"] for w in pool.workers] == ["RUNNING", "RUNNING"]
+    assert checkpoint_row(d, "bc-wide")["status"] == "rejected"
+    (rollout,) = [r for r in rollouts(d.registry) if r["id"] == result["rollout_id"]]
+    assert rollout["outcome"] == "failed"
+    assert aliases(d.registry)["serving"] == "v0"
+
+
+def test_a_trainer_killed_mid_broadcast_leaves_every_worker_on_last_good(
+    tmp_path: Path, pool: WorkerPool, fleet: Any
+) -> None:
+    d = fleet
+    before, served = snapshot(pool), outputs(pool)
+    weights = build_checkpoint(tmp_path / "w7", "w7", seed=7)
+    timeout_s = 10.0
+    run = trainer(d, weights, "bc-killed", tmp_path / "out.json", "--bucket-bytes", "8192",
+                  "--kill-after-buckets", "3", "--timeout-s", str(timeout_s))  # fmt: skip
+    assert run.returncode == -9, run.stdout + run.stderr
+    session = next(line.split()[1] for line in run.stdout.splitlines() if line.startswith("session "))
+    token = (d.state_dir / "control.token").read_text().strip()
+    r = httpx.get(f"{d.api_url}/v1/broadcast/{session}", params={"wait_s": timeout_s * 3 + 30},
+                  headers={"Authorization": f"Bearer {token}"}, timeout=timeout_s * 3 + 60)  # fmt: skip
+    assert r.status_code == 200, r.text  # the session ended (no hang) ...
+    result = r.json()
+    assert result["outcome"] == "failed"
+    assert [w["restored_to"] for w in result["workers"]] == ["v0", "v0"]
+    # ... with both workers serving the last good version, as before
+    assert [w.info()["state"] for w in pool.workers] == ["RUNNING", "RUNNING"]
+    assert [s[:2] for s in snapshot(pool)] == [s[:2] for s in before]
+    assert outputs(pool) == served
+    assert checkpoint_row(d, "bc-killed")["status"] == "rejected"
+    assert aliases(d.registry)["last_good"] == "v0"
+
+
+def test_twenty_broadcasts_in_a_row_leak_no_memory_or_descriptors(tmp_path: Path, pool: WorkerPool, fleet: Any) -> None:
+    d = fleet
+    procs = [psutil.Process(w.pid) for w in pool.workers]
+
+    def usage() -> list[tuple[int, int, int]]:
+        return [(p.memory_info().rss, p.num_fds(), p.num_threads()) for p in procs]
+
+    weights = build_checkpoint(tmp_path / "w9", "w9", seed=9)
+    run = trainer(d, weights, "warm", tmp_path / "warm.json", "--count", "3")  # first sessions allocate once
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert all(doc["ok"] for doc in json.loads((tmp_path / "warm.json").read_text()))
+    start = usage()
+    run = trainer(d, weights, "loop", tmp_path / "loop.json", "--count", "20", timeout=500)
+    assert run.returncode == 0, run.stdout + run.stderr
+    docs = json.loads((tmp_path / "loop.json").read_text())
+    assert [doc["ok"] for doc in docs] == [True] * 20, [doc.get("error") for doc in docs if not doc["ok"]]
+    end = usage()
+    for (rss0, fds0, th0), (rss1, fds1, th1), w in zip(start, end, pool.workers, strict=True):
+        assert fds1 <= fds0 + 2, f"{w.name}: {fds0} -> {fds1} open descriptors"
+        assert th1 <= th0 + 2, f"{w.name}: {th0} -> {th1} threads"
+        assert rss1 - rss0 < 8 << 20, f"{w.name}: RSS grew {(rss1 - rss0) / 2**20:.1f} MiB over 20 broadcasts"
+        assert w.info()["version"] == "loop-20"
+    print("usage before/after 20 broadcasts:", start, end)
