@@ -279,6 +279,8 @@ class Broadcasts:
                     continue  # never left RUNNING (refused before the pause): nothing to undo
                 driver.fail(h, ses.rollout_id, "broadcast", f"rolled back: {reason}", t0)
             restored = driver.restore(h, ses.rollout_id, fallback, why, avoid=ses.version)
+            if not restored and h.state is not None and h.state.value == "UNHEALTHY":  # dead: its restart command
+                restored = driver.restart(h, ses.rollout_id, fallback, why, avoid=ses.version)
             reports[h.name]["restored_to"] = fallback.version if restored and fallback else None
             reports[h.name]["ok"] = False
         journal.move_status(ses.checkpoint_id, C.REJECTED, why[:500])

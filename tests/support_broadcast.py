@@ -5,8 +5,9 @@
 
 Pushes DIR's tensors N times (versions V-1 .. V-N when N > 1, as a training loop would), and
 writes one JSON document per push to --out ({"ok", "result"} or {"ok": false, "error"}).
---kill-after-buckets K: SIGKILL itself after sending K buckets (a trainer dying mid-broadcast);
-it prints `session <id>` first so the test can ask the daemon about it.
+--kill-after-buckets K: SIGKILL itself after sending K buckets (a trainer dying mid-broadcast;
+it prints `session <id>` first so the test can ask the daemon about it), or with --kill-pid P,
+SIGKILL process P there (a worker dying mid-broadcast) and go on.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from daemon.transport.broadcast_worker import bucket_broadcast
 
 class DyingPush(BroadcastPush):
     kill_after = 0
+    victim = 0  # 0: the trainer kills itself; else this pid (a worker) dies and the trainer goes on
 
     def _call(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
         doc = super()._call(method, path, body)
@@ -41,7 +43,7 @@ class DyingPush(BroadcastPush):
         flat = {n: t.contiguous().view(-1).view(torch.uint8) for n, t in named.items()}
         for i, (used, pieces) in enumerate(buckets(parse_table(table), self.bucket_bytes)):
             if i == self.kill_after:
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(self.victim or os.getpid(), signal.SIGKILL)
             view = torch.empty(used, dtype=torch.uint8)
             for p in pieces:
                 view[p.offset : p.offset + p.size].copy_(flat[p.name][p.start : p.start + p.size])
@@ -57,6 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-bytes", type=int, default=1 << 20)
     ap.add_argument("--timeout-s", type=float, default=20.0)
     ap.add_argument("--kill-after-buckets", type=int, default=-1)
+    ap.add_argument("--kill-pid", type=int, default=0, help="with --kill-after-buckets: SIGKILL this pid instead")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     tensors: dict[str, torch.Tensor] = {}
@@ -65,7 +68,7 @@ def main(argv: list[str] | None = None) -> int:
     cls = DyingPush if args.kill_after_buckets >= 0 else BroadcastPush
     push = cls(state_dir=args.state_dir, timeout_s=args.timeout_s, bucket_bytes=args.bucket_bytes)
     if isinstance(push, DyingPush):
-        push.kill_after = args.kill_after_buckets
+        push.kill_after, push.victim = args.kill_after_buckets, args.kill_pid
     docs = []
     for i in range(1, args.count + 1):  # the training loop
         version = args.version if args.count == 1 else f"{args.version}-{i}"

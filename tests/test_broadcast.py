@@ -182,3 +182,25 @@ def test_twenty_broadcasts_in_a_row_leak_no_memory_or_descriptors(tmp_path: Path
         assert rss1 - rss0 < 8 << 20, f"{w.name}: RSS grew {(rss1 - rss0) / 2**20:.1f} MiB over 20 broadcasts"
         assert w.info()["version"] == "loop-20"
     print("usage before/after 20 broadcasts:", start, end)
+
+
+def test_a_worker_killed_mid_broadcast_ends_with_every_worker_on_last_good(
+    tmp_path: Path, pool: WorkerPool, fleet: Any
+) -> None:
+    d = fleet
+    served = outputs(pool)
+    weights = build_checkpoint(tmp_path / "w8", "w8", seed=8)
+    victim = pool.workers[1]
+    run = trainer(d, weights, "bc-worker-died", tmp_path / "out.json", "--bucket-bytes", "8192",
+                  "--kill-after-buckets", "3", "--kill-pid", str(victim.pid), "--timeout-s", "10")  # fmt: skip
+    assert run.returncode == 0, run.stdout + run.stderr
+    (doc,) = json.loads((tmp_path / "out.json").read_text())
+    assert not doc["ok"]
+    result = doc["result"]
+    assert result["outcome"] == "failed"
+    assert [w["restored_to"] for w in result["workers"]] == ["v0", "v0"]  # the dead one restarted on v0
+    for w in pool.workers:
+        info = w.wait_running(60, version="v0")
+        assert info["version"] == "v0"
+    assert outputs(pool) == served
+    assert checkpoint_row(d, "bc-worker-died")["status"] == "rejected"
