@@ -71,10 +71,12 @@ def worker(args: argparse.Namespace) -> None:
             disk_s.append(time.perf_counter() - t0)
     table = json.loads(Path(args.dir, "table.json").read_text())
     recv_s: list[float] = []
+    join_s: list[float] = []
+    wire_s: list[float] = []
     for i in range(args.repeats + 1):
         spec = GroupSpec("127.0.0.1", args.port, 1, 2, args.backend, f"s{i}", args.timeout_s)
         t0 = time.perf_counter()
-        join(spec, str(dirs[0]), device)
+        joined = join(spec, str(dirs[0]), device)
         request = UpdateRequest(f"b{i}", "broadcast", {"group_name": f"s{i}", "table": table,
                                                        "bucket_bytes": args.bucket_mb << 20})  # fmt: skip
         tr = open_update(request, store)
@@ -87,10 +89,13 @@ def worker(args: argparse.Namespace) -> None:
             tr.close()
         if i:
             recv_s.append(time.perf_counter() - t0)
+            join_s.append(joined["join_ms"] / 1e3)
+            wire_s.append(tr.stats()["receive_ms"] / 1e3)
     # the last broadcast sent v{(repeats % 2) + 1}: compare with that version on disk
     want = load_file(str(next(dirs[args.repeats % 2].glob("*.safetensors"))))
     equal = all(torch.equal(params[n].cpu(), t) for n, t in want.items())
-    print(json.dumps({"disk_s": disk_s, "broadcast_s": recv_s, "equal_to_disk": equal}), flush=True)
+    print(json.dumps({"disk_s": disk_s, "broadcast_s": recv_s, "join_s": join_s, "receive_s": wire_s,
+                      "equal_to_disk": equal}), flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -162,11 +167,15 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"worker process failed ({proc.returncode})")
     res = json.loads(stdout.strip().splitlines()[-1])
     gb = layout.total_bytes / 1e9
-    med = {k: statistics.median(res[k]) for k in ("disk_s", "broadcast_s")} | {"send_s": statistics.median(send_s)}
+    med = {k: statistics.median(res[k]) for k in ("disk_s", "broadcast_s", "join_s", "receive_s")}
+    med["send_s"] = statistics.median(send_s)
     rows = [
         ["disk update (page cache warm): table + check + write_into", f"{med['disk_s']:.3f}", f"{gb / med['disk_s']:.2f}"],
         ["broadcast update, worker: join + votes + receive + finite + digest", f"{med['broadcast_s']:.3f}",
          f"{gb / med['broadcast_s']:.2f}"],
+        ["  of which: join (store + group)", f"{med['join_s']:.3f}", ""],
+        ["  of which: bucketed receive into the parameters + hashing", f"{med['receive_s']:.3f}",
+         f"{gb / med['receive_s']:.2f}"],
         ["broadcast, trainer: votes + pack + send", f"{med['send_s']:.3f}", f"{gb / med['send_s']:.2f}"],
     ]  # fmt: skip
     print_table(f"{layout.name}: {len(spec)} tensors, {gb:.3f} GB, worker on {args.device}, {args.backend}, "
