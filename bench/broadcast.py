@@ -10,7 +10,7 @@
    `daemon.client.BroadcastPush`), sending the other version each round;
 4. both sides are timed; the worker's parameters are compared with the disk version afterwards.
 
-    python -m bench.broadcast --layout small --out .bench-out/broadcast            # CPU, gloo
+    OMP_NUM_THREADS=1 python -m bench.broadcast --layout small --out .bench-out/broadcast   # CPU, gloo
     python -m bench.broadcast --layout llama3-8b --device cuda:1 --trainer-device cuda:0 \\
         --out $OUT/broadcast                                                        # 2 GPUs, NCCL
 
@@ -73,6 +73,7 @@ def worker(args: argparse.Namespace) -> None:
     recv_s: list[float] = []
     join_s: list[float] = []
     wire_s: list[float] = []
+    stats: list[dict[str, Any]] = []
     for i in range(args.repeats + 1):
         spec = GroupSpec("127.0.0.1", args.port, 1, 2, args.backend, f"s{i}", args.timeout_s)
         t0 = time.perf_counter()
@@ -91,11 +92,12 @@ def worker(args: argparse.Namespace) -> None:
             recv_s.append(time.perf_counter() - t0)
             join_s.append(joined["join_ms"] / 1e3)
             wire_s.append(tr.stats()["receive_ms"] / 1e3)
+            stats.append(tr.stats())
     # the last broadcast sent v{(repeats % 2) + 1}: compare with that version on disk
     want = load_file(str(next(dirs[args.repeats % 2].glob("*.safetensors"))))
     equal = all(torch.equal(params[n].cpu(), t) for n, t in want.items())
     print(json.dumps({"disk_s": disk_s, "broadcast_s": recv_s, "join_s": join_s, "receive_s": wire_s,
-                      "equal_to_disk": equal}), flush=True)  # fmt: skip
+                      "worker_stats": stats, "equal_to_disk": equal}), flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -208,8 +208,10 @@ class BroadcastReceiver:
         except TableMismatch:
             mine = 0
         self._voted = True
+        t0 = time.perf_counter()
         try:
             agreed = _vote(self.group, mine)
+            self._stats["ready_vote_ms"] = (time.perf_counter() - t0) * 1e3
         except Exception as exc:
             raise TransportError(f"weight group {self.group.spec.group_name!r}: ready vote failed: {exc}") from None
         if mine and not agreed:
@@ -244,8 +246,8 @@ class BroadcastReceiver:
         finally:
             del buf
         recv_ms = (time.perf_counter() - t0) * 1e3
-        bad = [name for name in self._table if params[name].is_floating_point()
-               and not bool(torch.isfinite(params[name]).all())]  # fmt: skip
+        t1 = time.perf_counter()
+        bad = [name for name, spec in self._table.items() if not _finite(params[name], spec.dtype)]
         if not bad and self.keep_at:
             try:
                 keep_ms = self._keep(params)
@@ -256,12 +258,15 @@ class BroadcastReceiver:
         if bad:
             self._try_vote(0)
             raise TransportError(f"received non-finite values in {len(bad)} tensor(s), first {bad[0]!r}")
+        checked_ms = (time.perf_counter() - t1) * 1e3
+        t2 = time.perf_counter()
         try:
             _vote(g, 1)
         except Exception as exc:
             raise TransportError(f"broadcast did not finish (done vote): {exc}") from None
         self._digest = stream_digest(hasher)
-        self._stats.update(buckets=n, received_bytes=total_bytes(self._table), receive_ms=recv_ms)
+        self._stats.update(buckets=n, received_bytes=total_bytes(self._table), receive_ms=recv_ms,
+                           finite_ms=checked_ms, done_vote_ms=(time.perf_counter() - t2) * 1e3)  # fmt: skip
 
     def source_digest(self) -> str | None:
         """The digest of the bytes this worker received (None until they all arrived)."""
@@ -298,6 +303,27 @@ class BroadcastReceiver:
             shutil.rmtree(dest)
         tmp.rename(dest)
         return (time.perf_counter() - t0) * 1e3
+
+
+# safetensors dtype -> (integer view, exponent mask, all-ones pattern that means Inf/NaN): the raw
+# bits are checked, as daemon.checks.finite does, so bf16 needs no float conversion (and it is fast)
+_NONFINITE: dict[str, tuple[torch.dtype, int, int]] = {
+    "F64": (torch.int64, 0x7FF0000000000000, 0x7FF0000000000000),
+    "F32": (torch.int32, 0x7F800000, 0x7F800000),
+    "F16": (torch.int16, 0x7C00, 0x7C00),
+    "BF16": (torch.int16, 0x7F80, 0x7F80),
+    "F8_E5M2": (torch.uint8, 0x7C, 0x7C),
+    "F8_E4M3": (torch.uint8, 0x7F, 0x7F),  # float8_e4m3fn: no Inf; NaN is S.1111.111
+}
+
+
+def _finite(t: torch.Tensor, dtype: str) -> bool:
+    """No NaN or Inf in `t` (integer tensors always are)."""
+    bits = _NONFINITE.get(dtype)
+    if bits is None or t.numel() == 0:
+        return True
+    view, mask, bad = bits
+    return not bool((t.detach().reshape(-1).view(view) & mask).eq_(bad).any())
 
 
 def bucket_broadcast(pg: Any, tensor: torch.Tensor, timeout: timedelta) -> None:
