@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -109,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--bucket-mb", type=int, default=64)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--timeout-s", type=float, default=300.0)
-    ap.add_argument("--dir", default=None, help="where the checkpoints go (default <out>/ckpt)")
+    ap.add_argument("--dir", default=None, help="where the checkpoints go (default: a temporary folder, removed)")
     ap.add_argument("--out", required=True)
     ap.add_argument("--role", default="trainer", choices=["trainer", "worker"])
     ap.add_argument("--port", type=int, default=0)
@@ -120,7 +122,16 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.dir = args.dir or str(out / "ckpt")
+    scratch = None if args.dir else tempfile.mkdtemp(prefix="hotswap-bench-broadcast-")
+    args.dir = args.dir or scratch
+    try:
+        return _trainer(args, out)
+    finally:
+        if scratch:
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _trainer(args: argparse.Namespace, out: Path) -> int:
     layout = LAYOUTS[args.layout]
     tdev = torch.device(args.trainer_device or args.device)
     comm = tdev if args.backend == "nccl" else torch.device("cpu")
