@@ -37,6 +37,7 @@ from sqlalchemy import select
 from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
 from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.broadcast_api import broadcast_router
 from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
@@ -178,6 +179,7 @@ class Daemon:
         app.include_router(reverify.router(self.coordinator, self.guard))
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout, self.guard))
+            app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard))  # trainer broadcast
         return app
 
     def reload(self) -> ReloadResult:
