@@ -2,3 +2,4 @@
 
 Each way in lives in its own module and is re-exported here (one line each).
 """
+from daemon.client.publish import PushError, publish_s3, push  # noqa: F401
