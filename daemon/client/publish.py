@@ -110,7 +110,7 @@ def publish_s3(
 
 def _put_small(s3: Any, bucket: str, key: str, path: Path, crc: str) -> None:
     with open(path, "rb") as body:
-        s3.put_object(Bucket=bucket, Key=key, Body=body, ChecksumCRC32C=_b64crc(crc))
+        s3.put_object(Bucket=bucket, Key=key, Body=body, ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64crc(crc))
 
 
 def _put_multipart(s3: Any, bucket: str, key: str, path: Path, crc: str, size: int, part: int,
