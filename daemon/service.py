@@ -38,6 +38,7 @@ from daemon.config import Config
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
+from daemon.readiness import readiness_router
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -146,6 +147,7 @@ class Daemon:
         app = create_app(state)
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout))
+            app.include_router(readiness_router(self.rollout))
         return app
 
     def prune(self) -> list[Path]:
