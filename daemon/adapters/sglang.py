@@ -14,7 +14,7 @@ One update, as the rollout engine drives it:
               rollout mode "drain": the daemon's readiness route answers 503; the update then
               runs unpaused, and SGLang's own model-update lock waits for requests in flight
               and holds new ones back until the new weights are in.
-    update    label "hotswap-partial:V", POST /update_weights_from_disk {model_path, weight_version,
+    update    label "hotswap-partial:V" (when paused), POST /update_weights_from_disk {model_path, weight_version,
               flush_cache: true}. success:false "Weights were updated, but the cache was not
               flushed" means the NEW weights are loaded: /flush_cache?timeout= until it
               succeeds, then /update_weight_version V (its tokenizer manager did not record V).
@@ -156,10 +156,14 @@ class SGLangWorkerClient:
         path = install_path(request, self.name, "SGLang")
         version, digest = request.version, request.expect.digest
         t0 = time.perf_counter()
-        try:
-            self._call("update: mark partial", lambda: self.api.update_weight_version(PARTIAL_PREFIX + version))
-        except WorkerError as exc:
-            raise UpdateRefused(f"{exc} (nothing was loaded)") from None
+        if self._paused:
+            # Unpaused (drain mode) the label would also land on the requests still finishing
+            # under the old weights (SGLang applies it at once); then the daemon's own record of
+            # the failed step is what marks the worker UNCERTAIN.
+            try:
+                self._call("update: mark partial", lambda: self.api.update_weight_version(PARTIAL_PREFIX + version))
+            except WorkerError as exc:
+                raise UpdateRefused(f"{exc} (nothing was loaded)") from None
         self.memory.pending = None
         reply = self._call("update: update_weights_from_disk",
                            lambda: self.api.update_weights_from_disk(path, weight_version=version, flush_cache=True))
@@ -172,6 +176,11 @@ class SGLangWorkerClient:
                 raise WorkerError(f"worker {self.name}: update: SGLang failed to load {path} (HTTP {reply.status}): "
                                   f"{reply.message[:300]}")  # fmt: skip
             # The new weights ARE loaded, over a stale cache, and /model_info still names the old version.
+            if self._paused or not self.api.ready():
+                # Paused in place (by someone else): its requests hold the running batch, so no
+                # flush can succeed. Retracting them frees their KV; they recompute under the new weights.
+                self._call("update: pause_generation retract", lambda: self.api.pause_generation("retract"))
+                self._paused = True
             flushes = self._flush_until_done()
         self._call("update: update_weight_version", lambda: self.api.update_weight_version(version))
         self.memory.pending = Installed(version, digest, path)
