@@ -42,6 +42,7 @@ from daemon.tinymodel import make_tiny_checkpoint
 
 API_KEY, ADMIN_KEY = "sg-user-key", "sg-admin-key"
 STEP_DELAY_S = 0.02  # per decode step: long requests are still running when the update comes
+pytestmark = pytest.mark.timeout(600)
 
 
 def tiny(seed: int, **overrides: Any) -> Any:
