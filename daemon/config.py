@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from daemon.adapters import MANAGED_KIND, WORKER_KINDS
+from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.apiconfig import ApiSettings, listen_problem
 from daemon.checks import CheckSettings
 from daemon.sources import SOURCE_TYPES, source_type
@@ -208,6 +208,10 @@ class WorkerSpec:
     launch: Literal["external", "managed"] = "external"
     port: int = 0  # managed: loopback port; 0 = a free port chosen at launch
     model: str = ""  # managed: directory served before the registry has a version ("" = tiny seed)
+    # Engine kinds only (vllm, sglang; README "Engines"): the engine's own pause mode used by
+    # rollout mode "pause" ("" = keep for vLLM, retract for SGLang) and SGLang's admin key file.
+    pause_mode: str = ""
+    admin_token_file: str = ""
 
     def validate(self, key: str) -> None:
         if not _NAME_RE.match(self.name):
@@ -230,6 +234,12 @@ class WorkerSpec:
                 raise _error(key, "restart_command: a managed worker is restarted by the daemon itself")
         if not 0 <= self.port <= 65535:
             raise _error(key, f"port: {self.port} is not a TCP port")
+        for opt, value in self.engine_options().items():
+            if opt not in ENGINE_KEYS.get(self.kind, ()):
+                raise _error(key, f"{opt}: not a setting of kind {self.kind!r}")
+            if opt == "pause_mode" and value not in ENGINE_PAUSE_MODES[self.kind]:
+                modes = ", ".join(ENGINE_PAUSE_MODES[self.kind])
+                raise _error(key, f"pause_mode: {value!r} is not a {self.kind} pause mode ({modes})")
         try:
             argv = self.restart_argv()
         except ValueError as exc:
@@ -241,6 +251,10 @@ class WorkerSpec:
                         key,
                         f"restart_command: unknown placeholder {{{ph}}} (known: {', '.join(RESTART_PLACEHOLDERS)})",
                     )
+
+    def engine_options(self) -> dict[str, str]:
+        """The engine keys this entry sets (passed to the kind's client factory)."""
+        return {k: v for k, v in (("pause_mode", self.pause_mode), ("admin_token_file", self.admin_token_file)) if v}
 
     def restart_argv(self) -> list[str]:
         if isinstance(self.restart_command, list):

@@ -44,6 +44,7 @@ from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
 from daemon.preflight import port_error, preflight
+from daemon.readiness import readiness_router
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -180,6 +181,7 @@ class Daemon:
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout, self.guard))
             app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard))  # trainer broadcast
+            app.include_router(readiness_router(self.rollout))  # GET /v1/workers/{name}/ready
         return app
 
     def reload(self) -> ReloadResult:

@@ -81,7 +81,8 @@ class RolloutService:
             managed = ManagedWorker(spec, state_dir) if spec.launch == "managed" else None
             url = managed.url if managed else spec.url.rstrip("/")
             token_file = str(managed.token_file) if managed else spec.token_file
-            client = make_client(spec.kind, spec.name, url, token_file=token_file or None, timeouts=timeouts)
+            client = make_client(spec.kind, spec.name, url, token_file=token_file or None, timeouts=timeouts,
+                                 options=spec.engine_options())
             if settings.transport not in client.capabilities.transports:
                 raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
