@@ -34,15 +34,17 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import select
 
-from daemon import systemd
+from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
 from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.broadcast_api import broadcast_router
 from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
 from daemon.preflight import port_error, preflight
+from daemon.readiness import readiness_router
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -175,8 +177,11 @@ class Daemon:
                          guard=self.guard)  # fmt: skip
         self.api_state = state
         app = create_app(state)
+        app.include_router(reverify.router(self.coordinator, self.guard))
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout, self.guard))
+            app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard))  # trainer broadcast
+            app.include_router(readiness_router(self.rollout))  # GET /v1/workers/{name}/ready
         return app
 
     def reload(self) -> ReloadResult:

@@ -57,6 +57,7 @@ from daemon.worker.completions import Serving, install_serving_routes
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
 from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
+from daemon.worker.weight_group import weight_group_route
 
 log = logging.getLogger("hotswap.worker")
 
@@ -164,6 +165,7 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
     for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
                      ("rollback", rollback), ("probe", probe)):
         app.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
+    app.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
     return BodyLimit(app, serving.limits.max_body_bytes)
 
 
