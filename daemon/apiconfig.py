@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -66,3 +68,15 @@ def listen_problem(listen: tuple[str, int] | None, api: ApiSettings) -> str | No
         "set [api] tls_certfile and tls_keyfile, or allow_insecure_remote = true to send the "
         "control token in clear text"
     )
+
+
+def client_tls(api: ApiSettings, url: str) -> ssl.SSLContext | bool:
+    """httpx `verify=` for a local client of the daemon's API: for an HTTPS daemon, trust exactly
+    its own certificate (`tls_certfile`) and nothing else; plain HTTP: the default (True)."""
+    if not url.startswith("https:") or not api.tls_certfile:
+        return True
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no system CAs: only the file below is trusted
+    ctx.load_verify_locations(cafile=str(Path(api.tls_certfile).expanduser()))
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the daemon's own leaf is the trust anchor
+    ctx.check_hostname = False  # pinned to that certificate: whatever name the client dialled
+    return ctx

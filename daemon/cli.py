@@ -24,7 +24,6 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from daemon import __version__
@@ -212,6 +211,7 @@ def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: f
     """POST to the running daemon with its control token (`<state_dir>/control.token`)."""
     import httpx
 
+    from daemon.apiconfig import client_tls
     from daemon.auth import TokenFileError, control_token_path, read_token_file
 
     config = load_config(config_path)
@@ -223,7 +223,7 @@ def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: f
         raise NotRunning(f"cannot send the daemon's control token: {exc} (run as the daemon's user)") from None
     try:
         r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30,
-                       headers={"Authorization": f"Bearer {token}"}, verify=_tls_trust(config, url))  # fmt: skip
+                       headers={"Authorization": f"Bearer {token}"}, verify=client_tls(config.api, url))  # fmt: skip
     except httpx.TransportError as exc:
         raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
     try:
@@ -236,19 +236,6 @@ def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: f
     if r.status_code != 200:
         raise RuntimeError(doc.get("error") or f"HTTP {r.status_code}")
     return doc
-
-
-def _tls_trust(config: Config, url: str) -> Any:
-    """For an HTTPS daemon: trust exactly its own certificate ([api] tls_certfile), nothing else."""
-    import ssl
-
-    if not url.startswith("https:") or not config.api.tls_certfile:
-        return True
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no system CAs: only the file below is trusted
-    ctx.load_verify_locations(cafile=str(Path(config.api.tls_certfile).expanduser()))
-    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the daemon's own leaf is the trust anchor
-    ctx.check_hostname = False  # pinned to that certificate: whatever name the CLI dialled
-    return ctx
 
 
 def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -21,12 +21,14 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends
+from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
+from daemon.apiconfig import client_tls
 from daemon.auth import ControlGuard, TokenFileError, control_token_path, read_token_file
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
 from daemon.coordinator import Coordinator, request_reverify
+from daemon.jsonbody import json_object
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.status import UNFINISHED
@@ -39,7 +41,7 @@ def router(coordinator: Coordinator, guard: ControlGuard) -> APIRouter:
     r = APIRouter(prefix="/v1/checkpoints", dependencies=[Depends(guard)])
 
     @r.post("/reverify")
-    def reverify(body: dict[str, Any] = Body(default_factory=dict)) -> JSONResponse:  # noqa: B008
+    def reverify(body: dict[str, Any] = Depends(json_object)) -> JSONResponse:  # noqa: B008 - read after the guard
         version = body.get("version")
         if not isinstance(version, str) or not version or len(version) > 255:
             return JSONResponse({"error": "'version' must be a version label"}, status_code=400)
@@ -77,7 +79,7 @@ def _through_daemon(config: Config, version: str) -> dict[str, Any]:
     token = read_token_file(control_token_path(config.state_dir))
     try:
         resp = httpx.post(f"{url}/v1/checkpoints/reverify", json={"version": version}, timeout=30,
-                          headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+                          headers={"Authorization": f"Bearer {token}"}, verify=client_tls(config.api, url))  # fmt: skip
     except httpx.TransportError as exc:
         raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
     try:

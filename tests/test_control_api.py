@@ -23,7 +23,7 @@ from daemon.registry.models import CheckpointStatus as C
 
 pytestmark = pytest.mark.timeout(300)
 
-ROUTES = ["/v1/rollout/rollback", "/v1/rollout/pin", "/v1/rollout/unpin"]
+ROUTES = ["/v1/rollout/rollback", "/v1/rollout/pin", "/v1/rollout/unpin", "/v1/checkpoints/reverify"]
 
 
 def free_port() -> int:
@@ -86,7 +86,7 @@ def add_rejected(d: DaemonProcess, version: str, directory: Path) -> None:
 @pytest.mark.parametrize("route", ROUTES)
 def test_control_routes_refuse_without_the_token(daemon: DaemonProcess, route: str) -> None:
     good = {"Authorization": f"Bearer {token_of(daemon)}"}
-    body = {"version": "v0"} if route.endswith("/pin") else {}
+    body = {"version": "v0"} if route.endswith(("/pin", "/reverify")) else {}
     none = post(daemon, route, json=body)
     assert none.status_code == 401 and none.headers["www-authenticate"] == "Bearer"
     assert "control token" in none.json()["error"]
@@ -132,6 +132,8 @@ def test_bad_bodies_are_4xx_never_500(daemon: DaemonProcess) -> None:
         r = post(daemon, "/v1/rollout/pin", content=raw, headers={**good, "Content-Type": "application/json"})
         assert r.status_code == status, (raw[:40], r.status_code, r.text[:200])
         assert words in r.json()["error"], r.text[:200]
+    reverify = post(daemon, "/v1/checkpoints/reverify", content=b"[" * 30_000, headers=good)
+    assert reverify.status_code == 400 and "nested deeper" in reverify.json()["error"]
     assert daemon.alive()
 
 
@@ -193,6 +195,13 @@ def test_the_token_is_made_once_0600_and_a_file_others_can_read_or_own_stops_the
     assert line.startswith("hotswap: error: daemon.state_dir: token file"), start.stderr
     assert "open to other users (mode 644)" in line and str(path) in line
     path.chmod(0o600)
+    real = path.with_name("elsewhere.token")
+    path.rename(real)
+    path.symlink_to(real)  # a link another user could point anywhere: never followed
+    start = hotswap_cli("daemon", "-c", str(daemon.config_path), timeout=60)
+    assert start.returncode == 2 and "is not a regular file" in start.stderr.strip().splitlines()[-1]
+    path.unlink()
+    real.rename(path)
     if os.getuid() == 0:  # only root can hand the file to someone else
         os.chown(path, 65534, -1)
         start = hotswap_cli("daemon", "-c", str(daemon.config_path), timeout=60)

@@ -149,6 +149,9 @@ def test_tls_api_on_a_remote_listen_and_the_cli_trusts_exactly_its_certificate(
 
     out = hotswap_cli("unpin", "-c", str(d.config_path))
     assert out.returncode == 0, out.stderr
+    status = hotswap_cli("status", "--json", "-c", str(d.config_path))
+    assert status.returncode == 0, status.stderr
+    assert json.loads(status.stdout)["health"]["ok"] is True  # asked the HTTPS daemon itself
     token = (d.state_dir / "control.token").read_text().strip()
     auth = {"Authorization": f"Bearer {token}"}
     named = httpx.post(d.api_url + "/v1/rollout/unpin", json={}, timeout=30, verify=pinned,
