@@ -27,7 +27,6 @@ caller. A session is a rollout like any other, run on its own thread with every 
 
 from __future__ import annotations
 
-import json
 import re
 import secrets
 import threading
@@ -43,7 +42,8 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon.adapters.base import WorkerError
 from daemon.adapters.builtin import BuiltinWorkerClient
-from daemon.auth import ControlGuard, ensure_control_token
+from daemon.auth import ControlGuard
+from daemon.jsonbody import JsonBodyError, parse_object, read_capped
 from daemon.logging import get_logger
 from daemon.registry import status
 from daemon.registry.journal import CheckpointRef
@@ -65,6 +65,7 @@ from daemon.transport.broadcast import (
 log = get_logger(__name__)
 C = CheckpointStatus
 KEEP_SESSIONS = 16
+MAX_TABLE_BODY_BYTES = 16 << 20  # a tensor table of ~100k entries; the trainer is authenticated first
 _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
@@ -297,18 +298,17 @@ class Broadcasts:
         return 200, ses.result
 
 
-def broadcast_router(service: RolloutService, state_dir: Path) -> APIRouter:
-    """The broadcast routes, behind the control token (mounted by one line in daemon.service)."""
-    guard = ControlGuard(ensure_control_token(state_dir))
+def broadcast_router(service: RolloutService, state_dir: Path, guard: ControlGuard) -> APIRouter:
+    """The broadcast routes, behind the daemon's control token (mounted by one line in daemon.service)."""
     sessions = Broadcasts(service, state_dir)
     router = APIRouter(prefix="/v1/broadcast", dependencies=[Depends(guard)])
 
     @router.post("")
     async def begin(request: Request) -> Response:
-        try:
-            body = json.loads(await request.body() or b"null")
-        except ValueError:
-            return JSONResponse({"error": "body is not valid JSON"}, status_code=422)
+        try:  # a tensor table: larger than a control body, still capped in bytes and depth
+            body = parse_object(await read_capped(request, MAX_TABLE_BODY_BYTES))
+        except JsonBodyError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=exc.status)
         try:
             return JSONResponse(await run_in_threadpool(sessions.begin, body), status_code=202)
         except Refusal as exc:
