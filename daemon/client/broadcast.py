@@ -107,18 +107,19 @@ class BroadcastPush:
             })  # fmt: skip
             store = dist.PrefixStore(f"hotswap/{session['group_name']}/", tcp)
             world = int(session["world_size"])
+            pg = _group(store, world, backend, comm, timeout)
             try:
-                if backend == "gloo":
-                    pg = dist.ProcessGroupGloo(store, 0, world, timeout)
-                else:
-                    opts = dist.ProcessGroupNCCL.Options()
-                    opts._timeout = timeout
-                    pg = dist.ProcessGroupNCCL(store, 0, world, opts)
-                if vote(pg, 1, comm, timeout):
-                    self._send(pg, named, table, comm, timeout)
-                    vote(pg, 1, comm, timeout)
+                if pg is None:
+                    raise RuntimeError("the workers did not join")
+                with torch.cuda.device(comm) if comm.type == "cuda" else contextlib.nullcontext():
+                    if vote(pg, 1, comm, timeout):
+                        self._send(pg, named, table, comm, timeout)
+                        vote(pg, 1, comm, timeout)
             except Exception:  # noqa: BLE001 - the daemon's verdict below says what happened
                 pass
+        except Exception:
+            if not session:
+                raise
         finally:
             if pg is not None:
                 with contextlib.suppress(Exception):
@@ -168,3 +169,15 @@ class BroadcastPush:
             raise BroadcastFailed(f"daemon refused the broadcast: HTTP {r.status_code}: {doc.get('error')}", doc)
         return dict(doc)
 
+
+def _group(store: Any, world: int, backend: str, comm: torch.device, timeout: timedelta) -> Any:
+    """Rank 0 of the session's group (None when the workers never joined: the daemon says why)."""
+    try:
+        if backend == "gloo":
+            return dist.ProcessGroupGloo(store, 0, world, timeout)
+        with torch.cuda.device(comm):  # NCCL binds the current device: the tensors' own
+            opts = dist.ProcessGroupNCCL.Options()
+            opts._timeout = timeout
+            return dist.ProcessGroupNCCL(store, 0, world, opts)
+    except Exception:  # noqa: BLE001
+        return None
