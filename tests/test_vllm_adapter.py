@@ -50,6 +50,8 @@ from daemon.manifest import publish
 from daemon.tinymodel import make_tiny_checkpoint
 
 START_S = 420.0
+# One vLLM start (and the first rollout) in the module fixture, a second in the kill test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @dataclass
