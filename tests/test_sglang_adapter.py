@@ -234,7 +234,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             database={"url": f"sqlite:///{root / 'hotswap.db'}"},
             sources=[{"path": str(watch), "rescan_interval_s": 1.0, "quiet_period_s": 0.3}],
             checks=FEW_CHECKS,
-            rollout={"mode": "pause", "health_window_s": 1.0, "health_poll_s": 1.0, "restart_timeout_s": 120.0},
+            # max_infra_retries = 0: a worker that dies mid-update rejects the version at once (by
+            # default it is retried as the fleet's fault; daemon/rollout/attribution.py)
+            rollout={"mode": "pause", "health_window_s": 1.0, "health_poll_s": 1.0, "restart_timeout_s": 120.0,
+                     "max_infra_retries": 0},
             workers=[worker],
         )
         env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4",

@@ -50,6 +50,8 @@ from daemon.manifest import publish
 from daemon.tinymodel import make_tiny_checkpoint
 
 START_S = 420.0
+# One vLLM start (and the first rollout) in the module fixture, a second in the kill test.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
 @dataclass
@@ -108,8 +110,10 @@ def vfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VFleet]:
             database={"url": f"sqlite:///{root / 'hotswap.db'}"},
             sources=[{"path": str(watch), "rescan_interval_s": 1.0, "quiet_period_s": 0.3}],
             checks=FEW_CHECKS,
+# max_infra_retries = 0: the version whose rollout lost the worker is rejected at once
+            # (by default it is retried as the fleet's fault: daemon/rollout/attribution.py)
             rollout={"mode": "pause", "health_window_s": 2.0, "health_poll_s": 2.0, "request_timeout_s": 30.0,
-                     "restart_timeout_s": START_S},  # fmt: skip
+                     "restart_timeout_s": START_S, "max_infra_retries": 0},  # fmt: skip
             workers=[engine_worker("vllm0", "vllm", url, root / "vllm.key", restart)],
         )
         env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4",

@@ -107,8 +107,6 @@ class SGLangWorkerClient:
         self.memory = EngineMemory(name)
         self._paused = False  # we paused it (SGLang has no is_paused; /ready is 503 then)
         self._draining = False
-        self._requests = 0  # probes and checks we sent (SGLang exports no per-route error counts)
-        self._failed = 0
 
     def _call(self, step: str, fn: Any) -> Any:
         return engine_call(self.name, step, fn)
@@ -136,7 +134,10 @@ class SGLangWorkerClient:
                                  "pause_mode": self.pause_mode, **self.counters()})  # fmt: skip
 
     def counters(self) -> dict[str, int]:
-        return {"requests_total": self._requests, "requests_failed": self._failed}
+        # The routes used here expose no served/failed request counts (SGLang's Prometheus
+        # metrics need --enable-metrics and count no server errors), so the health window
+        # judges an SGLang worker by the daemon's own probes alone.
+        return {"requests_total": 0, "requests_failed": 0}
 
     # -- leaving RUNNING and coming back --------------------------------------------------
     def drain(self, timeout_s: float) -> None:
@@ -233,12 +234,7 @@ class SGLangWorkerClient:
         attempts: list[list[int]] = []
         served: str | None = None
         for i in range(PROBE_ATTEMPTS):
-            self._requests += 1
-            try:
-                ids, served = self._call("probe", lambda: self.api.greedy(list(PROBE_PROMPT), PROBE_TOKENS))
-            except WorkerError:
-                self._failed += 1
-                raise
+            ids, served = self._call("probe", lambda: self.api.greedy(list(PROBE_PROMPT), PROBE_TOKENS))
             attempts.append(ids)
             if served != label:
                 raise WorkerError(f"worker {self.name}: probe: generation reports version {served!r}, "
