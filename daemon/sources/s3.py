@@ -239,7 +239,7 @@ class S3Source:
                     self.list_now()
             except (BotoCoreError, ClientError) as exc:
                 log.warning("reading S3 event hints failed", source=self.label, error=str(exc))
-                self._stop.wait(self.config.poll_interval_s)
+                self._stop.wait(min(self.config.poll_interval_s, 30.0))
 
     # -- fetch and retention -----------------------------------------------------------------
 
