@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import publish_tiny
+from apscheduler.schedulers.background import BackgroundScheduler
+from conftest import publish_tiny, wait_until
 from support_s3 import MotoServer, put_file, put_multipart, random_file, serve_moto, upload_dir
 
 from daemon.formats.checkpoint import MANIFEST_NAME
@@ -200,3 +202,30 @@ def test_prune_keeps_protected_versions(moto_server, tmp_path):
     assert sorted(p.name for p in removed) == ["old-1", "old-2"]
     assert sorted(p.name for p in cache.iterdir()) == [".partial-new", "last-good", "serving"]
     assert src.prune(frozenset({cache / "serving", cache / "last-good"})) == []  # over the limit: all protected
+
+
+def test_sqs_event_is_a_hint_that_lists_at_once(moto_server, tmp_path):
+    """With an hour between listings, only the S3 event (read from SQS) can make this checkpoint appear."""
+    s3, sqs = moto_server.client(), moto_server.client("sqs")
+    s3.create_bucket(Bucket=BUCKET)
+    queue = sqs.create_queue(QueueName="ckpt-events")["QueueUrl"]
+    scheduler = BackgroundScheduler(daemon=True)
+    scheduler.start()
+    rec = Recorder()
+    cfg = S3SourceConfig(bucket=BUCKET, prefix="run-1", endpoint_url=moto_server.url, poll_interval_s=3600,
+                         sqs_queue_url=queue, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    src = S3Source(cfg, rec, scheduler)
+    src.start()
+    try:
+        wait_until(lambda: scheduler.get_job(src._job_id).next_run_time.timestamp() > time.time() + 60,
+                   10, what="the first listing to have run")  # fmt: skip
+        ckpt = tmp_path / "hinted"
+        publish_tiny(ckpt, seed=5)
+        upload_dir(s3, BUCKET, "run-1/hinted/", ckpt)
+        assert rec.items == []
+        sqs.send_message(QueueUrl=queue, MessageBody='{"Records": [{"eventName": "ObjectCreated:Put"}]}')
+        wait_until(lambda: [i.version for i in rec.items] == ["hinted"], 30, what="the hinted checkpoint")
+        assert "Messages" not in sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=0)  # consumed
+    finally:
+        src.stop()
+        scheduler.shutdown(wait=False)
