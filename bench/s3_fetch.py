@@ -13,7 +13,7 @@ moto is a Python server: on loopback it, not the network, is the ceiling; the fi
 the client strategies on one machine, not S3's own rates.
 
     .venv/bin/python -m bench.s3_fetch [--mib 1024] [--files 4] [--part-mib 16] [--repeats 2]
-        [--out .bench-out/s3_fetch.json]
+        [--out .bench-out/s3_fetch.json] [--endpoint-url URL --bucket B]   # a real store instead of moto
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ CREDS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench-secret", 
 MIB = 1024 * 1024
 
 
-def start_moto() -> tuple[subprocess.Popen[bytes], str]:
+def start_moto() -> tuple[subprocess.Popen[bytes] | None, str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -77,12 +77,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ranges", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--out", default=".bench-out/s3_fetch.json")
+    ap.add_argument("--endpoint-url", help="a real S3-compatible store instead of moto (boto3 credential chain)")
+    ap.add_argument("--bucket", default="bench", help="with --endpoint-url: an existing bucket to write run/ into")
     args = ap.parse_args(argv)
     work = Path(tempfile.mkdtemp(prefix="hotswap-s3bench-"))
-    proc, url = start_moto()
+    proc, url = start_moto() if args.endpoint_url is None else (None, args.endpoint_url)
     try:
-        s3 = boto3.client("s3", endpoint_url=url, **CREDS)
-        s3.create_bucket(Bucket="bench")
+        s3 = boto3.client("s3", endpoint_url=url, **(CREDS if proc is not None else {}))
+        if proc is not None:
+            s3.create_bucket(Bucket=args.bucket)
         src = work / "src" / "step-1"
         src.mkdir(parents=True)
         per_file = args.mib * MIB // args.files
@@ -91,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
                 for _ in range(per_file // MIB):
                     f.write(os.urandom(MIB))
         t0 = time.perf_counter()
-        manifest = publish_s3(src, "s3://bench/run/step-1", client=s3, concurrency=4)
+        manifest = publish_s3(src, f"s3://{args.bucket}/run/step-1", client=s3, concurrency=4)
         upload_s = time.perf_counter() - t0
         total = manifest.total_bytes
         names = [f.path for f in manifest.files]
@@ -107,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.repeats):
             dest = work / f"single-{r}"
             t0 = time.perf_counter()
-            single_stream(s3, "bench", "run/step-1/", names, dest)
+            single_stream(s3, args.bucket, "run/step-1/", names, dest)
             times.append(time.perf_counter() - t0)
             shutil.rmtree(dest)
         record("single stream get_object (no verify)", times)
@@ -119,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
             for r in range(args.repeats):
                 dest = work / f"cache-{n}-{r}" / "step-1"
                 t0 = time.perf_counter()
-                fetch_checkpoint(s3, "bench", "run/step-1/", dest, lambda d, t: None, concurrency=n,
+                fetch_checkpoint(s3, args.bucket, "run/step-1/", dest, lambda d, t: None, concurrency=n,
                                  part_bytes=args.part_mib * MIB)  # fmt: skip
                 times.append(time.perf_counter() - t0)
                 net.append(max(1e-6, times[-1] - verify_s))
@@ -134,8 +137,9 @@ def main(argv: list[str] | None = None) -> int:
         write_json(args.out, doc)
         print(f"upload (publish_s3, 4 threads): {upload_s:.2f} s; verify from page cache: {verify_s:.2f} s")
     finally:
-        proc.kill()
-        proc.wait(timeout=10)
+        if proc is not None:
+            proc.kill()
+            proc.wait(timeout=10)
         shutil.rmtree(work, ignore_errors=True)
     return 0
 

@@ -41,6 +41,8 @@ def test_documented_s3_and_push_examples_parse(tmp_path):
         ('type = "s3"\nbucket = "b"\npoll_interval_s = 0', "sources[0].poll_interval_s: must be > 0"),
         ('type = "push"\npath = "p"\ntoken_file = "t"', "sources[0].hmac_keys: a push is accepted only with a signed"),
         ('type = "push"\npath = "p"\ntoken_file = "t"\nhmac_keys = {k = "f"}\nlisten = "nope"', "sources[0].listen"),
+        ('type = "push"\npath = "p"\ntoken_file = "t"\nhmac_keys = {k = "f"}\nlisten = "0.0.0.0:8781"',
+         "sources[0].listen: 0.0.0.0:8781 is not loopback and there is no TLS"),
         ('type = "push"\npath = "p"\ntoken_file = "t"\nhmac_keys = {k = "f"}\ntls_client_ca_file = "ca"',
          "sources[0].tls_client_ca_file: client certificates need TLS"),
     ],

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import publish_tiny
+from apscheduler.schedulers.background import BackgroundScheduler
+from conftest import publish_tiny, wait_until
 from support_s3 import MotoServer, put_file, put_multipart, random_file, serve_moto, upload_dir
 
 from daemon.formats.checkpoint import MANIFEST_NAME
@@ -200,3 +202,50 @@ def test_prune_keeps_protected_versions(moto_server, tmp_path):
     assert sorted(p.name for p in removed) == ["old-1", "old-2"]
     assert sorted(p.name for p in cache.iterdir()) == [".partial-new", "last-good", "serving"]
     assert src.prune(frozenset({cache / "serving", cache / "last-good"})) == []  # over the limit: all protected
+
+
+def test_sqs_event_is_a_hint_that_lists_at_once(moto_server, tmp_path):
+    """With an hour between listings, only the S3 event (read from SQS) can make this checkpoint appear."""
+    s3, sqs = moto_server.client(), moto_server.client("sqs")
+    s3.create_bucket(Bucket=BUCKET)
+    queue = sqs.create_queue(QueueName="ckpt-events")["QueueUrl"]
+    scheduler = BackgroundScheduler(daemon=True)
+    scheduler.start()
+    rec = Recorder()
+    cfg = S3SourceConfig(bucket=BUCKET, prefix="run-1", endpoint_url=moto_server.url, poll_interval_s=3600,
+                         sqs_queue_url=queue, cache_dir=str(tmp_path / "cache"))  # fmt: skip
+    src = S3Source(cfg, rec, scheduler)
+    src.start()
+    try:
+        wait_until(lambda: scheduler.get_job(src._job_id).next_run_time.timestamp() > time.time() + 60,
+                   10, what="the first listing to have run")  # fmt: skip
+        ckpt = tmp_path / "hinted"
+        publish_tiny(ckpt, seed=5)
+        upload_dir(s3, BUCKET, "run-1/hinted/", ckpt)
+        assert rec.items == []
+        sqs.send_message(QueueUrl=queue, MessageBody='{"Records": [{"eventName": "ObjectCreated:Put"}]}')
+        wait_until(lambda: [i.version for i in rec.items] == ["hinted"], 30, what="the hinted checkpoint")
+        assert "Messages" not in sqs.receive_message(QueueUrl=queue, WaitTimeSeconds=0)  # consumed
+    finally:
+        src.stop()
+        scheduler.shutdown(wait=False)
+
+
+def test_a_folder_reused_for_another_version_never_overwrites_the_first(moto_server, tmp_path):
+    s3 = moto_server.client()
+    s3.create_bucket(Bucket=BUCKET)
+    first = tmp_path / "a" / "slot"
+    publish_tiny(first, seed=1, version="v1")
+    upload_dir(s3, BUCKET, "run-1/slot/", first)
+    src, _ = make_source(moto_server, tmp_path)
+    [item1] = src.scan()
+    dir1 = fetch(src, item1)
+    before = {p.name: p.read_bytes() for p in dir1.iterdir()}
+    second = tmp_path / "b" / "slot"
+    publish_tiny(second, seed=2, version="v2")
+    upload_dir(s3, BUCKET, "run-1/slot/", second)  # the same folder, another version
+    src2, _ = make_source(moto_server, tmp_path)  # e.g. after a daemon restart
+    [item2] = src2.scan()
+    assert item2.version == "v2"
+    dir2 = fetch(src2, item2)
+    assert dir1 != dir2 and {p.name: p.read_bytes() for p in dir1.iterdir()} == before

@@ -31,6 +31,10 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--endpoint-url")
     ap.add_argument("--concurrency", type=int, default=8)
     ours, rest = ap.parse_known_args(list(sys.argv[1:] if argv is None else argv))
+    if "-h" in rest or "--help" in rest:
+        print("upload (after writing the manifest):\n  --to s3://BUCKET/PREFIX/VERSION  files first, the manifest last\n"
+              "  --endpoint-url URL               an S3-compatible store (default: AWS)\n"
+              "  --concurrency N                  parallel uploads (default 8)\n")  # fmt: skip
     if ours.to is None:
         return write_manifest_main(rest)
     try:

@@ -29,6 +29,7 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 from fastapi import FastAPI
 
+from daemon.apiconfig import is_loopback
 from daemon.auth import read_token_file
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.logging import get_logger
@@ -61,6 +62,7 @@ class PushSourceConfig:
     burst: int = 100
     upload_timeout_s: float = 600.0  # an upload folder idle this long is removed
     max_bytes: int = 0  # retention: keep <path> under this many bytes; 0 = no limit
+    allow_insecure_remote: bool = False  # plain HTTP on a non-loopback listen (the token in clear text)
 
     def validate(self, key: str) -> None:
         if not self.path:
@@ -70,6 +72,9 @@ class PushSourceConfig:
         host, sep, port = self.listen.rpartition(":")
         if not sep or not host or not port.isdigit() or int(port) > 65535:
             raise ValueError(f"{key}.listen: {self.listen!r} is not host:port (e.g. 0.0.0.0:8781)")
+        if not is_loopback(host) and not self.tls_cert_file and not self.allow_insecure_remote:
+            raise ValueError(f"{key}.listen: {self.listen} is not loopback and there is no TLS: set tls_cert_file "
+                             "and tls_key_file, or allow_insecure_remote = true to send the token in clear text")  # fmt: skip
         if not self.hmac_keys and not self.ed25519_keys:
             raise ValueError(f"{key}.hmac_keys: a push is accepted only with a signed manifest: configure a key")
         if bool(self.tls_cert_file) != bool(self.tls_key_file):

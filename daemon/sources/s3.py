@@ -10,7 +10,7 @@ manifest last), and multipart objects' ETags are not MD5s, so sizes from the lis
 the bytes are judged after download. A manifest that does not parse is handed on as well, so the
 fetch step rejects it with the parse error instead of the source waiting forever.
 
-The fetch step downloads into `cache_dir/<name>/` (daemon.sources.s3fetch: parallel ranged GETs,
+The fetch step downloads into `cache_dir/<version>/` (daemon.sources.s3fetch: parallel ranged GETs,
 resumable, verified against the manifest and S3's FULL_OBJECT CRC32C); the retention hook keeps
 that folder under `cache_max_bytes`, never deleting a protected version.
 
@@ -239,7 +239,7 @@ class S3Source:
                     self.list_now()
             except (BotoCoreError, ClientError) as exc:
                 log.warning("reading S3 event hints failed", source=self.label, error=str(exc))
-                self._stop.wait(self.config.poll_interval_s)
+                self._stop.wait(min(self.config.poll_interval_s, 30.0))
 
     # -- fetch and retention -----------------------------------------------------------------
 
@@ -248,7 +248,11 @@ class S3Source:
         name = key_prefix.rstrip("/").rsplit("/", 1)[-1]
         if bucket != self.bucket or not key_prefix.startswith(self.prefix) or not name:
             raise FetchError(f"{item.uri}: not under this source's s3://{self.bucket}/{self.prefix}")
-        dest = self.cache / name
+        # by version, not by folder name: a folder re-used for another version never overwrites the
+        # directory an earlier (maybe serving) version was verified in; versions are unique labels
+        # without "/" (the manifest's rules), so this is one directory inside the cache
+        label = item.version if item.version not in ("", ".", "..") and "/" not in item.version else name
+        dest = self.cache / label
         stats = fetch_checkpoint(self.client, self.bucket, key_prefix, dest, progress,
                                  concurrency=self.config.concurrency, part_bytes=self.config.part_bytes,
                                  retry_after_s=self.config.retry_after_s)  # fmt: skip
