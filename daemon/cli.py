@@ -27,7 +27,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon import __version__
-from daemon.cli_read import history_cmd, open_existing_registry, read_config, read_runtime_file, status_cmd
+from daemon.cli_read import (
+    history_cmd,
+    open_existing_registry,
+    read_config,
+    read_runtime_file,
+    safe,
+    status_cmd,
+)
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
 from daemon.publish_cmd import publish_main  # noqa: F401 - `hotswap publish` lives there
 from daemon.statelock import StateDirLocked
@@ -258,7 +265,7 @@ def _control(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        print(_describe(doc))
+        print(safe(_describe(doc)))  # versions and reasons come from checkpoints
     return EXIT_OK if doc.get("outcome") in ("succeeded", "pinned", "unpinned") else EXIT_RUNTIME
 
 
