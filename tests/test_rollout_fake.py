@@ -15,14 +15,14 @@ from typing import Any
 
 import pytest
 from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
-from support_rollout import rollouts, worker_events
+from support_rollout import rollouts, wait_until, worker_events
 
 from daemon import adapters
 from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import Checkpoint
+from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus as C
 from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
 from daemon.rollout import health
@@ -498,5 +498,57 @@ def test_service_never_deploys_a_lower_step_over_the_serving_one(reg: Registry, 
         svc.submit(s1001.id)
         assert _wait_status(svc, s1001.id, C.DEPLOYED).status == C.DEPLOYED
         assert FAKES["w0"].version == "step-1001"
+    finally:
+        svc.stop()
+
+
+WINDOW = {"health_window_s": 0.05, "health_sample_s": 0.01, "health_probe_s": 0.0}
+
+
+def test_a_worker_dying_in_the_health_window_rolls_back_and_retries_the_version(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """A worker that stops answering during v1's health window is the fleet's fault as much as a
+    crash mid-rollout: the fleet goes back to v0, v1 returns to verified and is rolled out again."""
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1, **WINDOW)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("counters", crash=True)  # dies as the window starts
+        svc.submit(v1.id)
+        wait_until(lambda: svc.journal.alias("last_good") == svc.journal.checkpoint(v1.id), 20, what="v1 last good")
+        outcomes = [r["outcome"] for r in rollouts(reg) if r["version"] == "v1"]
+        assert outcomes == ["rolled_back", "succeeded"], outcomes
+        assert [r["detail"]["by"] for r in rollouts(reg) if r["version"] == "v0"] == ["health_window"]
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v1")}
+        with reg.session() as s:
+            states = [e.to_state for e in s.query(Event).filter(Event.checkpoint_id == v1.id, Event.worker.is_(None))]
+        assert "rejected" not in states and states.count("deployed") == 2, states
+    finally:
+        svc.stop()
+
+
+def test_a_version_that_keeps_killing_a_worker_in_its_health_window_is_rejected(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1, max_infra_retries=1, **WINDOW)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("counters", crash=True, times=10)
+        svc.submit(v1.id)
+        row = _wait_status(svc, v1.id, C.REJECTED)
+        assert row.status == C.REJECTED
+        assert [r["outcome"] for r in rollouts(reg) if r["version"] == "v1"] == ["rolled_back", "rolled_back"]
+        with reg.session() as s:
+            message = s.get(Checkpoint, v1.id).status_message  # type: ignore[union-attr]
+        assert message is not None and "gave up after 1 retries" in message and "did not answer" in message
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
     finally:
         svc.stop()

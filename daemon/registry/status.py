@@ -46,7 +46,7 @@ TRANSITIONS: dict[CheckpointStatus, frozenset[CheckpointStatus]] = {
     C.DEFERRED: frozenset({C.DISCOVERED}),
     C.VERIFIED: frozenset({C.STAGED, C.DEPLOYED, C.REJECTED, C.SUPERSEDED, C.DISCOVERED}),
     C.STAGED: frozenset({C.DEPLOYED, C.REJECTED, C.SUPERSEDED, C.DISCOVERED}),
-    C.DEPLOYED: frozenset({C.RETIRED, C.REJECTED}),
+    C.DEPLOYED: frozenset({C.RETIRED, C.REJECTED, C.VERIFIED}),  # verified: rolled back, not its fault
     C.RETIRED: frozenset({C.DEPLOYED, C.DISCOVERED}),
     C.REJECTED: frozenset({C.DEPLOYED, C.RETIRED, C.DISCOVERED}),
     C.SUPERSEDED: frozenset({C.DEPLOYED, C.DISCOVERED}),

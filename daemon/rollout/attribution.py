@@ -7,6 +7,9 @@ that was down before the rollout began (`unavailable`), is the fleet's fault: th
 stays `verified` and is rolled out again, at once when every worker is back on the fallback,
 else when the health poll sees the whole fleet RUNNING again.
 
+A worker that stops answering in the post-deploy health window is treated the same way: the
+fleet is rolled back to the fallback, the version goes back to `verified` and is rolled out again.
+
 The retries are bounded: a checkpoint whose rollouts keep killing a worker (it may be what
 crashes it) is rejected after `max_infra_retries` such rollouts. `unavailable` (no worker
 was touched) never counts against it. The count comes from the `rollouts` table, so it
@@ -37,16 +40,24 @@ class Attribution:
 
 
 def infra_attempts(registry: Registry, checkpoint_id: int) -> int:
-    """Failed `new` rollouts of the checkpoint whose failing worker stopped answering mid-rollout."""
+    """`new` rollouts of the checkpoint that failed because a worker stopped answering: mid-rollout
+    (failed, kind unreachable) or in the health window (rolled back, `health_window.infra`)."""
     with registry.session() as s:
-        details = s.scalars(
-            select(Rollout.detail).where(
+        rows = s.execute(
+            select(Rollout.outcome, Rollout.detail).where(
                 Rollout.checkpoint_id == checkpoint_id,
                 Rollout.trigger == RolloutTrigger.NEW.value,
-                Rollout.outcome == RolloutOutcome.FAILED.value,
+                Rollout.outcome.in_((RolloutOutcome.FAILED.value, RolloutOutcome.ROLLED_BACK.value)),
             )
         ).all()
-    return sum(1 for d in details if (d or {}).get("kind") == FailureKind.UNREACHABLE.value)
+    n = 0
+    for outcome, detail in rows:
+        d = detail or {}
+        if outcome == RolloutOutcome.FAILED.value:
+            n += d.get("kind") == FailureKind.UNREACHABLE.value
+        else:
+            n += bool((d.get("health_window") or {}).get("infra"))
+    return n
 
 
 def attribute(

@@ -8,7 +8,9 @@ the window; it can trip only once the worker saw `min_window_requests` requests 
 included), so one bad client request cannot veto a version. Above the bound (default 1 %) on any
 worker, a probe whose logits are not finite or that another version answered (decisive at once:
 the probe is deterministic), or a worker that stops answering, the verdict is "roll back", with a
-one-line reason naming the worker and the figures.
+one-line reason naming the worker and the figures. A worker that stops answering is flagged
+`infra`: the service rolls back but treats it like a crashed worker in a rollout (retried,
+bounded; see daemon.rollout.attribution).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ class WindowVerdict:
     ok: bool
     reason: str | None = None
     aborted: bool = False  # cut short by an operator command; no verdict
+    infra: bool = False  # failed because a worker stopped answering: maybe not the weights' fault
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -99,7 +102,8 @@ def watch(
         try:
             c = h.client.counters()
         except WorkerError as exc:
-            return WindowVerdict(False, f"worker {h.name} did not answer at the start of the health window: {exc}")
+            return WindowVerdict(False, f"worker {h.name} did not answer at the start of the health window: {exc}",
+                                 infra=True)  # fmt: skip
         tallies[h.name] = _Tally(c.get("requests_total", 0), c.get("requests_failed", 0))
     deadline = time.monotonic() + window
     next_probe = time.monotonic() if settings.health_probe_s > 0 else float("inf")
@@ -118,8 +122,9 @@ def watch(
                 unreachable[h.name] = unreachable.get(h.name, 0) + 1
                 if unreachable[h.name] >= 2:  # one lost sample is noise; two are an outage
                     return WindowVerdict(
-                        False, f"worker {h.name} stopped answering during the health window: {exc}", workers=_summary(tallies)
-                    )
+                        False, f"worker {h.name} stopped answering during the health window: {exc}",
+                        workers=_summary(tallies), infra=True,
+                    )  # fmt: skip
                 continue
             unreachable.pop(h.name, None)
             tallies[h.name].add(c.get("requests_total", 0), c.get("requests_failed", 0))

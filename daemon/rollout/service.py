@@ -402,15 +402,26 @@ class RolloutService:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
             self.journal.set_alias("last_good", ckpt.id)
             return {"health_window": "ok"}
-        log.warning("health_window_failed", version=ckpt.version, reason=verdict.reason)
+        log.warning("health_window_failed", version=ckpt.version, reason=verdict.reason, infra=verdict.infra)
         self.journal.amend_rollout(
-            rid, outcome=RolloutOutcome.ROLLED_BACK, detail={"health_window": {**window, "ok": False, "reason": verdict.reason}}
-        )
+            rid, outcome=RolloutOutcome.ROLLED_BACK,
+            detail={"health_window": {**window, "ok": False, "reason": verdict.reason, "infra": verdict.infra}},
+        )  # fmt: skip
         if fallback is None or fallback.id == ckpt.id:
             self.journal.note(ckpt.id, f"health window failed ({verdict.reason}) but no earlier version to roll back to")
             return {"health_window": "failed", "rolled_back": None}
         # Recorded before the rollback runs: a daemon killed during it finds the verdict written.
-        self.journal.move_status(ckpt.id, C.REJECTED, f"rolled back to {fallback.version} after deploy: {verdict.reason}")
+        retry = None
+        if verdict.infra:  # a worker stopped answering: like a crash mid-rollout (daemon.rollout.attribution)
+            retry = attribute(self.journal.registry, ckpt.id, FailureKind.UNREACHABLE, [], verdict.reason,
+                              self.settings.max_infra_retries)  # fmt: skip
+        if retry is not None and retry.verdict != "reject":
+            left = self.settings.max_infra_retries - retry.attempts
+            self.journal.move_status(ckpt.id, C.VERIFIED, f"rolled back to {fallback.version} after deploy: {verdict.reason}; "
+                                     f"not the checkpoint's fault: rolled out again ({left} retries left)")  # fmt: skip
+        else:
+            self.journal.move_status(ckpt.id, C.REJECTED, f"rolled back to {fallback.version} after deploy: {verdict.reason}"
+                                     + (f" ({retry.message})" if retry is not None else ""))  # fmt: skip
         self.journal.checkpoint_event(
             ckpt.id, "rolled_back", {"to": fallback.version, "by": "health_window", "reason": verdict.reason}, rid
         )
@@ -422,8 +433,12 @@ class RolloutService:
             # A failed rollback still restored every worker it reached to the fallback.
             self.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
             self.journal.set_alias("last_good", fallback.id)
+            if retry is not None and retry.verdict != "reject":
+                self.submit(ckpt.id)
         else:
             log.error("automatic_rollback_incomplete", version=ckpt.version, outcome=rb.outcome, reason=rb.reason)
+            if retry is not None and retry.verdict != "reject":
+                self.state.set_blocked(ckpt)  # retried when every worker is back (see poll)
         return {"health_window": "failed", "rolled_back": fallback.version, "rollback_rollout_id": rb.rollout_id,
                 "rollback_outcome": rb.outcome.value, "reason": verdict.reason}  # fmt: skip
 
