@@ -171,7 +171,9 @@ def history_cmd(args: argparse.Namespace) -> int:
             print(json.dumps({k: plain(v) for k, v in r.items()}))
         return 0
     console = Console(highlight=False, emoji=False)
-    cells = [history_cells(r, ts_full if args.wide else ts_short) for r in rows]
+    cells = [history_cells(r, ts_full) for r in rows]
+    if not args.wide and _natural_width(cells) + 1 > console.width:  # narrow: times without the year
+        cells = [history_cells(r, ts_short) for r in rows]
     widths: dict[str, int | None] = (
         {k: None for k, _, _ in _COLUMNS} if args.wide else dict(fit_columns(cells, console.width))
     )
@@ -187,13 +189,15 @@ def history_cmd(args: argparse.Namespace) -> int:
     for c in cells:
         table.add_row(*(Text(c[k], style=_STYLES.get(c[k], "")) if k == "status" else Text(c[k]) for k in keys))
     if args.wide:  # every value whole: as wide as the table needs, whatever the terminal
-        console = Console(highlight=False, emoji=False, width=max(console.width, _natural_width(cells) + 1))
+        console = Console(highlight=False, emoji=False, width=max(console.width, _natural_width(cells, every=True) + 1))
     console.print(table)
     return 0
 
 
-def _natural_width(cells: list[dict[str, str]]) -> int:
-    return sum(max([len(h), *(len(c[k]) for c in cells)]) + 3 for k, h, _ in _COLUMNS)
+def _natural_width(cells: list[dict[str, str]], every: bool = False) -> int:
+    """The table's width with each value whole: every column, or those that have a value."""
+    return sum(max([len(h), *(len(c[k]) for c in cells)]) + 3 for k, h, p in _COLUMNS
+               if every or p == 0 or any(c[k] for c in cells))  # fmt: skip
 
 
 def ts_full(v: datetime | None) -> str:

@@ -270,6 +270,7 @@ def test_manual_rollback_pin_unpin_through_the_daemon(
     publish_into(d.watch_dir, "v1", seed=1)
     d.wait_status("v1", "deployed", timeout=180)
     wait_until(lambda: aliases(d.registry).get("last_good") == "v1", 60, what="v1's health window")
+    v0_first, v1_first = d.row("v0")["deployed_at"], d.row("v1")["deployed_at"]
 
     out = hotswap_cli("rollback", "-c", cfg)
     assert out.returncode == 0, out.stderr
@@ -278,11 +279,20 @@ def test_manual_rollback_pin_unpin_through_the_daemon(
     v1 = d.row("v1")
     assert v1["status"] == "retired" and "rolled back by operator to v0" in v1["status_message"]
     assert v1["rolled_back_at"] is not None
+    v0 = d.row("v0")  # the rollback records its own time; the first deploy's stays
+    assert v0["deployed_at"] == v0_first and v0["last_deployed_at"] > v1_first
 
     out = hotswap_cli("pin", "v1", "-c", cfg)
     assert out.returncode == 0, out.stderr
     assert_fleet_on(pool.workers, "v1")
     assert aliases(d.registry)["pinned"] == "v1"
+    assert d.row("v1")["deployed_at"] == v1_first
+    status = hotswap_cli("status", "-c", cfg, env={"COLUMNS": "200"})
+    assert status.returncode == 0, status.stderr
+    lines = status.stdout.splitlines()
+    assert "pinned:      v1" in lines and "serving:     v1" in lines and "health:      ok" in lines, status.stdout
+    for w in pool.workers:  # each worker: its state, weight version and URL
+        assert f"worker:      {w.name} RUNNING v1 {w.url}" in lines, status.stdout
     publish_into(d.watch_dir, "v2", seed=2)
     d.wait_status("v2", "verified", timeout=180)
     time.sleep(1.5)  # a pinned fleet does not move
