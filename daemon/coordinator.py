@@ -41,20 +41,6 @@ from daemon.sources.base import DiscoveredCheckpoint, FetchError, FetchItem, Sou
 
 log = get_logger(__name__)
 C = CheckpointStatus
-
-
-def request_reverify(s: Session, version: str, why: str) -> tuple[int, str]:
-    """Move `version` back to `discovered` (in the caller's transaction); (id, status before)."""
-    ckpt = q.get_checkpoint(s, version)
-    if ckpt is None:
-        raise LookupError(f"unknown version {version!r} (see `hotswap history`)")
-    was = ckpt.status
-    if was in UNFINISHED:
-        raise ValueError(f"version {version!r} is {was}: it is being verified already")
-    if was not in status.REVERIFIABLE:
-        raise ValueError(f"version {version!r} is {was}: roll back or deploy another version before verifying it again")
-    status.move(s, ckpt, C.DISCOVERED, why, detail={"message": why, "reverify": True, "was": was})
-    return ckpt.id, was
 PROGRESS_LOG_S = 5.0  # a fetch logs its progress at most this often
 
 StatusObserver = Callable[[int, CheckpointStatus], None]
@@ -244,7 +230,7 @@ class Coordinator:
         """Send a settled version back through every check (`hotswap reverify`). Returns its
         status before; raises LookupError (unknown) or ValueError (serving, or being verified)."""
         with self.registry.session() as s:
-            ckpt_id, was = request_reverify(s, version, why)
+            ckpt_id, was = rediscovery.request_reverify(s, version, why)
         self._moved(ckpt_id, C.DISCOVERED)
         bind_version(log, version).info("reverify requested", was=was)
         self._queue.put(ckpt_id)

@@ -8,6 +8,8 @@ stat only) in its `discovered` event. When the same label arrives again:
   from the start (back to `discovered`: a writer that stalled past the commit timeout, or a
   re-published fix, is not lost for good); any other status keeps its verdict, and the change is
   recorded (an event and the status message; `hotswap reverify VERSION` checks it again).
+* `hotswap reverify VERSION` (`request_reverify`): any settled version but the serving one goes
+  back to `discovered`.
 * from another place (another directory, or a manifest naming the same version): a conflict.
   The label stays with the first registration, and the conflict is recorded on it once per
   claimant (event detail `conflict`, the status message, a warning log line) so the other
@@ -94,3 +96,17 @@ def handle(s: Session, ckpt: Checkpoint, item: DiscoveredCheckpoint) -> Rediscov
                "checks it again)")  # fmt: skip
     status.note(s, ckpt, message, detail={"message": message, "fingerprint": fp, "changed": True})
     return Rediscovered("changed", message)
+
+
+def request_reverify(s: Session, version: str, why: str) -> tuple[int, str]:
+    """Move `version` back to `discovered` (in the caller's transaction); (id, status before)."""
+    ckpt = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
+    if ckpt is None:
+        raise LookupError(f"unknown version {version!r} (see `hotswap history`)")
+    was = ckpt.status
+    if was in status.UNFINISHED:
+        raise ValueError(f"version {version!r} is {was}: it is being verified already")
+    if was not in status.REVERIFIABLE:
+        raise ValueError(f"version {version!r} is {was}: roll back or deploy another version before verifying it again")
+    status.move(s, ckpt, C.DISCOVERED, why, detail={"message": why, "reverify": True, "was": was})
+    return ckpt.id, was

@@ -27,8 +27,9 @@ from fastapi.responses import JSONResponse
 from daemon.apiconfig import client_tls
 from daemon.auth import ControlGuard, TokenFileError, control_token_path, read_token_file
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
-from daemon.coordinator import Coordinator, request_reverify
+from daemon.coordinator import Coordinator
 from daemon.jsonbody import json_object
+from daemon.rediscovery import request_reverify
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.status import UNFINISHED

@@ -141,8 +141,9 @@ def test_queue_commands_go_first_and_pinning_holds_deploys() -> None:
             {"workers": [{"name": "w", "url": "http://a:1", "restart_command": "systemctl restart {unit}"}]},
             "workers[0].restart_command: unknown placeholder {unit}",
         ),
-        ({"workers": [{"name": "w", "launch": "managed", "kind": "vllm"}]}, "workers[0].kind: 'vllm' has no adapter"),
-        ({"workers": [{"name": "w", "url": "http://a:1", "kind": "sglang"}]}, "workers[0].kind: 'sglang' has no adapter"),
+        ({"workers": [{"name": "w", "launch": "managed", "kind": "vllm"}]},
+         "workers[0].kind: only builtin workers can be managed, got 'vllm'"),
+        ({"workers": [{"name": "w", "url": "http://a:1", "kind": "tgi"}]}, "workers[0].kind: 'tgi' has no adapter"),
         ({"workers": [{"name": "bad name", "url": "http://a:1"}]}, "workers[0].name: 'bad name'"),
     ],
 )
