@@ -16,7 +16,7 @@ from sqlalchemy import delete, func, select, update
 
 from daemon.registry import status
 from daemon.registry.db import Registry
-from daemon.registry.models import Alias, Checkpoint, Event, Rollout, Worker, utcnow
+from daemon.registry.models import Alias, Checkpoint, CheckpointFile, Event, Rollout, Worker, utcnow
 from daemon.registry.queries import record_event
 from daemon.registry.status import (
     UNFINISHED,
@@ -78,6 +78,12 @@ class Journal:
         with self.registry.session() as s:
             c = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
             return _ref(c) if c else None
+
+    def verified_files(self, checkpoint_id: int) -> list[tuple[str, int, str | None, str | None, str | None]]:
+        """(path, bytes, crc32c, hash_alg, hash) of every file, as the verify stage computed them."""
+        with self.registry.session() as s:
+            rows = s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)).all()
+            return [(r.path, r.bytes, r.crc32c, r.hash_alg, r.hash) for r in sorted(rows, key=lambda r: r.path)]
 
     def alias(self, name: str) -> CheckpointRef | None:
         with self.registry.session() as s:

@@ -87,7 +87,7 @@ class RolloutService:
         self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(), observers)
         options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
                                 loader.socket if loader else "")  # fmt: skip
-        self.stager = Stager(settings.transport, options)
+        self.stager = Stager(settings.transport, options, journal=self.journal)
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
         self.queue = RolloutQueue()
         self.state = RolloutState()

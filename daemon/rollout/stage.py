@@ -11,9 +11,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from daemon.adapters.base import WeightInfo
-from daemon.registry.journal import CheckpointRef
+from daemon.registry.journal import CheckpointRef, Journal
 from daemon.transport import daemon_transport
-from daemon.transport.base import DaemonTransport, Expect, Outgoing, SenderOptions, StageError, UpdateRequest
+from daemon.transport.base import (
+    DaemonTransport,
+    Expect,
+    ExpectedFile,
+    Outgoing,
+    SenderOptions,
+    StageError,
+    UpdateRequest,
+)
 
 __all__ = ["StageError", "Stager", "Target"]
 
@@ -37,19 +45,39 @@ class Target:
 
 
 class Stager:
-    def __init__(self, transport_name: str, options: SenderOptions, transport: DaemonTransport | None = None) -> None:
+    def __init__(
+        self,
+        transport_name: str,
+        options: SenderOptions,
+        transport: DaemonTransport | None = None,
+        journal: Journal | None = None,
+    ) -> None:
         self.transport_name = transport_name
         self.sender = transport or daemon_transport(transport_name, options)
+        self.journal = journal  # where the verified per-file digests come from (check while loading)
 
     @property
     def transport(self) -> str:
         return self.transport_name
 
     def target(self, ckpt: CheckpointRef) -> Target:
-        """Raises StageError when the checkpoint cannot be offered (no local copy, loader refused)."""
-        expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count)
+        """Raises StageError when the checkpoint cannot be offered (no local copy, loader refused).
+
+        Every request carries the registry's per-file digests (`expect.files`): workers and the
+        loader check the bytes they read against them, whatever the path (rollout, rollback,
+        restore, recovery)."""
+        expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=self.expected_files(ckpt))
         prepared = self.sender.prepare(Outgoing(ckpt.version, ckpt.local_path, expect))
         return Target(ckpt, prepared.request, prepared.staged)
+
+    def expected_files(self, ckpt: CheckpointRef) -> tuple[ExpectedFile, ...]:
+        if self.journal is None:
+            return ()
+        out = []
+        for path, size, crc, alg, digest in self.journal.verified_files(ckpt.id):
+            digests = {k: v for k, v in (("crc32c", crc), (alg or "", digest)) if k and v}
+            out.append(ExpectedFile(path, size, digests))
+        return tuple(out)
 
     def retain(self, versions: set[str]) -> None:
         """Free what no worker can need any more (everything but serving and last_good)."""
