@@ -80,7 +80,7 @@ class OrderedHasher:
                 self._starts[off] = n
         self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
         self._size = os.fstat(self._fd).st_size
-        if self._size != ref.bytes:
+        if ref.value and self._size != ref.bytes:
             os.close(self._fd)
             raise DigestMismatch(f"{ref.path}: {self._size} bytes now, {ref.bytes} verified (changed since verify)")
 
@@ -140,10 +140,13 @@ class OrderedHasher:
         crc = "" if self._strong is not None else f"{self._crc:08x}"
         return FileDigest(max(self._pos, size_now), crc, self.ref.alg if self._strong is not None else None, hexd)
 
-    def check(self) -> None:
+    def check(self) -> FileDigest:
+        """The file's digest; raises DigestMismatch unless it equals the reference (when there is one)."""
         if self._starts:
             raise DigestMismatch(f"{self.path}: {len(self._starts)} ranges were never read")
         d = self.result()
+        if not self.ref.value:
+            return d  # computed only (the loader without a reference): reported, not compared
         if d.bytes != self.ref.bytes:
             raise DigestMismatch(f"{self.ref.path}: {d.bytes} bytes now, {self.ref.bytes} verified")
         got = d.hash if self.ref.strong else d.crc32c
@@ -152,6 +155,7 @@ class OrderedHasher:
                 f"{self.ref.path}: {self.ref.alg} {got[:16]}... does not match the verified {self.ref.value[:16]}... "
                 "(changed since it was verified)"
             )
+        return d
 
     def close(self) -> None:
         if self._fd >= 0:
@@ -163,8 +167,17 @@ class LoadCheck:
     """Every file a transport reads, checked against the registry's digests; see the module docstring."""
 
     def __init__(
-        self, directory: Path, expect: Expect, ranges: Mapping[Path, Iterable[tuple[int, int]]], *, threads: int = 1
+        self,
+        directory: Path,
+        expect: Expect,
+        ranges: Mapping[Path, Iterable[tuple[int, int]]],
+        *,
+        threads: int = 1,
+        compute_alg: str | None = None,
     ) -> None:
+        """`compute_alg`: hash files the reference does not list with this algorithm instead of
+        refusing them (the loader staged without a reference reports what it computed)."""
+        self.directory = directory
         refs: dict[str, Reference] = {}
         for f in expect.files:
             ref = reference_for(f)
@@ -175,6 +188,8 @@ class LoadCheck:
             for file, covered in ranges.items():
                 rel = _relative(directory, file)
                 ref = refs.get(rel)
+                if ref is None and compute_alg is not None:
+                    ref = Reference(rel, 0, compute_alg, "")
                 if ref is None:
                     raise DigestMismatch(f"{rel}: the registry has no verified digest for this file")
                 self.hashers[file] = OrderedHasher(file, ref, covered, threads=threads)
@@ -186,6 +201,7 @@ class LoadCheck:
             self.close()
             raise
         self.weak = any(not h.ref.strong for h in self.hashers.values())
+        self.digests: dict[str, FileDigest] = {}
 
     def feed(self, file: Path, offset: int, data: Any) -> None:
         self.hashers[file].feed(offset, data)
@@ -196,10 +212,14 @@ class LoadCheck:
 
     def finish(self) -> dict[str, Any]:
         """Raise DigestMismatch unless every file matched; returns facts for the update's answer."""
-        for h in self.hashers.values():
-            h.check()
+        self.digests = {_relative(self.directory, f): h.check() for f, h in self.hashers.items()}
         algs = sorted({h.ref.alg for h in self.hashers.values()})
         return {"checked_files": len(self.hashers), "check_alg": ",".join(algs), "check_weak": self.weak}
+
+    @property
+    def compared(self) -> bool:
+        """Every file had a reference to compare with (not only computed)."""
+        return all(h.ref.value for h in self.hashers.values())
 
     def close(self) -> None:
         for h in self.hashers.values():

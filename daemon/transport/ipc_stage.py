@@ -36,7 +36,8 @@ class IpcSender:
             raise StageError(f"{item.version}: no local copy to deploy from")
         try:
             if item.version not in self._staged:
-                info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest)
+                files = item.expect.to_json().get("files")  # the loader checks the bytes it stages
+                info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest, files=files)
                 log.info("staged", version=item.version, bytes=info.bytes, seconds=info.seconds, devices=info.devices)
                 self._staged.add(item.version)
             descriptor = self.loader.descriptor(item.version)
