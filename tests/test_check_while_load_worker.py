@@ -98,3 +98,24 @@ def test_launch_on_changed_bytes_refuses_to_start(tmp_path: Path) -> None:
     write_token(tmp_path)
     with pytest.raises(RuntimeError, match="does not match the verified"):
         start_worker(d, tmp_path / "token", extra=["--expect-file", str(tmp_path / "A.expect.json")], timeout=60)
+
+
+def test_update_error_never_echoes_the_bytes_of_a_file_outside_the_checkpoint(setup, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """Finding 11: a shard symlinked to a readable secret (think /etc/shadow) used to come back as
+    "header length <first 8 bytes as a number>", or as header JSON quoted in the message."""
+    w, _dirs, _ = setup
+    secret = tmp_path / "shadow"
+    secret.write_bytes(b"root:$6$s3cr3tSALT$hash:19000:0:99999:7:::\n")
+    as_json = tmp_path / "secret.json"
+    as_json.write_bytes(b'{"t0p-s3cret-name": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}')
+    for target in (secret, as_json):
+        d = tmp_path / f"evil-{target.name}"
+        d.mkdir()
+        (d / "model.safetensors").symlink_to(target)
+        r = w.post("/admin/update", {"version": "evil", "transport": "disk", "path": str(d)}, admin=True)
+        assert r.status_code in (409, 422), r.text
+        assert "leaving the checkpoint" in r.text, r.text
+        raw = target.read_bytes()
+        for needle in (b"root", b"s3cr3t", b"t0p-s3cret", str(int.from_bytes(raw[:8], "little")).encode()):
+            assert needle not in r.content, r.text
+    assert w.info()["version"] == "A"

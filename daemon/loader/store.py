@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from daemon.formats.checkpoint import tensor_table
+from daemon.formats.checkpoint import tensor_table, weight_files
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch, content_digest
 from daemon.loader.staging import (
     PinnedPool,
@@ -31,7 +31,7 @@ from daemon.loader.staging import (
     read_into_host,
 )
 from daemon.transport.base import BadUpdateRequest, Expect
-from daemon.transport.check import LoadCheck
+from daemon.transport.check import LoadCheck, ensure_contained
 from daemon.transport.ipc_descriptor import (
     ALIGN,
     HOST_DEVICE,
@@ -327,6 +327,10 @@ class LoaderStore:
                 return self._existing(existing, directory)
         if not directory.is_dir():
             raise StoreError(f"{directory}: not a checkpoint directory")
+        try:
+            ensure_contained(directory, weight_files(directory))
+        except DigestMismatch as exc:
+            raise StoreError(str(exc)) from None
         table, _headers = tensor_table(directory)  # strict headers; LayoutError/HeaderError name the file
         order = sorted(table.values(), key=lambda loc: (str(loc.file), loc.entry.start))
         slots, size = layout_tensors((loc.entry.name, loc.entry.dtype, loc.entry.shape) for loc in order)

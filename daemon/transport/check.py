@@ -226,6 +226,19 @@ class LoadCheck:
             h.close()
 
 
+def ensure_contained(directory: Path, files: Iterable[Path]) -> None:
+    """Every weight file must be a regular file that stays inside the checkpoint directory
+    (symlinks within it are fine). A symlink to /etc/shadow is refused by name before a byte of
+    it is read, so no error message can carry the bytes (or the header length) of such a file."""
+    root = os.path.realpath(directory)
+    for f in files:
+        real = os.path.realpath(f)
+        if os.path.commonpath([root, real]) != root:
+            raise DigestMismatch(f"{_relative(directory, f)}: a symlink leaving the checkpoint directory; refused")
+        if os.path.exists(real) and not os.path.isfile(real):
+            raise DigestMismatch(f"{_relative(directory, f)}: not a regular file; refused")
+
+
 def _relative(directory: Path, file: Path) -> str:
     try:
         return file.relative_to(directory).as_posix()

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table
+from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table, weight_files
 from daemon.manifest import load_manifest
 from daemon.transport.base import (
     BadUpdateRequest,
@@ -46,7 +46,7 @@ from daemon.transport.base import (
     UpdateRequest,
     WorkerTransportFactory,
 )
-from daemon.transport.check import DigestMismatch, LoadCheck, is_aborted, wants_check
+from daemon.transport.check import DigestMismatch, LoadCheck, ensure_contained, is_aborted, wants_check
 
 if TYPE_CHECKING:
     import torch
@@ -235,6 +235,10 @@ class DiskTransport:
         if not self.directory.is_dir():
             raise TransportError(f"{self.directory}: checkpoint directory does not exist")
         if self._locations is None:
+            try:
+                ensure_contained(self.directory, weight_files(self.directory))
+            except DigestMismatch as exc:
+                raise TransportError(str(exc)) from None
             self._locations, _ = tensor_table(self.directory)
         return {
             n: TensorSpec(n, loc.entry.dtype, loc.entry.shape, loc.entry.nbytes)
