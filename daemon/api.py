@@ -1,6 +1,7 @@
 """The daemon's HTTP API (loopback by default): health, status, metrics, rollout control.
 
-GET  /health               200 {"ok": true} while the process and its database answer; 503 otherwise
+GET  /health               200 {"ok": true} while the process and its database answer and no configured
+                           source is missing; 503 {"ok": false, "error": "<reasons>"} otherwise
 GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers
 GET  /metrics              Prometheus text format
 
@@ -50,6 +51,7 @@ class ApiState:
     sources: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     queue_depth: Callable[[], int] | None = None  # the coordinator's queue depth
+    problems: Callable[[], list[str]] | None = None  # why the daemon is unhealthy (a source gone); [] = none
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -62,6 +64,9 @@ def create_app(state: ApiState) -> FastAPI:
                 conn.execute(text("SELECT 1"))
         except Exception as exc:  # noqa: BLE001
             return JSONResponse({"ok": False, "error": f"database: {exc}"}, status_code=503)
+        problems = state.problems() if state.problems is not None else []
+        if problems:
+            return JSONResponse({"ok": False, "error": "; ".join(problems), "problems": problems}, status_code=503)
         return JSONResponse({"ok": True})
 
     @app.get("/status")
@@ -126,15 +131,18 @@ def status_document(state: ApiState) -> dict[str, Any]:
         counts = q.status_counts(s)
         latest = q.history(s, limit=10)
         workers = q.worker_rows(s)
+        aliases = q.aliases(s)
     return {
         "daemon": {
             "version": daemon.__version__,
             "uptime_s": round(time.time() - state.started_at, 1),
             "database": redact_url(state.registry.url),
             "queue_depth": state.queue_depth() if state.queue_depth is not None else None,
+            "problems": state.problems() if state.problems is not None else [],
         },
         "sources": state.sources,
         "checkpoints": counts,
+        "aliases": aliases,  # serving, last_good, pinned -> version
         "latest": [_jsonable_row(r) for r in latest],
         "workers": [_jsonable_row(r) for r in workers],
     }

@@ -24,12 +24,13 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from daemon import __version__
+from daemon.cli_read import history_cmd, open_existing_registry, read_config, read_runtime_file, status_cmd
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.statelock import StateDirLocked
 
 # command -> "module:function" taking argv (list[str]) and returning an exit code
 DELEGATED: dict[str, tuple[str, str]] = {
@@ -92,24 +93,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hotswap {__version__}")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
-    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def with_config(sp: argparse.ArgumentParser, state_dir: bool = False) -> argparse.ArgumentParser:
         sp.add_argument(
             "-c",
             "--config",
             default=None,
             help=f"config TOML (default: ${CONFIG_ENV}, else the embedded default: ./state, ./checkpoints)",
         )
+        if state_dir:  # read-only commands: where the daemon's state is, overriding [daemon].state_dir
+            sp.add_argument("--state-dir", default=None, help="the daemon's state folder (its hotswap.db, daemon.json)")
         return sp
 
     d = with_config(sub.add_parser("daemon", help="run the daemon (control plane)"))
     d.set_defaults(func=_cmd_daemon)
 
-    h = with_config(sub.add_parser("history", help="checkpoint versions and what happened to them"))
+    h = with_config(sub.add_parser("history", help="checkpoint versions and what happened to them"), True)
     h.add_argument("-n", "--limit", type=int, default=50, help="newest N versions (0 = all)")
-    h.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    h.add_argument("--json", action="store_true", help="JSON lines instead of a table (full values)")
+    h.add_argument("--wide", action="store_true", help="every column with full values, whatever the terminal width")
     h.set_defaults(func=_cmd_history)
 
-    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"))
+    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"), True)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
 
@@ -118,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
     up = with_config(dbsub.add_parser("upgrade", help="apply migrations up to the newest"))
     up.add_argument("--revision", default="head")
     up.set_defaults(func=_cmd_db_upgrade)
-    cur = with_config(dbsub.add_parser("current", help="print the database's migration revision"))
+    cur = with_config(dbsub.add_parser("current", help="print the database's migration revision"), True)
     cur.set_defaults(func=_cmd_db_current)
 
     for name, (_, help_text) in DELEGATED.items():
@@ -134,7 +138,11 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     config = _config(args)
     from daemon.service import run_daemon
 
-    return run_daemon(config)
+    try:
+        return run_daemon(config)
+    except StateDirLocked as exc:
+        print(f"hotswap daemon: {exc}", file=sys.stderr)
+        return 2
 
 
 def _registry(config: Config, migrate: bool = False) -> Any:
@@ -157,116 +165,17 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_current(args: argparse.Namespace) -> int:
-    reg = _registry(_config(args))
+    reg = open_existing_registry(read_config(args), upgrade=False)
     print(reg.current_revision() or "(empty database)")
     return 0
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
-    from daemon.registry import queries as q
-
-    config = _config(args)
-    reg = _registry(config, migrate=True)  # also works before the daemon ever ran
-    with reg.session() as s:
-        rows = q.history(s, limit=args.limit or None)
-    if args.json:
-        for r in rows:
-            print(json.dumps({k: _plain(v) for k, v in r.items()}))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"hotswap history ({len(rows)} newest)" if args.limit else "hotswap history")
-    for col in ("version", "status", "discovered", "verified", "deployed", "rolled back / superseded",
-                "worker updates", "bytes", "reason"):  # fmt: skip
-        t.add_column(col, overflow="fold", justify="right" if col == "bytes" else "left")
-    for r in rows:
-        ended = (
-            f"rolled back {_ts(r['rolled_back_at'])}" if r.get("rolled_back_at")
-            else f"superseded {_ts(r['superseded_at'])}" if r.get("superseded_at") else ""
-        )  # fmt: skip
-        t.add_row(
-            r["version"],
-            _status_style(r["status"]),
-            _ts(r["discovered_at"]),
-            _ts(r["verified_at"]),
-            _ts(r["deployed_at"]),
-            ended,
-            r.get("worker_update_ms") or "",
-            _bytes(r["total_bytes"]),
-            r["status_message"] or "",
-        )
-    Console().print(t)
-    return 0
+    return history_cmd(args)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from daemon.api import ApiState, status_document
-    from daemon.metrics import DaemonMetrics
-
-    config = _config(args)
-    reg = _registry(config, migrate=True)
-    doc = status_document(ApiState(reg, DaemonMetrics()))
-    runtime = read_runtime_file(config)
-    doc["daemon"] = {"running": _daemon_alive(runtime), **(runtime or {})}
-    if args.json:
-        print(json.dumps(doc, default=_plain))
-        return 0
-    from rich.console import Console
-
-    c = Console()
-    dd = doc["daemon"]
-    state = f"running (pid {dd.get('pid')}, {dd.get('api_url')})" if dd["running"] else "not running"
-    c.print(f"daemon:      {state}")
-    c.print(f"database:    {doc['daemon'].get('database') or config.database_url}")
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(doc["checkpoints"].items())) or "none"
-    c.print(f"checkpoints: {counts}")
-    if doc["latest"]:
-        newest = doc["latest"][0]
-        c.print(f"newest:      {newest['version']} ({newest['status']})")
-    for w in doc["workers"]:
-        c.print(f"worker:      {w['worker']} {w['state']} {w['weight_version'] or '-'}")
-    return 0
-
-
-def _daemon_alive(runtime: dict[str, Any] | None) -> bool:
-    if not runtime or not runtime.get("pid"):
-        return False
-    try:
-        os.kill(int(runtime["pid"]), 0)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _plain(v: Any) -> Any:
-    return v.isoformat() if isinstance(v, datetime) else v
-
-
-def _ts(v: datetime | None) -> str:
-    return v.strftime("%Y-%m-%d %H:%M:%S") if v else ""
-
-
-def _bytes(n: int | None) -> str:
-    if not n:
-        return ""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return str(n)
-
-
-def _status_style(status: str) -> str:
-    color = {
-        "verified": "green",
-        "deployed": "bold green",
-        "rejected": "red",
-        "deferred": "yellow",
-        "duplicate": "dim",
-        "superseded": "dim",
-    }.get(status)
-    return f"[{color}]{status}[/{color}]" if color else status
+    return status_cmd(args)
 
 
 # -- hotswap publish ---------------------------------------------------------------------------
@@ -325,14 +234,6 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
 
 class NotRunning(RuntimeError):
     pass
-
-
-def read_runtime_file(config: Config) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(config.runtime_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
 
 
 def _daemon_url(config_path: str | None) -> str:

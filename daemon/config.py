@@ -52,6 +52,7 @@ class DaemonConfig:
     listen: str = "127.0.0.1:8780"  # daemon HTTP API (status, metrics, health); "" turns it off
     watchdog_interval_s: float = 0.0  # 0 = use systemd's WATCHDOG_USEC when set
     retention_interval_s: float = 300.0  # how often sources may prune directories they created
+    keep_workers_on_stop: bool = True  # managed workers keep serving while the daemon restarts (adopted at start)
 
     def validate(self, key: str) -> None:
         if self.retention_interval_s <= 0:

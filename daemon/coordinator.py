@@ -72,6 +72,8 @@ class Coordinator:
         # importing transformers from two threads at once can fail, so the checks never
         # race a background import.
         self.warmup: Callable[[], None] | None = None
+        self._heartbeat: Callable[[], object] | None = None  # systemd's watchdog ping
+        self._heartbeat_s = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -90,6 +92,10 @@ class Coordinator:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def set_heartbeat(self, beat: Callable[[], object], interval_s: float) -> None:
+        """Call `beat` from this loop at least every `interval_s` while it is not stuck in a step."""
+        self._heartbeat, self._heartbeat_s = beat, interval_s
+
     def idle(self) -> bool:
         """Nothing queued and nothing being verified (for tests and benchmarks)."""
         return self._queue.unfinished_tasks == 0
@@ -104,7 +110,12 @@ class Coordinator:
             except Exception:
                 log.exception("warm-up failed")
         while True:
-            checkpoint_id = self._queue.get()
+            if self._heartbeat is not None:
+                self._heartbeat()
+            try:
+                checkpoint_id = self._queue.get(timeout=self._heartbeat_s or None)
+            except queue.Empty:
+                continue
             try:
                 if checkpoint_id is None or self._stopping.is_set():
                     return

@@ -133,7 +133,8 @@ class Journal:
                     Checkpoint.deployed_at.is_not(None),
                     Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
                 )
-                .order_by(Checkpoint.deployed_at.desc(), Checkpoint.id.desc())
+                .order_by(func.coalesce(Checkpoint.last_deployed_at, Checkpoint.deployed_at).desc(),
+                          Checkpoint.id.desc())
                 .limit(1)
             ).one_or_none()
             return _ref(c) if c else None

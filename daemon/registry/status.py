@@ -97,8 +97,10 @@ def move(
     now = utcnow()
     if to is C.VERIFIED:
         ckpt.verified_at = now
-    elif to is C.DEPLOYED:
-        ckpt.deployed_at = now
+    elif to is C.DEPLOYED:  # deployed_at stays the first deploy's; a rollback or pin records its own time
+        if ckpt.deployed_at is None:
+            ckpt.deployed_at = now
+        ckpt.last_deployed_at = now
     _event(s, ckpt, previous.value, to.value, duration_ms, detail or ({"message": message} if message else None))
 
 

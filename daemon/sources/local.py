@@ -48,6 +48,9 @@ class LocalSourceConfig:
     marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])
     rescan_interval_s: float = 10.0  # safety net for missed filesystem events
     create: bool = True  # create the folder if it does not exist
+    # with create = false: a folder missing at start stops the daemon (exit 2) instead of being
+    # waited for; either way a folder missing while the daemon runs makes /health answer 503
+    required: bool = False
 
     def validate(self, key: str) -> None:
         if not self.path:
@@ -67,6 +70,14 @@ class LocalSourceConfig:
     @property
     def label(self) -> str:
         return self.name or f"{self.type}:{self.path}"
+
+    def preflight_problem(self) -> str | None:
+        """Why the daemon must not start (daemon.preflight), or None."""
+        root = Path(self.path).expanduser().absolute()
+        if self.required and not self.create and not root.is_dir():
+            what = "is not a directory" if root.exists() else "does not exist"
+            return f"path: watched folder {root} {what} (create = false, required = true)"
+        return None
 
 
 class _Handler(FileSystemEventHandler):
@@ -105,6 +116,7 @@ class LocalSource:
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._missing_logged = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -150,6 +162,13 @@ class LocalSource:
 
     def describe(self) -> dict[str, Any]:
         return {"name": self.label, "path": str(self.root), "type": self.config.type}
+
+    def health_problem(self) -> str | None:
+        """Why this source cannot see new checkpoints right now (the daemon's /health), or None."""
+        if self.root.is_dir():
+            return None
+        what = "is not a directory" if self.root.exists() else "does not exist"
+        return f"source {self.label}: watched folder {self.root} {what}"
 
     def fetch(self, item: FetchItem, progress: Progress) -> Path:
         """Nothing to fetch: the checkpoint was registered with its directory in the folder."""
@@ -202,8 +221,16 @@ class LocalSource:
     def rescan(self) -> None:
         """The safety net: look at every directory not emitted yet."""
         if not self.root.is_dir():
-            log.warning("watched folder missing", source=self.label, path=str(self.root))
+            if not self._missing_logged:  # once, not every rescan: /health keeps saying it
+                log.warning("watched folder missing", source=self.label, path=str(self.root))
+                self._missing_logged = True
             return
+        if self._missing_logged:
+            log.info("watched folder is back", source=self.label, path=str(self.root))
+            self._missing_logged = False
+            if self._observer is not None:  # it watched the folder that went away: watch the new one
+                self._observer.stop()
+                self._observer = None
         self._start_observer()
         try:
             names = [p.name for p in self.root.iterdir() if p.is_dir()]

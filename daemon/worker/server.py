@@ -55,6 +55,7 @@ from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
 from daemon.worker.completions import Serving, install_serving_routes
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
+from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
 
 log = logging.getLogger("hotswap.worker")
@@ -81,6 +82,7 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
     app = FastAPI(title="hotswap worker", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     install_serving_routes(app, serving)
+    install_metrics(app, serving.metrics)
 
     def error(status: int, message: str, **extra: Any) -> JSONResponse:
         headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
