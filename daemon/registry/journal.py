@@ -139,6 +139,22 @@ class Journal:
             ).one_or_none()
             return _ref(c) if c else None
 
+    def good_versions(self, exclude_ids: Iterable[int] = (), limit: int = 10) -> list[CheckpointRef]:
+        """Versions that served (deployed or retired, not rejected since), most recently deployed first."""
+        with self.registry.session() as s:
+            rows = s.scalars(
+                select(Checkpoint)
+                .where(
+                    Checkpoint.id.not_in(list(exclude_ids)),
+                    Checkpoint.deployed_at.is_not(None),
+                    Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
+                )
+                .order_by(func.coalesce(Checkpoint.last_deployed_at, Checkpoint.deployed_at).desc(),
+                          Checkpoint.id.desc())
+                .limit(limit)
+            ).all()
+            return [_ref(c) for c in rows]
+
     def newer_in_verification(self, checkpoint_id: int) -> bool:
         """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""
         with self.registry.session() as s:

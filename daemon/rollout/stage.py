@@ -8,7 +8,9 @@ asks which transport it holds. A `Target` is a version plus the request that car
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
+from pathlib import Path
 
 from daemon.adapters.base import WeightInfo
 from daemon.registry.journal import CheckpointRef, Journal
@@ -44,6 +46,47 @@ class Target:
         return not (self.checkpoint.digest and info.digest and info.digest != self.checkpoint.digest)
 
 
+def registry_expect(journal: Journal, ckpt: CheckpointRef) -> Expect:
+    """What the registry verified for `ckpt`: content digest, tensor count, per-file digests."""
+    files = []
+    for path, size, crc, alg, digest in journal.verified_files(ckpt.id):
+        digests = {k: v for k, v in (("crc32c", crc), (alg or "", digest)) if k and v}
+        files.append(ExpectedFile(path, size, digests))
+    return Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=tuple(files))
+
+
+def launch_target(
+    journal: Journal, preferred: CheckpointRef | None, exclude: Iterable[int] = ()
+) -> CheckpointRef | None:
+    """The version to (re)launch or roll a worker back on: `preferred` when its files are all there,
+    else the newest version that served (not in `exclude`) whose files are; None when there is none."""
+    skip = set(exclude)
+    first = [preferred] if preferred is not None and preferred.id not in skip else []
+    candidates = first + journal.good_versions(exclude_ids=skip | {c.id for c in first})
+    for c in candidates:
+        if files_problem(c.local_path, registry_expect(journal, c)) is None:
+            return c
+    return None
+
+
+def files_problem(local_path: str | None, expect: Expect) -> str | None:
+    """Why a version cannot be sent to a worker: its directory or a verified file is gone, or a file
+    changed size since verify (a cheap stat; the bytes are checked by whoever reads them)."""
+    if not local_path:
+        return "no local copy to deploy from"
+    root = Path(local_path)
+    if not root.is_dir():
+        return f"its directory {local_path} is missing"
+    for f in expect.files:
+        try:
+            size = (root / f.path).stat().st_size
+        except OSError:
+            return f"its file {f.path} is missing"
+        if size != f.bytes:
+            return f"its file {f.path} has {size} bytes, {f.bytes} were verified"
+    return None
+
+
 class Stager:
     def __init__(
         self,
@@ -67,17 +110,14 @@ class Stager:
         loader check the bytes they read against them, whatever the path (rollout, rollback,
         restore, recovery)."""
         expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=self.expected_files(ckpt))
+        problem = files_problem(ckpt.local_path, expect)
+        if problem is not None:
+            raise StageError(f"{ckpt.version}: {problem}")
         prepared = self.sender.prepare(Outgoing(ckpt.version, ckpt.local_path, expect))
         return Target(ckpt, prepared.request, prepared.staged)
 
     def expected_files(self, ckpt: CheckpointRef) -> tuple[ExpectedFile, ...]:
-        if self.journal is None:
-            return ()
-        out = []
-        for path, size, crc, alg, digest in self.journal.verified_files(ckpt.id):
-            digests = {k: v for k, v in (("crc32c", crc), (alg or "", digest)) if k and v}
-            out.append(ExpectedFile(path, size, digests))
-        return tuple(out)
+        return registry_expect(self.journal, ckpt).files if self.journal is not None else ()
 
     def retain(self, versions: set[str]) -> None:
         """Free what no worker can need any more (everything but serving and last_good)."""
