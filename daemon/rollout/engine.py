@@ -153,17 +153,18 @@ class RolloutEngine:
         with ThreadPoolExecutor(max_workers=len(batch.workers), thread_name_prefix="rollout") as pool:
             return list(pool.map(one, batch.workers))
 
-    def fallback_target(self, fallback: CheckpointRef | None) -> Target | None:
-        """The request for `fallback`; when its files are gone (or changed size), the newest other
-        version that served and whose files are all present. None when there is none: workers then
-        keep (or restore by themselves) what they have instead of being moved onto missing files."""
+    def fallback_target(self, fallback: CheckpointRef | None, exclude: Collection[int] = ()) -> Target | None:
+        """The request for `fallback`; when it cannot be offered (its files are gone or changed
+        size), the newest other version that served and can be. None when there is none: workers
+        then keep (or restore by themselves) what they have instead of being moved onto missing files."""
         if fallback is None:
             return None
-        try:
-            return self.stager.target(fallback)
-        except StageError as exc:
-            log.error("fallback_unavailable", version=fallback.version, error=str(exc))
-        for other in self.journal.good_versions(exclude_ids=[fallback.id]):
+        if fallback.id not in exclude:
+            try:
+                return self.stager.target(fallback)
+            except StageError as exc:
+                log.error("fallback_unavailable", version=fallback.version, error=str(exc))
+        for other in self.journal.good_versions(exclude_ids=[fallback.id, *exclude]):
             try:
                 target = self.stager.target(other)
             except StageError as exc:

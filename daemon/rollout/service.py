@@ -386,7 +386,8 @@ class RolloutService:
             rid, outcome=RolloutOutcome.ROLLED_BACK, detail={"health_window": {**window, "ok": False, "reason": verdict.reason}}
         )
         # never back onto missing files: the newest earlier version whose files are all there
-        fallback = launch_target(self.journal, fallback, exclude=[ckpt.id]) if fallback is not None else None
+        usable = self.engine.fallback_target(fallback, exclude=[ckpt.id]) if fallback is not None else None
+        fallback = usable.checkpoint if usable is not None else None
         if fallback is None or fallback.id == ckpt.id:
             self.journal.note(ckpt.id, f"health window failed ({verdict.reason}) but no earlier version to roll back to")
             return {"health_window": "failed", "rolled_back": None}

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 
 from daemon.adapters.base import WeightInfo
 from daemon.registry.journal import CheckpointRef, Journal
@@ -24,6 +23,7 @@ from daemon.transport.base import (
     StageError,
     UpdateRequest,
 )
+from daemon.transport.check import files_problem
 
 __all__ = ["StageError", "Stager", "Target"]
 
@@ -69,24 +69,6 @@ def launch_target(
     return None
 
 
-def files_problem(local_path: str | None, expect: Expect) -> str | None:
-    """Why a version cannot be sent to a worker: its directory or a verified file is gone, or a file
-    changed size since verify (a cheap stat; the bytes are checked by whoever reads them)."""
-    if not local_path:
-        return "no local copy to deploy from"
-    root = Path(local_path)
-    if not root.is_dir():
-        return f"its directory {local_path} is missing"
-    for f in expect.files:
-        try:
-            size = (root / f.path).stat().st_size
-        except OSError:
-            return f"its file {f.path} is missing"
-        if size != f.bytes:
-            return f"its file {f.path} has {size} bytes, {f.bytes} were verified"
-    return None
-
-
 class Stager:
     def __init__(
         self,
@@ -110,9 +92,6 @@ class Stager:
         loader check the bytes they read against them, whatever the path (rollout, rollback,
         restore, recovery)."""
         expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=self.expected_files(ckpt))
-        problem = files_problem(ckpt.local_path, expect)
-        if problem is not None:
-            raise StageError(f"{ckpt.version}: {problem}")
         prepared = self.sender.prepare(Outgoing(ckpt.version, ckpt.local_path, expect))
         return Target(ckpt, prepared.request, prepared.staged)
 

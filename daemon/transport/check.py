@@ -239,6 +239,24 @@ def ensure_contained(directory: Path, files: Iterable[Path]) -> None:
             raise DigestMismatch(f"{_relative(directory, f)}: not a regular file; refused")
 
 
+def files_problem(local_path: str | None, expect: Expect) -> str | None:
+    """Why a version cannot be sent to a worker: its directory or a verified file is gone, or a file
+    changed size since verify (a cheap stat; the bytes are checked by whoever reads them)."""
+    if not local_path:
+        return "no local copy to deploy from"
+    root = Path(local_path)
+    if not root.is_dir():
+        return f"its directory {local_path} is missing"
+    for f in expect.files:
+        try:
+            size = (root / f.path).stat().st_size
+        except OSError:
+            return f"its file {f.path} is missing"
+        if size != f.bytes:
+            return f"its file {f.path} has {size} bytes, {f.bytes} were verified"
+    return None
+
+
 def _relative(directory: Path, file: Path) -> str:
     try:
         return file.relative_to(directory).as_posix()

@@ -46,7 +46,14 @@ from daemon.transport.base import (
     UpdateRequest,
     WorkerTransportFactory,
 )
-from daemon.transport.check import DigestMismatch, LoadCheck, ensure_contained, is_aborted, wants_check
+from daemon.transport.check import (
+    DigestMismatch,
+    LoadCheck,
+    ensure_contained,
+    files_problem,
+    is_aborted,
+    wants_check,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -66,8 +73,9 @@ class DiskSender:
         self.options = options
 
     def prepare(self, item: Outgoing) -> Prepared:
-        if not item.local_path:
-            raise StageError(f"{item.version}: no local copy to deploy from")
+        problem = files_problem(item.local_path, item.expect)  # never send workers to missing files
+        if problem is not None:
+            raise StageError(f"{item.version}: {problem}")
         return Prepared(UpdateRequest(item.version, "disk", {"path": item.local_path}, "copy", item.expect))
 
     def retain(self, versions: set[str]) -> None:
