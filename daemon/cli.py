@@ -24,12 +24,19 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 from daemon import __version__
-from daemon.cli_read import history_cmd, open_existing_registry, read_config, read_runtime_file, status_cmd
+from daemon.cli_read import (
+    history_cmd,
+    open_existing_registry,
+    read_config,
+    read_runtime_file,
+    safe,
+    status_cmd,
+)
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.publish_cmd import publish_main  # noqa: F401 - `hotswap publish` lives there
 from daemon.statelock import StateDirLocked
 
 # command -> "module:function" taking argv (list[str]) and returning an exit code
@@ -37,10 +44,12 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "worker": ("daemon.worker.server:main", "run the reference serving worker"),
     "loader": ("daemon.loader.server:main", "run the staging loader (CUDA IPC exporter)"),
     "verify": ("daemon.checks.cli:main", "run the checks on a checkpoint directory"),
-    "publish": ("daemon.cli:publish_main", "write hotswap-manifest.json for a checkpoint (last)"),
+    "publish": ("daemon.client.cli:publish_main", "write hotswap-manifest.json (last); --to s3://... uploads"),
+    "push": ("daemon.client.cli:push_main", "stream a checkpoint to a daemon's push source (--to https://...)"),
     "rollback": ("daemon.cli:rollback_main", "roll every worker back to the version before (or --to VERSION)"),
     "pin": ("daemon.cli:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
     "unpin": ("daemon.cli:unpin_main", "let new checkpoints deploy again"),
+    "reverify": ("daemon.reverify:main", "verify VERSION again from the start (e.g. after its files changed)"),
 }
 
 EXIT_OK = 0
@@ -178,55 +187,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return status_cmd(args)
 
 
-# -- hotswap publish ---------------------------------------------------------------------------
-
-
-def publish_main(argv: Sequence[str] | None = None) -> int:
-    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--hash blake3|sha256]
-    [--key-file F --key-id ID [--alg A]]`."""
-    from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS  # here: `hotswap` stays quick to start
-
-    ap = argparse.ArgumentParser(prog="hotswap publish", description="Write hotswap-manifest.json (last).")
-    ap.add_argument("directory", type=Path)
-    ap.add_argument("--version", help="version label (default: the directory name)")
-    ap.add_argument("--step", type=int)
-    ap.add_argument("--parent")
-    ap.add_argument(
-        "--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)"
-    )
-    ap.add_argument("--key-id")
-    ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
-    ap.add_argument(
-        "--hash",
-        choices=list(HASH_ALGORITHMS),
-        default=DEFAULT_HASH_ALG,
-        help=f"per-file strong hash (default {DEFAULT_HASH_ALG}: fastest, uses every core)",
-    )
-    ap.add_argument("--threads", type=int)
-    args = ap.parse_args(argv)
-    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
-    from daemon.manifest import ManifestError, publish
-
-    signer = None
-    if (args.key_file is None) != (args.key_id is None):
-        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
-        return 2
-    try:
-        if args.key_file is not None:
-            try:
-                signer = load_signer(args.alg, args.key_id, args.key_file)
-            except SignatureError as exc:
-                print(f"hotswap publish: {exc}", file=sys.stderr)
-                return 2
-        m = publish(
-            args.directory, args.version, args.step, args.parent, signer, hash_alg=args.hash, threads=args.threads
-        )
-    except (ManifestError, OSError) as exc:
-        print(f"hotswap publish: {exc}", file=sys.stderr)
-        return 1
-    signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
-    print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
-    return 0
+# -- hotswap publish: daemon.publish_cmd (re-exported: tests and scripts call it from here)
 
 
 # -- hotswap rollback / pin / unpin: through the running daemon ----------------------------------
@@ -236,8 +197,7 @@ class NotRunning(RuntimeError):
     pass
 
 
-def _daemon_url(config_path: str | None) -> str:
-    config = load_config(config_path)
+def _daemon_url(config: Config) -> str:
     runtime = read_runtime_file(config)
     where = str(config.runtime_file)
     if not runtime:
@@ -255,17 +215,31 @@ def _daemon_url(config_path: str | None) -> str:
 
 
 def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST to the running daemon with its control token (`<state_dir>/control.token`)."""
     import httpx
 
-    url = _daemon_url(config_path)
+    from daemon.apiconfig import client_tls
+    from daemon.auth import TokenFileError, control_token_path, read_token_file
+
+    config = load_config(config_path)
+    url = _daemon_url(config)
+    token_file = control_token_path(config.state_dir)
     try:
-        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30)
+        token = read_token_file(token_file)
+    except TokenFileError as exc:
+        raise NotRunning(f"cannot send the daemon's control token: {exc} (run as the daemon's user)") from None
+    try:
+        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30,
+                       headers={"Authorization": f"Bearer {token}"}, verify=client_tls(config.api, url))  # fmt: skip
     except httpx.TransportError as exc:
         raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
     try:
         doc: dict[str, Any] = r.json()
     except ValueError:
         doc = {"error": r.text[:500]}
+    if r.status_code in (401, 403):
+        raise RuntimeError(f"the daemon at {url} refused the request ({doc.get('error') or r.status_code}; "
+                           f"token from {token_file})")  # fmt: skip
     if r.status_code != 200:
         raise RuntimeError(doc.get("error") or f"HTTP {r.status_code}")
     return doc
@@ -291,7 +265,7 @@ def _control(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        print(_describe(doc))
+        print(safe(_describe(doc)))  # versions and reasons come from checkpoints
     return EXIT_OK if doc.get("outcome") in ("succeeded", "pinned", "unpinned") else EXIT_RUNTIME
 
 
@@ -318,8 +292,9 @@ def rollback_main(argv: Sequence[str] | None = None) -> int:
 def pin_main(argv: Sequence[str] | None = None) -> int:
     p = _control_parser("pin", "Deploy VERSION and keep it: new checkpoints wait until `hotswap unpin`.")
     p.add_argument("version", metavar="VERSION")
+    p.add_argument("--force", action="store_true", help="pin even a version that was rejected")
     args = p.parse_args(argv)
-    return _control(args, "/v1/rollout/pin", {"version": args.version})
+    return _control(args, "/v1/rollout/pin", {"version": args.version, "force": args.force})
 
 
 def unpin_main(argv: Sequence[str] | None = None) -> int:

@@ -23,6 +23,7 @@ from typing import Any
 
 from sqlalchemy.engine import make_url
 
+from daemon.apiconfig import client_tls
 from daemon.config import Config, ConfigError, load_config
 
 API_TIMEOUT_S = 5.0
@@ -228,7 +229,7 @@ def status_cmd(args: argparse.Namespace) -> int:
     running = daemon_alive(runtime)
     health: dict[str, Any] | None = None
     if running and runtime and runtime.get("api_url"):
-        live, health = _ask_daemon(str(runtime["api_url"]))
+        live, health = _ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
         if live is not None:
             doc = live
     doc["daemon"] = {**doc.get("daemon", {}), "running": running, **(runtime or {})}
@@ -241,12 +242,12 @@ def status_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def _ask_daemon(url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+def _ask_daemon(url: str, verify: Any = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
     import httpx
 
     try:
-        live = httpx.get(f"{url}/status", timeout=API_TIMEOUT_S).json()
-        r = httpx.get(f"{url}/health", timeout=API_TIMEOUT_S)
+        live = httpx.get(f"{url}/status", timeout=API_TIMEOUT_S, verify=verify).json()
+        r = httpx.get(f"{url}/health", timeout=API_TIMEOUT_S, verify=verify)
         health = {"ok": r.status_code == 200, **r.json()}
     except (httpx.HTTPError, ValueError) as exc:
         return None, {"ok": False, "error": f"the daemon's API at {url} does not answer ({exc})"}

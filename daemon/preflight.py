@@ -5,8 +5,9 @@ so a daemon that cannot work fails in a fraction of a second instead of after it
 
 * the API port (`[daemon] listen`) is free: bound once here and released;
 * every file the daemon will read a secret from exists and is usable: an external worker's
-  `token_file`, the loader's `token_file` (transport "ipc"), and the manifest check keys
-  (`[checks] hmac_keys` / `ed25519_keys`, parsed as the signature check would);
+  `token_file` and `admin_token_file`, the loader's `token_file` (transport "ipc"), every
+  `*_file` key of a `[[sources]]` table (push: token, TLS certificate/key/CA), and the manifest
+  check keys (`[checks] hmac_keys` / `ed25519_keys`, parsed as the signature check would);
 * sources that must exist at start (`[[sources]] required = true`) do.
 
 Problems found while running (a watched folder removed later) are health problems instead:
@@ -15,6 +16,7 @@ Problems found while running (a watched folder removed later) are health problem
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import socket
 from collections.abc import Callable
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from daemon.auth import TokenFileError, read_token_file
 from daemon.checks.signatures import SignatureError, read_ed25519_public, read_hmac_key
-from daemon.config import Config, ConfigError
+from daemon.config import Config, ConfigError, parse_listen
 
 
 def preflight(config: Config) -> None:
@@ -32,6 +34,8 @@ def preflight(config: Config) -> None:
     for spec in config.workers:
         if spec.launch == "external" and spec.token_file:
             _token(Path(spec.token_file).expanduser(), f"{where}: [[workers]] {spec.name}: token_file")
+        if spec.admin_token_file:
+            _token(Path(spec.admin_token_file).expanduser(), f"{where}: [[workers]] {spec.name}: admin_token_file")
     if config.loader is not None and config.loader.token_file and config.rollout.transport == "ipc":
         _token(Path(config.loader.token_file).expanduser(), f"{where}: [loader].token_file")
     for key_id, path in config.checks.hmac_keys.items():
@@ -39,6 +43,7 @@ def preflight(config: Config) -> None:
     for key_id, path in config.checks.ed25519_keys.items():
         _key(read_ed25519_public, Path(path).expanduser(), f"{where}: [checks].ed25519_keys.{key_id}")
     for i, source in enumerate(config.sources):
+        _source_files(source, f"{where}: [sources][{i}]")
         check = getattr(source, "preflight_problem", None)
         problem = check() if callable(check) else None
         if problem:
@@ -47,24 +52,60 @@ def preflight(config: Config) -> None:
 
 def check_port(config: Config, where: str) -> None:
     listen = config.daemon.listen_host_port
-    if listen is None or listen[1] == 0:
+    if listen is not None:
+        _bind(listen, f"{where}: [daemon].listen", config.daemon.listen)
+
+
+def _bind(host_port: tuple[str, int], key: str, listen: str) -> None:
+    host, port = host_port
+    if port == 0:
         return
-    host, port = listen
     sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
     try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the API server binds it
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind it
         sock.bind((host, port))
     except OSError as exc:
-        raise ConfigError(port_error(where, config.daemon.listen, exc)) from None
+        raise ConfigError(_port_message(key, listen, exc)) from None
     finally:
         sock.close()
 
 
 def port_error(where: str, listen: str, exc: OSError) -> str:
+    return _port_message(f"{where}: [daemon].listen", listen, exc)
+
+
+def _port_message(key: str, listen: str, exc: OSError) -> str:
     if exc.errno == errno.EADDRINUSE:
-        return (f"{where}: [daemon].listen: {listen} is already in use (another hotswap daemon? "
-                "choose another port or stop it)")  # fmt: skip
-    return f"{where}: [daemon].listen: cannot listen on {listen}: {exc.strerror or exc}"
+        return f"{key}: {listen} is already in use (another hotswap daemon? choose another port or stop it)"
+    return f"{key}: cannot listen on {listen}: {exc.strerror or exc}"
+
+
+def _source_files(source: object, key: str) -> None:
+    """Every `*_file` key of a source's table (push: token_file, tls_cert_file, ...): a token file
+    must hold a token, any other file must be a readable file."""
+    if not dataclasses.is_dataclass(source):
+        return
+    for f in dataclasses.fields(source):
+        value = getattr(source, f.name)
+        if f.name in ("hmac_keys", "ed25519_keys") and isinstance(value, dict):
+            read = read_hmac_key if f.name == "hmac_keys" else read_ed25519_public
+            for key_id, key_path in value.items():
+                _key(read, Path(key_path).expanduser(), f"{key}.{f.name}.{key_id}")
+            continue
+        if f.name == "listen" and isinstance(value, str) and value:
+            _bind(parse_listen(value, f"{key}.listen"), f"{key}.listen", value)
+            continue
+        if not f.name.endswith("_file") or not isinstance(value, str) or not value:
+            continue
+        path = Path(value).expanduser()
+        if f.name.endswith("token_file"):
+            _token(path, f"{key}.{f.name}")
+            continue
+        try:
+            with path.open("rb") as fh:
+                fh.read(1)
+        except OSError as exc:
+            raise ConfigError(f"{key}.{f.name}: {path}: {exc.strerror or exc}") from None
 
 
 def _token(path: Path, key: str) -> None:

@@ -34,14 +34,17 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import select
 
-from daemon import systemd
+from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
+from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.broadcast_api import broadcast_router
 from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
 from daemon.preflight import port_error, preflight
+from daemon.readiness import readiness_router
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -82,6 +85,7 @@ class Daemon:
     sources: list[Source]
     rollout: RolloutService | None
     api: ApiServer | None = None
+    guard: ControlGuard | None = None  # the control token check (start() makes it): for every state-changing route
     stop_event: threading.Event = field(default_factory=threading.Event)
     reload_event: threading.Event = field(default_factory=threading.Event)  # SIGHUP
     api_state: ApiState | None = None
@@ -99,6 +103,10 @@ class Daemon:
             self.state_lock = StateDirLock(cfg.state_dir)
             self.state_lock.acquire()
         self._started("state lock", self.state_lock.release)
+        try:
+            self.guard = ControlGuard(ensure_control_token(cfg.state_dir), hosts=cfg.api.allowed_hosts)
+        except TokenFileError as exc:
+            raise ConfigError(f"daemon.state_dir: {exc}") from None
         log.info("starting", config=cfg.source_file, database=redact_url(cfg.database_url), pid=os.getpid())
         self.registry.upgrade()
         self._started("registry", self.registry.close)
@@ -128,7 +136,7 @@ class Daemon:
         listen = cfg.daemon.listen_host_port
         if listen is not None:
             try:
-                self.api = ApiServer(self._app(), *listen)
+                self.api = ApiServer(self._app(), *listen, cfg.api.tls_certfile, cfg.api.tls_keyfile)
             except OSError as exc:  # taken since the preflight looked
                 raise ConfigError(port_error(cfg.source_file, cfg.daemon.listen, exc)) from None
             self.api.start()
@@ -163,12 +171,17 @@ class Daemon:
                                max_instances=1, coalesce=True)  # fmt: skip
 
     def _app(self) -> Any:
+        assert self.guard is not None  # start() made it
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
-                         queue_depth=self.coordinator.queue_depth, problems=self.health_problems)  # fmt: skip
+                         queue_depth=self.coordinator.queue_depth, problems=self.health_problems,
+                         guard=self.guard)  # fmt: skip
         self.api_state = state
         app = create_app(state)
+        app.include_router(reverify.router(self.coordinator, self.guard))
         if self.rollout is not None:
-            app.include_router(rollout_router(self.rollout))
+            app.include_router(rollout_router(self.rollout, self.guard))
+            app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard))  # trainer broadcast
+            app.include_router(readiness_router(self.rollout))  # GET /v1/workers/{name}/ready
         return app
 
     def reload(self) -> ReloadResult:

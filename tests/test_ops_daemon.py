@@ -104,7 +104,7 @@ def test_sd_notify_ready_status_watchdog_stopping_in_order(
     sqlite_url: str, notify: NotifySocket, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
     d = daemon_factory(sqlite_url, env={"NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000"})
-    wait_until(lambda: len(notify.watchdog_times()) >= 3, 30, what="three watchdog pings")
+    wait_until(lambda: len(notify.watchdog_times()) >= 3, 120, what="three watchdog pings")
     assert d.stop() == 0
     wait_until(lambda: "STOPPING" in notify.kinds(), 10, what="STOPPING")
     kinds = notify.kinds()
@@ -119,7 +119,7 @@ def test_a_blocked_coordinator_loop_stops_the_watchdog_pings(
     # the hooked daemon sleeps 8 s on the coordinator's thread once a checkpoint is `verifying`
     d = daemon_factory(sqlite_url, hooked=True, env={
         "NOTIFY_SOCKET": str(notify.path), "WATCHDOG_USEC": "1000000", "HOTSWAP_TEST_VERIFY_DELAY_S": "8"})  # fmt: skip
-    wait_until(lambda: len(notify.watchdog_times()) >= 2, 30, what="pings while idle")
+    wait_until(lambda: len(notify.watchdog_times()) >= 3, 120, what="pings while idle")
     d.watch_dir.mkdir(parents=True, exist_ok=True)
     publish_into(d.watch_dir, "v1", seed=1)
     d.wait_status("v1", "verifying", timeout=60)

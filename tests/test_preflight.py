@@ -121,3 +121,36 @@ def test_source_folder_missing_at_runtime_is_unhealthy_until_back(db_url, daemon
     publish_tiny(watch / "back-1", seed=3, version="back-1")
     d.wait_status("back-1", "verified")
     assert httpx.get(d.api_url + "/status", timeout=10).json()["daemon"]["problems"] == []
+
+
+def test_push_source_files_and_port_are_checked_at_start(tmp_path: Path, busy_port: int) -> None:
+    token = tmp_path / "push.token"
+    token.write_text("s3cret\n")
+    key = tmp_path / "push.key"
+    key.write_bytes(b"k" * 32)
+    base = {"type": "push", "path": str(tmp_path / "pushed"), "token_file": str(token), "listen": "127.0.0.1:0",
+            "hmac_keys": {"t": str(key)}}  # fmt: skip
+
+    def fails_with(**changes: object) -> str:
+        cfg = make_config_file(
+            tmp_path / "c.toml",
+            daemon={"state_dir": str(tmp_path / "state"), "listen": "127.0.0.1:0"},
+            sources=[{**base, **changes}],
+        )
+        return _start_fails(tmp_path, cfg)
+
+    line = fails_with(token_file=str(tmp_path / "gone.token"))
+    assert "[sources][0].token_file" in line and "gone.token" in line and "does not exist" in line
+    line = fails_with(listen=f"127.0.0.1:{busy_port}")
+    assert "[sources][0].listen" in line and f"127.0.0.1:{busy_port} is already in use" in line
+    line = fails_with(tls_cert_file=str(tmp_path / "no.crt"), tls_key_file=str(tmp_path / "no.key"))
+    assert "[sources][0].tls_cert_file" in line and "no.crt" in line
+    line = fails_with(hmac_keys={"t": str(tmp_path / "lost.key")})
+    assert "[sources][0].hmac_keys.t" in line and "lost.key" in line
+
+
+def test_engine_worker_admin_token_file_is_checked_at_start(tmp_path: Path) -> None:
+    token = tmp_path / "admin.token"
+    worker = {"name": "sg", "kind": "sglang", "url": "http://127.0.0.1:9", "admin_token_file": str(token)}
+    line = _start_fails(tmp_path, _config(tmp_path, workers=[worker]))
+    assert "[[workers]] sg: admin_token_file" in line and str(token) in line and "does not exist" in line

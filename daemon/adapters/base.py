@@ -21,7 +21,7 @@ from daemon.transport.base import UpdateMode, UpdateRequest
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 
-__all__ = ["Capabilities", "PauseMode", "Timeouts", "UpdateMode", "UpdateRefused", "UpdateRequest", "UpdateResult",
+__all__ = ["Capabilities", "NonFiniteOutput", "PauseMode", "Timeouts", "UpdateMode", "UpdateRefused", "UpdateRequest", "UpdateResult",
            "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "read_token"]  # fmt: skip
 
 
@@ -31,6 +31,10 @@ class WorkerError(RuntimeError):
 
 class WorkerUnreachable(WorkerError):
     """No answer from the worker at all: connection refused, reset or timed out."""
+
+
+class NonFiniteOutput(WorkerError):
+    """The worker answered, and its logits were not finite: a fault of the weights it serves."""
 
 
 class UpdateRefused(WorkerError):

@@ -50,6 +50,7 @@ from starlette.concurrency import run_in_threadpool
 
 from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
 from daemon.formats.safetensors import HeaderError
+from daemon.jsonbody import JsonBodyError, parse_object
 from daemon.transport.base import TableMismatch, TransportError, check_table
 from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
@@ -57,6 +58,7 @@ from daemon.worker.completions import Serving, install_serving_routes
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
 from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
+from daemon.worker.weight_group import weight_group_route
 
 log = logging.getLogger("hotswap.worker")
 
@@ -98,18 +100,10 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
         return None
 
     async def body_of(request: Request) -> dict[str, Any]:
-        raw = await request.body()
-        if not raw.strip():
-            return {}
-        try:
-            import json
-
-            doc = json.loads(raw)
-        except ValueError:
-            raise _BadBody("body is not valid JSON") from None
-        if not isinstance(doc, dict):
-            raise _BadBody("body must be a JSON object")
-        return doc
+        try:  # malformed, too deep (RecursionError inside json) or not an object: 400, never 500
+            return parse_object(await request.body())
+        except JsonBodyError as exc:
+            raise _BadBody(str(exc)) from None
 
     def admin(fn: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:
         async def route(request: Request) -> Response:
@@ -172,6 +166,7 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
     for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
                      ("rollback", rollback), ("probe", probe)):
         app.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
+    app.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
     return BodyLimit(app, serving.limits.max_body_bytes)
 
 

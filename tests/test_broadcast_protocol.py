@@ -1,0 +1,96 @@
+"""The broadcast transport's pure parts: table parsing, the bucket cut, group parameters, the
+finite check on raw bits, and the daemon route's guard (the real-process tests are in
+test_broadcast.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from fastapi import FastAPI
+from fastapi.testclient import TestClient
+
+from daemon.auth import ControlGuard, ensure_control_token
+from daemon.broadcast_api import broadcast_router
+from daemon.transport.base import BadUpdateRequest
+from daemon.transport.broadcast import GroupSpec, buckets, parse_table, total_bytes
+from daemon.transport.broadcast_worker import _finite
+
+
+def test_the_bucket_cut_covers_every_byte_once_in_table_order() -> None:
+    table = parse_table([{"name": "a", "dtype": "F32", "shape": [3, 5]}, {"name": "b", "dtype": "BF16", "shape": [7]},
+                         {"name": "c", "dtype": "U8", "shape": [0]}, {"name": "d", "dtype": "F16", "shape": [40]}])  # fmt: skip
+    for size in (1, 7, 16, 60, 1000):
+        seen: dict[str, list[tuple[int, int]]] = {}
+        for used, pieces in buckets(table, size):
+            assert 0 < used <= size
+            assert sum(p.size for p in pieces) == used
+            assert [p.offset for p in pieces] == [sum(q.size for q in pieces[:i]) for i in range(len(pieces))]
+            for p in pieces:
+                seen.setdefault(p.name, []).append((p.start, p.size))
+        assert list(seen) == ["a", "b", "d"]
+        for name, parts in seen.items():
+            assert parts[0][0] == 0 and all(s0 + n0 == s1 for (s0, n0), (s1, _) in zip(parts, parts[1:], strict=False))
+            assert sum(n for _, n in parts) == table[name].nbytes
+    assert total_bytes(table) == 60 + 14 + 0 + 80
+
+
+@pytest.mark.parametrize(
+    ("doc", "says"),
+    [
+        (None, "non-empty list"),
+        ([], "non-empty list"),
+        (["x"], r"table\[0\] must be an object"),
+        ([{"name": "", "dtype": "F32", "shape": [1]}], "name"),
+        ([{"name": "a", "dtype": "F33", "shape": [1]}], "unknown dtype"),
+        ([{"name": "a", "dtype": "F32", "shape": [-1]}], "non-negative"),
+        ([{"name": "a", "dtype": "F32", "shape": [True]}], "non-negative"),
+        ([{"name": "a", "dtype": "F32", "shape": [1]}, {"name": "a", "dtype": "F32", "shape": [1]}], "twice"),
+    ],
+)
+def test_a_bad_table_is_one_clear_error(doc: Any, says: str) -> None:
+    with pytest.raises(BadUpdateRequest, match=says):
+        parse_table(doc)
+
+
+def test_group_parameters_are_checked() -> None:
+    good = {"master_address": "127.0.0.1", "master_port": 29500, "rank_offset": 1, "world_size": 3,
+            "backend": "gloo", "group_name": "g", "timeout_s": 5}  # fmt: skip
+    assert GroupSpec.from_json(good).to_json() == {**good, "timeout_s": 5.0}
+    for key, bad, says in [("master_port", 0, "master_port"), ("rank_offset", 0, "rank 0 is the trainer"),
+                           ("rank_offset", 3, "rank_offset"), ("world_size", 1, "world_size"),
+                           ("backend", "mpi", "backend"), ("timeout_s", 0, "timeout_s"),
+                           ("group_name", "", "group_name"), ("master_address", 5, "master_address")]:  # fmt: skip
+        with pytest.raises(BadUpdateRequest, match=says):
+            GroupSpec.from_json({**good, key: bad})
+
+
+@pytest.mark.parametrize(
+    ("dtype", "st"),
+    [(torch.bfloat16, "BF16"), (torch.float16, "F16"), (torch.float32, "F32"), (torch.float64, "F64"),
+     (torch.float8_e5m2, "F8_E5M2"), (torch.float8_e4m3fn, "F8_E4M3")],
+)  # fmt: skip
+def test_the_finite_check_finds_every_nan_and_inf(dtype: torch.dtype, st: str) -> None:
+    x = (torch.randn(257) * 3).to(dtype)
+    assert _finite(x, st)
+    specials = [float("nan")] + ([] if st == "F8_E4M3" else [float("inf"), float("-inf")])
+    for v in specials:
+        y = torch.randn(257)
+        y[200] = v
+        assert not _finite(y.to(dtype), st), (st, v)
+    assert _finite(torch.tensor([5, -1], dtype=torch.int64), "I64")
+
+
+def test_the_daemon_route_needs_the_control_token(tmp_path: Path) -> None:
+    app = FastAPI()
+    token = ensure_control_token(tmp_path)
+    app.include_router(broadcast_router(object(), tmp_path, ControlGuard(token)))  # type: ignore[arg-type]
+    c = TestClient(app, base_url="http://127.0.0.1")
+    assert c.post("/v1/broadcast", json={}).status_code == 401
+    assert c.post("/v1/broadcast", json={}, headers={"Authorization": "Bearer wrong"}).status_code == 401
+    assert c.get("/v1/broadcast/x", headers={"Authorization": f"Bearer {token}", "Origin": "http://evil"}).status_code == 403
+    assert c.get("/v1/broadcast/x", headers={"Authorization": f"Bearer {token}"}).status_code == 404
+    r = c.post("/v1/broadcast", content=b"{not json", headers={"Authorization": f"Bearer {token}"})
+    assert r.status_code in (400, 422) and "JSON" in r.json()["error"]
