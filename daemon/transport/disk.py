@@ -16,6 +16,13 @@ Two paths, picked per parameter device:
   to the GPU runs on the reader's own side stream; a CUDA event tells when a buffer is free again.
 * CPU (plain path): `os.preadv` straight into the parameter's memory (a memoryview of it).
 
+Check while loading: with `expect.files` (the registry's verified per-file digests, which the
+daemon sends with every update) every byte read is fed, in the reader thread that read it, to the
+file's hash (`daemon.transport.check`: each file hashed in file order, header included, files in
+parallel); a file that does not match is a TransportError after the write, nothing is committed
+and the worker restores the previous weights. Weight files that leave the directory (symlinks to
+/etc/shadow) are refused before a byte of them is read.
+
 Errors name the file, the tensor and the offset. A failure part way through leaves the
 parameters partly written: the caller (the worker) restores the previous weights.
 """

@@ -3,7 +3,13 @@
 The daemon side (`daemon.transport.ipc_stage`) stages the version in the loader and sends
 
     POST /admin/update {"version": version, "transport": "ipc", "descriptor": descriptor,
-                        "mode": "copy" | "swap", "expect": {"digest": digest, "tensors": n}}
+                        "mode": "copy" | "swap", "expect": {"digest": digest, "tensors": n, "files": [...]}}
+
+With `expect.files` (check while loading) the worker never takes the sender's descriptor on
+trust: it asks the loader named in it (which must run as this user or root, checked with
+SO_PEERCRED) for its own descriptor of the version, requires the loader's per-file digests,
+computed by the loader from the bytes it staged, to equal the registry's (`tie_to_loader`), and
+maps only segment files owned by that user and sealed read-only.
 
 `open_update(request, store)` builds an `IpcTransport`: it parses the descriptor strictly;
 `table()` reports the tensor table without mapping anything; `open()` acquires the version at

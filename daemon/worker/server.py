@@ -17,7 +17,7 @@ compared in constant time; without --token-file the admin routes answer 403):
                           requests_total, requests_failed, ...
     POST /admin/drain     {timeout_s}           POST /admin/pause {mode: keep|wait, timeout_s}
     POST /admin/resume                          POST /admin/rollback
-    POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors}}
+    POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors, files}}
     POST /admin/probe     {max_tokens}: one greedy generation even while paused (post-update check)
 
 Serving errors are OpenAI error objects {"error": {message, type, param, code}}: 400 invalid
