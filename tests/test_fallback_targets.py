@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
-from conftest import DaemonProcess
+from conftest import DaemonProcess, hotswap_cli
 from support_check import expect_of, flip_byte
 from support_rollout import (
     LoadGen,
@@ -87,6 +87,27 @@ def test_health_window_rollback_with_last_good_deleted_keeps_the_workers_serving
     for r in rollouts(d.registry):
         actions = [e["detail"].get("action") for e in worker_events(d.registry, r["id"])]
         assert "restart" not in actions, (r, actions)
+
+
+def test_rollback_to_a_version_changed_since_verify_is_refused_and_the_fleet_keeps_serving(
+    tmp_path: Path, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """Finding 2 through the daemon: `hotswap rollback --to v0` after a byte of v0 was flipped
+    (the daemon sends v0's verified per-file digests; every worker refuses the changed bytes)."""
+    d = start_fleet(daemon_factory, f"sqlite:///{tmp_path / 'r.db'}", pool, rollout=FAST, checks=FEW_CHECKS)
+    publish_into(d.watch_dir, "v1", seed=1)
+    d.wait_status("v1", "deployed", timeout=180)
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v1", 60, "v1's health window")
+    on_v1 = [w.info()["digest"] for w in pool.workers]
+    table, _ = tensor_table(d.watch_dir / "v0")
+    loc = table["lm_head.weight"]
+    flip_byte(loc.file, loc.entry.start + loc.entry.nbytes // 3)
+    out = hotswap_cli("rollback", "--to", "v0", "-c", str(d.config_path))
+    assert out.returncode != 0 or "failed" in out.stdout, out.stdout + out.stderr
+    assert_fleet_on(pool.workers, "v1")
+    assert [w.info()["digest"] for w in pool.workers] == on_v1
+    (r,) = [r for r in rollouts(d.registry) if r["version"] == "v0" and r["trigger"] == "rollback"]
+    assert r["outcome"] == "failed" and "does not match the verified" in str(r["detail"]), r
 
 
 @pytest.fixture
