@@ -42,14 +42,26 @@ from bench.common import (
     write_json,
 )
 from daemon.formats.checkpoint import weight_files
-from daemon.transport.base import check_table
+from daemon.hashing import HASH_ALGORITHMS, hash_files
+from daemon.transport.base import Expect, ExpectedFile, check_table
 from daemon.transport.disk import DiskTransport, PinnedPool
 
 
-def load_ours(directory: Path, params: dict[str, torch.Tensor], readers: int, chunk_mb: int) -> dict[str, Any]:
+def reference_expect(directory: Path, files: list[Path], alg: str) -> Expect:
+    """The per-file digests the verify stage would record (computed once, before any timing)."""
+    digests = hash_files(files, alg=alg)
+    return Expect(files=tuple(ExpectedFile(f.relative_to(directory).as_posix(), d.bytes,
+                                           {"crc32c": d.crc32c, alg: d.hash}) for f, d in zip(files, digests, strict=True)))  # fmt: skip
+
+
+def load_ours(
+    directory: Path, params: dict[str, torch.Tensor], readers: int, chunk_mb: int, expect: Expect | None = None
+) -> dict[str, Any]:
+    """One reload; with `expect`, check while loading (every byte hashed and compared)."""
     device = next(iter(params.values())).device
     t0 = time.perf_counter()
-    tr = DiskTransport(directory, readers=readers, chunk_bytes=chunk_mb << 20, staged=True)
+    tr = DiskTransport(directory, readers=readers, chunk_bytes=chunk_mb << 20, staged=True, expect=expect,
+                       check=expect is not None)  # fmt: skip
     check_table(tr.table(), params)
     tr.write_into(params)
     sync_device(device)
@@ -57,7 +69,7 @@ def load_ours(directory: Path, params: dict[str, torch.Tensor], readers: int, ch
     st = tr.last_stats
     assert st is not None
     return {"seconds": dt, "bytes": st.bytes, "chunks": st.chunks, "readers": st.readers,
-            "read_thread_s_max": st.extra.get("read_thread_s_max", 0.0)}
+            "read_thread_s_max": st.extra.get("read_thread_s_max", 0.0), "checked": tr.stats().get("checked_files", 0)}
 
 
 def load_safetensors(files: list[Path], params: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -148,6 +160,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--sweep", default="4x64,8x16,8x32,8x64,12x64,16x32,16x64",
                     help="warm readers x chunk-MiB configurations to try ('' to skip)")
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--check", choices=["off", "on", "both"], default="both",
+                    help="check while loading (hash every byte against the verified digests): off, on, or both")
+    ap.add_argument("--hash", choices=list(HASH_ALGORITHMS), default="blake3", help="digest algorithm for --check")
     ap.add_argument("--out", type=Path, default=Path(".bench-out/disk_reload.json"))
     ap.add_argument("--keep", action="store_true", help="keep the shards afterwards")
     args = ap.parse_args(argv)
@@ -189,7 +204,18 @@ def main(argv: list[str] | None = None) -> int:
         sweep.append({"readers": r, "chunk_mb": c, "seconds": best})
         rows.append([f"ours warm sweep {r} readers x {c} MiB", best, layout.total_bytes / best / 1e9])
     results["warm_sweep"] = sweep
-    ours_warm = [load_ours(args.dir, ours_p, args.readers, args.chunk_mb) for _ in range(args.repeats)]
+    modes = {"off": [False], "on": [True], "both": [False, True]}[args.check]
+    expect = None
+    if True in modes:
+        t = time.perf_counter()
+        expect = reference_expect(args.dir, files, args.hash)
+        results["reference_hash_s"] = time.perf_counter() - t
+        load_ours(args.dir, ours_p, args.readers, args.chunk_mb, expect)  # warm-up (BLAKE3 thread pool)
+    ours_warm = [load_ours(args.dir, ours_p, args.readers, args.chunk_mb) for _ in range(args.repeats)] if False in modes else []
+    checked_warm = [load_ours(args.dir, ours_p, args.readers, args.chunk_mb, expect)
+                    for _ in range(args.repeats)] if expect is not None else []  # fmt: skip
+    results["ours_warm_checked"] = checked_warm
+    results["check_alg"] = args.hash if expect is not None else None
     ref_warm = [load_safetensors(files, ref_p) for _ in range(max(1, min(2, args.repeats)))]
     results["ours_warm"] = ours_warm
     results["safetensors_warm"] = ref_warm
@@ -205,8 +231,12 @@ def main(argv: list[str] | None = None) -> int:
         method = drop_page_cache(files)
         cold["drop_method"] = method
         cold["cached_after_drop"] = cached_fraction(files)
-        cold["ours"] = load_ours(args.dir, ours_p, args.readers, args.chunk_mb)
-        drop_page_cache(files)
+        if ours_warm:
+            cold["ours"] = load_ours(args.dir, ours_p, args.readers, args.chunk_mb)
+            drop_page_cache(files)
+        if expect is not None:
+            cold["ours_checked"] = load_ours(args.dir, ours_p, args.readers, args.chunk_mb, expect)
+            drop_page_cache(files)
         cold["safetensors"] = load_safetensors(files, ref_p)
         for how in ("dd_direct_serial", "dd_direct_parallel", "buffered_parallel"):
             drop_page_cache(files)
@@ -216,19 +246,24 @@ def main(argv: list[str] | None = None) -> int:
                 cold[how] = {"error": str(exc)}
         raws = [v["gb_s"] for k, v in cold.items() if isinstance(v, dict) and "gb_s" in v]
         cold["raw_best_gb_s"] = max(raws) if raws else float("nan")
-        cold["ours_vs_raw"] = layout.total_bytes / cold["ours"]["seconds"] / 1e9 / cold["raw_best_gb_s"]
+        first = cold.get("ours") or cold["ours_checked"]
+        cold["ours_vs_raw"] = layout.total_bytes / first["seconds"] / 1e9 / cold["raw_best_gb_s"]
     results["cold"] = cold
 
     gb = layout.total_bytes / 1e9
-    best_ours = min(r["seconds"] for r in ours_warm)
     best_ref = min(r["seconds"] for r in ref_warm)
-    rows += [
-        [f"ours warm (best of {len(ours_warm)}, {args.readers} readers x {args.chunk_mb} MiB)",
-         best_ours, gb / best_ours],
-        ["safetensors safe_open + copy_ warm (best)", best_ref, gb / best_ref],
-    ]
+    if ours_warm:
+        best_ours = min(r["seconds"] for r in ours_warm)
+        rows.append([f"ours warm, check off (best of {len(ours_warm)}, {args.readers} readers x {args.chunk_mb} MiB)",
+                     best_ours, gb / best_ours])  # fmt: skip
+    if checked_warm:
+        best_chk = min(r["seconds"] for r in checked_warm)
+        rows.append([f"ours warm, check on ({args.hash}, best of {len(checked_warm)})", best_chk, gb / best_chk])
+        if ours_warm:
+            results["check_overhead"] = best_chk / best_ours - 1
+    rows.append(["safetensors safe_open + copy_ warm (best)", best_ref, gb / best_ref])
     if cold:
-        for key, label in (("ours", "ours cold"), ("safetensors", "safetensors safe_open + copy_ cold"),
+        for key, label in (("ours", "ours cold"), ("ours_checked", "ours cold, check on"), ("safetensors", "safetensors safe_open + copy_ cold"),
                            ("dd_direct_serial", "raw: dd O_DIRECT, one stream"),
                            ("dd_direct_parallel", "raw: dd O_DIRECT, one per shard"),
                            ("buffered_parallel", "raw: buffered read, one thread per shard")):
@@ -237,6 +272,9 @@ def main(argv: list[str] | None = None) -> int:
                 rows.append([label, v["seconds"], gb / v["seconds"]])
     print_table(f"disk reload, {layout.name}: {len(layout.tensors())} tensors, {gb:.2f} GB, device {device}",
                 ["what", "seconds", "GB/s"], rows)
+    if "check_overhead" in results:
+        print(f"\ncheck while loading costs {results['check_overhead'] * 100:+.1f} % on the warm reload "
+              f"(goal: within 10 %)")
     print(f"\npinned host->device: {results['pinned_h2d_gb_s']:.1f} GB/s; pinned pool "
           f"{PinnedPool.allocated_bytes() >> 20} MiB; outputs equal: {same}; data_ptrs kept: {kept}")
     if cold:

@@ -37,7 +37,9 @@ from typing import Any
 import torch
 
 from bench.common import LAYOUTS, alloc_params, machine_description, print_table, write_checkpoint, write_json
+from daemon.hashing import hash_files
 from daemon.loader.client import LoaderClient
+from daemon.transport.base import Expect, ExpectedFile
 
 GIB = 1 << 30
 
@@ -69,11 +71,12 @@ class BenchWorker:
         self.store = WeightStore(self.params, self.device, VersionRecord("empty", None, "none"))
         self._record = VersionRecord
 
-    def _open(self, descriptor: dict[str, Any]) -> Any:
-        from daemon.transport.base import UpdateRequest, check_table
+    def _open(self, descriptor: dict[str, Any], expect: dict[str, Any] | None = None) -> Any:
+        from daemon.transport.base import Expect, UpdateRequest, check_table
         from daemon.transport.ipc import open_update
 
-        request = UpdateRequest(str(descriptor.get("version", "bench")), "ipc", {"descriptor": descriptor})
+        request = UpdateRequest(str(descriptor.get("version", "bench")), "ipc", {"descriptor": descriptor},
+                                expect=Expect.from_json(expect))  # with files: the loader's digests are checked  # fmt: skip
         tr = open_update(request, self.store)
         tr.open()  # acquire + open: before the pause
         check_table(tr.table(), self.store.params)
@@ -81,9 +84,11 @@ class BenchWorker:
         _sync(self.device)
         return tr
 
-    def copy(self, descriptor: dict[str, Any], impl: str = "loop") -> dict[str, Any]:
+    def copy(self, descriptor: dict[str, Any], impl: str = "loop", expect: dict[str, Any] | None = None) -> dict[str, Any]:
         t0 = time.perf_counter()
-        tr = self._open(descriptor)
+        tr = self._open(descriptor, expect)
+        if expect and not tr.stats().get("checked_files"):
+            raise RuntimeError("check while loading asked for, not done")
         tr.cuda_copy = impl
         record = self._record(tr.version, tr.source_digest(), "ipc", mode="copy", request={"descriptor": descriptor})
         with self.store.lock:
@@ -303,6 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work", default="/tmp/hotswap-ipc-bench", help="checkpoints and sockets go here")
     ap.add_argument("--out", default=".bench-out/ipc")
     ap.add_argument("--no-anchors", action="store_true")
+    ap.add_argument("--check", choices=["off", "on", "both"], default="both",
+                    help="check while loading: the loader is given the verified digests to stage against, and "
+                         "the worker ties the loader's digests to them (on), or not (off), or both timed")
     args = ap.parse_args(argv)
     if args.role == "worker":
         return worker_main(args.layout, args.device)
@@ -329,8 +337,17 @@ def main(argv: list[str] | None = None) -> int:
     client = LoaderClient(sock)
     w: WorkerProc | None = None
     try:
-        staged = {v: client.stage(v, str(d)) for v, d in (("v1", v1), ("v2", v2))}
+        expects: dict[str, dict[str, Any]] = {}
+        if args.check != "off":
+            for v, d in (("v1", v1), ("v2", v2)):
+                files = sorted(d.glob("*.safetensors"))
+                ds = hash_files(files)
+                expects[v] = Expect(files=tuple(ExpectedFile(f.name, x.bytes, {"crc32c": x.crc32c, "blake3": x.hash})
+                                                for f, x in zip(files, ds, strict=True))).to_json()  # fmt: skip
+        # the loader hashes everything it stages either way; with the reference it also compares
+        staged = {v: client.stage(v, str(d), files=expects.get(v, {}).get("files")) for v, d in (("v1", v1), ("v2", v2))}
         result["stage_s"] = {v: s.seconds for v, s in staged.items()}
+        result["stage_checked"] = bool(expects)
         print(f"staged: {result['stage_s']}", flush=True)
         desc = {v: client.descriptor(v) for v in ("v1", "v2")}
         w = WorkerProc(layout.name, args.device)
@@ -347,7 +364,15 @@ def main(argv: list[str] | None = None) -> int:
             w("copy", descriptor=desc[v])
         mem: dict[str, Any] = {"baseline": {"worker": w("mem"), "loader_used": client.status()["used_bytes"]}}
 
-        copies = [w("copy", descriptor=desc["v2" if i % 2 == 0 else "v1"]) for i in range(args.updates)]
+        def version(i: int) -> str:
+            return "v2" if i % 2 == 0 else "v1"
+
+        copies = ([w("copy", descriptor=desc[version(i)]) for i in range(args.updates)]
+                  if args.check != "on" else [])  # fmt: skip
+        if expects:
+            checked = [w("copy", descriptor=desc[version(i)], expect=expects[version(i)]) for i in range(args.updates)]
+            result["copy_checked"] = {k: stats([c[k] for c in checked]) for k in ("pause_ms", "prepare_ms", "total_ms")}
+            copies = copies or checked
         last = "v2" if (args.updates - 1) % 2 == 0 else "v1"
         result["copy_verify"] = w("verify", directory=str(work / last), names=probe)
         mem["after_copies"] = {"worker": w("mem"), "loader_used": client.status()["used_bytes"]}
@@ -411,6 +436,15 @@ def report(r: dict[str, Any]) -> None:
         ["ipc swap: of which swap_in (ms)", s["handler_ms"]["median"], s["handler_ms"]["p90"], s["handler_ms"]["max"], ""],
         ["ipc swap: rollback flip (ms)", s["rollback_ms"]["median"], s["rollback_ms"]["p90"], s["rollback_ms"]["max"], "<= 1"],
     ]
+    if "copy_checked" in r:
+        k = r["copy_checked"]
+        rows += [
+            ["ipc copy, check on: pause window (ms)", k["pause_ms"]["median"], k["pause_ms"]["p90"], k["pause_ms"]["max"], "<= 12"],
+            ["ipc copy, check on: open before pause (ms)", k["prepare_ms"]["median"], k["prepare_ms"]["p90"],
+             k["prepare_ms"]["max"], ""],
+        ]  # fmt: skip
+    rows.append([f"stage in the loader, hashing{' + compare' if r.get('stage_checked') else ''} (s, v1)",
+                 r["stage_s"]["v1"], r["stage_s"]["v2"], "", ""])  # fmt: skip
     if "disk_reload_s" in r:
         d = r["disk_reload_s"]
         rows.append(["anchor: safetensors safe_open+copy_, warm (ms)", min(d) * 1e3, max(d) * 1e3, max(d) * 1e3, ""])

@@ -8,6 +8,9 @@ The promise checked throughout: after any failure every worker is RUNNING on one
 
 from __future__ import annotations
 
+import atexit
+import shutil
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,9 +49,16 @@ def reg(tmp_path: Path) -> Iterator[Registry]:
     r.close()
 
 
+# the checkpoints' directories exist (the disk sender refuses a version whose directory is gone)
+CKPT_ROOT = Path(tempfile.mkdtemp(prefix="hotswap-fake-ckpt-"))
+atexit.register(shutil.rmtree, CKPT_ROOT, True)
+
+
 def verified(reg: Registry, version: str, digest: str | None = None, step: int | None = None) -> CheckpointRef:
+    local = CKPT_ROOT / version
+    local.mkdir(exist_ok=True)
     with reg.session() as s:
-        c = status.create(s, version=version, source="t", uri=f"file:///ckpt/{version}", local_path=f"/ckpt/{version}",
+        c = status.create(s, version=version, source="t", uri=f"file://{local}", local_path=str(local),
                           commit_signal="manifest")  # fmt: skip
         assert c is not None
         c.digest, c.tensor_count, c.step = digest, 21, step

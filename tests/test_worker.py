@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from support_check import expect_of
 from support_worker import (
     WorkerProcess,
     start_worker,
@@ -115,7 +116,8 @@ def test_update_from_disk_matches_a_fresh_process(w: WorkerProcess, fresh_b: Wor
     assert w.get("/ready").status_code == 503
     manifest_digest = fresh_b.info()["digest"]
     res = w.admin("/admin/update", {"version": "step-200", "transport": "disk", "path": str(root / "ckpt-b"),
-                                    "mode": "copy", "expect": {"digest": manifest_digest, "tensors": 21}})
+                                    "mode": "copy", "expect": {"digest": manifest_digest, "tensors": 21,
+                                                               "files": expect_of(root / "ckpt-b").to_json()["files"]}})
     assert res["version"] == "step-200" and res["previous_version"] == "A" and res["digest_checked"] is True
     info = w.info()
     assert info["state"] == "UPDATED" and info["version"] == "step-200" and info["digest"] == manifest_digest

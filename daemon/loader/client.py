@@ -14,6 +14,7 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import struct
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,8 +41,17 @@ class StagedInfo:
 
 
 class LoaderClient:
-    def __init__(self, socket_path: str | os.PathLike[str], timeout: float = 30.0, stage_timeout: float = 1800.0):
+    def __init__(
+        self,
+        socket_path: str | os.PathLike[str],
+        timeout: float = 30.0,
+        stage_timeout: float = 1800.0,
+        peer_uids: frozenset[int] | None = None,
+    ):
+        """`peer_uids`: answers are taken only from a loader process running as one of these users
+        (checked with SO_PEERCRED on every connection); None trusts whoever listens."""
         self.socket_path = os.fspath(socket_path)
+        self.peer_uids = peer_uids
         self.timeout = timeout
         self.stage_timeout = stage_timeout
         self._ids = itertools.count(1)
@@ -58,6 +68,7 @@ class LoaderClient:
         try:
             try:
                 sock.connect(self.socket_path)
+                self._check_peer(sock)
                 sock.sendall(encode(request))
                 line = read_line(sock, bytearray(), MAX_RESPONSE_BYTES)
             except (FileNotFoundError, ConnectionError, TimeoutError, OSError) as exc:
@@ -76,8 +87,23 @@ class LoaderClient:
             raise ProtocolError(f"loader: {op} answer has no result object")
         return result
 
-    def stage(self, version: str, path: str | os.PathLike[str], digest: str | None = None) -> StagedInfo:
-        r = self.call("stage", self.stage_timeout, version=version, path=os.fspath(path), digest=digest)
+    def _check_peer(self, sock: socket.socket) -> None:
+        if self.peer_uids is None:
+            return
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _pid, uid, _gid = struct.unpack("3i", creds)
+        if uid not in self.peer_uids:
+            raise LoaderError(f"loader at {self.socket_path} runs as uid {uid}, not a trusted user; refused")
+
+    def stage(
+        self,
+        version: str,
+        path: str | os.PathLike[str],
+        digest: str | None = None,
+        files: list[dict[str, Any]] | None = None,
+    ) -> StagedInfo:
+        """`files`: the verified per-file digests ({path, bytes, digests}) the loader checks the bytes against."""
+        r = self.call("stage", self.stage_timeout, version=version, path=os.fspath(path), digest=digest, files=files)
         return StagedInfo(r["version"], r["bytes"], r["tensors"], list(r["devices"]), r["seconds"])
 
     def descriptor(self, version: str, device: str | None = None) -> dict[str, Any]:

@@ -40,7 +40,7 @@ log = logging.getLogger("hotswap.loader")
 
 # op -> {argument: (type, required)}
 _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
-    "stage": {"version": (str, True), "path": (str, True), "digest": (str, False)},
+    "stage": {"version": (str, True), "path": (str, True), "digest": (str, False), "files": (list, False)},
     "descriptor": {"version": (str, True), "device": (str, False)},
     "acquire": {"version": (str, True), "worker": (str, True), "pid": (int, False)},
     "release": {"version": (str, True), "worker": (str, True)},

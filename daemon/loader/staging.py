@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from daemon.formats.checkpoint import TensorLocation
+from daemon.transport.check import DigestMismatch, LoadCheck, is_aborted
 from daemon.transport.ipc_descriptor import TensorSlot
 
 if TYPE_CHECKING:
@@ -82,13 +83,62 @@ class _Files:
         self.fds.clear()
 
 
-def read_into_host(jobs: Sequence[ReadJob], dest: memoryview, threads: int = 8) -> None:
-    """Read every job straight into `dest` (a writable view of the shared segment)."""
+def interleave(jobs: Sequence[ReadJob]) -> list[ReadJob]:
+    """Jobs round-robin over files, each file's in file order: every file's hash advances at once."""
+    by_file: dict[Path, list[ReadJob]] = {}
+    for j in jobs:
+        by_file.setdefault(j.file, []).append(j)
+    lists = [sorted(v, key=lambda j: j.src) for v in by_file.values()]
+    out: list[ReadJob] = []
+    for i in range(max((len(v) for v in lists), default=0)):
+        out += [v[i] for v in lists if i < len(v)]
+    return out
+
+
+def check_ranges(jobs: Sequence[ReadJob]) -> dict[Path, list[tuple[int, int]]]:
+    ranges: dict[Path, list[tuple[int, int]]] = {}
+    for j in jobs:
+        ranges.setdefault(j.file, []).append((j.src, j.nbytes))
+    return ranges
+
+
+def _checked(check: LoadCheck | None, job: ReadJob, data: memoryview) -> None:
+    if check is None:
+        return
+    try:
+        check.feed(job.file, job.src, data)
+    except DigestMismatch as exc:
+        raise StagingError(f"check while staging: {exc}") from None
+
+
+def read_into_host(jobs: Sequence[ReadJob], dest: memoryview, threads: int = 8, check: LoadCheck | None = None) -> None:
+    """Read every job straight into `dest` (a writable view of the shared segment); with `check`,
+    hash each job's bytes as they landed, in file order."""
     files = _Files(jobs)
+    order = interleave(jobs) if check is not None else list(jobs)
+
+    def one(j: ReadJob) -> None:
+        try:
+            view = dest[j.dst : j.dst + j.nbytes]
+            files.read(j, view)
+            _checked(check, j, view)
+        except BaseException:
+            if check is not None:
+                check.abort()  # nobody may wait for this job's bytes any more
+            raise
+
     try:
         with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="stage-read") as pool:
-            for f in [pool.submit(files.read, j, dest[j.dst : j.dst + j.nbytes]) for j in jobs]:
-                f.result()
+            futures = [pool.submit(one, j) for j in order]
+            first: BaseException | None = None
+            for f in futures:
+                try:
+                    f.result()
+                except BaseException as exc:  # noqa: BLE001 - the first real one is raised below
+                    if first is None and not is_aborted(exc):
+                        first = exc
+            if first is not None:
+                raise first
     finally:
         files.close()
 
@@ -112,15 +162,18 @@ class PinnedPool:
         self._free.put(pair)
 
 
-def read_into_devices(jobs: Sequence[ReadJob], dests: Sequence[torch.Tensor], pool: PinnedPool) -> None:
-    """Read each job into pinned memory, then copy it to the same offset of every device buffer."""
+def read_into_devices(
+    jobs: Sequence[ReadJob], dests: Sequence[torch.Tensor], pool: PinnedPool, check: LoadCheck | None = None
+) -> None:
+    """Read each job into pinned memory, then copy it to the same offset of every device buffer
+    (with `check`, hashing the pinned buffer while the copies run)."""
     import torch
 
     if any(j.nbytes > pool.chunk for j in jobs):
         raise StagingError(f"read job larger than the pinned chunk ({pool.chunk} bytes)")
     files = _Files(jobs)
     todo: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
-    for j in jobs:
+    for j in interleave(jobs) if check is not None else jobs:
         todo.put(j)
     for _ in range(pool.pairs):
         todo.put(None)
@@ -147,11 +200,15 @@ def read_into_devices(jobs: Sequence[ReadJob], dests: Sequence[torch.Tensor], po
                         ev = torch.cuda.Event()
                         ev.record(s)
                         events[slot][k] = ev
+                _checked(check, job, memoryview(host.numpy())[: job.nbytes])
                 slot ^= 1
             for s in streams:
                 s.synchronize()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            errors.append(exc)
+            if not is_aborted(exc):
+                errors.append(exc)
+            if check is not None:
+                check.abort()
             for s in streams:
                 s.synchronize()
         finally:

@@ -19,8 +19,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-from daemon.formats.checkpoint import tensor_table
-from daemon.loader.staging import PinnedPool, plan_reads, read_into_devices, read_into_host
+from daemon.formats.checkpoint import tensor_table, weight_files
+from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch, content_digest
+from daemon.loader.staging import (
+    PinnedPool,
+    ReadJob,
+    StagingError,
+    check_ranges,
+    plan_reads,
+    read_into_devices,
+    read_into_host,
+)
+from daemon.transport.base import BadUpdateRequest, Expect
+from daemon.transport.check import LoadCheck, ensure_contained
 from daemon.transport.ipc_descriptor import (
     ALIGN,
     HOST_DEVICE,
@@ -52,7 +63,42 @@ class Backend(Protocol):
     devices: list[str]
 
     def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]: ...
-    def fill(self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...]) -> None: ...
+    def fill(
+        self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...], check: StageCheck
+    ) -> None: ...
+
+
+class StageCheck:
+    """The loader's own digests of what it stages, computed while it reads (never the client's):
+    compared with the reference files the daemon gave (the registry's), computed alone otherwise."""
+
+    def __init__(self, directory: Path, expect: Expect, threads: int) -> None:
+        self.directory = directory
+        self.expect = expect
+        self.threads = threads
+        self.check: LoadCheck | None = None
+
+    def start(self, jobs: list[ReadJob]) -> LoadCheck:
+        try:
+            self.check = LoadCheck(self.directory, self.expect, check_ranges(jobs), threads=self.threads,
+                                   compute_alg=DEFAULT_HASH_ALG if not self.expect.files else None)  # fmt: skip
+        except (DigestMismatch, OSError) as exc:
+            raise StagingError(f"check while staging: {exc}") from None
+        return self.check
+
+    def finish(self) -> tuple[tuple[tuple[str, int, str, str], ...], bool]:
+        """(path, bytes, alg, hex) per file, and whether every file matched a reference."""
+        assert self.check is not None
+        try:
+            self.check.finish()
+        except (DigestMismatch, OSError) as exc:
+            raise StagingError(f"check while staging: {exc}") from None
+        finally:
+            self.check.close()
+        files = tuple(
+            (path, d.bytes, d.hash_alg or "crc32c", d.hash or d.crc32c) for path, d in sorted(self.check.digests.items())
+        )
+        return files, self.check.compared and not self.check.weak
 
 
 # ---- shared host memory ------------------------------------------------------------------
@@ -87,12 +133,15 @@ class ShmBackend:
         seq = next(self._seq)
         return [_ShmBuffer(ShmSegment(self.directory, segment_name(os.getpid(), seq, name), nbytes))]
 
-    def fill(self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...]) -> None:
+    def fill(
+        self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...], check: StageCheck
+    ) -> None:
         (buf,) = buffers
         assert isinstance(buf, _ShmBuffer)
         view = buf.segment.view()
+        jobs = plan_reads(table, slots)
         try:
-            read_into_host(plan_reads(table, slots), view, self.threads)
+            read_into_host(jobs, view, self.threads, check.start(jobs))
         finally:
             view.release()
         buf.segment.seal()
@@ -154,20 +203,52 @@ class CudaBackend:
             raise StoreError(f"cannot allocate {nbytes} bytes for {name} on GPU {i}: {exc}") from None
         return out
 
-    def fill(self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...]) -> None:
+    def fill(
+        self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...], check: StageCheck
+    ) -> None:
         if self._pool is None:
             self._pool = PinnedPool(self.threads)
         dests = [b.buf.tensor() for b in buffers if isinstance(b, _CudaBuffer)]
-        read_into_devices(plan_reads(table, slots, chunk=self._pool.chunk), dests, self._pool)
+        jobs = plan_reads(table, slots, chunk=self._pool.chunk)
+        read_into_devices(jobs, dests, self._pool, check.start(jobs))
 
 
 # ---- the store ---------------------------------------------------------------------------
 
 
+def _digest_of(expect: Expect) -> str | None:
+    """The content digest of the reference files (every file, strong hashes), None if they have none."""
+    for alg in HASH_ALGORITHMS:
+        files = [(f.path, f.bytes, f.digests.get(alg)) for f in expect.files]
+        if files and all(h for _p, _n, h in files):
+            return content_digest([_RefFile(p, n, h or "") for p, n, h in files], alg)
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class _RefFile:
+    path: str
+    bytes: int
+    hash: str
+
+
+def _pid_max() -> int:
+    try:
+        with open("/proc/sys/kernel/pid_max") as f:
+            return int(f.read().strip())
+    except (OSError, ValueError):
+        return 1 << 22  # the kernel's ceiling
+
+
+PID_MAX = _pid_max()
+
+
 def _pid_alive(pid: int) -> bool:
+    if not 0 < pid <= PID_MAX:
+        return False
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
+    except (ProcessLookupError, OverflowError, ValueError):
         return False
     except PermissionError:
         return True
@@ -195,6 +276,8 @@ class StagedVersion:
     last_used: float = 0.0
     exported: bool = False
     seconds: float = 0.0
+    files: tuple[tuple[str, int, str, str], ...] = ()  # computed by the loader while staging
+    checked: bool = False  # every file matched the reference the daemon gave
 
     def live_holders(self) -> dict[str, Holder]:
         for worker, h in list(self.holders.items()):
@@ -219,14 +302,24 @@ class LoaderStore:
         self.budget_bytes = budget_bytes
         self.max_versions = max_versions
         self.socket_path = socket_path
+        self.hash_threads = max(1, os.cpu_count() or 1)
         self._versions: dict[str, StagedVersion] = {}
         self._lock = threading.Lock()
 
     # -- stage ---------------------------------------------------------------------------
 
-    def stage(self, version: str, path: str, digest: str | None = None) -> dict[str, Any]:
+    def stage(
+        self, version: str, path: str, digest: str | None = None, files: list[Any] | None = None
+    ) -> dict[str, Any]:
+        """Stage `path` as `version`. `files`: the registry's per-file digests ({path, bytes,
+        digests}); the loader hashes every byte it stages and refuses on a mismatch. `digest` is
+        kept only when every file matched them; the descriptor carries the loader's own digests."""
         if not version or len(version) > MAX_VERSION_CHARS or "\x00" in version:
             raise StoreError(f"bad version label {version!r}")
+        try:
+            expect = Expect.from_json({"files": files or []})
+        except BadUpdateRequest as exc:
+            raise StoreError(f"stage: {exc}") from None
         directory = Path(path)
         with self._lock:
             existing = self._versions.get(version)
@@ -234,6 +327,10 @@ class LoaderStore:
                 return self._existing(existing, directory)
         if not directory.is_dir():
             raise StoreError(f"{directory}: not a checkpoint directory")
+        try:
+            ensure_contained(directory, weight_files(directory))
+        except DigestMismatch as exc:
+            raise StoreError(str(exc)) from None
         table, _headers = tensor_table(directory)  # strict headers; LayoutError/HeaderError name the file
         order = sorted(table.values(), key=lambda loc: (str(loc.file), loc.entry.start))
         slots, size = layout_tensors((loc.entry.name, loc.entry.dtype, loc.entry.shape) for loc in order)
@@ -245,9 +342,13 @@ class LoaderStore:
             self._make_room(entry.buffer_bytes, version)
             self._versions[version] = entry
         t0 = time.perf_counter()
+        check = StageCheck(directory, expect, self.hash_threads)
         try:
             entry.buffers = self.backend.allocate(version, entry.buffer_bytes)
-            self.backend.fill(entry.buffers, table, slots)
+            self.backend.fill(entry.buffers, table, slots, check)
+            entry.files, entry.checked = check.finish()
+            if not (entry.checked and _digest_of(expect) == digest):
+                entry.digest = None  # the client's claim is not repeated unless the bytes bore it out
         except BaseException:
             with self._lock:
                 self._versions.pop(version, None)
@@ -278,6 +379,7 @@ class LoaderStore:
             "tensors": len(v.slots),
             "devices": list(self.backend.devices),
             "seconds": round(v.seconds, 6),
+            "checked": v.checked,
         }
 
     def _make_room(self, need: int, incoming: str) -> None:
@@ -330,7 +432,8 @@ class LoaderStore:
                     raise StoreError(f"version {version!r} is not staged on device {device}")
             v.exported = True
             kind: Literal["cuda", "shm"] = "cuda" if self.backend.kind == "cuda" else "shm"
-            desc = Descriptor(version, kind, v.size, v.slots, tuple(buffers), v.digest, self.socket_path)
+            desc = Descriptor(version, kind, v.size, v.slots, tuple(buffers), v.digest, self.socket_path,
+                              v.files, v.checked)  # fmt: skip
             return desc.to_json()
 
     def _resolve_device(self, device: str) -> str:
@@ -346,8 +449,8 @@ class LoaderStore:
         raise StoreError(f"unknown device {device!r}; staged devices: {', '.join(self.backend.devices)}")
 
     def acquire(self, version: str, worker: str, pid: int | None = None) -> dict[str, Any]:
-        if pid is not None and pid <= 0:
-            raise StoreError(f"pid must be a positive process id, got {pid}")
+        if pid is not None and not 0 < pid <= PID_MAX:
+            raise StoreError(f"pid must be a positive process id no larger than {PID_MAX}, got {pid}")
         with self._lock:
             v = self._ready(version)
             h = v.holders.setdefault(worker, Holder(0, pid))

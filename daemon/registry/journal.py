@@ -16,7 +16,7 @@ from sqlalchemy import delete, func, select, update
 
 from daemon.registry import status
 from daemon.registry.db import Registry
-from daemon.registry.models import Alias, Checkpoint, Event, Rollout, Worker, utcnow
+from daemon.registry.models import Alias, Checkpoint, CheckpointFile, Event, Rollout, Worker, utcnow
 from daemon.registry.queries import record_event
 from daemon.registry.status import (
     UNFINISHED,
@@ -81,6 +81,12 @@ class Journal:
             c = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
             return _ref(c) if c else None
 
+    def verified_files(self, checkpoint_id: int) -> list[tuple[str, int, str | None, str | None, str | None]]:
+        """(path, bytes, crc32c, hash_alg, hash) of every file, as the verify stage computed them."""
+        with self.registry.session() as s:
+            rows = s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id)).all()
+            return [(r.path, r.bytes, r.crc32c, r.hash_alg, r.hash) for r in sorted(rows, key=lambda r: r.path)]
+
     def alias(self, name: str) -> CheckpointRef | None:
         with self.registry.session() as s:
             a = s.get(Alias, name)
@@ -134,6 +140,22 @@ class Journal:
                 .limit(1)
             ).one_or_none()
             return _ref(c) if c else None
+
+    def good_versions(self, exclude_ids: Iterable[int] = (), limit: int = 10) -> list[CheckpointRef]:
+        """Versions that served (deployed or retired, not rejected since), most recently deployed first."""
+        with self.registry.session() as s:
+            rows = s.scalars(
+                select(Checkpoint)
+                .where(
+                    Checkpoint.id.not_in(list(exclude_ids)),
+                    Checkpoint.deployed_at.is_not(None),
+                    Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
+                )
+                .order_by(func.coalesce(Checkpoint.last_deployed_at, Checkpoint.deployed_at).desc(),
+                          Checkpoint.id.desc())
+                .limit(limit)
+            ).all()
+            return [_ref(c) for c in rows]
 
     def newer_in_verification(self, checkpoint_id: int) -> bool:
         """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""

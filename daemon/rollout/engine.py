@@ -153,14 +153,26 @@ class RolloutEngine:
         with ThreadPoolExecutor(max_workers=len(batch.workers), thread_name_prefix="rollout") as pool:
             return list(pool.map(one, batch.workers))
 
-    def fallback_target(self, fallback: CheckpointRef | None) -> Target | None:
+    def fallback_target(self, fallback: CheckpointRef | None, exclude: Collection[int] = ()) -> Target | None:
+        """The request for `fallback`; when it cannot be offered (its files are gone or changed
+        size), the newest other version that served and can be. None when there is none: workers
+        then keep (or restore by themselves) what they have instead of being moved onto missing files."""
         if fallback is None:
             return None
-        try:
-            return self.stager.target(fallback)
-        except StageError as exc:
-            log.error("fallback_unavailable", version=fallback.version, error=str(exc))
-            return None
+        if fallback.id not in exclude:
+            try:
+                return self.stager.target(fallback)
+            except StageError as exc:
+                log.error("fallback_unavailable", version=fallback.version, error=str(exc))
+        for other in self.journal.good_versions(exclude_ids=[fallback.id, *exclude]):
+            try:
+                target = self.stager.target(other)
+            except StageError as exc:
+                log.warning("fallback_candidate_unavailable", version=other.version, error=str(exc))
+                continue
+            log.warning("fallback_replaced", wanted=fallback.version, using=other.version)
+            return target
+        return None
 
     def _fail(
         self,
@@ -196,7 +208,7 @@ class RolloutEngine:
             "worker": first.worker,
             "step": first.step,
             "kind": first.kind.value,
-            "restored_to": fallback.version if fallback else "worker's previous version",
+            "restored_to": fb.version if fb else "worker's previous version",
             "rolled_back": [h.name for h, _ in moved],
             "unrecovered": unrecovered,
         }

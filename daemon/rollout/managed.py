@@ -28,6 +28,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -36,10 +37,13 @@ import psutil
 
 from daemon.config import WorkerSpec
 from daemon.formats.checkpoint import MANIFEST_NAME, tensor_table
+from daemon.hashing import hash_files
 from daemon.logging import get_logger
 from daemon.manifest import load_manifest, publish
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.tinymodel import make_tiny_checkpoint
+from daemon.transport.base import Expect
+from daemon.transport.check import reference_for
 
 log = get_logger(__name__)
 
@@ -102,6 +106,7 @@ class ManagedWorker:
         self._proc: subprocess.Popen[bytes] | None = None
         self.model: str | None = None
         self.version: str | None = None
+        self.expect: Expect | None = None
         ensure_token_file(self.token_file)
 
     @property
@@ -137,6 +142,9 @@ class ManagedWorker:
             return False
         return p.status() != psutil.STATUS_ZOMBIE and "worker" in cmd and str(self.port) in cmd
 
+    def expect_file(self) -> Path:
+        return self.state_dir / f"worker-{self.spec.name}.expect.json"
+
     def command(self, model: str, version: str | None) -> list[str]:
         argv = [
             sys.executable, "-m", "daemon.cli", "worker",
@@ -148,10 +156,19 @@ class ManagedWorker:
         ]  # fmt: skip
         if version:
             argv += ["--version", version]
+        if self.expect is not None and self.expect.files:
+            argv += ["--expect-file", str(self.expect_file())]
         return argv
 
-    def launch(self, model: str, version: str | None) -> int:
+    def launch(self, model: str, version: str | None, expect: Expect | None = None) -> int:
+        """Start the child on `model`; with `expect` (the registry's per-file digests) the child
+        checks its initial load against them and refuses to start on a mismatch."""
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        self.expect = expect
+        if expect is not None and expect.files:
+            tmp = self.expect_file().with_suffix(".tmp")
+            tmp.write_text(json.dumps(expect.to_json()))
+            os.replace(tmp, self.expect_file())
         argv = self.command(model, version)
         with open(self.log_file, "ab") as logf:
             # Own session: a Ctrl-C in the daemon's terminal does not hit the worker first;
@@ -190,14 +207,21 @@ class ManagedWorker:
                 self._proc.wait(timeout=5)
         self.pid, self._proc = None, None
 
-    def relaunch(self, model: str | None, version: str | None) -> int:
+    def relaunch(self, model: str | None, version: str | None, expect: Expect | None = None) -> int:
+        """Stop the child and start it on `model`. Refused (RuntimeError, the child left running)
+        when `model` is missing, or its files do not match `expect` (hashed here, before the stop)."""
+        same = not model or model == self.model
         model = model or self.model
         if not model:
             raise RuntimeError(f"managed worker {self.spec.name}: no checkpoint directory to relaunch on")
-        if version is None and model == self.model:
-            version = self.version
+        if same:
+            version = version or self.version
+            expect = expect or self.expect
+        problem = target_problem(model, expect)
+        if problem is not None:
+            raise RuntimeError(f"managed worker {self.spec.name}: not relaunched on {version or model}: {problem}")
         self.stop()
-        return self.launch(model, version)
+        return self.launch(model, version, expect)
 
 
 # -- restart commands -----------------------------------------------------------------------
@@ -213,16 +237,57 @@ def fill(argv: list[str], values: dict[str, str]) -> list[str]:
     return [arg.format_map(ph) for arg in argv]
 
 
+def target_problem(model: str, expect: Expect | None) -> str | None:
+    """Why `model` must not be launched: missing, or its files differ from the verified digests."""
+    root = Path(model)
+    if not root.is_dir():
+        return f"its directory {model} is missing"
+    if expect is None or not expect.files:
+        return None
+    refs = [(f, r) for f in expect.files if (r := reference_for(f)) is not None]
+    try:
+        paths = [root / f.path for f, _ in refs]
+        digests = hash_files(paths, alg=None) if any(not r.strong for _, r in refs) else []
+        strong = {alg: hash_files([root / f.path for f, r in refs if r.alg == alg], alg=alg, crc=False)
+                  for alg in {r.alg for _, r in refs if r.strong}}  # fmt: skip
+    except OSError as exc:
+        return f"a verified file cannot be read ({exc})"
+    weak = iter(digests)
+    by_alg = {alg: iter(ds) for alg, ds in strong.items()}
+    for f, r in refs:
+        d = next(by_alg[r.alg]) if r.strong else next(weak)
+        got = d.hash if r.strong else d.crc32c
+        if d.bytes != r.bytes or got != r.value:
+            return f"{f.path} changed since it was verified"
+    return None
+
+
 class Restarter:
+    """`expected(ckpt)`: the registry's per-file digests of a version (the managed child is
+    launched with them); None launches without."""
+
+    def __init__(self, expected: Callable[[CheckpointRef], Expect] | None = None) -> None:
+        self.expected = expected
+
     def restart(
         self, spec: WorkerSpec, url: str, managed: ManagedWorker | None, fallback: CheckpointRef | None
     ) -> dict[str, Any]:
-        """Issue the restart; returns what was done for the event's detail (`issued`: bool)."""
+        """Issue the restart; returns what was done for the event's detail (`issued`: bool).
+
+        Never onto a version whose directory is gone (or, managed, whose files fail their digests),
+        and never kills a live managed child when there is no such version to start it on."""
+        if fallback is not None and fallback.local_path and not Path(fallback.local_path).is_dir():
+            return {"issued": False, "how": "none",
+                    "error": f"{fallback.version}: its directory {fallback.local_path} is missing; not restarted"}  # fmt: skip
         if managed is not None:
             path = fallback.local_path if fallback else None
             version = fallback.version if fallback else None
+            if path is None and managed.alive():
+                return {"issued": False, "how": "managed relaunch",
+                        "error": "no usable version to relaunch on; the running worker is left as it is"}  # fmt: skip
+            expect = self.expected(fallback) if fallback is not None and self.expected is not None else None
             try:
-                pid = managed.relaunch(path, version)
+                pid = managed.relaunch(path, version, expect)
             except Exception as exc:  # noqa: BLE001 - recorded in the event
                 return {"issued": False, "how": "managed relaunch", "error": str(exc)}
             return {"issued": True, "how": "managed relaunch", "pid": pid, "version": version}

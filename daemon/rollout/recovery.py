@@ -11,6 +11,7 @@ restarted. The transitions the daemon did not live to record are written first
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from daemon.adapters.base import WeightInfo, WorkerError
@@ -33,6 +34,21 @@ class Recovered:
     version: str  # where every worker was brought
     finished: bool  # True: the rollout was completed; False: it was undone
     unrecovered: list[str]
+
+
+def fleet_version(fleet: Iterable[WorkerHandle]) -> str | None:
+    """The one version every worker reports serving (RUNNING), else None: what `serving` may
+    record after a rollback that did not go as planned."""
+    versions: set[str | None] = set()
+    for h in fleet:
+        try:
+            info = h.client.weight_info()
+        except WorkerError:
+            return None
+        if parse_state(info.state) != S.RUNNING:
+            return None
+        versions.add(info.version)
+    return versions.pop() if len(versions) == 1 else None
 
 
 class Recovery:

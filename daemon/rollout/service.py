@@ -22,6 +22,7 @@ import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +50,8 @@ from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.managed import ManagedWorker, Restarter, ensure_seed
 from daemon.rollout.planner import newer, newest
 from daemon.rollout.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
-from daemon.rollout.recovery import Recovery
-from daemon.rollout.stage import Stager
+from daemon.rollout.recovery import Recovery, fleet_version
+from daemon.rollout.stage import Stager, launch_target, registry_expect
 from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
 from daemon.transport.base import SenderOptions
 
@@ -87,10 +88,10 @@ class RolloutService:
                 raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
         self.fleet = Fleet(handles)
-        self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(), observers)
+        self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(partial(registry_expect, self.journal)), observers)
         options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
                                 loader.socket if loader else "")  # fmt: skip
-        self.stager = Stager(settings.transport, options)
+        self.stager = Stager(settings.transport, options, journal=self.journal)
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
         self.queue = RolloutQueue()
         self.state = RolloutState()
@@ -407,6 +408,9 @@ class RolloutService:
             rid, outcome=RolloutOutcome.ROLLED_BACK,
             detail={"health_window": {**window, "ok": False, "reason": verdict.reason, "infra": verdict.infra}},
         )  # fmt: skip
+        # never back onto missing files: the newest earlier version whose files are all there
+        usable = self.engine.fallback_target(fallback, exclude=[ckpt.id]) if fallback is not None else None
+        fallback = usable.checkpoint if usable is not None else None
         if fallback is None or fallback.id == ckpt.id:
             self.journal.note(ckpt.id, f"health window failed ({verdict.reason}) but no earlier version to roll back to")
             return {"health_window": "failed", "rolled_back": None}
@@ -429,7 +433,10 @@ class RolloutService:
             fallback, trigger=T.ROLLBACK, fallback=fallback,
             detail={"by": "health_window", "from": ckpt.version, "reason": verdict.reason, "rolled_back_rollout": rid},
         )  # fmt: skip
-        if rb.outcome == RolloutOutcome.SUCCEEDED or (rb.outcome == RolloutOutcome.FAILED and rb.kind != FailureKind.UNAVAILABLE):
+        reported = fleet_version(self.fleet)  # serving is what the workers say they serve
+        if rb.outcome == RolloutOutcome.SUCCEEDED or (
+            rb.outcome == RolloutOutcome.FAILED and rb.kind != FailureKind.UNAVAILABLE and reported == fallback.version
+        ):
             # A failed rollback still restored every worker it reached to the fallback.
             self.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
             self.journal.set_alias("last_good", fallback.id)
@@ -527,11 +534,13 @@ class RolloutService:
             assert h.managed is not None
             if h.managed.adopt():
                 continue
-            model = serving.local_path if serving and serving.local_path else h.spec.model
+            target = launch_target(self.journal, serving) if serving else None  # never onto missing files
+            model = target.local_path if target and target.local_path else h.spec.model
             if not model:
                 log.error("managed_worker_without_model", worker=h.name)
                 continue
-            h.managed.launch(model, serving.version if serving else None)
+            h.managed.launch(model, target.version if target else None,
+                             registry_expect(self.journal, target) if target else None)  # fmt: skip
         for h in managed:
             if self.driver.wait_answering(h, self.settings.restart_timeout_s) is None:
                 log.error("managed_worker_not_ready", worker=h.name,
@@ -594,7 +603,9 @@ class RolloutService:
             serving = self.journal.alias("serving")
             log.warning("managed_worker_died", worker=h.name)
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error="managed worker process exited")
-            h.managed.relaunch(serving.local_path if serving else None, serving.version if serving else None)
+            target = launch_target(self.journal, serving) if serving else None  # never onto missing files
+            h.managed.relaunch(target.local_path if target else None, target.version if target else None,
+                               registry_expect(self.journal, target) if target else None)  # fmt: skip
             return False
         try:
             info = h.client.weight_info()

@@ -8,12 +8,22 @@ asks which transport it holds. A `Target` is a version plus the request that car
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from daemon.adapters.base import WeightInfo
-from daemon.registry.journal import CheckpointRef
+from daemon.registry.journal import CheckpointRef, Journal
 from daemon.transport import daemon_transport
-from daemon.transport.base import DaemonTransport, Expect, Outgoing, SenderOptions, StageError, UpdateRequest
+from daemon.transport.base import (
+    DaemonTransport,
+    Expect,
+    ExpectedFile,
+    Outgoing,
+    SenderOptions,
+    StageError,
+    UpdateRequest,
+)
+from daemon.transport.check import files_problem
 
 __all__ = ["StageError", "Stager", "Target"]
 
@@ -36,20 +46,57 @@ class Target:
         return not (self.checkpoint.digest and info.digest and info.digest != self.checkpoint.digest)
 
 
+def registry_expect(journal: Journal, ckpt: CheckpointRef) -> Expect:
+    """What the registry verified for `ckpt`: content digest, tensor count, per-file digests."""
+    files = []
+    for path, size, crc, alg, digest in journal.verified_files(ckpt.id):
+        digests = {k: v for k, v in (("crc32c", crc), (alg or "", digest)) if k and v}
+        files.append(ExpectedFile(path, size, digests))
+    return Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=tuple(files))
+
+
+def launch_target(
+    journal: Journal, preferred: CheckpointRef | None, exclude: Iterable[int] = ()
+) -> CheckpointRef | None:
+    """The version to (re)launch or roll a worker back on: `preferred` when its files are all there,
+    else the newest version that served (not in `exclude`) whose files are; None when there is none."""
+    skip = set(exclude)
+    first = [preferred] if preferred is not None and preferred.id not in skip else []
+    candidates = first + journal.good_versions(exclude_ids=skip | {c.id for c in first})
+    for c in candidates:
+        if files_problem(c.local_path, registry_expect(journal, c)) is None:
+            return c
+    return None
+
+
 class Stager:
-    def __init__(self, transport_name: str, options: SenderOptions, transport: DaemonTransport | None = None) -> None:
+    def __init__(
+        self,
+        transport_name: str,
+        options: SenderOptions,
+        transport: DaemonTransport | None = None,
+        journal: Journal | None = None,
+    ) -> None:
         self.transport_name = transport_name
         self.sender = transport or daemon_transport(transport_name, options)
+        self.journal = journal  # where the verified per-file digests come from (check while loading)
 
     @property
     def transport(self) -> str:
         return self.transport_name
 
     def target(self, ckpt: CheckpointRef) -> Target:
-        """Raises StageError when the checkpoint cannot be offered (no local copy, loader refused)."""
-        expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count)
+        """Raises StageError when the checkpoint cannot be offered (no local copy, loader refused).
+
+        Every request carries the registry's per-file digests (`expect.files`): workers and the
+        loader check the bytes they read against them, whatever the path (rollout, rollback,
+        restore, recovery)."""
+        expect = Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=self.expected_files(ckpt))
         prepared = self.sender.prepare(Outgoing(ckpt.version, ckpt.local_path, expect))
         return Target(ckpt, prepared.request, prepared.staged)
+
+    def expected_files(self, ckpt: CheckpointRef) -> tuple[ExpectedFile, ...]:
+        return registry_expect(self.journal, ckpt).files if self.journal is not None else ()
 
     def retain(self, versions: set[str]) -> None:
         """Free what no worker can need any more (everything but serving and last_good)."""

@@ -16,6 +16,13 @@ Two paths, picked per parameter device:
   to the GPU runs on the reader's own side stream; a CUDA event tells when a buffer is free again.
 * CPU (plain path): `os.preadv` straight into the parameter's memory (a memoryview of it).
 
+Check while loading: with `expect.files` (the registry's verified per-file digests, which the
+daemon sends with every update) every byte read is fed, in the reader thread that read it, to the
+file's hash (`daemon.transport.check`: each file hashed in file order, header included, files in
+parallel); a file that does not match is a TransportError after the write, nothing is committed
+and the worker restores the previous weights. Weight files that leave the directory (symlinks to
+/etc/shadow) are refused before a byte of them is read.
+
 Errors name the file, the tensor and the offset. A failure part way through leaves the
 parameters partly written: the caller (the worker) restores the previous weights.
 """
@@ -31,11 +38,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table
+from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table, weight_files
 from daemon.manifest import load_manifest
 from daemon.transport.base import (
     BadUpdateRequest,
     DaemonTransportFactory,
+    Expect,
     Outgoing,
     Prepared,
     SenderOptions,
@@ -44,6 +52,14 @@ from daemon.transport.base import (
     TransportError,
     UpdateRequest,
     WorkerTransportFactory,
+)
+from daemon.transport.check import (
+    DigestMismatch,
+    LoadCheck,
+    ensure_contained,
+    files_problem,
+    is_aborted,
+    wants_check,
 )
 
 if TYPE_CHECKING:
@@ -64,8 +80,9 @@ class DiskSender:
         self.options = options
 
     def prepare(self, item: Outgoing) -> Prepared:
-        if not item.local_path:
-            raise StageError(f"{item.version}: no local copy to deploy from")
+        problem = files_problem(item.local_path, item.expect)  # never send workers to missing files
+        if problem is not None:
+            raise StageError(f"{item.version}: {problem}")
         return Prepared(UpdateRequest(item.version, "disk", {"path": item.local_path}, "copy", item.expect))
 
     def retain(self, versions: set[str]) -> None:
@@ -80,7 +97,7 @@ def open_update(request: UpdateRequest, store: object) -> DiskTransport:
     path = request.source.get("path")
     if not isinstance(path, str) or not path:
         raise BadUpdateRequest("disk transport needs 'path' (a checkpoint directory)")
-    return DiskTransport(path)
+    return DiskTransport(path, expect=request.expect)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,10 +225,19 @@ class DiskTransport:
         readers: int | None = None,
         chunk_bytes: int = DEFAULT_CHUNK_BYTES,
         staged: bool | None = None,
+        expect: Expect | None = None,
+        check: bool | None = None,
     ) -> None:
         """`staged`: None picks the pinned-pool path for CUDA parameters and direct reads for CPU
-        ones; True sends CPU parameters through the pool too (exercises the chunk logic in CI)."""
+        ones; True sends CPU parameters through the pool too (exercises the chunk logic in CI).
+        `expect`: the registry's per-file digests; every byte read is hashed and compared with
+        them (check while loading) unless `check` is False. `check` True without digests refuses."""
         self.directory = Path(directory)
+        self.expect = expect or Expect()
+        self.check = wants_check(self.expect) if check is None else check
+        if self.check and not wants_check(self.expect):
+            raise BadUpdateRequest("check while loading needs expect.files (the verified per-file digests)")
+        self.checked: dict[str, Any] = {}
         self.staged = staged
         self.readers = max(1, readers or min(DEFAULT_READERS, os.cpu_count() or 1))
         self.chunk_bytes = chunk_bytes
@@ -224,6 +250,10 @@ class DiskTransport:
         if not self.directory.is_dir():
             raise TransportError(f"{self.directory}: checkpoint directory does not exist")
         if self._locations is None:
+            try:
+                ensure_contained(self.directory, weight_files(self.directory))
+            except DigestMismatch as exc:
+                raise TransportError(str(exc)) from None
             self._locations, _ = tensor_table(self.directory)
         return {
             n: TensorSpec(n, loc.entry.dtype, loc.entry.shape, loc.entry.nbytes)
@@ -241,7 +271,7 @@ class DiskTransport:
 
     def stats(self) -> dict[str, Any]:
         st = self.last_stats
-        return {} if st is None else {"read_path": st.path}
+        return {} if st is None else {"read_path": st.path, **self.checked}
 
     def close(self) -> None:
         self._locations = None
@@ -279,10 +309,35 @@ class DiskTransport:
             name = sorted(odd)[0]
             raise TransportError(f"tensor {name!r}: unsupported device {views[name].device}")
         stats = WriteStats(readers=self.readers)
-        if cuda:
-            self._write_staged([self._locations[n] for n in sorted(cuda)], views, stats)
-        if other:
-            self._write_direct([self._locations[n] for n in sorted(other)], views, stats)
+        staged_locs = [self._locations[n] for n in sorted(cuda)]
+        direct_locs = [self._locations[n] for n in sorted(other)]
+        chunks = plan_chunks(staged_locs, self.chunk_bytes) if staged_locs else []
+        check: LoadCheck | None = None
+        self.checked = {}
+        if self.check:
+            ranges: dict[Path, list[tuple[int, int]]] = {}
+            for c in chunks:
+                ranges.setdefault(c.file, []).append((c.offset, c.nbytes))
+            for loc in direct_locs:
+                ranges.setdefault(loc.file, []).append((loc.entry.start, loc.entry.nbytes))
+            try:
+                check = LoadCheck(self.directory, self.expect, ranges, threads=os.cpu_count() or 1)
+            except (DigestMismatch, OSError) as exc:
+                raise TransportError(f"check while loading: {exc}") from None
+            chunks = _interleave(chunks)  # the files hash in parallel, each in its own order
+        try:
+            if chunks:
+                self._write_staged(chunks, views, stats, check)
+            if direct_locs:
+                self._write_direct(direct_locs, views, stats, check)
+            if check is not None:
+                try:
+                    self.checked = check.finish()
+                except (DigestMismatch, OSError) as exc:
+                    raise TransportError(f"check while loading: {exc}; nothing committed") from None
+        finally:
+            if check is not None:
+                check.close()
         stats.tensors = len(views)
         stats.seconds = time.perf_counter() - t0
         stats.path = "staged" if cuda and not other else "direct" if other and not cuda else "mixed"
@@ -302,7 +357,8 @@ class DiskTransport:
         return fds
 
     def _write_direct(
-        self, locations: list[TensorLocation], views: dict[str, torch.Tensor], stats: WriteStats
+        self, locations: list[TensorLocation], views: dict[str, torch.Tensor], stats: WriteStats,
+        check: LoadCheck | None = None,
     ) -> None:
         """CPU parameters: read each tensor straight into its memory, a few threads in parallel."""
         fds = self._open_all({loc.file for loc in locations})
@@ -318,29 +374,31 @@ class DiskTransport:
                 if loc is None:
                     return
                 try:
-                    dst = memoryview(views[loc.entry.name].numpy())
+                    dst = memoryview(views[loc.entry.name].numpy()).cast("B")
                     _read_exact(fds[loc.file], dst, loc.entry.start, loc.file, f"tensor {loc.entry.name!r}")
+                    if check is not None:
+                        check.feed(loc.file, loc.entry.start, dst)
                 except BaseException as exc:  # noqa: BLE001 - reported by the caller
-                    errors.append(exc)
+                    _fail(errors, exc, check)
                     return
 
         _run_readers([work] * min(self.readers, 4), fds, errors)
         stats.bytes += sum(loc.entry.nbytes for loc in locations)
 
     def _write_staged(
-        self, locations: list[TensorLocation], views: dict[str, torch.Tensor], stats: WriteStats
+        self, chunks: list[Chunk], views: dict[str, torch.Tensor], stats: WriteStats, check: LoadCheck | None = None
     ) -> None:
-        """CUDA parameters: readers fill pinned buffers; each copies to the GPU on its own stream."""
+        """CUDA parameters: readers fill pinned buffers; each copies to the GPU on its own stream
+        (and, checking, hashes the buffer meanwhile)."""
         import contextlib
 
         import torch
 
-        chunks = plan_chunks(locations, self.chunk_bytes)
         readers = max(1, min(self.readers, len(chunks)))
         buf_bytes = max(c.nbytes for c in chunks) if chunks else 0
         buf_bytes = max(buf_bytes, min(self.chunk_bytes, DEFAULT_CHUNK_BYTES))
         pool = PinnedPool.get(2 * readers, buf_bytes)
-        device = views[locations[0].entry.name].device
+        device = views[chunks[0].segments[0].name].device
         on_gpu = device.type == "cuda"
         fds = self._open_all({c.file for c in chunks})
         errors: list[BaseException] = []
@@ -377,11 +435,13 @@ class DiskTransport:
                             e = torch.cuda.Event()
                             e.record(stream)
                             events[k] = e
+                        if check is not None:  # the copy engine reads the buffer while we hash it
+                            check.feed(chunk.file, chunk.offset, arrays[k][: chunk.nbytes])
                         k ^= 1
                 if stream is not None:
                     stream.synchronize()
             except BaseException as exc:  # noqa: BLE001 - reported by the caller
-                errors.append(exc)
+                _fail(errors, exc, check)
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         stream.synchronize()
@@ -391,6 +451,30 @@ class DiskTransport:
         stats.chunks += len(chunks)
         stats.readers = readers
         stats.extra["read_thread_s_max"] = max(read_s) if read_s else 0.0
+
+
+def _fail(errors: list[BaseException], exc: BaseException, check: LoadCheck | None) -> None:
+    """Record a reader's error; a checked load stops every reader waiting on a file's hash order."""
+    if not is_aborted(exc):
+        errors.append(exc)
+    if check is not None:
+        check.abort()
+
+
+def _interleave(chunks: list[Chunk]) -> list[Chunk]:
+    """Chunks round-robin over files, each file's in order, so every file's hash advances at once."""
+    by_file: dict[Path, list[Chunk]] = {}
+    for c in chunks:
+        by_file.setdefault(c.file, []).append(c)
+    queues = list(by_file.values())
+    out: list[Chunk] = []
+    i = 0
+    while len(out) < len(chunks):
+        q = queues[i % len(queues)]
+        if q:
+            out.append(q.pop(0))
+        i += 1
+    return out
 
 
 def _run_readers(targets: list[Callable[[], None]], fds: dict[Path, int], errors: list[BaseException]) -> None:
@@ -411,6 +495,8 @@ def _run_readers(targets: list[Callable[[], None]], fds: dict[Path, int], errors
 def _as_transport_error(exc: BaseException) -> TransportError:
     if isinstance(exc, TransportError):
         return exc
+    if isinstance(exc, DigestMismatch):
+        return TransportError(f"check while loading: {exc}; nothing committed")
     return TransportError(f"{type(exc).__name__}: {exc}")
 
 

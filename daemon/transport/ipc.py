@@ -3,7 +3,13 @@
 The daemon side (`daemon.transport.ipc_stage`) stages the version in the loader and sends
 
     POST /admin/update {"version": version, "transport": "ipc", "descriptor": descriptor,
-                        "mode": "copy" | "swap", "expect": {"digest": digest, "tensors": n}}
+                        "mode": "copy" | "swap", "expect": {"digest": digest, "tensors": n, "files": [...]}}
+
+With `expect.files` (check while loading) the worker never takes the sender's descriptor on
+trust: it asks the loader named in it (which must run as this user or root, checked with
+SO_PEERCRED) for its own descriptor of the version, requires the loader's per-file digests,
+computed by the loader from the bytes it staged, to equal the registry's (`tie_to_loader`), and
+maps only segment files owned by that user and sealed read-only.
 
 `open_update(request, store)` builds an `IpcTransport`: it parses the descriptor strictly;
 `table()` reports the tensor table without mapping anything; `open()` acquires the version at
@@ -35,6 +41,7 @@ from daemon.loader.client import LoaderClient, LoaderError
 from daemon.transport.base import (
     ST_TO_TORCH,
     BadUpdateRequest,
+    Expect,
     SwapLease,
     TensorSpec,
     TransportError,
@@ -42,6 +49,7 @@ from daemon.transport.base import (
     WorkerTransportFactory,
     pair_up,
 )
+from daemon.transport.check import reference_for, wants_check
 from daemon.transport.ipc_descriptor import (
     HOST_DEVICE,
     BufferRef,
@@ -97,6 +105,42 @@ class OpenedVersion:
         return self._views
 
 
+TRUSTED_UIDS = frozenset({os.getuid(), 0})  # the loader must run as this worker's user (or root)
+
+
+def tie_to_loader(loader_desc: Descriptor, sent: Descriptor, expect: Expect) -> dict[str, Any]:
+    """The loader's own per-file digests (computed while it staged) against the registry's.
+
+    `loader_desc` is what the loader itself answers, `sent` what the update request carried: they
+    must describe the same version and tensors. Raises IpcRefused naming the first file that does
+    not match; returns the facts for the update's answer."""
+    if loader_desc.version != sent.version or loader_desc.tensors != sent.tensors:
+        raise IpcRefused(f"version {sent.version!r}: the request's descriptor is not the loader's")
+    own_paths = {b.device_uuid: b.path for b in loader_desc.buffers}
+    for b in sent.buffers:
+        if b.path is not None and own_paths.get(b.device_uuid) != b.path:
+            raise IpcRefused(f"version {sent.version!r}: segment {b.path} in the request is not the loader's")
+    if not loader_desc.files:
+        raise IpcRefused(f"version {sent.version!r}: the loader computed no digests for it")
+    refs = {f.path: r for f in expect.files if (r := reference_for(f)) is not None}
+    staged = {path for path, *_ in loader_desc.files}
+    for path, nbytes, alg, value in loader_desc.files:
+        ref = refs.get(path)
+        if ref is None:
+            raise IpcRefused(f"{path}: staged by the loader, but the registry has no verified digest for it")
+        if ref.alg != alg or ref.value != value or ref.bytes != nbytes:
+            raise IpcRefused(
+                f"{path}: the loader staged {alg} {value[:16]}... ({nbytes} bytes), the registry verified "
+                f"{ref.alg} {ref.value[:16]}... ({ref.bytes} bytes): changed since it was verified"
+            )
+    missing = sorted(p for p in refs if p.endswith(".safetensors") and p not in staged)
+    if missing:
+        raise IpcRefused(f"{missing[0]}: verified weight file was not staged by the loader")
+    algs = sorted({alg for _p, _n, alg, _v in loader_desc.files})
+    return {"checked_files": len(loader_desc.files), "check_alg": ",".join(algs), "check_by": "loader",
+            "check_weak": any(a == "crc32c" for a in algs)}  # fmt: skip
+
+
 class IpcOpener:
     """Process-wide cache of open buffers: each version's buffer is opened once and closed once."""
 
@@ -143,7 +187,7 @@ def _map_buffer(desc: Descriptor, buf: BufferRef) -> Any:
         from daemon.transport.ipc_shm import ShmMapping
 
         assert buf.path is not None
-        return ShmMapping(buf.path, buf.buffer_bytes)
+        return ShmMapping(buf.path, buf.buffer_bytes, trusted_uids=TRUSTED_UIDS)
     from daemon.transport.ipc_cuda import CudaIpcError, ImportedBuffer
 
     assert buf.handle is not None
@@ -168,8 +212,13 @@ class IpcTransport:
         device: torch.device | str = "cpu",
         worker: str | None = None,
         opener: IpcOpener | None = None,
+        expect: Expect | None = None,
     ) -> None:
+        """`expect`: the registry's per-file digests; when given, the version is used only if the
+        loader (running as this user) answers for it and its own staging digests match them."""
         self.descriptor = descriptor if isinstance(descriptor, Descriptor) else parse_descriptor(dict(descriptor))
+        self.expect = expect or Expect()
+        self.checked: dict[str, Any] = {}
         self.device = torch.device(device)
         self.worker = worker or f"pid-{os.getpid()}"
         self._opener = opener or OPENER
@@ -193,12 +242,27 @@ class IpcTransport:
         return self.descriptor.digest
 
     def stats(self) -> dict[str, Any]:
-        return {}
+        return dict(self.checked)
+
+    def _from_loader(self) -> None:
+        """Check while loading, ipc: take the descriptor from the loader itself (a loader that runs
+        as this user), never the sender's, and tie its digests to the registry's."""
+        if not self.descriptor.loader:
+            raise IpcRefused(f"version {self.version!r}: no loader named to vouch for the staged bytes")
+        client = LoaderClient(self.descriptor.loader, timeout=10.0, peer_uids=TRUSTED_UIDS)
+        try:
+            own = parse_descriptor(client.descriptor(self.version, device=_device_uuid_of(self.device)))
+        except LoaderError as exc:
+            raise LoaderRefused(f"version {self.version!r}: {exc}") from None
+        self.checked = tie_to_loader(own, self.descriptor, self.expect)
+        self.descriptor = own
 
     def open(self) -> None:
         """Acquire the version at the loader and open its buffer; raises IpcRefused, writes nothing."""
         if self._opened is not None:
             return
+        if wants_check(self.expect) and not self.checked:
+            self._from_loader()
         buf = self.descriptor.buffer_for(_device_uuid_of(self.device))
         if self.descriptor.loader and not self._acquired:
             try:
@@ -263,6 +327,7 @@ class IpcTransport:
         self.open()
         lease = IpcTransport(self.descriptor, device=self.device, worker=self.worker, opener=self._opener)
         lease._opened, lease._acquired = self._opened, self._acquired
+        lease.checked = dict(self.checked)
         self._opened, self._acquired = None, False
         return lease
 
@@ -319,7 +384,7 @@ def open_update(request: UpdateRequest, store: Any) -> IpcTransport:
     descriptor = request.source.get("descriptor")
     if not isinstance(descriptor, dict):
         raise BadUpdateRequest("the ipc transport needs 'descriptor' (the loader's JSON descriptor)")
-    return IpcTransport(descriptor, device=store.device)
+    return IpcTransport(descriptor, device=store.device, expect=request.expect)
 
 
 # Ending a lease closes an IPC handle (a device synchronize) and tells the loader: done off the

@@ -41,6 +41,7 @@ _SYMBOLS: dict[str, tuple[str, ...]] = {
     "cuMemAlloc": ("cuMemAlloc_v2",),
     "cuMemFree": ("cuMemFree_v2",),
     "cuMemGetInfo": ("cuMemGetInfo_v2",),
+    "cuMemGetAddressRange": ("cuMemGetAddressRange_v2",),
     "cuIpcOpenMemHandle": ("cuIpcOpenMemHandle_v2", "cuIpcOpenMemHandle"),
 }
 
@@ -197,6 +198,17 @@ class DeviceBuffer:
         return self._holder() is None
 
 
+def check_imported_range(ptr: int, base: int, size: int, nbytes: int) -> None:
+    """The allocation behind an opened IPC handle must start at the mapped pointer and hold at
+    least the `nbytes` the descriptor claims; a smaller one would let copies read past its end."""
+    if nbytes <= 0:
+        raise CudaIpcError(f"descriptor buffer size {nbytes} must be positive")
+    if base != ptr:
+        raise CudaIpcError(f"IPC handle maps at {ptr:#x}, inside an allocation starting at {base:#x}")
+    if size < nbytes:
+        raise CudaIpcError(f"the descriptor claims {nbytes} bytes, the allocation behind the handle has {size}")
+
+
 class ImportedBuffer:
     """Worker side: a loader's buffer opened through its IPC handle, on the GPU with that UUID."""
 
@@ -210,6 +222,14 @@ class ImportedBuffer:
         torch.cuda.init()
         with d.on(self.index):
             d.call("cuIpcOpenMemHandle", ctypes.byref(ptr), h, ctypes.c_uint(CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS))
+            # the descriptor's size is a claim: the driver says how big the allocation really is
+            base, size = ctypes.c_uint64(), ctypes.c_size_t()
+            try:
+                d.call("cuMemGetAddressRange", ctypes.byref(base), ctypes.byref(size), ctypes.c_uint64(ptr.value))
+                check_imported_range(ptr.value, base.value, size.value, nbytes)
+            except CudaIpcError:
+                d.call("cuIpcCloseMemHandle", ctypes.c_uint64(ptr.value))
+                raise
         index = self.index
 
         def release(ptr: int = ptr.value) -> None:

@@ -47,6 +47,7 @@ MAX_VERSION_CHARS = 256
 
 Kind = Literal["cuda", "shm"]
 _TOP_KEYS = {"format", "kind", "version", "digest", "loader", "size", "tensors", "buffers"}
+_OPTIONAL_KEYS = {"files", "checked"}
 _TENSOR_KEYS = {"name", "dtype", "shape", "offset", "bytes"}
 # content digest: "<alg>:<64 hex>" (manifest format 2, daemon.hashing) or a legacy 8-hex CRC digest
 _DIGEST_RE = re.compile(r"^(?:(?:blake3|sha256):[0-9a-f]{64}|[0-9a-f]{8})$")
@@ -90,6 +91,11 @@ class Descriptor:
     buffers: tuple[BufferRef, ...]
     digest: str | None = None
     loader: str | None = None  # loader socket: workers acquire/release the version there
+    # the per-file digests the loader computed itself from the bytes it staged:
+    # (path relative to the checkpoint, bytes, alg, hex), and whether they matched the reference
+    # the daemon gave when staging (`checked`)
+    files: tuple[tuple[str, int, str, str], ...] = ()
+    checked: bool = False
 
     def table(self) -> dict[str, TensorSpec]:
         return {t.name: t.spec() for t in self.tensors}
@@ -120,6 +126,8 @@ class Descriptor:
                 for t in self.tensors
             ],
             "buffers": [_buffer_json(self.kind, b) for b in self.buffers],
+            "files": [{"path": p, "bytes": n, "alg": a, "hash": h} for p, n, a, h in self.files],
+            "checked": self.checked,
         }
 
 
@@ -246,8 +254,8 @@ def parse_descriptor(doc: Any) -> Descriptor:
     """Validate a descriptor decoded from JSON; raises DescriptorError naming the first problem."""
     if not isinstance(doc, dict):
         raise DescriptorError("descriptor must be a JSON object")
-    keys = set(doc)
-    if keys != _TOP_KEYS:
+    keys = set(doc) - _OPTIONAL_KEYS
+    if keys != _TOP_KEYS or set(doc) - _TOP_KEYS - _OPTIONAL_KEYS:
         missing, extra = sorted(_TOP_KEYS - keys), sorted(keys - _TOP_KEYS)
         raise DescriptorError(f"descriptor: missing fields {missing}, unknown fields {extra}")
     if doc["format"] != FORMAT:
@@ -284,4 +292,22 @@ def parse_descriptor(doc: Any) -> Descriptor:
     buffers = [_parse_buffer(i, b, kind, size) for i, b in enumerate(raw_buffers)]
     if len({b.device_uuid for b in buffers}) != len(buffers):
         raise DescriptorError("two buffers name the same device")
-    return Descriptor(version, kind, size, tuple(tensors), tuple(buffers), digest, loader)
+    files = _parse_files(doc.get("files", []))
+    checked = doc.get("checked", False)
+    if not isinstance(checked, bool):
+        raise DescriptorError("checked must be true or false")
+    return Descriptor(version, kind, size, tuple(tensors), tuple(buffers), digest, loader, files, checked)
+
+
+def _parse_files(raw: Any) -> tuple[tuple[str, int, str, str], ...]:
+    if not isinstance(raw, list) or len(raw) > MAX_TENSORS:
+        raise DescriptorError(f"files must be a list of at most {MAX_TENSORS} entries")
+    out = []
+    for i, f in enumerate(raw):
+        ok = (isinstance(f, dict) and set(f) == {"path", "bytes", "alg", "hash"} and isinstance(f["path"], str)
+              and isinstance(f["alg"], str) and isinstance(f["hash"], str) and len(f["hash"]) <= 128)  # fmt: skip
+        if not ok:
+            raise DescriptorError(f"files[{i}] must be {{path, bytes, alg, hash}}")
+        out.append((_str(f["path"], f"files[{i}].path", max_chars=4096), _int(f["bytes"], f"files[{i}].bytes"),
+                    f["alg"], f["hash"]))  # fmt: skip
+    return tuple(out)

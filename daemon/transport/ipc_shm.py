@@ -14,6 +14,7 @@ import contextlib
 import mmap
 import os
 import re
+import secrets
 import stat
 import weakref
 from pathlib import Path
@@ -30,8 +31,9 @@ class ShmError(RuntimeError):
 
 
 def segment_name(pid: int, seq: int, version: str) -> str:
+    """`hotswap-<pid>-<seq>-<128 random bits>-<version>`: no other user can guess it to take it first."""
     safe = re.sub(r"[^A-Za-z0-9._-]", "_", version)[:64]
-    return f"{SHM_PREFIX}{pid}-{seq}-{safe}"
+    return f"{SHM_PREFIX}{pid}-{seq}-{secrets.token_hex(16)}-{safe}"
 
 
 def segment_owner(name: str) -> int | None:
@@ -91,7 +93,9 @@ class ShmSegment:
 class ShmMapping:
     """Worker side: a sealed segment mapped copy-on-write, exposed as one flat uint8 tensor."""
 
-    def __init__(self, path: str, nbytes: int) -> None:
+    def __init__(self, path: str, nbytes: int, trusted_uids: frozenset[int] | None = None) -> None:
+        """`trusted_uids`: the segment must belong to one of these users and be sealed (no write
+        bits), so no other local user can have made or changed it."""
         import torch  # the loader side of this module must not pay for importing torch
 
         try:
@@ -102,6 +106,10 @@ class ShmMapping:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise DescriptorError(f"shared-memory segment {path} is not a regular file")
+            if trusted_uids is not None and st.st_uid not in trusted_uids:
+                raise DescriptorError(f"shared-memory segment {path} belongs to uid {st.st_uid}, not the loader's user")
+            if trusted_uids is not None and st.st_mode & 0o222:
+                raise DescriptorError(f"shared-memory segment {path} is writable (mode {stat.S_IMODE(st.st_mode):o}), not sealed")
             if st.st_size != nbytes:
                 raise DescriptorError(
                     f"shared-memory segment {path} has {st.st_size} bytes, the descriptor says {nbytes}"

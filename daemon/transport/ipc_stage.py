@@ -18,6 +18,7 @@ from daemon.transport.base import (
     StageError,
     UpdateRequest,
 )
+from daemon.transport.check import files_problem
 
 log = get_logger(__name__)
 
@@ -32,11 +33,14 @@ class IpcSender:
         self._staged: set[str] = set()
 
     def prepare(self, item: Outgoing) -> Prepared:
-        if not item.local_path:
-            raise StageError(f"{item.version}: no local copy to deploy from")
+        problem = files_problem(item.local_path, item.expect)  # never stage missing files
+        if problem is not None:
+            raise StageError(f"{item.version}: {problem}")
+        assert item.local_path is not None
         try:
             if item.version not in self._staged:
-                info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest)
+                files = item.expect.to_json().get("files")  # the loader checks the bytes it stages
+                info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest, files=files)
                 log.info("staged", version=item.version, bytes=info.bytes, seconds=info.seconds, devices=info.devices)
                 self._staged.add(item.version)
             descriptor = self.loader.descriptor(item.version)

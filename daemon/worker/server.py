@@ -17,7 +17,7 @@ compared in constant time; without --token-file the admin routes answer 403):
                           requests_total, requests_failed, ...
     POST /admin/drain     {timeout_s}           POST /admin/pause {mode: keep|wait, timeout_s}
     POST /admin/resume                          POST /admin/rollback
-    POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors}}
+    POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors, files}}
     POST /admin/probe     {max_tokens}: one greedy generation even while paused (post-update check)
 
 Serving errors are OpenAI error objects {"error": {message, type, param, code}}: 400 invalid
@@ -52,6 +52,7 @@ from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
 from daemon.formats.safetensors import HeaderError
 from daemon.jsonbody import JsonBodyError, parse_object
 from daemon.transport.base import TableMismatch, TransportError, check_table
+from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
 from daemon.worker.completions import Serving, install_serving_routes
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
@@ -209,12 +210,14 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
     version, digest = initial_version(model_dir, args.version)
     t0 = time.perf_counter()
     loaded = build_model(model_dir, device)
-    transport = DiskTransport(model_dir)
+    expect = load_expect_file(args.expect_file)  # checked while loading; kept for restores
+    transport = DiskTransport(model_dir, expect=expect)
     check_table(transport.table(), loaded.params)
     transport.write_into(loaded.params)
     load_s = time.perf_counter() - t0
-    record = VersionRecord(version=version, digest=digest, transport="disk", path=str(model_dir),
-                           request={"transport": "disk", "path": str(model_dir), "version": version})
+    record = VersionRecord(version=version, digest=expect.digest or digest, transport="disk", path=str(model_dir),
+                           request={"transport": "disk", "path": str(model_dir), "version": version,
+                                    **({"expect": expect.to_json()} if expect.files else {})})
     store = WeightStore(loaded.params, device, record)
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
     ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write)
@@ -235,6 +238,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--token-file", default=None, help="file holding the admin bearer token")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--version", default=None, help="version label of the initial weights")
+    p.add_argument("--expect-file", default=None,
+                   help="JSON {digest, tensors, files}: verified per-file digests the initial weights must match")
     p.add_argument("--max-batch", type=int, default=8, help="sequences stepped concurrently")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as 'model' and /v1/models lists; stays the same across "

@@ -165,7 +165,8 @@ def apply_update(
         transport=request.transport,
         path=path if isinstance(path, str) else None,
         mode=request.mode,
-        request={k: v for k, v in request.to_json().items() if k != "expect"},
+        # with its expect: a restore or rollback re-reads it checked against the same digests
+        request=request.to_json(),
     )
     try:
         for hook in before_write:
@@ -206,11 +207,12 @@ def apply_update(
         "transport": request.transport,
         "mode": request.mode,
         "digest": record.digest,
-        "digest_checked": digest is not None,
         "tensors": store.tensors,
         "bytes": store.bytes,
         **transport.stats(),
     }
+    # checked: every byte read was hashed and matched the registry's per-file digests
+    result["digest_checked"] = bool(result.get("checked_files"))
     store.last_update = result
     return result
 

@@ -1,0 +1,296 @@
+"""Check while loading: hash every byte a transport reads and compare with what verify recorded.
+
+The registry's per-file digests (`Expect.files`, filled by the daemon for every update it sends)
+are the reference. A transport that reads a checkpoint in chunks, from several threads, feeds
+each chunk to the `LoadCheck`; per file, an `OrderedHasher` hashes the chunks in file order
+(a chunk waits until every earlier byte of its file was hashed; bytes no chunk covers, such as
+the safetensors header, are read by the hasher itself), so the result is the hash of the whole
+file exactly as verify computed it. `finish()` compares every file with its reference and raises
+`DigestMismatch` (the caller then restores the previous weights and commits nothing).
+
+The strong hash (BLAKE3 or SHA-256) decides; files the registry knows only by CRC32C (format-1
+rows) are checked by CRC and reported as `weak`. Hashing releases the GIL, and BLAKE3 splits
+each chunk over `threads` cores, so files hash in parallel with the reads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import crc32c as _crc32c
+
+from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, new_strong_hash
+from daemon.transport.base import BadUpdateRequest, Expect, ExpectedFile
+
+__all__ = ["DigestMismatch", "LoadCheck", "OrderedHasher", "Reference", "load_expect_file", "reference_for"]
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """What one file must hash to: size and one digest (the strongest the registry has)."""
+
+    path: str
+    bytes: int
+    alg: str  # "blake3" | "sha256" | "crc32c"
+    value: str
+
+    @property
+    def strong(self) -> bool:
+        return self.alg in HASH_ALGORITHMS
+
+
+def reference_for(f: ExpectedFile) -> Reference | None:
+    """The digest to check `f` with: BLAKE3, else SHA-256, else CRC32C; None when it has none."""
+    for alg in (*HASH_ALGORITHMS, "crc32c"):
+        value = f.digests.get(alg)
+        if value:
+            return Reference(f.path, f.bytes, alg, value.lower())
+    return None
+
+
+class _Aborted(Exception):
+    pass
+
+
+class OrderedHasher:
+    """The digest of one file, fed chunks from any thread in any order; hashed in file order.
+
+    `covered` are the (offset, length) ranges that chunks will deliver; every other byte of the
+    file (header, gaps, tail) is read here with `pread` when the hash reaches it.
+    """
+
+    def __init__(self, path: Path, ref: Reference, covered: Iterable[tuple[int, int]], *, threads: int = 1) -> None:
+        self.path = path
+        self.ref = ref
+        self._strong = new_strong_hash(ref.alg, threads=threads) if ref.strong else None
+        self._crc = 0
+        self._pos = 0
+        self._busy = False
+        self._aborted = False
+        self._cond = threading.Condition()
+        self._starts: dict[int, int] = {}
+        for off, n in sorted(covered):
+            if n > 0:
+                self._starts[off] = n
+        self._fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        self._size = os.fstat(self._fd).st_size
+        if ref.value and self._size != ref.bytes:
+            os.close(self._fd)
+            raise DigestMismatch(f"{ref.path}: {self._size} bytes now, {ref.bytes} verified (changed since verify)")
+
+    def _update(self, data: Any) -> None:
+        view = memoryview(data).cast("B")
+        if self._strong is not None:
+            self._strong.update(view)
+        else:
+            self._crc = _crc32c.crc32c(view, self._crc)
+
+    def _fill_gaps(self) -> None:
+        """Hash bytes no chunk covers, read from the file itself, up to the next covered range."""
+        while self._pos not in self._starts and self._pos < self._size:
+            later = [s for s in self._starts if s > self._pos]
+            end = min(later) if later else self._size
+            n = end - self._pos
+            if n <= 0:
+                return
+            data = os.pread(self._fd, n, self._pos)
+            if len(data) != n:
+                raise DigestMismatch(f"{self.path}: short read at byte {self._pos} (file changed while loading?)")
+            self._update(data)
+            self._pos += n
+
+    def feed(self, offset: int, data: Any) -> None:
+        """Hash `data`, the file's bytes at `offset`, once every earlier byte is hashed."""
+        with self._cond:
+            self._fill_gaps()
+            while not self._aborted and (self._busy or self._pos != offset):
+                if self._pos > offset:
+                    raise DigestMismatch(f"{self.path}: bytes at {offset} fed twice")
+                self._cond.wait()
+            if self._aborted:
+                raise _Aborted
+            self._busy = True
+        try:
+            self._update(data)  # outside the lock: the hash releases the GIL
+        finally:
+            with self._cond:
+                self._busy = False
+                self._pos = offset + len(memoryview(data).cast("B"))
+                self._starts.pop(offset, None)
+                if not self._aborted:
+                    self._fill_gaps()
+                self._cond.notify_all()
+
+    def abort(self) -> None:
+        with self._cond:
+            self._aborted = True
+            self._cond.notify_all()
+
+    def result(self) -> FileDigest:
+        with self._cond:
+            self._fill_gaps()
+            size_now = os.fstat(self._fd).st_size
+        hexd = self._strong.hexdigest() if self._strong is not None else ""
+        crc = "" if self._strong is not None else f"{self._crc:08x}"
+        return FileDigest(max(self._pos, size_now), crc, self.ref.alg if self._strong is not None else None, hexd)
+
+    def check(self) -> FileDigest:
+        """The file's digest; raises DigestMismatch unless it equals the reference (when there is one)."""
+        if self._starts:
+            raise DigestMismatch(f"{self.path}: {len(self._starts)} ranges were never read")
+        d = self.result()
+        if not self.ref.value:
+            return d  # computed only (the loader without a reference): reported, not compared
+        if d.bytes != self.ref.bytes:
+            raise DigestMismatch(f"{self.ref.path}: {d.bytes} bytes now, {self.ref.bytes} verified")
+        got = d.hash if self.ref.strong else d.crc32c
+        if got != self.ref.value:
+            raise DigestMismatch(
+                f"{self.ref.path}: {self.ref.alg} {got[:16]}... does not match the verified {self.ref.value[:16]}... "
+                "(changed since it was verified)"
+            )
+        return d
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class LoadCheck:
+    """Every file a transport reads, checked against the registry's digests; see the module docstring."""
+
+    def __init__(
+        self,
+        directory: Path,
+        expect: Expect,
+        ranges: Mapping[Path, Iterable[tuple[int, int]]],
+        *,
+        threads: int = 1,
+        compute_alg: str | None = None,
+    ) -> None:
+        """`compute_alg`: hash files the reference does not list with this algorithm instead of
+        refusing them (the loader staged without a reference reports what it computed)."""
+        self.directory = directory
+        refs: dict[str, Reference] = {}
+        for f in expect.files:
+            ref = reference_for(f)
+            if ref is not None:
+                refs[f.path] = ref
+        self.hashers: dict[Path, OrderedHasher] = {}
+        try:
+            for file, covered in ranges.items():
+                rel = _relative(directory, file)
+                ref = refs.get(rel)
+                if ref is None and compute_alg is not None:
+                    ref = Reference(rel, 0, compute_alg, "")
+                if ref is None:
+                    raise DigestMismatch(f"{rel}: the registry has no verified digest for this file")
+                self.hashers[file] = OrderedHasher(file, ref, covered, threads=threads)
+            read = {_relative(directory, f) for f in ranges}
+            unread = sorted(p for p in refs if p.endswith(".safetensors") and p not in read)
+            if unread:
+                raise DigestMismatch(f"{unread[0]}: verified weight file is not part of the checkpoint being loaded")
+        except BaseException:
+            self.close()
+            raise
+        self.weak = any(not h.ref.strong for h in self.hashers.values())
+        self.digests: dict[str, FileDigest] = {}
+
+    def feed(self, file: Path, offset: int, data: Any) -> None:
+        self.hashers[file].feed(offset, data)
+
+    def abort(self) -> None:
+        for h in self.hashers.values():
+            h.abort()
+
+    def finish(self) -> dict[str, Any]:
+        """Raise DigestMismatch unless every file matched; returns facts for the update's answer."""
+        self.digests = {_relative(self.directory, f): h.check() for f, h in self.hashers.items()}
+        algs = sorted({h.ref.alg for h in self.hashers.values()})
+        return {"checked_files": len(self.hashers), "check_alg": ",".join(algs), "check_weak": self.weak}
+
+    @property
+    def compared(self) -> bool:
+        """Every file had a reference to compare with (not only computed)."""
+        return all(h.ref.value for h in self.hashers.values())
+
+    def close(self) -> None:
+        for h in self.hashers.values():
+            h.close()
+
+
+def ensure_contained(directory: Path, files: Iterable[Path]) -> None:
+    """Every weight file must be a regular file that stays inside the checkpoint directory
+    (symlinks within it are fine). A symlink to /etc/shadow is refused by name before a byte of
+    it is read, so no error message can carry the bytes (or the header length) of such a file."""
+    root = os.path.realpath(directory)
+    for f in files:
+        real = os.path.realpath(f)
+        if os.path.commonpath([root, real]) != root:
+            raise DigestMismatch(f"{_relative(directory, f)}: a symlink leaving the checkpoint directory; refused")
+        if os.path.exists(real) and not os.path.isfile(real):
+            raise DigestMismatch(f"{_relative(directory, f)}: not a regular file; refused")
+
+
+def files_problem(local_path: str | None, expect: Expect) -> str | None:
+    """Why a version cannot be sent to a worker: its directory or a verified file is gone, or a file
+    changed size since verify (a cheap stat; the bytes are checked by whoever reads them)."""
+    if not local_path:
+        return "no local copy to deploy from"
+    root = Path(local_path)
+    if not root.is_dir():
+        return f"its directory {local_path} is missing"
+    for f in expect.files:
+        try:
+            size = (root / f.path).stat().st_size
+        except OSError:
+            return f"its file {f.path} is missing"
+        if size != f.bytes:
+            return f"its file {f.path} has {size} bytes, {f.bytes} were verified"
+    return None
+
+
+def _relative(directory: Path, file: Path) -> str:
+    try:
+        return file.relative_to(directory).as_posix()
+    except ValueError:
+        return file.name
+
+
+def is_aborted(exc: BaseException) -> bool:
+    return isinstance(exc, _Aborted)
+
+
+def wants_check(expect: Expect) -> bool:
+    """True when the request carries per-file digests to check against."""
+    return any(reference_for(f) is not None for f in expect.files)
+
+
+MAX_EXPECT_FILE_BYTES = 16 << 20
+
+
+def load_expect_file(path: str | None) -> Expect:
+    """`hotswap worker --expect-file F`: the verified per-file digests of the initial weights
+    (JSON `{digest, tensors, files}`), written by the daemon for the workers it launches; the
+    initial load is checked against them and the worker refuses to start on a mismatch."""
+    if not path:
+        return Expect()
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_EXPECT_FILE_BYTES + 1)
+    except OSError as exc:
+        raise ValueError(f"--expect-file {path}: cannot read ({exc.strerror})") from None
+    if len(raw) > MAX_EXPECT_FILE_BYTES:
+        raise ValueError(f"--expect-file {path}: larger than {MAX_EXPECT_FILE_BYTES} bytes")
+    try:
+        doc = json.loads(raw)
+        return Expect.from_json(doc)
+    except (ValueError, RecursionError, BadUpdateRequest) as exc:
+        raise ValueError(f"--expect-file {path}: not an expect object ({str(exc)[:200]})") from None
