@@ -45,8 +45,9 @@ from daemon.registry.status import (
 from daemon.rollout import health
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.managed import ManagedWorker, Restarter, ensure_seed
+from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed
 from daemon.rollout.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
+from daemon.rollout.reconcile import check_worker, recover_uncertain
 from daemon.rollout.recovery import Recovery
 from daemon.rollout.stage import Stager
 from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
@@ -79,7 +80,8 @@ class RolloutService:
             managed = ManagedWorker(spec, state_dir) if spec.launch == "managed" else None
             url = managed.url if managed else spec.url.rstrip("/")
             token_file = str(managed.token_file) if managed else spec.token_file
-            client = make_client(spec.kind, spec.name, url, token_file=token_file or None, timeouts=timeouts)
+            client = make_client(spec.kind, spec.name, managed.admin_url if managed else url,
+                                 token_file=token_file or None, timeouts=timeouts)  # fmt: skip
             if settings.transport not in client.capabilities.transports:
                 raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
@@ -315,6 +317,7 @@ class RolloutService:
         if serving is None:
             return {"outcome": "nothing to reconcile"}
         target = self.engine.fallback_target(serving)
+        restored = recover_uncertain(self.driver, self.fleet, target)
         drifted = []
         for h in self.fleet:
             try:
@@ -324,7 +327,7 @@ class RolloutService:
             if info.state == WorkerState.RUNNING and target is not None and not target.matches(info):
                 drifted.append(h.name)
         if not drifted:
-            return {"outcome": "in sync"}
+            return {"outcome": "in sync", "restored": restored}
         log.warning("reconciling", workers=drifted, version=serving.version)
         result = self.engine.deploy(
             serving, trigger=T.ROLLBACK, fallback=serving, only=drifted, detail={"by": "reconcile"}
@@ -494,7 +497,10 @@ class RolloutService:
             if not model:
                 log.error("managed_worker_without_model", worker=h.name)
                 continue
-            h.managed.launch(model, serving.version if serving else None)
+            try:
+                h.managed.launch(model, serving.version if serving else None)
+            except PortTaken as exc:
+                self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
         for h in managed:
             if self.driver.wait_answering(h, self.settings.restart_timeout_s) is None:
                 log.error("managed_worker_not_ready", worker=h.name,
@@ -553,11 +559,16 @@ class RolloutService:
         return self.state.current_job is not None
 
     def _poll_one(self, h: WorkerHandle) -> bool:
-        if h.managed is not None and h.managed.pid is not None and not h.managed.alive():
+        if h.managed is not None and h.managed.needs_relaunch():
             serving = self.journal.alias("serving")
             log.warning("managed_worker_died", worker=h.name)
-            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error="managed worker process exited")
-            h.managed.relaunch(serving.local_path if serving else None, serving.version if serving else None)
+            h.observed(None)
+            error = "managed worker process exited; relaunched"
+            try:
+                h.managed.relaunch(serving.local_path if serving else None, serving.version if serving else None)
+            except PortTaken as exc:
+                error = f"managed worker process exited; {exc}"
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=error)
             return False
         try:
             info = h.client.weight_info()
@@ -565,6 +576,10 @@ class RolloutService:
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
             h.observed(None)
             return False
+        if check_worker(self.journal, self.driver, h, info) is not None:  # reports what the registry does not
+            self.journal.observe(h.name, state=WorkerState.UNCERTAIN.value, weight_version=info.version,
+                                 error="its report does not match the registry", device=info.device)  # fmt: skip
+            return True
         state = info.state if info.state in WORKER_STATES else "UNKNOWN"
         self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
         h.observed(parse_state(info.state))
