@@ -124,3 +124,47 @@ def test_something_else_at_the_socket_path_is_not_replaced(root: Path) -> None:
     finally:
         target.unlink()
         d.rmdir()
+
+
+def test_private_admin_socket_answers_while_hostile_clients_hit_the_serving_port(root: Path) -> None:
+    """The admin server has its own thread and event loop: while a 100 MB body, a 100 MB chunked
+    body, a 10 MB prompt and 200 concurrent completions hit the TCP port, every /health and
+    /weight_info on the socket is answered (200), and each hostile request is refused properly.
+    Behaviour only; the latency figures are bench/admin_latency.py's (bench/RESULTS.md)."""
+    import json
+    import threading
+    import time
+
+    d = _short_private_dir(root, "load")
+    sock = d / "w.sock"
+    w = start_worker(root / "m", root / "token", extra=["--admin-uds", str(sock), "--max-body-bytes", str(16 << 20)])
+    answers: list[int] = []
+    stop = threading.Event()
+
+    def poll() -> None:
+        with _uds(sock) as c:
+            while not stop.is_set():
+                answers.append(c.get("/health").status_code)
+                answers.append(c.get("/weight_info", headers=w.auth()).status_code)
+                time.sleep(0.02)
+
+    poller = threading.Thread(target=poll)
+    try:
+        poller.start()
+        load = subprocess.run([sys.executable, str(REPO / "tests" / "support_hostile.py"), w.url, "200"],
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        stop.set()
+        poller.join(60)
+        assert load.returncode == 0, load.stderr[-2000:]
+        result = json.loads(load.stdout.strip().splitlines()[-1])
+        assert result["body_100mb"] == "413" or result["body_100mb"].startswith("closed:"), result
+        assert result["chunked_100mb"] == "413" or result["chunked_100mb"].startswith("closed:"), result
+        assert result["prompt_10mb"] == "400:context_length_exceeded", result
+        assert set(result["concurrent"]) <= {"200", "429"} and result["concurrent"].get("200", 0) >= 8, result
+        assert len(answers) >= 20 and set(answers) == {200}, answers[:50]
+        assert w.post("/v1/completions", {"prompt": "still serving", "max_tokens": 2}).status_code == 200
+    finally:
+        stop.set()
+        w.stop()
+        sock.unlink(missing_ok=True)
+        d.rmdir()
