@@ -22,7 +22,7 @@ from daemon.tinymodel import make_tiny_checkpoint
 @pytest.fixture(scope="module")
 def root(tmp_path_factory: pytest.TempPathFactory) -> Path:
     r = tmp_path_factory.mktemp("ident")
-    make_tiny_checkpoint(r / "m", seed=3)
+    make_tiny_checkpoint(r / "m", seed=3, tokenizer=True)
     write_token(r)
     return r
 
