@@ -70,6 +70,7 @@ from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, Body
 from daemon.worker.openai_errors import install_error_handlers
 
 log = logging.getLogger("hotswap.worker")
+ADMIN_SWITCH_INTERVAL_S = 0.001
 
 
 def read_token(path: str | Path) -> bytes:
@@ -200,6 +201,10 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
         except (OSError, PrivateDirError) as exc:
             print(f"hotswap worker: --admin-uds: {exc}", file=sys.stderr)
             return 2
+    if admin_server is not None:
+        # The admin thread asks for the GIL while serving threads hold it: hand it over every
+        # 1 ms instead of every 5 (the default), so its answers wait less behind serving work.
+        sys.setswitchinterval(ADMIN_SWITCH_INTERVAL_S)
     app = create_app(ctl, token, serving, admin=admin_server is None)
     ctl.engine.start()
     try:
