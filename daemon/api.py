@@ -1,6 +1,7 @@
 """The daemon's HTTP API (loopback by default): health, status, metrics, rollout control.
 
-GET  /health               200 {"ok": true} while the process and its database answer; 503 otherwise
+GET  /health               200 {"ok": true} while the process and its database answer and no configured
+                           source is missing; 503 {"ok": false, "error": "<reasons>"} otherwise
 GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers
 GET  /metrics              Prometheus text format
 
@@ -8,17 +9,27 @@ With workers configured, the rollout routes (`rollout_router`):
 
 GET  /v1/rollout           runner state: serving, last_good, pinned, pending, current job, workers
 POST /v1/rollout/rollback  {"to": VERSION | null}  -> the rollback's result (waits for it)
-POST /v1/rollout/pin       {"version": VERSION}     -> pins, deploying it if it is not serving
+POST /v1/rollout/pin       {"version": VERSION, "force": false} -> pins, deploying it if it is not
+                           serving; a `rejected` version only with "force": true
 POST /v1/rollout/unpin     {}                       -> unpins; a waiting checkpoint deploys next
 
-Rollout errors answer {"error": "..."}: 404 unknown version, 409 refused (pinned, not verified,
-nothing to roll back to), 503 while the daemon is starting, 504 when the command did not
-finish within `wait_s` (it still runs). Push ingest (a source) mounts its routes here too.
+Every state-changing route needs the control token (daemon.auth): `Authorization: Bearer
+<content of <state_dir>/control.token>`; a request with an `Origin` header or a non-loopback
+`Host` is 403, a missing or wrong token 401. The guard is `ApiState.guard` and
+`app.state.control_guard`; another module's routes use `daemon.auth.control_router(guard)` and
+read their body with `daemon.jsonbody.json_object` (never `Body(...)`, parsed before the guard).
+GET routes are open; `/status` passes through daemon.redact (no passwords, tokens or keys).
+
+Errors answer {"error": "..."}: 400 bad JSON (malformed, nested deeper than 64), 401/403 above,
+404 unknown version, 409 refused (pinned, not verified, rejected without force, nothing to roll
+back to), 413 body over 64 KiB, 422 wrong field types, 503 while the daemon is starting, 504
+when the command did not finish within `wait_s` (it still runs).
 """
 
 from __future__ import annotations
 
 import socket
+import ssl
 import threading
 import time
 from collections.abc import Callable
@@ -28,12 +39,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import uvicorn
-from fastapi import APIRouter, Body, FastAPI
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 from sqlalchemy import text
 
 import daemon
+from daemon.auth import ControlGuard, control_dependency
+from daemon.config import ConfigError
+from daemon.jsonbody import json_object
 from daemon.metrics import CONTENT_TYPE, DaemonMetrics
+from daemon.redact import redact_doc
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
@@ -50,10 +65,18 @@ class ApiState:
     sources: list[dict[str, Any]] = field(default_factory=list)
     started_at: float = field(default_factory=time.time)
     queue_depth: Callable[[], int] | None = None  # the coordinator's queue depth
+    problems: Callable[[], list[str]] | None = None  # why the daemon is unhealthy (a source gone); [] = none
+    guard: ControlGuard | None = None  # the control token check; every state-changing route needs it
 
 
 def create_app(state: ApiState) -> FastAPI:
-    app = FastAPI(title="hotswap daemon", version=daemon.__version__, docs_url=None, redoc_url=None)
+    app = FastAPI(title="hotswap daemon", version=daemon.__version__, docs_url=None, redoc_url=None,
+                  openapi_url=None)  # fmt: skip
+    app.state.control_guard = state.guard
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        return JSONResponse({"error": exc.detail}, status_code=exc.status_code, headers=exc.headers)
 
     @app.get("/health")
     def health() -> Response:
@@ -62,6 +85,9 @@ def create_app(state: ApiState) -> FastAPI:
                 conn.execute(text("SELECT 1"))
         except Exception as exc:  # noqa: BLE001
             return JSONResponse({"ok": False, "error": f"database: {exc}"}, status_code=503)
+        problems = state.problems() if state.problems is not None else []
+        if problems:
+            return JSONResponse({"ok": False, "error": "; ".join(problems), "problems": problems}, status_code=503)
         return JSONResponse({"ok": True})
 
     @app.get("/status")
@@ -75,8 +101,10 @@ def create_app(state: ApiState) -> FastAPI:
     return app
 
 
-def rollout_router(service: RolloutService) -> APIRouter:
+def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
     router = APIRouter(prefix="/v1/rollout")
+    control = [control_dependency(guard)]
+    body_of = Depends(json_object)  # read after the guard: an unauthenticated body is never parsed
 
     def answer(future: Future[dict[str, Any]], wait_s: float) -> JSONResponse:
         try:
@@ -100,25 +128,34 @@ def rollout_router(service: RolloutService) -> APIRouter:
 
     # Plain `def` handlers: FastAPI runs them in its thread pool, so waiting on the
     # runner's Future does not block the event loop.
-    @router.post("/rollback")
-    def rollback(body: dict[str, Any] = Body(default_factory=dict)) -> JSONResponse:  # noqa: B008
+    @router.post("/rollback", dependencies=control)
+    def rollback(body: dict[str, Any] = body_of) -> JSONResponse:
         to = body.get("to")
         if to is not None and not isinstance(to, str):
             return JSONResponse({"error": "'to' must be a version string or null"}, status_code=422)
-        return starting() or answer(service.rollback(to), float(body.get("wait_s", DEFAULT_WAIT_S)))
+        return starting() or answer(service.rollback(to), wait_s(body))
 
-    @router.post("/pin")
-    def pin(body: dict[str, Any] = Body(default_factory=dict)) -> JSONResponse:  # noqa: B008
-        version = body.get("version")
+    @router.post("/pin", dependencies=control)
+    def pin(body: dict[str, Any] = body_of) -> JSONResponse:
+        version, force = body.get("version"), body.get("force", False)
         if not isinstance(version, str) or not version:
             return JSONResponse({"error": "'version' (a version string) is required"}, status_code=422)
-        return starting() or answer(service.pin(version), float(body.get("wait_s", DEFAULT_WAIT_S)))
+        if not isinstance(force, bool):
+            return JSONResponse({"error": "'force' must be true or false"}, status_code=422)
+        return starting() or answer(service.pin(version, force=force), wait_s(body))
 
-    @router.post("/unpin")
-    def unpin(body: dict[str, Any] = Body(default_factory=dict)) -> JSONResponse:  # noqa: B008
-        return starting() or answer(service.unpin(), float(body.get("wait_s", DEFAULT_WAIT_S)))
+    @router.post("/unpin", dependencies=control)
+    def unpin(body: dict[str, Any] = body_of) -> JSONResponse:
+        return starting() or answer(service.unpin(), wait_s(body))
 
     return router
+
+
+def wait_s(body: dict[str, Any]) -> float:
+    value = body.get("wait_s", DEFAULT_WAIT_S)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 86400:
+        raise HTTPException(422, "'wait_s' must be a number of seconds in [0, 86400]")
+    return float(value)
 
 
 def status_document(state: ApiState) -> dict[str, Any]:
@@ -126,17 +163,20 @@ def status_document(state: ApiState) -> dict[str, Any]:
         counts = q.status_counts(s)
         latest = q.history(s, limit=10)
         workers = q.worker_rows(s)
+        aliases = q.aliases(s)
     return {
         "daemon": {
             "version": daemon.__version__,
             "uptime_s": round(time.time() - state.started_at, 1),
             "database": redact_url(state.registry.url),
             "queue_depth": state.queue_depth() if state.queue_depth is not None else None,
+            "problems": state.problems() if state.problems is not None else [],
         },
-        "sources": state.sources,
+        "sources": redact_doc(state.sources),
         "checkpoints": counts,
-        "latest": [_jsonable_row(r) for r in latest],
-        "workers": [_jsonable_row(r) for r in workers],
+        "aliases": aliases,  # serving, last_good, pinned -> version
+        "latest": redact_doc([_jsonable_row(r) for r in latest]),
+        "workers": redact_doc([_jsonable_row(r) for r in workers]),
     }
 
 
@@ -147,12 +187,19 @@ def _jsonable_row(row: dict[str, Any]) -> dict[str, Any]:
 class ApiServer:
     """uvicorn in a background thread on a socket bound up front (so port 0 works)."""
 
-    def __init__(self, app: FastAPI, host: str, port: int) -> None:
+    def __init__(self, app: FastAPI, host: str, port: int, tls_certfile: str = "", tls_keyfile: str = "") -> None:
         self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         self.sock.bind((host, port))
         self.host, self.port = host, self.sock.getsockname()[1]
-        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off")
+        self.scheme = "https" if tls_certfile else "http"
+        tls: dict[str, Any] = {"ssl_certfile": tls_certfile, "ssl_keyfile": tls_keyfile} if tls_certfile else {}
+        config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls)
+        try:
+            config.load()  # here, so a bad certificate or key fails the start (one line), not the thread
+        except (OSError, ssl.SSLError) as exc:
+            self.sock.close()
+            raise ConfigError(f"api.tls_certfile/tls_keyfile: cannot use {tls_certfile}: {exc}") from None
         self.server = uvicorn.Server(config)
         self._thread = threading.Thread(
             target=self.server.run, kwargs={"sockets": [self.sock]}, name="api", daemon=True
@@ -160,8 +207,10 @@ class ApiServer:
 
     @property
     def url(self) -> str:
-        host = f"[{self.host}]" if ":" in self.host else self.host
-        return f"http://{host}:{self.port}"
+        """Where a local client reaches it (a wildcard address is reached on loopback)."""
+        host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(self.host, self.host)
+        host = f"[{host}]" if ":" in host else host
+        return f"{self.scheme}://{host}:{self.port}"
 
     def start(self) -> None:
         self._thread.start()

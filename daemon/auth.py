@@ -13,9 +13,12 @@ from __future__ import annotations
 import hmac
 import os
 import secrets
+import stat
+from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
-from fastapi import HTTPException, Request
+from fastapi import APIRouter, Depends, HTTPException, Request
 
 CONTROL_TOKEN_FILE = "control.token"
 _LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
@@ -30,12 +33,16 @@ def control_token_path(state_dir: Path) -> Path:
 
 
 def ensure_control_token(state_dir: Path) -> str:
-    """Read the control token, creating it (0600, O_EXCL: two starting daemons agree) if absent."""
+    """Read the control token, creating it (0600, O_EXCL: two starting daemons agree) if absent.
+
+    An existing file must be a regular file owned by this user and closed to group and others:
+    a token another local user planted, or can read, would hand them the control API."""
     path = control_token_path(state_dir)
     path.parent.mkdir(parents=True, exist_ok=True)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     except FileExistsError:
+        _check_private(path)
         return read_token_file(path)
     with os.fdopen(fd, "w") as f:
         f.write(secrets.token_urlsafe(32) + "\n")
@@ -55,6 +62,21 @@ def read_token_file(path: Path) -> str:
     return token
 
 
+def _check_private(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise TokenFileError(f"token file {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TokenFileError(f"token file {path} is not a regular file: remove it, the daemon makes a new one")
+    if st.st_uid != os.getuid():
+        raise TokenFileError(f"token file {path} is owned by uid {st.st_uid}, not this user ({os.getuid()}): "
+                             "remove it, the daemon makes a new one")  # fmt: skip
+    if st.st_mode & 0o077:
+        raise TokenFileError(f"token file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                             "chmod 600 it, or remove it and the daemon makes a new one")  # fmt: skip
+
+
 def host_is_loopback(host_header: str | None) -> bool:
     if not host_header:
         return False
@@ -69,17 +91,46 @@ def host_is_loopback(host_header: str | None) -> bool:
 class ControlGuard:
     """FastAPI dependency: 403 for browsers and non-loopback Host, 401 without the right token."""
 
-    def __init__(self, token: str, *, allow_remote_host: bool = False) -> None:
+    def __init__(self, token: str, *, allow_remote_host: bool = False, hosts: Iterable[str] = ()) -> None:
         self._token = token.encode()
         self._allow_remote_host = allow_remote_host
+        self._hosts = {h.strip().lower() for h in hosts if h.strip()}  # [api] allowed_hosts
+
+    def _host_allowed(self, host_header: str | None) -> bool:
+        if self._allow_remote_host or host_is_loopback(host_header):
+            return True
+        return host_header is not None and _host_name(host_header) in self._hosts
 
     def __call__(self, request: Request) -> None:
         if request.headers.get("origin") is not None:
             raise HTTPException(403, "cross-origin requests are refused")
-        if not self._allow_remote_host and not host_is_loopback(request.headers.get("host")):
-            raise HTTPException(403, "the control API answers only loopback Host names")
+        if not self._host_allowed(request.headers.get("host")):
+            raise HTTPException(403, "the control API answers only loopback Host names (and [api] allowed_hosts)")
         auth = request.headers.get("authorization", "")
         scheme, _, given = auth.partition(" ")
         if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
             raise HTTPException(401, "missing or wrong control token (see <state_dir>/control.token)",
                                 headers={"WWW-Authenticate": "Bearer"})
+
+
+def _host_name(host_header: str) -> str:
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def control_dependency(guard: ControlGuard) -> Any:
+    """`Depends(guard)`, for a route's or router's `dependencies=[...]`."""
+    return Depends(guard)
+
+
+def control_router(guard: ControlGuard, **kwargs: Any) -> APIRouter:
+    """An APIRouter whose every route needs the control token: where state-changing routes go.
+
+    `guard` is the daemon's (`app.state.control_guard`, `ApiState.guard`). Read the body with
+    `daemon.jsonbody.json_object` (a dependency, solved after the guard), never `Body(...)`:
+    FastAPI parses a `Body` before any dependency runs, so an unauthenticated client's body
+    would be read and parsed before it is refused."""
+    deps = [*kwargs.pop("dependencies", ()), control_dependency(guard)]
+    return APIRouter(dependencies=deps, **kwargs)

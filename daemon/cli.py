@@ -24,22 +24,26 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 from daemon import __version__
+from daemon.cli_read import history_cmd, open_existing_registry, read_config, read_runtime_file, status_cmd
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.publish_cmd import publish_main  # noqa: F401 - `hotswap publish` lives there
+from daemon.statelock import StateDirLocked
 
 # command -> "module:function" taking argv (list[str]) and returning an exit code
 DELEGATED: dict[str, tuple[str, str]] = {
     "worker": ("daemon.worker.server:main", "run the reference serving worker"),
     "loader": ("daemon.loader.server:main", "run the staging loader (CUDA IPC exporter)"),
     "verify": ("daemon.checks.cli:main", "run the checks on a checkpoint directory"),
-    "publish": ("daemon.cli:publish_main", "write hotswap-manifest.json for a checkpoint (last)"),
+    "publish": ("daemon.client.cli:publish_main", "write hotswap-manifest.json (last); --to s3://... uploads"),
+    "push": ("daemon.client.cli:push_main", "stream a checkpoint to a daemon's push source (--to https://...)"),
     "rollback": ("daemon.cli:rollback_main", "roll every worker back to the version before (or --to VERSION)"),
     "pin": ("daemon.cli:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
     "unpin": ("daemon.cli:unpin_main", "let new checkpoints deploy again"),
+    "reverify": ("daemon.reverify:main", "verify VERSION again from the start (e.g. after its files changed)"),
 }
 
 EXIT_OK = 0
@@ -92,24 +96,27 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--version", action="version", version=f"hotswap {__version__}")
     sub = p.add_subparsers(title="commands", metavar="COMMAND")
 
-    def with_config(sp: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    def with_config(sp: argparse.ArgumentParser, state_dir: bool = False) -> argparse.ArgumentParser:
         sp.add_argument(
             "-c",
             "--config",
             default=None,
             help=f"config TOML (default: ${CONFIG_ENV}, else the embedded default: ./state, ./checkpoints)",
         )
+        if state_dir:  # read-only commands: where the daemon's state is, overriding [daemon].state_dir
+            sp.add_argument("--state-dir", default=None, help="the daemon's state folder (its hotswap.db, daemon.json)")
         return sp
 
     d = with_config(sub.add_parser("daemon", help="run the daemon (control plane)"))
     d.set_defaults(func=_cmd_daemon)
 
-    h = with_config(sub.add_parser("history", help="checkpoint versions and what happened to them"))
+    h = with_config(sub.add_parser("history", help="checkpoint versions and what happened to them"), True)
     h.add_argument("-n", "--limit", type=int, default=50, help="newest N versions (0 = all)")
-    h.add_argument("--json", action="store_true", help="JSON lines instead of a table")
+    h.add_argument("--json", action="store_true", help="JSON lines instead of a table (full values)")
+    h.add_argument("--wide", action="store_true", help="every column with full values, whatever the terminal width")
     h.set_defaults(func=_cmd_history)
 
-    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"))
+    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"), True)
     s.add_argument("--json", action="store_true")
     s.set_defaults(func=_cmd_status)
 
@@ -118,7 +125,7 @@ def _parser() -> argparse.ArgumentParser:
     up = with_config(dbsub.add_parser("upgrade", help="apply migrations up to the newest"))
     up.add_argument("--revision", default="head")
     up.set_defaults(func=_cmd_db_upgrade)
-    cur = with_config(dbsub.add_parser("current", help="print the database's migration revision"))
+    cur = with_config(dbsub.add_parser("current", help="print the database's migration revision"), True)
     cur.set_defaults(func=_cmd_db_current)
 
     for name, (_, help_text) in DELEGATED.items():
@@ -134,7 +141,11 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
     config = _config(args)
     from daemon.service import run_daemon
 
-    return run_daemon(config)
+    try:
+        return run_daemon(config)
+    except StateDirLocked as exc:
+        print(f"hotswap daemon: {exc}", file=sys.stderr)
+        return 2
 
 
 def _registry(config: Config, migrate: bool = False) -> Any:
@@ -157,167 +168,20 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_current(args: argparse.Namespace) -> int:
-    reg = _registry(_config(args))
+    reg = open_existing_registry(read_config(args), upgrade=False)
     print(reg.current_revision() or "(empty database)")
     return 0
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
-    from daemon.registry import queries as q
-
-    config = _config(args)
-    reg = _registry(config, migrate=True)  # also works before the daemon ever ran
-    with reg.session() as s:
-        rows = q.history(s, limit=args.limit or None)
-    if args.json:
-        for r in rows:
-            print(json.dumps({k: _plain(v) for k, v in r.items()}))
-        return 0
-    from rich.console import Console
-    from rich.table import Table
-
-    t = Table(title=f"hotswap history ({len(rows)} newest)" if args.limit else "hotswap history")
-    for col in ("version", "status", "discovered", "verified", "deployed", "rolled back / superseded",
-                "worker updates", "bytes", "reason"):  # fmt: skip
-        t.add_column(col, overflow="fold", justify="right" if col == "bytes" else "left")
-    for r in rows:
-        ended = (
-            f"rolled back {_ts(r['rolled_back_at'])}" if r.get("rolled_back_at")
-            else f"superseded {_ts(r['superseded_at'])}" if r.get("superseded_at") else ""
-        )  # fmt: skip
-        t.add_row(
-            r["version"],
-            _status_style(r["status"]),
-            _ts(r["discovered_at"]),
-            _ts(r["verified_at"]),
-            _ts(r["deployed_at"]),
-            ended,
-            r.get("worker_update_ms") or "",
-            _bytes(r["total_bytes"]),
-            r["status_message"] or "",
-        )
-    Console().print(t)
-    return 0
+    return history_cmd(args)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from daemon.api import ApiState, status_document
-    from daemon.metrics import DaemonMetrics
-
-    config = _config(args)
-    reg = _registry(config, migrate=True)
-    doc = status_document(ApiState(reg, DaemonMetrics()))
-    runtime = read_runtime_file(config)
-    doc["daemon"] = {"running": _daemon_alive(runtime), **(runtime or {})}
-    if args.json:
-        print(json.dumps(doc, default=_plain))
-        return 0
-    from rich.console import Console
-
-    c = Console()
-    dd = doc["daemon"]
-    state = f"running (pid {dd.get('pid')}, {dd.get('api_url')})" if dd["running"] else "not running"
-    c.print(f"daemon:      {state}")
-    c.print(f"database:    {doc['daemon'].get('database') or config.database_url}")
-    counts = ", ".join(f"{k} {v}" for k, v in sorted(doc["checkpoints"].items())) or "none"
-    c.print(f"checkpoints: {counts}")
-    if doc["latest"]:
-        newest = doc["latest"][0]
-        c.print(f"newest:      {newest['version']} ({newest['status']})")
-    for w in doc["workers"]:
-        c.print(f"worker:      {w['worker']} {w['state']} {w['weight_version'] or '-'}")
-    return 0
+    return status_cmd(args)
 
 
-def _daemon_alive(runtime: dict[str, Any] | None) -> bool:
-    if not runtime or not runtime.get("pid"):
-        return False
-    try:
-        os.kill(int(runtime["pid"]), 0)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
-def _plain(v: Any) -> Any:
-    return v.isoformat() if isinstance(v, datetime) else v
-
-
-def _ts(v: datetime | None) -> str:
-    return v.strftime("%Y-%m-%d %H:%M:%S") if v else ""
-
-
-def _bytes(n: int | None) -> str:
-    if not n:
-        return ""
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if n < 1000 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1000  # type: ignore[assignment]
-    return str(n)
-
-
-def _status_style(status: str) -> str:
-    color = {
-        "verified": "green",
-        "deployed": "bold green",
-        "rejected": "red",
-        "deferred": "yellow",
-        "duplicate": "dim",
-        "superseded": "dim",
-    }.get(status)
-    return f"[{color}]{status}[/{color}]" if color else status
-
-
-# -- hotswap publish ---------------------------------------------------------------------------
-
-
-def publish_main(argv: Sequence[str] | None = None) -> int:
-    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--hash blake3|sha256]
-    [--key-file F --key-id ID [--alg A]]`."""
-    from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS  # here: `hotswap` stays quick to start
-
-    ap = argparse.ArgumentParser(prog="hotswap publish", description="Write hotswap-manifest.json (last).")
-    ap.add_argument("directory", type=Path)
-    ap.add_argument("--version", help="version label (default: the directory name)")
-    ap.add_argument("--step", type=int)
-    ap.add_argument("--parent")
-    ap.add_argument(
-        "--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)"
-    )
-    ap.add_argument("--key-id")
-    ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256")
-    ap.add_argument(
-        "--hash",
-        choices=list(HASH_ALGORITHMS),
-        default=DEFAULT_HASH_ALG,
-        help=f"per-file strong hash (default {DEFAULT_HASH_ALG}: fastest, uses every core)",
-    )
-    ap.add_argument("--threads", type=int)
-    args = ap.parse_args(argv)
-    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
-    from daemon.manifest import ManifestError, publish
-
-    signer = None
-    if (args.key_file is None) != (args.key_id is None):
-        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
-        return 2
-    try:
-        if args.key_file is not None:
-            try:
-                signer = load_signer(args.alg, args.key_id, args.key_file)
-            except SignatureError as exc:
-                print(f"hotswap publish: {exc}", file=sys.stderr)
-                return 2
-        m = publish(
-            args.directory, args.version, args.step, args.parent, signer, hash_alg=args.hash, threads=args.threads
-        )
-    except (ManifestError, OSError) as exc:
-        print(f"hotswap publish: {exc}", file=sys.stderr)
-        return 1
-    signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
-    print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
-    return 0
+# -- hotswap publish: daemon.publish_cmd (re-exported: tests and scripts call it from here)
 
 
 # -- hotswap rollback / pin / unpin: through the running daemon ----------------------------------
@@ -327,16 +191,7 @@ class NotRunning(RuntimeError):
     pass
 
 
-def read_runtime_file(config: Config) -> dict[str, Any] | None:
-    try:
-        doc = json.loads(config.runtime_file.read_text())
-    except (OSError, ValueError):
-        return None
-    return doc if isinstance(doc, dict) else None
-
-
-def _daemon_url(config_path: str | None) -> str:
-    config = load_config(config_path)
+def _daemon_url(config: Config) -> str:
     runtime = read_runtime_file(config)
     where = str(config.runtime_file)
     if not runtime:
@@ -354,20 +209,46 @@ def _daemon_url(config_path: str | None) -> str:
 
 
 def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
+    """POST to the running daemon with its control token (`<state_dir>/control.token`)."""
     import httpx
 
-    url = _daemon_url(config_path)
+    from daemon.auth import TokenFileError, control_token_path, read_token_file
+
+    config = load_config(config_path)
+    url = _daemon_url(config)
+    token_file = control_token_path(config.state_dir)
     try:
-        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30)
+        token = read_token_file(token_file)
+    except TokenFileError as exc:
+        raise NotRunning(f"cannot send the daemon's control token: {exc} (run as the daemon's user)") from None
+    try:
+        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30,
+                       headers={"Authorization": f"Bearer {token}"}, verify=_tls_trust(config, url))  # fmt: skip
     except httpx.TransportError as exc:
         raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
     try:
         doc: dict[str, Any] = r.json()
     except ValueError:
         doc = {"error": r.text[:500]}
+    if r.status_code in (401, 403):
+        raise RuntimeError(f"the daemon at {url} refused the request ({doc.get('error') or r.status_code}; "
+                           f"token from {token_file})")  # fmt: skip
     if r.status_code != 200:
         raise RuntimeError(doc.get("error") or f"HTTP {r.status_code}")
     return doc
+
+
+def _tls_trust(config: Config, url: str) -> Any:
+    """For an HTTPS daemon: trust exactly its own certificate ([api] tls_certfile), nothing else."""
+    import ssl
+
+    if not url.startswith("https:") or not config.api.tls_certfile:
+        return True
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no system CAs: only the file below is trusted
+    ctx.load_verify_locations(cafile=str(Path(config.api.tls_certfile).expanduser()))
+    ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the daemon's own leaf is the trust anchor
+    ctx.check_hostname = False  # pinned to that certificate: whatever name the CLI dialled
+    return ctx
 
 
 def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -417,8 +298,9 @@ def rollback_main(argv: Sequence[str] | None = None) -> int:
 def pin_main(argv: Sequence[str] | None = None) -> int:
     p = _control_parser("pin", "Deploy VERSION and keep it: new checkpoints wait until `hotswap unpin`.")
     p.add_argument("version", metavar="VERSION")
+    p.add_argument("--force", action="store_true", help="pin even a version that was rejected")
     args = p.parse_args(argv)
-    return _control(args, "/v1/rollout/pin", {"version": args.version})
+    return _control(args, "/v1/rollout/pin", {"version": args.version, "force": args.force})
 
 
 def unpin_main(argv: Sequence[str] | None = None) -> int:

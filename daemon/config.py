@@ -31,7 +31,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
 
-from daemon.adapters import MANAGED_KIND, WORKER_KINDS
+from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
+from daemon.apiconfig import ApiSettings, listen_problem
 from daemon.checks import CheckSettings
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
@@ -52,6 +53,7 @@ class DaemonConfig:
     listen: str = "127.0.0.1:8780"  # daemon HTTP API (status, metrics, health); "" turns it off
     watchdog_interval_s: float = 0.0  # 0 = use systemd's WATCHDOG_USEC when set
     retention_interval_s: float = 300.0  # how often sources may prune directories they created
+    keep_workers_on_stop: bool = True  # managed workers keep serving while the daemon restarts (adopted at start)
 
     def validate(self, key: str) -> None:
         if self.retention_interval_s <= 0:
@@ -140,11 +142,13 @@ class RolloutSettings:
     update_timeout_s: float = 300.0  # the transfer into the worker's parameters
     restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
     stage_timeout_s: float = 600.0  # ipc: loader staging a version
+    max_infra_retries: int = 3  # a version whose rollout failed for a crashed/unreachable worker: retries, then rejected
     # Post-deploy health window: roll back when a worker's failed share exceeds the bound.
     health_window_s: float = 5.0
     max_error_rate: float = 0.01
-    min_window_requests: int = 1  # fewer requests than this in the window: no verdict on that worker
+    min_window_requests: int = 10  # fewer requests than this in the window: no verdict on that worker
     health_sample_s: float = 0.5
+    health_probe_s: float = 1.0  # a greedy probe this often in the window (0 = none); a failed one counts
     health_poll_s: float = 5.0  # background poll of every worker's /weight_info
     request_timeout_s: float = 10.0  # every other admin call (weight_info, pause, probe, resume, ...)
 
@@ -168,6 +172,10 @@ class RolloutSettings:
             raise _error(key, f"health_window_s: must be >= 0 (0 = no window), got {self.health_window_s}")
         if not 0 <= self.max_error_rate <= 1:
             raise _error(key, f"max_error_rate: must be between 0 and 1 (a share, 0.01 = 1 %), got {self.max_error_rate}")
+        if self.max_infra_retries < 0:
+            raise _error(key, f"max_infra_retries: must be >= 0, got {self.max_infra_retries}")
+        if self.health_probe_s < 0:
+            raise _error(key, f"health_probe_s: must be >= 0 (0 = no probes in the window), got {self.health_probe_s}")
         if self.min_window_requests < 1:
             raise _error(key, f"min_window_requests: must be >= 1, got {self.min_window_requests}")
         for name in self.groups:
@@ -203,6 +211,10 @@ class WorkerSpec:
     # managed: where its admin API is: "unix" = a 0600 socket in <state_dir>/run (0700), the TCP
     # port carrying only serving; "tcp" = on the port, the peer's identity proved before every token
     admin: Literal["unix", "tcp"] = "unix"
+    # Engine kinds only (vllm, sglang; README "Engines"): the engine's own pause mode used by
+    # rollout mode "pause" ("" = keep for vLLM, retract for SGLang) and SGLang's admin key file.
+    pause_mode: str = ""
+    admin_token_file: str = ""
 
     def validate(self, key: str) -> None:
         if not _NAME_RE.match(self.name):
@@ -227,6 +239,12 @@ class WorkerSpec:
             raise _error(key, f"admin: {self.admin!r} must be \"unix\" or \"tcp\"")
         if not 0 <= self.port <= 65535:
             raise _error(key, f"port: {self.port} is not a TCP port")
+        for opt, value in self.engine_options().items():
+            if opt not in ENGINE_KEYS.get(self.kind, ()):
+                raise _error(key, f"{opt}: not a setting of kind {self.kind!r}")
+            if opt == "pause_mode" and value not in ENGINE_PAUSE_MODES[self.kind]:
+                modes = ", ".join(ENGINE_PAUSE_MODES[self.kind])
+                raise _error(key, f"pause_mode: {value!r} is not a {self.kind} pause mode ({modes})")
         try:
             argv = self.restart_argv()
         except ValueError as exc:
@@ -238,6 +256,10 @@ class WorkerSpec:
                         key,
                         f"restart_command: unknown placeholder {{{ph}}} (known: {', '.join(RESTART_PLACEHOLDERS)})",
                     )
+
+    def engine_options(self) -> dict[str, str]:
+        """The engine keys this entry sets (passed to the kind's client factory)."""
+        return {k: v for k, v in (("pause_mode", self.pause_mode), ("admin_token_file", self.admin_token_file)) if v}
 
     def restart_argv(self) -> list[str]:
         if isinstance(self.restart_command, list):
@@ -289,6 +311,7 @@ def _default_sources() -> list[Any]:
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
+    api: ApiSettings = field(default_factory=ApiSettings)  # [api]: TLS, remote access (daemon.apiconfig)
     # [[sources]]: each table's `type` picks its dataclass from daemon.sources.SOURCE_TYPES.
     sources: list[Any] = field(default_factory=_default_sources)
     # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
@@ -368,6 +391,8 @@ def _parse(doc: dict[str, Any]) -> Config:
             values[name] = _convert(doc[name], hints[name], name)
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
+    if problem := listen_problem(config.daemon.listen_host_port, config.api):
+        raise ConfigError(problem)
     if TRANSPORTS[config.rollout.transport].stages:
         # a transport that stages a copy (the loader) needs that room too, so headroom checks it
         config.checks.ipc_enabled = True

@@ -29,6 +29,7 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 from structlog.stdlib import BoundLogger
 
+from daemon import rediscovery
 from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
 from daemon.logging import bind_version, get_logger
 from daemon.metrics import DaemonMetrics
@@ -40,6 +41,20 @@ from daemon.sources.base import DiscoveredCheckpoint, FetchError, FetchItem, Sou
 
 log = get_logger(__name__)
 C = CheckpointStatus
+
+
+def request_reverify(s: Session, version: str, why: str) -> tuple[int, str]:
+    """Move `version` back to `discovered` (in the caller's transaction); (id, status before)."""
+    ckpt = q.get_checkpoint(s, version)
+    if ckpt is None:
+        raise LookupError(f"unknown version {version!r} (see `hotswap history`)")
+    was = ckpt.status
+    if was in UNFINISHED:
+        raise ValueError(f"version {version!r} is {was}: it is being verified already")
+    if was not in status.REVERIFIABLE:
+        raise ValueError(f"version {version!r} is {was}: roll back or deploy another version before verifying it again")
+    status.move(s, ckpt, C.DISCOVERED, why, detail={"message": why, "reverify": True, "was": was})
+    return ckpt.id, was
 PROGRESS_LOG_S = 5.0  # a fetch logs its progress at most this often
 
 StatusObserver = Callable[[int, CheckpointStatus], None]
@@ -72,6 +87,8 @@ class Coordinator:
         # importing transformers from two threads at once can fail, so the checks never
         # race a background import.
         self.warmup: Callable[[], None] | None = None
+        self._heartbeat: Callable[[], object] | None = None  # systemd's watchdog ping
+        self._heartbeat_s = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -90,6 +107,10 @@ class Coordinator:
         if self._thread is not None:
             self._thread.join(timeout)
 
+    def set_heartbeat(self, beat: Callable[[], object], interval_s: float) -> None:
+        """Call `beat` from this loop at least every `interval_s` while it is not stuck in a step."""
+        self._heartbeat, self._heartbeat_s = beat, interval_s
+
     def idle(self) -> bool:
         """Nothing queued and nothing being verified (for tests and benchmarks)."""
         return self._queue.unfinished_tasks == 0
@@ -104,7 +125,12 @@ class Coordinator:
             except Exception:
                 log.exception("warm-up failed")
         while True:
-            checkpoint_id = self._queue.get()
+            if self._heartbeat is not None:
+                self._heartbeat()
+            try:
+                checkpoint_id = self._queue.get(timeout=self._heartbeat_s or None)
+            except queue.Empty:
+                continue
             try:
                 if checkpoint_id is None or self._stopping.is_set():
                     return
@@ -136,7 +162,7 @@ class Coordinator:
     def intake(self, item: DiscoveredCheckpoint) -> int | None:
         """Called by sources: register the checkpoint and queue it for verification.
 
-        Returns the new checkpoint id, or None when the version is already known.
+        Returns the checkpoint id to verify (new, or a known one to look at again), else None.
         """
         ckpt_id = self.register(item)
         if ckpt_id is not None:
@@ -145,6 +171,7 @@ class Coordinator:
 
     def register(self, item: DiscoveredCheckpoint) -> int | None:
         vlog = bind_version(log, item.version, source=item.source)
+        fp = rediscovery.fingerprint(item.directory)
         with self.registry.session() as s:
             ckpt = status.create(
                 s,
@@ -154,10 +181,23 @@ class Coordinator:
                 local_path=str(item.directory) if item.directory is not None else None,
                 commit_signal=item.signal,
                 discovered_at=item.detected_at,
+                detail={"fingerprint": fp} if fp else None,
             )
             ckpt_id = ckpt.id if ckpt is not None else None
+            again = None
+            if ckpt is None and (known := q.get_checkpoint(s, item.version)) is not None:
+                again = rediscovery.handle(s, known, item)
+                known_id = known.id
         if ckpt_id is None:
-            vlog.info("already registered; ignored", uri=item.uri)
+            if again is None or again.outcome == "unchanged":
+                vlog.info("already registered; ignored", uri=item.uri)
+                return None
+            if again.outcome == "reverify":
+                vlog.info("looking again", uri=item.uri, reason=again.message)
+                self._moved(known_id, C.DISCOVERED)
+                return known_id  # intake queues it
+            vlog.warning("version label already registered" if again.outcome == "conflict" else "changed after verify",
+                         uri=item.uri, reason=again.message)  # fmt: skip
             return None
         latency_ms = (time.monotonic() - item.detected_monotonic) * 1000.0
         self.metrics.discovered(item.signal)
@@ -199,6 +239,16 @@ class Coordinator:
             self._queue.put(ckpt_id)
             requeued.append(version)
         return requeued
+
+    def reverify(self, version: str, why: str = "re-verification requested by an operator") -> str:
+        """Send a settled version back through every check (`hotswap reverify`). Returns its
+        status before; raises LookupError (unknown) or ValueError (serving, or being verified)."""
+        with self.registry.session() as s:
+            ckpt_id, was = request_reverify(s, version, why)
+        self._moved(ckpt_id, C.DISCOVERED)
+        bind_version(log, version).info("reverify requested", was=was)
+        self._queue.put(ckpt_id)
+        return was
 
     # -- the pipeline, one checkpoint --------------------------------------------------------
 

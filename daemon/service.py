@@ -6,6 +6,8 @@
         stage      -> roll out -> watch     the rollout service (daemon.rollout), when [[workers]] exist
         plus the scheduler's periodic jobs and the HTTP API (daemon.api)
 
+`run_daemon` first runs `daemon.preflight` (API port free, token and key files usable, required
+source folders present: one line and exit 2, before anything is created or launched).
 `Daemon.start()`: migrate the database, then start each part in that order (the rollout
 service first: it makes the seed and recovers a killed daemon's rollout before checkpoints
 flow), then write `<state_dir>/daemon.json` (pid and API URL, for the CLI and tests) and tell
@@ -32,20 +34,27 @@ from typing import Any
 from apscheduler.schedulers.background import BackgroundScheduler
 from sqlalchemy import select
 
-from daemon import systemd
+from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
-from daemon.config import Config
+from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.broadcast_api import broadcast_router
+from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
+from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
+from daemon.preflight import port_error, preflight
+from daemon.readiness import readiness_router
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
 from daemon.registry.models import Alias, Checkpoint
 from daemon.registry.status import UNFINISHED, WAITING
+from daemon.reload import Reloadable, ReloadResult, reload_config
 from daemon.rollout.service import RolloutService
 from daemon.rollout.states import TransitionObserver
 from daemon.sources import Source, build_source
+from daemon.statelock import StateDirLock
 
 # What the forward check imports on first use (~3 s on a laptop CPU).
 _FORWARD_MODULES = (
@@ -76,7 +85,11 @@ class Daemon:
     sources: list[Source]
     rollout: RolloutService | None
     api: ApiServer | None = None
+    guard: ControlGuard | None = None  # the control token check (start() makes it): for every state-changing route
     stop_event: threading.Event = field(default_factory=threading.Event)
+    reload_event: threading.Event = field(default_factory=threading.Event)  # SIGHUP
+    api_state: ApiState | None = None
+    state_lock: StateDirLock | None = None  # taken by run_daemon before anything else, else by start()
     _stops: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
 
     @property
@@ -86,15 +99,32 @@ class Daemon:
     def start(self) -> None:
         cfg = self.config
         cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        if self.state_lock is None:  # before anything touches the state: a second daemon here exits 2
+            self.state_lock = StateDirLock(cfg.state_dir)
+            self.state_lock.acquire()
+        self._started("state lock", self.state_lock.release)
+        try:
+            self.guard = ControlGuard(ensure_control_token(cfg.state_dir), hosts=cfg.api.allowed_hosts)
+        except TokenFileError as exc:
+            raise ConfigError(f"daemon.state_dir: {exc}") from None
         log.info("starting", config=cfg.source_file, database=redact_url(cfg.database_url), pid=os.getpid())
         self.registry.upgrade()
         self._started("registry", self.registry.close)
         self.metrics.track_statuses(self._status_counts)
+        self.metrics.registry.register(RegistryCollector(self.registry))
         if "forward" in cfg.checks.enabled:
             self.coordinator.warmup = _preload_forward_check
         if self.rollout is not None:  # stage -> roll out -> watch
+            rollout = self.rollout
             self.rollout.start(self.scheduler)
-            self._started("rollout", self.rollout.stop)
+            # managed workers keep serving across a daemon restart (adopted on the next start)
+            keep = cfg.daemon.keep_workers_on_stop
+            self._started("rollout", lambda: rollout.stop(stop_managed=not keep))
+        interval = cfg.daemon.watchdog_interval_s or systemd.watchdog_interval_s()
+        if interval:
+            # pinged from the coordinator's own loop: a stuck pipeline stops the pings and
+            # systemd restarts the daemon (a scheduler thread would ping on regardless)
+            self.coordinator.set_heartbeat(systemd.watchdog_ping, interval)
         self.coordinator.start()  # register -> fetch -> verify
         self._started("coordinator", self.coordinator.stop)
         self.scheduler.start()
@@ -105,7 +135,10 @@ class Daemon:
         self._add_jobs()
         listen = cfg.daemon.listen_host_port
         if listen is not None:
-            self.api = ApiServer(self._app(), *listen)
+            try:
+                self.api = ApiServer(self._app(), *listen, cfg.api.tls_certfile, cfg.api.tls_keyfile)
+            except OSError as exc:  # taken since the preflight looked
+                raise ConfigError(port_error(cfg.source_file, cfg.daemon.listen, exc)) from None
             self.api.start()
             self._started("api", self.api.stop)
         self._write_runtime_file()
@@ -136,17 +169,41 @@ class Daemon:
         # directories a source created (a download cache) may go; serving, last good, pinned never
         self.scheduler.add_job(self.prune, "interval", seconds=cfg.daemon.retention_interval_s, id="retention",
                                max_instances=1, coalesce=True)  # fmt: skip
-        interval = cfg.daemon.watchdog_interval_s or systemd.watchdog_interval_s()
-        if interval:
-            self.scheduler.add_job(systemd.watchdog_ping, "interval", seconds=interval, id="sd-watchdog")
 
     def _app(self) -> Any:
+        assert self.guard is not None  # start() made it
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
-                         queue_depth=self.coordinator.queue_depth)  # fmt: skip
+                         queue_depth=self.coordinator.queue_depth, problems=self.health_problems,
+                         guard=self.guard)  # fmt: skip
+        self.api_state = state
         app = create_app(state)
+        app.include_router(reverify.router(self.coordinator, self.guard))
         if self.rollout is not None:
-            app.include_router(rollout_router(self.rollout))
+            app.include_router(rollout_router(self.rollout, self.guard))
+            app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard))  # trainer broadcast
+            app.include_router(readiness_router(self.rollout))  # GET /v1/workers/{name}/ready
         return app
+
+    def reload(self) -> ReloadResult:
+        """SIGHUP: apply the config file's changes that can be applied while running (daemon.reload)."""
+        def on_sources(sources: list[Source]) -> None:
+            if self.api_state is not None:
+                self.api_state.sources[:] = [s.describe() for s in sources]
+
+        result = reload_config(Reloadable(self.config, self.coordinator, self.scheduler, self.sources,
+                                          self.rollout.settings if self.rollout else None, on_sources))  # fmt: skip
+        systemd.status("config reload refused: " + result.error if result.error else "config reloaded")
+        return result
+
+    def health_problems(self) -> list[str]:
+        """What makes the daemon unhealthy now: each source's `health_problem()` (optional)."""
+        problems: list[str] = []
+        for source in self.sources:
+            check = getattr(source, "health_problem", None)
+            problem = check() if callable(check) else None
+            if problem:
+                problems.append(problem)
+        return problems
 
     def prune(self) -> list[Path]:
         """The retention hook: let each source delete directories it created, except protected ones."""
@@ -197,7 +254,10 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     sources = [build_source(c, coordinator.intake, scheduler) for c in config.sources]
     coordinator.sources = {s.label: s for s in sources}  # the fetch step asks a checkpoint's source
     # stage -> roll out -> watch: only with [[workers]]; without, the daemon only verifies
-    rollout = RolloutService.from_config(config, registry, seen.transitions) if config.workers else None
+    # pause windows, update times and bytes per transport, observed as workers move
+    observe = RolloutMetrics(metrics.registry, lambda: config.rollout.transport, version_bytes(registry))
+    transitions: list[TransitionObserver] = [*seen.transitions, observe]
+    rollout = RolloutService.from_config(config, registry, transitions) if config.workers else None
     if rollout is not None:
         coordinator.on_verified = rollout.submit
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
@@ -218,14 +278,26 @@ def _preload_forward_check() -> None:
 
 
 def run_daemon(config: Config, observers: Observers | None = None) -> int:
+    lock = StateDirLock(config.state_dir)
+    lock.check_free()  # a second daemon on this state dir: one line naming the holder (before its busy port)
+    preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
+    lock.acquire()
     configure_logging(config.daemon.log_level)
     d = build_daemon(config, observers)
+    d.state_lock = lock
     signal.signal(signal.SIGTERM, lambda *_: d.stop_event.set())
     signal.signal(signal.SIGINT, lambda *_: d.stop_event.set())
+    signal.signal(signal.SIGHUP, lambda *_: d.reload_event.set())
     try:
         d.start()
-        while not d.stop_event.wait(3600):
-            pass
+    except BaseException:
+        d.stop()
+        raise
+    try:
+        while not d.stop_event.wait(0.5):
+            if d.reload_event.is_set():
+                d.reload_event.clear()
+                d.reload()
     finally:
         d.stop()
     return 0

@@ -24,6 +24,20 @@ from support_vllm import die_with_parent, free_port
 STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
 
 
+def standin_command(
+    model_dir: Path | str, port: int, *, api_key: str | None = None, admin_api_key: str | None = None,
+    weight_version: str = "default", step_delay_s: float = 0.0,
+) -> list[str]:
+    """The stand-in's argv (also used by restart commands: tests/support_engines.py)."""
+    cmd = [sys.executable, str(STANDIN), "--model", str(model_dir), "--port", str(port),
+           "--weight-version", weight_version, "--step-delay-s", str(step_delay_s)]
+    if api_key:
+        cmd += ["--api-key", api_key]
+    if admin_api_key:
+        cmd += ["--admin-api-key", admin_api_key]
+    return cmd
+
+
 class SGLangStandIn:
     def __init__(self, proc: subprocess.Popen[bytes], url: str, model_dir: Path, log_path: Path) -> None:
         self.proc = proc
@@ -42,14 +56,11 @@ class SGLangStandIn:
         weight_version: str = "default",
         step_delay_s: float = 0.0,
         timeout_s: float = 120.0,
+        port: int | None = None,
     ) -> SGLangStandIn:
-        port = free_port()
-        cmd = [sys.executable, str(STANDIN), "--model", str(model_dir), "--port", str(port),
-               "--weight-version", weight_version, "--step-delay-s", str(step_delay_s)]
-        if api_key:
-            cmd += ["--api-key", api_key]
-        if admin_api_key:
-            cmd += ["--admin-api-key", admin_api_key]
+        port = port or free_port()
+        cmd = standin_command(model_dir, port, api_key=api_key, admin_api_key=admin_api_key,
+                              weight_version=weight_version, step_delay_s=step_delay_s)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -96,6 +96,33 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
 
 
+def vllm_command(python: str, model_dir: Path | str, port: int, extra_args: list[str] | None = None) -> list[str]:
+    """The server's argv (also used by restart commands: tests/support_engines.py)."""
+    return [
+        python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
+        "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
+        "--enforce-eager", "--skip-tokenizer-init", "--api-key", TOKEN,
+        *(extra_args or []),
+    ]  # fmt: skip
+
+
+def vllm_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {
+        **os.environ,
+        "VLLM_SERVER_DEV_MODE": "1",
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "PYTHONUNBUFFERED": "1",
+        **(extra or {}),
+    }
+    env.pop("PYTHONPATH", None)  # the vLLM venv must not see the project's packages
+    return env
+
+
 class VLLMServer:
     def __init__(self, proc: subprocess.Popen[bytes], url: str, model_dir: Path, log_path: Path) -> None:
         self.proc = proc
@@ -117,25 +144,8 @@ class VLLMServer:
         timeout_s: float = START_TIMEOUT_S,
     ) -> VLLMServer:
         port = port or free_port()
-        cmd = [
-            python, "-m", "vllm.entrypoints.openai.api_server",
-            "--model", str(model_dir), "--host", "127.0.0.1", "--port", str(port),
-            "--dtype", "bfloat16", "--max-model-len", str(MAX_MODEL_LEN),
-            "--enforce-eager", "--skip-tokenizer-init", "--api-key", TOKEN,
-            *(extra_args or []),
-        ]
-        full_env = {
-            **os.environ,
-            "VLLM_SERVER_DEV_MODE": "1",
-            "VLLM_CPU_KVCACHE_SPACE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "DO_NOT_TRACK": "1",
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "PYTHONUNBUFFERED": "1",
-            **(env or {}),
-        }
-        full_env.pop("PYTHONPATH", None)  # the vLLM venv must not see the project's packages
+        cmd = vllm_command(python, model_dir, port, extra_args)
+        full_env = vllm_env(env)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             log.write(f"$ {' '.join(cmd)}\n".encode())

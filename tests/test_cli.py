@@ -58,9 +58,10 @@ def test_history_and_status_on_a_registry(db_url, daemon_factory, tmp_path):
     assert doc["latest"][0]["version"] == "h-1"
 
 
-def test_history_before_any_daemon_ran(tmp_path):
+def test_history_before_any_daemon_ran_refuses_to_create_a_database(tmp_path):
     cfg = make_config_file(tmp_path / "c.toml", daemon={"state_dir": str(tmp_path / "state")})
     out = hotswap_cli("history", "--json", "-c", str(cfg))
-    assert out.returncode == 0, out.stderr
+    assert out.returncode == 2
     assert out.stdout == ""
-    assert (tmp_path / "state" / "hotswap.db").exists()
+    assert str(tmp_path / "state" / "hotswap.db") in out.stderr and "--state-dir" in out.stderr
+    assert not (tmp_path / "state").exists()

@@ -104,7 +104,7 @@ forward_prompts = [[1, 2], [3]]
 @pytest.mark.parametrize(
     ("text", "message"),
     [
-        ("[daemon]\nlog_levle = 'info'\n", "daemon.log_levle: unknown key (known: listen, log_level"),
+        ("[daemon]\nlog_levle = 'info'\n", "daemon.log_levle: unknown key (known: keep_workers_on_stop, listen, log_level"),
         ("[deamon]\n", "unknown section or key 'deamon'"),
         ("[daemon]\nlisten = 8780\n", "daemon.listen: expected a string, got integer 8780"),
         ("[daemon]\nlisten = 'localhost'\n", "daemon.listen: 'localhost' is not host:port"),

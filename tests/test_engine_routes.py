@@ -192,3 +192,13 @@ def test_sglang_disk_rollback_still_reloads_the_new_path() -> None:
     assert "self.model_config.model_path = model_path" in body
     rollback = body[body.index("Rolling back to original weights"):]
     assert "get_weight_iter(self.model_config)" in rollback
+
+
+def test_vllm_http_request_counter_the_adapter_reads_exists() -> None:
+    """counters() (the health window) reads `http_requests_total{handler,status}`: vLLM mounts
+    prometheus_fastapi_instrumentator with its default metrics, which define that counter."""
+    src = vllm_source("entrypoints/serve/instrumentator/metrics.py")
+    assert "Instrumentator(" in src and ".add()" in src
+    inst = (vllm_package_dir().parent / "prometheus_fastapi_instrumentator" / "metrics.py").read_text()
+    assert f'name="{vllm_api.HTTP_COUNTER}"' in inst
+    assert '"handler"' in inst and '"status"' in inst

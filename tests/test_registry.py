@@ -218,7 +218,8 @@ def test_every_status_has_a_row_in_the_table_and_the_pipeline_path_is_allowed():
     path = [C.DISCOVERED, C.FETCHING, C.VERIFYING, C.VERIFIED, C.STAGED, C.DEPLOYED, C.RETIRED]
     for a, b in zip(path, path[1:], strict=False):
         assert b in status.TRANSITIONS[a], (a, b)
-    assert status.TRANSITIONS[C.DUPLICATE] == frozenset()
+    assert status.TRANSITIONS[C.DUPLICATE] == frozenset({C.DISCOVERED})  # only looked at again, from the start
+    assert C.DISCOVERED not in status.TRANSITIONS[C.DEPLOYED]  # the serving version is never re-verified in place
 
 
 def head_revision() -> str:

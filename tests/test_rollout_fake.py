@@ -18,10 +18,11 @@ from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
 from support_rollout import rollouts, worker_events
 
 from daemon import adapters
-from daemon.adapters.base import UpdateRefused
+from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.models import Checkpoint
 from daemon.registry.status import CheckpointStatus as C
 from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
 from daemon.rollout import health
@@ -45,12 +46,12 @@ def reg(tmp_path: Path) -> Iterator[Registry]:
     r.close()
 
 
-def verified(reg: Registry, version: str, digest: str | None = None) -> CheckpointRef:
+def verified(reg: Registry, version: str, digest: str | None = None, step: int | None = None) -> CheckpointRef:
     with reg.session() as s:
         c = status.create(s, version=version, source="t", uri=f"file:///ckpt/{version}", local_path=f"/ckpt/{version}",
                           commit_signal="manifest")  # fmt: skip
         assert c is not None
-        c.digest, c.tensor_count = digest, 21
+        c.digest, c.tensor_count, c.step = digest, 21, step
         status.move(s, c, C.VERIFYING)
         status.move(s, c, C.VERIFIED)
         cid = c.id
@@ -314,14 +315,15 @@ def _during(fn: Any) -> Any:
 def test_health_window_verdicts(reg: Registry, tmp_path: Path) -> None:
     w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
     r = rig(reg, tmp_path, w0, w1)
-    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, max_error_rate=0.01, min_window_requests=5)
+    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, max_error_rate=0.01, min_window_requests=5,
+                               health_probe_s=0)  # fmt: skip
     w0.traffic(100, failed=50)  # before the window: not counted
     assert health.watch(r.fleet, settings, lambda: False).ok
 
     verdict = health.watch(r.fleet, settings, _during(lambda: (w0.traffic(10), w1.traffic(10, failed=3))))
     assert not verdict.ok
     assert verdict.reason is not None and "worker w1 error rate 30.0% (3 of 10 requests failed)" in verdict.reason
-    assert verdict.workers["w0"] == {"requests": 10, "failed": 0, "rate": 0.0}
+    assert verdict.workers["w0"] == {"requests": 10, "failed": 0, "probes": 0, "probes_failed": 0, "rate": 0.0}
 
     few = health.watch(r.fleet, settings, _during(lambda: w1.traffic(2, failed=2)))
     assert few.ok  # 2 requests < min_window_requests: no verdict on w1
@@ -329,6 +331,32 @@ def test_health_window_verdicts(reg: Registry, tmp_path: Path) -> None:
     w1.alive = False
     gone = health.watch(r.fleet, settings, lambda: False)
     assert not gone.ok and "worker w1 did not answer at the start of the health window" in (gone.reason or "")
+
+
+def test_health_window_one_bad_request_cannot_trip_it_and_probes_count(reg: Registry, tmp_path: Path) -> None:
+    """Finding 6: one failed request of one (100 %) is below the default minimum of 10 requests;
+    the daemon's probes count as requests, a non-finite or wrong-version probe is decisive."""
+    w0 = FakeWorkerClient("w0", version="v1")
+    r = rig(reg, tmp_path, w0)
+    settings = RolloutSettings(health_window_s=0.05, health_sample_s=0.01, health_probe_s=0.01)
+    assert settings.min_window_requests == 10
+    one = health.watch(r.fleet, settings, _during(lambda: w0.traffic(1, failed=1)), "v1")
+    assert one.ok, one.reason
+    assert one.workers["w0"]["failed"] == 1 and one.workers["w0"]["probes"] >= 1
+    # enough server faults still trip it
+    many = health.watch(r.fleet, settings, _during(lambda: w0.traffic(20, failed=5)), "v1")
+    assert not many.ok and "worker w0 error rate" in (many.reason or "")
+    # a probe with non-finite logits is a fault of the weights: decisive, whatever the counts
+    w0.fail("probe", NonFiniteOutput("worker w0: probe: non-finite logits under version v1"))
+    nan = health.watch(r.fleet, settings, lambda: False, "v1")
+    assert not nan.ok and "non-finite logits" in (nan.reason or "") and "health window" in (nan.reason or "")
+    w0.fail("probe", served="v0")
+    other = health.watch(r.fleet, settings, lambda: False, "v1")
+    assert not other.ok and "served version 'v0', expected 'v1'" in (other.reason or "")
+    # a probe that errors otherwise (HTTP 500) is one failed request, not a verdict on its own
+    w0.fail("probe", WorkerError("worker w0: probe: HTTP 500: boom"))
+    err = health.watch(r.fleet, settings, lambda: False, "v1")
+    assert err.ok and err.workers["w0"]["probes_failed"] == 1
 
 
 # -- the service over fakes: a whole new-checkpoint job, through the kind registry ---------------
@@ -392,3 +420,83 @@ def test_service_refuses_a_worker_kind_that_does_not_take_the_transport(reg: Reg
     with pytest.raises(ValueError, match="w0 .* does not take transport 'ipc'"):
         RolloutService(reg, RolloutSettings(transport="ipc"), [WorkerSpec(name="w0", url="http://fake/w0", kind="fake")],
                        tmp_path)  # fmt: skip
+
+
+def _wait_status(svc: RolloutService, ckpt_id: int, want: C, timeout: float = 20.0) -> CheckpointRef:
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        row = svc.journal.checkpoint(ckpt_id)
+        if row is not None and row.status == want and not svc._busy() and svc.queue.pending is None:
+            return row
+        time.sleep(0.02)
+    raise AssertionError(f"checkpoint {ckpt_id} not {want} (is {svc.journal.checkpoint(ckpt_id)})")
+
+
+def test_service_retries_a_version_whose_rollout_failed_for_a_crashed_worker(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """Finding 9: a worker that dies mid-update is not the checkpoint's fault: v1 stays verified,
+    is rolled out again once the worker is back on v0, and ends serving."""
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("update", crash=True)
+        svc.submit(v1.id)
+        row = _wait_status(svc, v1.id, C.DEPLOYED)
+        assert row.status == C.DEPLOYED
+        outcomes = [(r["outcome"], r["detail"].get("kind")) for r in rollouts(reg) if r["version"] == "v1"]
+        assert outcomes == [("failed", "unreachable"), ("succeeded", None)]
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v1")}
+        assert svc.journal.alias("serving") == svc.journal.checkpoint(v1.id)
+    finally:
+        svc.stop()
+
+
+def test_service_gives_up_on_a_version_that_keeps_crashing_a_worker(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """The retries are bounded: after max_infra_retries more crashes the version is rejected."""
+    w1 = FakeWorkerClient("w1")
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), w1, max_infra_retries=2)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        v1 = verified(reg, "v1")
+        w1.fail("update", crash=True, times=10)
+        svc.submit(v1.id)
+        row = _wait_status(svc, v1.id, C.REJECTED)
+        assert row.status == C.REJECTED
+        assert [r["outcome"] for r in rollouts(reg) if r["version"] == "v1"] == ["failed"] * 3
+        with reg.session() as s:
+            message = s.get(Checkpoint, v1.id).status_message  # type: ignore[union-attr]
+        assert message is not None and "gave up after 2 retries" in message
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+    finally:
+        svc.stop()
+
+
+def test_service_never_deploys_a_lower_step_over_the_serving_one(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    """Point 11: step-999 verified after step-1000 serves is superseded, not deployed over it."""
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0", version="step-1000"))
+    try:
+        s1000 = verified(reg, "step-1000", step=1000)
+        svc.journal.set_alias("serving", s1000.id)
+        svc.journal.set_alias("last_good", s1000.id)
+        s999 = verified(reg, "step-999", step=999)
+        svc.submit(s999.id)
+        row = _wait_status(svc, s999.id, C.SUPERSEDED)
+        assert row.status == C.SUPERSEDED
+        assert FAKES["w0"].version == "step-1000" and "update" not in FAKES["w0"].calls
+        s1001 = verified(reg, "step-1001", step=1001)
+        svc.submit(s1001.id)
+        assert _wait_status(svc, s1001.id, C.DEPLOYED).status == C.DEPLOYED
+        assert FAKES["w0"].version == "step-1001"
+    finally:
+        svc.stop()

@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 from conftest import DaemonProcess, hotswap_cli, wait_until
 from support_rollout import (
@@ -75,12 +76,24 @@ def transitions(d: DaemonProcess, rollout_id: int, worker: str) -> list[tuple[st
     ]
 
 
+def status_history(d: DaemonProcess, version: str) -> list[str]:
+    from sqlalchemy import select
+
+    from daemon.registry.models import Checkpoint, Event
+
+    with d.registry.session() as s:
+        return list(s.scalars(select(Event.to_state).join(Checkpoint, Checkpoint.id == Event.checkpoint_id)
+                              .where(Checkpoint.version == version, Event.worker.is_(None)).order_by(Event.id)))
+
+
 FORWARD = [("RUNNING", "DRAINING", ""), ("DRAINING", "UPDATED", ""), ("UPDATED", "RUNNING", "")]
 
 
-def test_worker_killed_mid_update_comes_back_on_last_good(
+def test_worker_killed_mid_update_comes_back_on_last_good_and_the_version_is_retried(
     tmp_path: Path, sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
+    """Findings 9: a worker SIGKILLed mid-rollout is the fleet's fault, not v1's: the fleet comes
+    back whole on v0, v1 stays verified (never rejected), is rolled out again and ends serving."""
     release = tmp_path / "release"
     d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS,
                     hooked=True, env=hold("DRAINING", "w1", "v1", release))  # fmt: skip
@@ -90,24 +103,26 @@ def test_worker_killed_mid_update_comes_back_on_last_good(
     old_pid = w1.kill()  # a real crash in the middle of its update
     release.touch()
 
-    d.wait_status("v1", "rejected", timeout=240)
-    assert_fleet_on([w0, w1], "v0")
+    wait_until(lambda: len([r for r in rollouts(d.registry) if r["version"] == "v1"]) >= 2, 240, what="v1 retried")
+    row = d.wait_status("v1", "deployed", timeout=240)
+    assert_fleet_on([w0, w1], "v1")
     assert w1.pid != old_pid, "the restart command relaunched w1"
-    r = rollout_of(d, "v1")
-    assert r["outcome"] == "failed"
-    assert (r["detail"]["worker"], r["detail"]["step"], r["detail"]["kind"]) == ("w1", "update", "unreachable")
-    assert r["detail"]["rolled_back"] == ["w0"] and r["detail"]["unrecovered"] == []
-    assert transitions(d, r["id"], "w1") == [
+    first, retry = [r for r in rollouts(d.registry) if r["version"] == "v1"]
+    assert first["outcome"] == "failed" and retry["outcome"] == "succeeded"
+    assert (first["detail"]["worker"], first["detail"]["step"], first["detail"]["kind"]) == ("w1", "update", "unreachable")
+    assert first["detail"]["rolled_back"] == ["w0"] and first["detail"]["unrecovered"] == []
+    assert transitions(d, first["id"], "w1") == [
         ("RUNNING", "DRAINING", ""),
         ("DRAINING", "UNHEALTHY", "update"),
         ("UNHEALTHY", "UNHEALTHY", "restore_failed"),
         ("UNHEALTHY", "UNHEALTHY", "restart"),
         ("UNHEALTHY", "RUNNING", "restored"),
     ]
-    assert transitions(d, r["id"], "w0") == FORWARD + FORWARD  # to v1, then back to v0
-    row = d.row("v1")
-    assert "w1" in row["status_message"] and "v0" in row["status_message"]
-    assert aliases(d.registry)["serving"] == "v0"
+    assert transitions(d, first["id"], "w0") == FORWARD + FORWARD  # to v1, then back to v0
+    assert transitions(d, retry["id"], "w0") == FORWARD and transitions(d, retry["id"], "w1") == FORWARD
+    assert "rejected" not in status_history(d, "v1"), status_history(d, "v1")
+    assert row["status"] == "deployed"
+    wait_until(lambda: aliases(d.registry).get("serving") == "v1", 60, what="v1 serving")
 
 
 def test_refused_update_leaves_the_fleet_on_the_old_version(
@@ -175,6 +190,28 @@ def test_error_rate_spike_after_deploy_rolls_back(
         assert paths[(w, "v1")] == [["RUNNING", "DRAINING", "UPDATED", "RUNNING"]]
         assert paths[(w, "v0")] == [["RUNNING", "DRAINING", "UPDATED", "RUNNING"]]  # the rollback
     assert aliases(d.registry) == {"serving": "v0", "last_good": "v0"}
+
+
+def test_one_bad_client_request_in_the_health_window_cannot_roll_back(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """Finding 6: a completion with seed 2**64 during v1's health window is the client's error
+    (400, not counted); v1 keeps serving and becomes last good."""
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "health_window_s": 8.0})
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1)
+    d.wait_status("v1", "deployed", timeout=180)
+    assert aliases(d.registry)["last_good"] == "v0", "still inside v1's health window"
+    before = w0.info()
+    r = httpx.post(f"{w0.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 1, "seed": 2**64}, timeout=30)
+    assert r.status_code == 400, r.text
+    assert "seed" in r.json()["error"]["message"]
+    after = w0.info()
+    assert after["requests_failed"] == before["requests_failed"], "a request error is not a server fault"
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v1", 120, what="v1's health window to pass")
+    assert d.row("v1")["status"] == "deployed"
+    assert rollout_of(d, "v1")["detail"]["health_window"]["ok"] is True
+    assert_fleet_on([w0, w1], "v1")
 
 
 @pytest.mark.parametrize("state", ["DRAINING", "PAUSED", "UPDATED"])

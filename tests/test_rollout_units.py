@@ -9,7 +9,7 @@ import pytest
 from daemon.config import EMBEDDED, ConfigError, RolloutSettings, WorkerSpec, parse_config
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus
-from daemon.rollout.planner import modes_of, plan
+from daemon.rollout.planner import modes_of, newer, newest, plan
 from daemon.rollout.queue import Job, RolloutQueue
 from daemon.rollout.states import ALLOWED, IllegalTransition, WorkerState, check_transition
 
@@ -77,8 +77,8 @@ def test_plan_groups_roll_one_after_another_with_their_own_mode() -> None:
     assert [b.workers for b in plan(cfg.workers, cfg.rollout, only={"c", "d"})] == [("d",), ("c",)]
 
 
-def _ref(i: int) -> CheckpointRef:
-    return CheckpointRef(i, f"v{i}", None, f"/ckpt/v{i}", 21, CheckpointStatus.VERIFIED, True)
+def _ref(i: int, step: int | None = None) -> CheckpointRef:
+    return CheckpointRef(i, f"v{i}", None, f"/ckpt/v{i}", 21, CheckpointStatus.VERIFIED, True, step)
 
 
 def test_queue_keeps_only_the_newest_waiting_checkpoint() -> None:
@@ -87,10 +87,22 @@ def test_queue_keeps_only_the_newest_waiting_checkpoint() -> None:
     assert q.offer(_ref(2)) == _ref(1)  # v1 is superseded by v2
     assert q.offer(_ref(3)) == _ref(2)
     assert q.offer(_ref(2)) == _ref(2)  # a late older arrival is itself superseded
-    assert q.newer_than(2) and not q.newer_than(3)
+    assert q.newer_than(_ref(2)) and not q.newer_than(_ref(3))
     job = q.take(0, deploy_allowed=True)
     assert job is not None and job.kind == "deploy" and job.checkpoint == _ref(3)
     assert q.take(0, deploy_allowed=True) is None
+
+
+def test_newer_is_the_manifest_step_then_arrival() -> None:
+    """Point 11: step-999 arriving after step-1000 is older; without steps (or on a tie), arrival."""
+    s1000, s999 = _ref(1, step=1000), _ref(2, step=999)
+    assert newer(s1000, s999) and not newer(s999, s1000)
+    assert newer(_ref(2), _ref(1)) and newer(_ref(2, step=5), _ref(1, step=5)) and newer(_ref(2), _ref(1, step=7))
+    assert newest([s999, s1000, _ref(3, step=998)]) == s1000
+    q = RolloutQueue()
+    assert q.offer(s1000) is None
+    assert q.offer(s999) == s999  # the late arrival with the lower step is the one superseded
+    assert q.pending == s1000 and not q.newer_than(_ref(9, step=1001)) and q.newer_than(_ref(9, step=2))
 
 
 def test_queue_commands_go_first_and_pinning_holds_deploys() -> None:

@@ -57,15 +57,40 @@ def test_manifest_landing_before_its_files_waits_for_them(tmp_path):
     assert det.check(dst).committed
 
 
-def test_manifest_whose_file_never_arrives_is_handed_on_after_the_quiet_period(tmp_path):
-    # so the checks reject it with the missing file named, instead of waiting forever
+def test_manifest_whose_file_never_arrives_waits_for_the_commit_timeout_then_is_handed_on(tmp_path):
+    """Finding 8: a writer that stalls longer than the quiet period is waited for (a missing or
+    short file is "not yet", not "final"); only after the commit timeout of no change at all is
+    it handed on, so the checks reject it with the missing file named."""
     publish_tiny(tmp_path / "c", seed=1)
     (tmp_path / "c" / "config.json").unlink()
     clock = FakeClock()
-    det = CommitDetector(ALL, quiet_period_s=0.2, clock=clock)
-    assert not det.check(tmp_path / "c").committed
-    clock.advance(0.25)
+    det = CommitDetector(ALL, quiet_period_s=0.2, commit_timeout_s=30.0, clock=clock)
+    first = det.check(tmp_path / "c")
+    assert not first.committed and "config.json not there yet" in first.reason
+    clock.advance(20.0)  # far past the quiet period: still waiting
+    waiting = det.check(tmp_path / "c")
+    assert not waiting.committed and "waiting up to 10 s more" in waiting.reason
+    assert waiting.recheck_after_s is not None and waiting.recheck_after_s <= 10.0
+    clock.advance(10.5)
     assert det.check(tmp_path / "c").committed
+
+
+def test_short_file_waits_and_a_change_restarts_the_commit_timeout(tmp_path):
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    publish_tiny(src, seed=1)
+    shutil.copytree(src, dst)
+    data = (src / "model.safetensors").read_bytes()
+    (dst / "model.safetensors").write_bytes(data[:100])
+    clock = FakeClock()
+    det = CommitDetector(ALL, quiet_period_s=0.2, commit_timeout_s=30.0, clock=clock)
+    assert "has 100 of" in det.check(dst).reason
+    clock.advance(25.0)
+    (dst / "model.safetensors").write_bytes(data[:200])  # progress: the timeout starts over
+    assert not det.check(dst).committed
+    clock.advance(25.0)
+    assert not det.check(dst).committed
+    (dst / "model.safetensors").write_bytes(data)
+    assert det.check(dst).committed
 
 
 def test_index_needs_all_shards_and_a_quiet_period(tmp_path):
@@ -143,9 +168,14 @@ def test_watched_folder_emits_once_on_publish(source, tmp_path):
     publish(src.root / "step-1", version="v-1")
     item = got.items.get(timeout=5)
     assert (item.version, item.signal, item.directory) == ("v-1", "manifest", src.root / "step-1")
-    (src.root / "step-1" / "extra.txt").write_text("later")  # more events after commit: no re-emit
+    time.sleep(0.3)
+    assert got.all() == []  # events after the commit that change nothing: no re-emit
+    src.rescan()
     time.sleep(0.3)
     assert got.all() == []
+    (src.root / "step-1" / "extra.txt").write_text("later")  # its files changed: handed on again
+    again = got.items.get(timeout=5)  # (the coordinator decides what a change means)
+    assert (again.version, again.directory) == ("v-1", src.root / "step-1")
 
 
 def test_hidden_build_dir_renamed_into_place(source, tmp_path):

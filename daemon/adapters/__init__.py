@@ -15,20 +15,31 @@ config (`[[workers]] kind`), the `workers` table's validation and the rollout pi
 from __future__ import annotations
 
 import importlib
-from typing import cast
+from typing import Any, cast
 
 from daemon.adapters.base import ClientFactory, Timeouts, WorkerClient
 
 WORKER_KINDS: dict[str, str] = {
     "builtin": "daemon.adapters.builtin:connect",
+    "vllm": "daemon.adapters.vllm:connect",
+    "sglang": "daemon.adapters.sglang:connect",
 }
+# Engine kinds: the `[[workers]]` keys they take beyond url/token_file/restart_command, and their
+# pause modes (tests/test_engine_adapters.py checks these against the adapters' own tables).
+ENGINE_PAUSE_MODES: dict[str, tuple[str, ...]] = {"vllm": ("keep", "wait", "abort"), "sglang": ("retract", "abort")}
+ENGINE_KEYS: dict[str, tuple[str, ...]] = {"vllm": ("pause_mode",), "sglang": ("pause_mode", "admin_token_file")}
 MANAGED_KIND = "builtin"  # the kind the daemon can run itself (`launch = "managed"`: `hotswap worker`)
 
 
-def make_client(kind: str, name: str, url: str, *, token_file: str | None, timeouts: Timeouts) -> WorkerClient:
+def make_client(
+    kind: str, name: str, url: str, *, token_file: str | None, timeouts: Timeouts, options: dict[str, Any] | None = None
+) -> WorkerClient:
+    """`options`: the engine keys of ENGINE_KEYS[kind] that the entry sets (only engine kinds take any)."""
     module, attr = WORKER_KINDS[kind].split(":")
-    factory = cast(ClientFactory, getattr(importlib.import_module(module), attr))
-    return factory(name, url, token_file=token_file, timeouts=timeouts)
+    factory = getattr(importlib.import_module(module), attr)
+    if options:
+        return cast(WorkerClient, factory(name, url, token_file=token_file, timeouts=timeouts, options=options))
+    return cast(ClientFactory, factory)(name, url, token_file=token_file, timeouts=timeouts)
 
 
-__all__ = ["MANAGED_KIND", "WORKER_KINDS", "make_client"]
+__all__ = ["ENGINE_KEYS", "ENGINE_PAUSE_MODES", "MANAGED_KIND", "WORKER_KINDS", "make_client"]

@@ -26,6 +26,7 @@ import httpx
 from daemon.adapters.base import (
     Capabilities,
     ClientFactory,
+    NonFiniteOutput,
     PauseMode,
     PeerNotVerified,
     Timeouts,
@@ -219,7 +220,7 @@ class BuiltinWorkerClient:
     def probe(self) -> str:
         doc = self._admin("/admin/probe", "probe", {"max_tokens": 4})
         if not doc.get("finite", True):
-            raise WorkerError(f"worker {self.name}: probe: non-finite logits under version {doc.get('weight_version')}")
+            raise NonFiniteOutput(f"worker {self.name}: probe: non-finite logits under version {doc.get('weight_version')}")
         return str(doc["weight_version"])
 
     def counters(self) -> dict[str, int]:

@@ -105,6 +105,7 @@ PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 WEIGHT_CHECKER_ACTIONS = ("checksum", "compare")  # never "reset": it zeroes the weights
 COLLECTIVE_RPC_METHODS = {"reload_weights": ("weights_path",)}  # worker method -> kwargs we send
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
+HTTP_COUNTER = "http_requests_total"  # prometheus_fastapi_instrumentator, mounted by vLLM
 
 # Everything this client sends (tests: the client sends nothing else; vLLM's source has all of it).
 ROUTES_USED: dict[tuple[str, str], RouteUse] = {
@@ -262,6 +263,23 @@ class VLLMAPI:
                 if sample.name in totals:
                     totals[sample.name] += sample.value
         return int(totals["vllm:num_requests_running"]), int(totals["vllm:num_requests_waiting"])
+
+    def http_counters(self) -> dict[str, int]:
+        """requests_total / requests_failed (5xx) over the serving routes (/v1/..., not /v1/models),
+        from the `http_requests_total` counter vLLM's instrumentator keeps (serve/instrumentator/metrics.py:64)."""
+        text = self.http.request("GET", "/metrics").text
+        total = failed = 0.0
+        for family in text_string_to_metric_families(text):
+            for sample in family.samples:
+                if sample.name != HTTP_COUNTER:
+                    continue
+                handler = sample.labels.get("handler", "")
+                if not handler.startswith("/v1/") or handler == "/v1/models":
+                    continue
+                total += sample.value
+                if sample.labels.get("status", "").startswith("5"):
+                    failed += sample.value
+        return {"requests_total": int(total), "requests_failed": int(failed)}
 
     def served_model(self) -> str:
         doc = self.http.json_object("GET", "/v1/models")

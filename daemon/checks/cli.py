@@ -203,8 +203,8 @@ def _print_table(directory: Path, report: VerifyReport, settings: CheckSettings)
     from rich.markup import escape
     from rich.table import Table
 
-    console = Console()
-    table = Table(title=f"hotswap verify {directory}")
+    console = Console(emoji=False, highlight=False)  # names are the user's: never markup or emoji codes
+    table = Table(title=f"hotswap verify {escape(str(directory))}")
     table.add_column("check")
     table.add_column("result")
     table.add_column("ms", justify="right")

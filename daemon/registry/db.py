@@ -16,6 +16,8 @@ from sqlalchemy import Engine, create_engine, event, inspect
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
+from daemon import redact
+
 # Shipped inside the package (daemon/migrations), so a wheel install migrates from any folder.
 MIGRATIONS = resources.files("daemon") / "migrations"
 HEAD_REVISION = "head"
@@ -26,11 +28,8 @@ class RegistryError(RuntimeError):
 
 
 def redact_url(url: str) -> str:
-    """The URL with any password hidden, for logs and error messages."""
-    try:
-        return make_url(url).render_as_string(hide_password=True)
-    except Exception:  # noqa: BLE001 - a malformed URL is reported as given
-        return url
+    """The URL with any password hidden (user:password@ and ?password=...), for logs and errors."""
+    return redact.redact_url(url)
 
 
 def one_line(exc: BaseException) -> str:

@@ -36,6 +36,7 @@ class CheckpointRef:
     tensor_count: int | None
     status: CheckpointStatus
     verified: bool  # its checks passed at some point (verified_at set)
+    step: int | None = None  # the manifest's training step, when it has one: what "newer" means first
 
     def __str__(self) -> str:
         return self.version
@@ -60,6 +61,7 @@ def _ref(c: Checkpoint) -> CheckpointRef:
         tensor_count=c.tensor_count,
         status=CheckpointStatus(c.status),
         verified=c.verified_at is not None,
+        step=c.step,
     )
 
 
@@ -127,7 +129,8 @@ class Journal:
                     Checkpoint.deployed_at.is_not(None),
                     Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
                 )
-                .order_by(Checkpoint.deployed_at.desc(), Checkpoint.id.desc())
+                .order_by(func.coalesce(Checkpoint.last_deployed_at, Checkpoint.deployed_at).desc(),
+                          Checkpoint.id.desc())
                 .limit(1)
             ).one_or_none()
             return _ref(c) if c else None
@@ -142,16 +145,11 @@ class Journal:
             )
             return bool(n)
 
-    def newest_waiting(self, after_id: int) -> CheckpointRef | None:
-        """The newest verified checkpoint newer than `after_id` that never started deploying."""
+    def waiting(self) -> list[CheckpointRef]:
+        """Every verified checkpoint that never started deploying, in arrival order."""
         with self.registry.session() as s:
-            c = s.scalars(
-                select(Checkpoint)
-                .where(Checkpoint.id > after_id, Checkpoint.status.in_(WAITING))
-                .order_by(Checkpoint.id.desc())
-                .limit(1)
-            ).one_or_none()
-            return _ref(c) if c else None
+            rows = s.scalars(select(Checkpoint).where(Checkpoint.status.in_(WAITING)).order_by(Checkpoint.id)).all()
+            return [_ref(c) for c in rows]
 
     def last_rollout_of(self, checkpoint_id: int) -> int | None:
         with self.registry.session() as s:

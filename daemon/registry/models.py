@@ -140,7 +140,8 @@ class Checkpoint(Base):
     status_message: Mapped[str | None] = mapped_column(Text)
     discovered_at: Mapped[datetime] = mapped_column(default=utcnow)
     verified_at: Mapped[datetime | None]
-    deployed_at: Mapped[datetime | None]
+    deployed_at: Mapped[datetime | None]  # the first deploy; never overwritten (a rollback keeps it)
+    last_deployed_at: Mapped[datetime | None]  # every time it became the deployed version
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"

@@ -16,6 +16,8 @@ from sqlalchemy import Float, Integer, MetaData, String, Table, Text, func, sele
 from sqlalchemy.orm import Session
 
 from daemon.registry.models import (
+    ALIAS_NAMES,
+    Alias,
     Check,
     Checkpoint,
     CheckpointFile,
@@ -200,12 +202,23 @@ def status_counts(s: Session) -> dict[str, int]:
 
 
 def history(s: Session, limit: int | None = None, newest_first: bool = True) -> list[dict[str, Any]]:
-    """Rows of the `version_history` view as dicts."""
+    """Rows of the `version_history` view as dicts, plus `last_deployed_at` (the latest deploy:
+    a rollback's or pin's time; `deployed_at` is the first)."""
     order = version_history.c.checkpoint_id.desc() if newest_first else version_history.c.checkpoint_id
-    q = select(version_history).order_by(order)
+    q = (
+        select(version_history, Checkpoint.last_deployed_at)
+        .join(Checkpoint, Checkpoint.id == version_history.c.checkpoint_id)
+        .order_by(order)
+    )
     if limit:
         q = q.limit(limit)
     return [dict(r) for r in s.execute(q).mappings()]
+
+
+def aliases(s: Session) -> dict[str, str | None]:
+    """serving, last_good, pinned -> the version each names (None when unset)."""
+    found = dict(s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint, Alias.checkpoint_id == Checkpoint.id)).all())
+    return {name: found.get(name) for name in ALIAS_NAMES}
 
 
 def worker_rows(s: Session) -> list[dict[str, Any]]:

@@ -36,19 +36,21 @@ from daemon.registry.models import (
 C = CheckpointStatus
 
 # Operator commands may put back any version whose checks passed once (rejected and superseded
-# included), so those lead back to deployed.
+# included), so those lead back to deployed. Back to discovered (verified again from the start):
+# a rejected or duplicate checkpoint whose files changed, and any version not serving on
+# `hotswap reverify` (REVERIFIABLE).
 TRANSITIONS: dict[CheckpointStatus, frozenset[CheckpointStatus]] = {
     C.DISCOVERED: frozenset({C.FETCHING, C.VERIFYING}),
     C.FETCHING: frozenset({C.FETCHING, C.VERIFYING, C.DISCOVERED, C.REJECTED}),  # fetching again: resumed
     C.VERIFYING: frozenset({C.VERIFYING, C.VERIFIED, C.REJECTED, C.DEFERRED, C.DUPLICATE}),  # again: resumed
     C.DEFERRED: frozenset({C.DISCOVERED}),
-    C.VERIFIED: frozenset({C.STAGED, C.DEPLOYED, C.REJECTED, C.SUPERSEDED}),
-    C.STAGED: frozenset({C.DEPLOYED, C.REJECTED, C.SUPERSEDED}),
+    C.VERIFIED: frozenset({C.STAGED, C.DEPLOYED, C.REJECTED, C.SUPERSEDED, C.DISCOVERED}),
+    C.STAGED: frozenset({C.DEPLOYED, C.REJECTED, C.SUPERSEDED, C.DISCOVERED}),
     C.DEPLOYED: frozenset({C.RETIRED, C.REJECTED}),
-    C.RETIRED: frozenset({C.DEPLOYED}),
-    C.REJECTED: frozenset({C.DEPLOYED, C.RETIRED}),
-    C.SUPERSEDED: frozenset({C.DEPLOYED}),
-    C.DUPLICATE: frozenset(),
+    C.RETIRED: frozenset({C.DEPLOYED, C.DISCOVERED}),
+    C.REJECTED: frozenset({C.DEPLOYED, C.RETIRED, C.DISCOVERED}),
+    C.SUPERSEDED: frozenset({C.DEPLOYED, C.DISCOVERED}),
+    C.DUPLICATE: frozenset({C.DISCOVERED}),
 }
 
 # Being processed when the daemon stopped: resumed on start.
@@ -57,10 +59,13 @@ UNFINISHED: tuple[CheckpointStatus, ...] = (C.DISCOVERED, C.FETCHING, C.VERIFYIN
 WAITING: tuple[CheckpointStatus, ...] = (C.VERIFIED, C.STAGED)
 # Its checks passed once, whatever happened since: an operator may deploy it again.
 DEPLOYABLE: tuple[CheckpointStatus, ...] = (C.VERIFIED, C.STAGED, C.DEPLOYED, C.RETIRED, C.REJECTED, C.SUPERSEDED)
+# May be verified again from the start (`hotswap reverify`): everything settled except serving.
+REVERIFIABLE: tuple[CheckpointStatus, ...] = (C.VERIFIED, C.STAGED, C.RETIRED, C.REJECTED, C.SUPERSEDED, C.DUPLICATE,
+                                              C.DEFERRED)  # fmt: skip
 
 
 __all__ = [
-    "DEPLOYABLE", "TRANSITIONS", "UNFINISHED", "WAITING", "CheckpointStatus", "FailureKind", "IllegalStatusTransition",
+    "DEPLOYABLE", "REVERIFIABLE", "TRANSITIONS", "UNFINISHED", "WAITING", "CheckpointStatus", "FailureKind", "IllegalStatusTransition",
     "RolloutOutcome", "RolloutTrigger", "create", "create_made", "move", "note",
 ]  # fmt: skip
 
@@ -97,8 +102,10 @@ def move(
     now = utcnow()
     if to is C.VERIFIED:
         ckpt.verified_at = now
-    elif to is C.DEPLOYED:
-        ckpt.deployed_at = now
+    elif to is C.DEPLOYED:  # deployed_at stays the first deploy's; a rollback or pin records its own time
+        if ckpt.deployed_at is None:
+            ckpt.deployed_at = now
+        ckpt.last_deployed_at = now
     _event(s, ckpt, previous.value, to.value, duration_ms, detail or ({"message": message} if message else None))
 
 
@@ -117,6 +124,7 @@ def create(
     local_path: str | None,
     commit_signal: str | None,
     discovered_at: datetime | None = None,
+    detail: dict[str, Any] | None = None,
 ) -> Checkpoint | None:
     """Insert a `discovered` checkpoint; None when the version is already known (a no-op).
 
@@ -131,7 +139,7 @@ def create(
             s.flush()
     except IntegrityError:
         return None
-    _event(s, ckpt, None, C.DISCOVERED.value, None, {"source": source, "signal": commit_signal})
+    _event(s, ckpt, None, C.DISCOVERED.value, None, {"source": source, "signal": commit_signal, **(detail or {})})
     return ckpt
 
 

@@ -1,9 +1,14 @@
 """The post-deploy health window: watch each worker's own request counters for a while after a rollout.
 
-The error rate of a worker is (requests_failed delta) / (requests_total delta)
-over the window, from the counters in its `/weight_info`. Above the bound
-(default 1 % over 5 s) on any worker, or a worker that stops answering, the
-verdict is "roll back", with a one-line reason naming the worker and the figures.
+Only server faults that the weights can cause count against a version: the worker's
+`requests_failed` (it counts 5xx from generation, non-finite outputs included, and never a
+request error: a 4xx such as an out-of-range seed is the client's fault) and the daemon's own
+greedy probes, one every `health_probe_s`. The error rate of a worker is failed / requests over
+the window; it can trip only once the worker saw `min_window_requests` requests (probes
+included), so one bad client request cannot veto a version. Above the bound (default 1 %) on any
+worker, a probe whose logits are not finite or that another version answered (decisive at once:
+the probe is deterministic), or a worker that stops answering, the verdict is "roll back", with a
+one-line reason naming the worker and the figures.
 """
 
 from __future__ import annotations
@@ -13,10 +18,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.adapters.base import WorkerError
+from daemon.adapters.base import NonFiniteOutput, WorkerError, WorkerUnreachable
 from daemon.config import RolloutSettings
 from daemon.logging import get_logger
-from daemon.rollout.states import Fleet
+from daemon.rollout.states import Fleet, WorkerHandle
 
 log = get_logger(__name__)
 
@@ -35,6 +40,8 @@ class _Tally:
     last_failed: int
     total: int = 0
     failed: int = 0
+    probes: int = 0
+    probes_failed: int = 0
 
     def add(self, total: int, failed: int) -> None:
         if total < self.last_total or failed < self.last_failed:
@@ -44,12 +51,48 @@ class _Tally:
         self.failed += failed - self.last_failed
         self.last_total, self.last_failed = total, failed
 
+    def probed(self, ok: bool) -> None:
+        self.probes += 1
+        self.probes_failed += not ok
+
+    @property
+    def requests(self) -> int:
+        return self.total + self.probes
+
+    @property
+    def faults(self) -> int:
+        return self.failed + self.probes_failed
+
     @property
     def rate(self) -> float:
-        return self.failed / self.total if self.total else 0.0
+        return self.faults / self.requests if self.requests else 0.0
 
 
-def watch(fleet: Fleet, settings: RolloutSettings, should_abort: Callable[[], bool]) -> WindowVerdict:
+def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> str | None:
+    """One greedy probe; the reason for a decisive failure (non-finite, another version), else None.
+    Any other error counts as one failed request; no answer at all is left to the counters' poll."""
+    try:
+        served = h.client.probe()
+    except NonFiniteOutput as exc:
+        tally.probed(False)
+        return str(exc)
+    except WorkerUnreachable:
+        return None
+    except WorkerError as exc:
+        log.warning("health_probe_failed", worker=h.name, error=str(exc))
+        tally.probed(False)
+        return None
+    if version is not None and served != version:
+        tally.probed(False)
+        return f"worker {h.name}: probe generation served version {served!r}, expected {version!r}"
+    tally.probed(True)
+    return None
+
+
+def watch(
+    fleet: Fleet, settings: RolloutSettings, should_abort: Callable[[], bool], version: str | None = None
+) -> WindowVerdict:
+    """Watch the fleet for `health_window_s`; `version` is what the probes must be served by."""
     window = settings.health_window_s
     tallies: dict[str, _Tally] = {}
     for h in fleet:
@@ -59,6 +102,7 @@ def watch(fleet: Fleet, settings: RolloutSettings, should_abort: Callable[[], bo
             return WindowVerdict(False, f"worker {h.name} did not answer at the start of the health window: {exc}")
         tallies[h.name] = _Tally(c.get("requests_total", 0), c.get("requests_failed", 0))
     deadline = time.monotonic() + window
+    next_probe = time.monotonic() if settings.health_probe_s > 0 else float("inf")
     unreachable: dict[str, int] = {}
     while True:
         remaining = deadline - time.monotonic()
@@ -79,11 +123,18 @@ def watch(fleet: Fleet, settings: RolloutSettings, should_abort: Callable[[], bo
                 continue
             unreachable.pop(h.name, None)
             tallies[h.name].add(c.get("requests_total", 0), c.get("requests_failed", 0))
+        if time.monotonic() >= next_probe:
+            next_probe = time.monotonic() + settings.health_probe_s
+            for h in fleet:
+                decisive = _probe(h, version, tallies[h.name])
+                if decisive is not None:
+                    return WindowVerdict(False, f"{decisive} during the health window", workers=_summary(tallies))
     summary = _summary(tallies)
     for name, t in tallies.items():
-        if t.total >= settings.min_window_requests and t.rate > settings.max_error_rate:
+        if t.requests >= settings.min_window_requests and t.rate > settings.max_error_rate:
+            probes = f", {t.probes_failed} of {t.probes} probes" if t.probes_failed else ""
             reason = (
-                f"worker {name} error rate {t.rate:.1%} ({t.failed} of {t.total} requests failed) "
+                f"worker {name} error rate {t.rate:.1%} ({t.failed} of {t.total} requests failed{probes}) "
                 f"> {settings.max_error_rate:.1%} over {window:g} s after deploy"
             )
             return WindowVerdict(False, reason, workers=summary)
@@ -91,4 +142,8 @@ def watch(fleet: Fleet, settings: RolloutSettings, should_abort: Callable[[], bo
 
 
 def _summary(tallies: dict[str, _Tally]) -> dict[str, dict[str, Any]]:
-    return {n: {"requests": t.total, "failed": t.failed, "rate": round(t.rate, 4)} for n, t in tallies.items()}
+    return {
+        n: {"requests": t.total, "failed": t.failed, "probes": t.probes, "probes_failed": t.probes_failed,
+            "rate": round(t.rate, 4)}
+        for n, t in tallies.items()
+    }  # fmt: skip

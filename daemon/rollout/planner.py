@@ -3,6 +3,9 @@
 Groups roll one after another in the order they first appear in `[[workers]]`;
 inside a group, workers go in batches of the group's `max_unavailable`, so at
 most that many of its workers are out of RUNNING at any time.
+
+Which checkpoint is "newer" (`newer`): the manifest's training `step` when both have one
+(step-999 arriving after step-1000 is older), else, and on equal steps, arrival order.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
+from daemon.registry.journal import CheckpointRef
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,3 +54,18 @@ def modes_of(batches: Sequence[Batch]) -> str:
     if len(modes) == 1:
         return modes.pop()
     return "mixed" if modes else "none"
+
+
+def newer(a: CheckpointRef, b: CheckpointRef) -> bool:
+    """`a` is newer than `b`: by the manifest's step when both have one, else by arrival (id)."""
+    if a.step is not None and b.step is not None and a.step != b.step:
+        return a.step > b.step
+    return a.id > b.id
+
+
+def newest(refs: Sequence[CheckpointRef]) -> CheckpointRef | None:
+    best: CheckpointRef | None = None
+    for r in refs:
+        if best is None or newer(r, best):
+            best = r
+    return best

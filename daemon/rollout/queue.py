@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from daemon.registry.journal import CheckpointRef
+from daemon.rollout.planner import newer
 
 JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile"]
 
@@ -28,6 +29,7 @@ class Job:
     kind: JobKind
     checkpoint: CheckpointRef | None = None  # deploy
     version: str | None = None  # rollback --to / pin
+    force: bool = False  # pin: a rejected version too
     future: Future[dict[str, Any]] = field(default_factory=Future)
 
     def describe(self) -> str:
@@ -45,8 +47,8 @@ class RolloutQueue:
         """Make `ckpt` the waiting checkpoint; returns the one it replaced (now superseded), if any."""
         with self._cond:
             old = self._pending
-            if old is not None and old.id > ckpt.id:
-                return ckpt  # an older version arriving late is superseded by the waiting one
+            if old is not None and old.id != ckpt.id and newer(old, ckpt):
+                return ckpt  # an older version (by step, then arrival) is superseded by the waiting one
             self._pending = ckpt
             self._cond.notify_all()
             return old if old is not None and old.id != ckpt.id else None
@@ -75,9 +77,9 @@ class RolloutQueue:
         with self._cond:
             self._cond.notify_all()
 
-    def newer_than(self, checkpoint_id: int) -> bool:
+    def newer_than(self, ckpt: CheckpointRef) -> bool:
         with self._cond:
-            return self._pending is not None and self._pending.id > checkpoint_id
+            return self._pending is not None and self._pending.id != ckpt.id and newer(self._pending, ckpt)
 
     def has_command(self, kinds: tuple[JobKind, ...] | None = None) -> bool:
         with self._cond:
@@ -143,11 +145,11 @@ class RolloutState:
         with self._lock:
             self._blocked = ckpt
 
-    def take_blocked(self, older_than: int | None = None) -> CheckpointRef | None:
+    def take_blocked(self, older_than: CheckpointRef | None = None) -> CheckpointRef | None:
         """Clear and return the held-back version (only if it is older than `older_than`, when given)."""
         with self._lock:
             b = self._blocked
-            if b is None or (older_than is not None and b.id >= older_than):
+            if b is None or (older_than is not None and (b.id == older_than.id or newer(b, older_than))):
                 return None
             self._blocked = None
             return b

@@ -43,12 +43,13 @@ from daemon.registry.status import (
     RolloutTrigger,
 )
 from daemon.rollout import health
+from daemon.rollout.attribution import attribute
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed
+from daemon.rollout.planner import newer, newest
 from daemon.rollout.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
-from daemon.rollout.reconcile import check_worker, recover_uncertain
-from daemon.rollout.recovery import Recovery
+from daemon.rollout.recovery import Recovery, check_worker, recover_uncertain
 from daemon.rollout.stage import Stager
 from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
 from daemon.transport.base import SenderOptions
@@ -81,7 +82,7 @@ class RolloutService:
             url = managed.url if managed else spec.url.rstrip("/")
             token_file = str(managed.token_file) if managed else spec.token_file
             client = make_client(spec.kind, spec.name, managed.admin_url if managed else url,
-                                 token_file=token_file or None, timeouts=timeouts)  # fmt: skip
+                                 token_file=token_file or None, timeouts=timeouts, options=spec.engine_options())
             if settings.transport not in client.capabilities.transports:
                 raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
@@ -144,7 +145,7 @@ class RolloutService:
         replaced = self.queue.offer(ckpt)
         if replaced is not None:
             self.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
-        blocked = self.state.take_blocked(older_than=ckpt.id)  # a newer version takes its turn
+        blocked = self.state.take_blocked(older_than=ckpt)  # a newer version takes its turn
         if blocked is not None:
             self.supersede(blocked, by=ckpt)
         log.info("rollout_queued", version=ckpt.version, pinned=self.state.pinned, busy=self.state.current_job)
@@ -152,8 +153,9 @@ class RolloutService:
     def rollback(self, to: str | None = None) -> Future[dict[str, Any]]:
         return self.queue.command(Job("rollback", version=to))
 
-    def pin(self, version: str) -> Future[dict[str, Any]]:
-        return self.queue.command(Job("pin", version=version))
+    def pin(self, version: str, force: bool = False) -> Future[dict[str, Any]]:
+        """Deploy `version` and hold it; a `rejected` one only with `force`."""
+        return self.queue.command(Job("pin", version=version, force=force))
 
     def unpin(self) -> Future[dict[str, Any]]:
         return self.queue.command(Job("unpin"))
@@ -208,36 +210,40 @@ class RolloutService:
             return self._rollback(job.version)
         if job.kind == "pin":
             assert job.version is not None
-            return self._pin(job.version)
+            return self._pin(job.version, job.force)
         if job.kind == "unpin":
             return self._unpin()
         return self._reconcile()
 
-    def _yield_wanted(self, checkpoint_id: int) -> bool:
+    def _yield_wanted(self, ckpt: CheckpointRef) -> bool:
         """Stop a rollout at the next batch boundary: something that moves every worker anyway is waiting."""
-        return self.queue.newer_than(checkpoint_id) or self.queue.has_command(MOVES_FLEET) or self.stopping
+        return self.queue.newer_than(ckpt) or self.queue.has_command(MOVES_FLEET) or self.stopping
 
     # -- jobs ------------------------------------------------------------------------------
     def _deploy_new(self, ckpt: CheckpointRef) -> dict[str, Any]:
         # Newer checkpoints still being verified would supersede this one: wait for them.
         deadline = time.monotonic() + LOOKAHEAD_MAX_S
         while (
-            not self.queue.newer_than(ckpt.id)
+            not self.queue.newer_than(ckpt)
             and not self._stopping.is_set()
             and time.monotonic() < deadline
             and self.journal.newer_in_verification(ckpt.id)
         ):
             time.sleep(0.1)
-        if self.queue.newer_than(ckpt.id):
+        if self.queue.newer_than(ckpt):
             self.supersede(ckpt, by=self.queue.pending)
             return {"version": ckpt.version, "outcome": "superseded"}
         fresh = self.journal.checkpoint(ckpt.id)
         if fresh is None or fresh.status not in WAITING:
             return {"version": ckpt.version, "outcome": "skipped", "status": fresh.status if fresh else None}
         serving = self.journal.alias("serving")
+        if serving is not None and serving.id != fresh.id and newer(serving, fresh):
+            # e.g. step-999 verified after step-1000 is serving: newer is the step, not arrival
+            self.supersede(fresh, by=serving)
+            return {"version": fresh.version, "outcome": "superseded", "by": serving.version}
         fallback = self.fallback()
         result = self.engine.deploy(
-            fresh, trigger=T.NEW, fallback=fallback, should_yield=lambda: self._yield_wanted(fresh.id)
+            fresh, trigger=T.NEW, fallback=fallback, should_yield=lambda: self._yield_wanted(fresh)
         )
         return self.conclude(fresh, result, serving, fallback, trigger=T.NEW)
 
@@ -282,8 +288,11 @@ class RolloutService:
         return {"rollout_id": result.rollout_id, "version": target.version, "outcome": result.outcome.value,
                 "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
 
-    def _pin(self, version: str) -> dict[str, Any]:
+    def _pin(self, version: str, force: bool = False) -> dict[str, Any]:
         target = self._deployable(version)
+        if target.status == C.REJECTED and not force:
+            raise CommandError(f"version {version!r} was rejected (see `hotswap history`): "
+                               "pin it anyway with --force")  # fmt: skip
         serving = self.journal.alias("serving")
         self.journal.set_alias("pinned", target.id)
         self.state.set_pinned(target.version)
@@ -352,29 +361,40 @@ class RolloutService:
                 out.update(self.health_window(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)
-        elif result.outcome == RolloutOutcome.FAILED and result.kind == FailureKind.UNAVAILABLE:
-            # Not the version's fault: it waits until every worker answers again (see poll).
-            self.state.set_blocked(ckpt)
-            self.journal.note(
-                ckpt.id, f"not deployed yet (rollout {result.rollout_id}): {result.reason}; "
-                "retried when every worker is back",
-            )  # fmt: skip
-        elif result.outcome == RolloutOutcome.FAILED:
+        elif result.outcome == RolloutOutcome.FAILED and trigger == T.NEW:
+            verdict = attribute(self.journal.registry, ckpt.id, result.kind, result.unrecovered, result.reason,
+                                self.settings.max_infra_retries)  # fmt: skip
+            out["attribution"] = verdict.verdict
             where = fallback.version if fallback else "their previous version"
-            self.journal.move_status(
-                ckpt.id, C.REJECTED, f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
-            )
+            if verdict.verdict == "reject":
+                self.journal.move_status(
+                    ckpt.id, C.REJECTED, f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
+                    + (f" ({verdict.message})" if verdict.attempts else ""),
+                )  # fmt: skip
+            else:
+                # Not the version's fault: it stays verified and is rolled out again (bounded).
+                self.journal.note(ckpt.id, f"rollout {result.rollout_id}: {verdict.message}")
+                log.warning("rollout_failed_not_the_checkpoint", version=ckpt.version, kind=result.kind,
+                            attempts=verdict.attempts, retry=verdict.verdict)  # fmt: skip
+                if verdict.verdict == "retry_when_back":
+                    self.state.set_blocked(ckpt)  # see poll
+                else:
+                    self.submit(ckpt.id)
+        elif result.outcome == RolloutOutcome.FAILED and result.kind == FailureKind.UNAVAILABLE:
+            self.state.set_blocked(ckpt)  # an operator's target: retried when every worker is back
+            self.journal.note(ckpt.id, f"not deployed yet (rollout {result.rollout_id}): {result.reason}")
         elif result.outcome == RolloutOutcome.SUPERSEDED:
-            newer = self.queue.pending
-            if newer is not None and newer.id > ckpt.id:
-                self.supersede(ckpt, by=newer, rollout_id=result.rollout_id)
+            pending = self.queue.pending
+            if pending is not None and newer(pending, ckpt):
+                self.supersede(ckpt, by=pending, rollout_id=result.rollout_id)
             else:
                 why = "the daemon shutting down (resumed on its next start)" if self.stopping else "an operator command"
                 self.journal.note(ckpt.id, f"rollout {result.rollout_id} stopped for {why}")
         return out
 
     def health_window(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        verdict = health.watch(self.fleet, self.settings, lambda: self.queue.has_command(MOVES_FLEET) or self.stopping)
+        verdict = health.watch(self.fleet, self.settings, lambda: self.queue.has_command(MOVES_FLEET) or self.stopping,
+                               ckpt.version)  # fmt: skip
         window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
         if verdict.aborted:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
@@ -471,7 +491,7 @@ class RolloutService:
                 self.health_window(serving, rid, last_good)
         self.queue.command(Job("reconcile"))
         serving = self.journal.alias("serving")
-        waiting = self.journal.newest_waiting(serving.id if serving else 0)
+        waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
         if waiting is not None:
             log.info("resuming_waiting_checkpoint", version=waiting.version)
             self.submit(waiting.id)

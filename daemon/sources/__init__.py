@@ -23,6 +23,8 @@ from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchIte
 
 SOURCE_TYPES: dict[str, str] = {
     "local": "daemon.sources.local:LocalSource",
+    "s3": "daemon.sources.s3:S3Source",
+    "push": "daemon.sources.push:PushSource",
 }
 
 

@@ -7,10 +7,17 @@ Signals, first that applies (order configurable per source, DESIGN.md):
   marker    a marker file such as _SUCCESS exists
 Nothing is read past a listing and `stat` except the (small) manifest and index.
 
-A manifest copied in before the files it lists (e.g. `cp -r` in arbitrary order)
-is not trusted on sight: while a listed file is missing or has a different size
-the directory is "pending", until the sizes stop changing for the quiet period;
-then it is handed on and the checks reject it with the exact file named.
+A manifest copied in before the files it lists (e.g. `cp -r` in arbitrary order, or a
+writer that stalls) is not trusted on sight: while a listed file is missing or shorter
+than listed the directory is "pending". It waits for the files, up to the commit timeout
+(default 10 minutes) of no change at all; only then is it handed on, and the checks reject
+it with the exact file named. A listed file that is longer than listed (being rewritten,
+or not the file the manifest describes) waits for the quiet period, then is handed on.
+
+Nothing here follows a symlink out of the watched folder: `escapes(directory, root)` names
+the first link (the checkpoint directory itself, or a file or folder in it) that resolves
+outside, and the source refuses such a checkpoint with that reason. Files are read only when they are
+regular files (a FIFO in place of the manifest is "not there", never a hang).
 """
 
 from __future__ import annotations
@@ -61,10 +68,12 @@ class CommitDetector:
         quiet_period_s: float = 2.0,
         marker_names: list[str] | None = None,
         *,
+        commit_timeout_s: float = 600.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.signals = list(signals)
         self.quiet_period_s = quiet_period_s
+        self.commit_timeout_s = commit_timeout_s
         self.marker_names = list(marker_names or [])
         self._quiet: dict[Path, _Quiet] = {}
         self._now = clock
@@ -110,15 +119,13 @@ class CommitDetector:
                 try:
                     st = (directory / item["path"]).stat()
                 except (OSError, ValueError):
+                    return self._wait_for_files(directory, label, f"{item['path']} not there yet")
+                listed = item.get("bytes")
+                if isinstance(listed, int) and st.st_size < listed:
+                    return self._wait_for_files(directory, label, f"{item['path']} has {st.st_size} of {listed} bytes")
+                if st.st_size != listed:
                     return self._quiet_or_commit(
-                        directory, "manifest", label, f"{item['path']} not there yet"
-                    )
-                if st.st_size != item.get("bytes"):
-                    return self._quiet_or_commit(
-                        directory,
-                        "manifest",
-                        label,
-                        f"{item['path']} has {st.st_size} of {item.get('bytes')} bytes",
+                        directory, "manifest", label, f"{item['path']} has {st.st_size} bytes, the manifest lists {listed}"
                     )
         return Decision(True, "manifest", label)
 
@@ -148,6 +155,16 @@ class CommitDetector:
         self._observe(directory)
         return Decision(False, reason=reason, recheck_after_s=self.quiet_period_s)
 
+    def _wait_for_files(self, directory: Path, version: str, reason: str) -> Decision:
+        """Listed files missing or short: wait for them while anything changes, and for up to the
+        commit timeout after the last change; then hand it on (the checks name the file)."""
+        elapsed = self._unchanged_for(directory)
+        if elapsed >= self.commit_timeout_s:
+            return Decision(True, "manifest", version)
+        left = self.commit_timeout_s - elapsed
+        return Decision(False, reason=f"{reason} (waiting up to {left:.0f} s more)",
+                        recheck_after_s=max(0.05, min(left, max(self.quiet_period_s, 1.0))))  # fmt: skip
+
     def _quiet_or_commit(self, directory: Path, signal: str, version: str, reason: str) -> Decision:
         """Committed once the directory's file sizes have not changed for the quiet period."""
         elapsed = self._observe(directory)
@@ -156,13 +173,18 @@ class CommitDetector:
         return Decision(False, reason=reason, recheck_after_s=max(0.05, self.quiet_period_s - elapsed))
 
     def _observe(self, directory: Path) -> float:
-        """Seconds the directory's snapshot has been unchanged (0 when it just changed)."""
+        """Seconds the directory's snapshot has been unchanged (0 when it just changed; inf when
+        there is no quiet period)."""
+        elapsed = self._unchanged_for(directory)
+        return elapsed if self.quiet_period_s > 0 else float("inf")
+
+    def _unchanged_for(self, directory: Path) -> float:
         snap = snapshot(directory)
         now = self._now()
         q = self._quiet.get(directory)
         if q is None or q.snapshot != snap:
             self._quiet[directory] = _Quiet(snap, now)
-            return 0.0 if self.quiet_period_s > 0 else float("inf")
+            return 0.0
         return now - q.since
 
 
@@ -179,6 +201,26 @@ def snapshot(directory: Path) -> Snapshot:
             out.append((os.path.relpath(p, directory), st.st_size, st.st_mtime_ns))
     out.sort()
     return tuple(out)
+
+
+def escapes(directory: Path, root: Path) -> str | None:
+    """Why `directory` (a checkpoint under the watched folder `root`) may not be read: it, or a
+    file or folder in it, is a symlink resolving outside `root`. None when it stays inside."""
+    real_root = os.path.realpath(root)
+    if directory.is_symlink():
+        target = os.path.realpath(directory)
+        if os.path.commonpath([real_root, target]) != real_root:
+            return f"{directory.name} is a symlink to {target}, outside the watched folder {root}"
+    for dirpath, dirs, files in os.walk(directory):
+        for name in (*dirs, *files):
+            p = os.path.join(dirpath, name)
+            if not os.path.islink(p):
+                continue
+            target = os.path.realpath(p)
+            if os.path.commonpath([real_root, target]) != real_root:
+                rel = os.path.relpath(p, directory)
+                return f"{directory.name}/{rel} is a symlink to {target}, outside the watched folder {root}"
+    return None
 
 
 def _read_json(path: Path) -> dict[str, Any] | None:

@@ -7,6 +7,12 @@ period runs. A periodic rescan (APScheduler) marks every not-yet-emitted
 directory dirty as the safety net for missed events (overflowed inotify queues,
 NFS, a folder that did not exist at start). Names starting with "." are ignored
 so writers can build `.tmp-step-100/` and rename it into place.
+
+An emitted directory is looked at again when its files change (size or mtime of any file,
+compared with what was emitted): it is emitted again, and the coordinator decides (a
+rejected checkpoint is verified again; a change under a known label is recorded). A
+checkpoint directory that is, or holds, a symlink leading outside the watched folder is
+refused (logged once with the link named) and never emitted.
 """
 
 from __future__ import annotations
@@ -28,7 +34,7 @@ from watchdog.observers.api import BaseObserver
 
 from daemon.logging import get_logger
 from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
-from daemon.sources.commit import COMMIT_SIGNALS, CommitDetector, discovered
+from daemon.sources.commit import COMMIT_SIGNALS, CommitDetector, Snapshot, discovered, escapes, snapshot
 
 EMIT_RETRY_S = 1.0  # after a failed hand-over (database unreachable), look again this much later
 COALESCE_S = 0.02  # how long after an event the directory is looked at (bursts become one look)
@@ -45,9 +51,13 @@ class LocalSourceConfig:
     name: str = ""  # label stored in checkpoints.source; "" = "local:<path>"
     commit_signals: list[str] = field(default_factory=lambda: list(COMMIT_SIGNALS))  # checked in this order
     quiet_period_s: float = 2.0  # index signal: shard sizes unchanged this long
+    commit_timeout_s: float = 600.0  # a manifest listing missing/short files waits this long after the last change
     marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])
     rescan_interval_s: float = 10.0  # safety net for missed filesystem events
     create: bool = True  # create the folder if it does not exist
+    # with create = false: a folder missing at start stops the daemon (exit 2) instead of being
+    # waited for; either way a folder missing while the daemon runs makes /health answer 503
+    required: bool = False
 
     def validate(self, key: str) -> None:
         if not self.path:
@@ -59,6 +69,8 @@ class LocalSourceConfig:
             raise ValueError(f"{key}.commit_signals: at least one signal is needed")
         if self.quiet_period_s < 0:
             raise ValueError(f"{key}.quiet_period_s: must be >= 0")
+        if self.commit_timeout_s < 0:
+            raise ValueError(f"{key}.commit_timeout_s: must be >= 0")
         if self.rescan_interval_s <= 0:
             raise ValueError(f"{key}.rescan_interval_s: must be > 0")
         if "marker" in self.commit_signals and not self.marker_names:
@@ -67,6 +79,14 @@ class LocalSourceConfig:
     @property
     def label(self) -> str:
         return self.name or f"{self.type}:{self.path}"
+
+    def preflight_problem(self) -> str | None:
+        """Why the daemon must not start (daemon.preflight), or None."""
+        root = Path(self.path).expanduser().absolute()
+        if self.required and not self.create and not root.is_dir():
+            what = "is not a directory" if root.exists() else "does not exist"
+            return f"path: watched folder {root} {what} (create = false, required = true)"
+        return None
 
 
 class _Handler(FileSystemEventHandler):
@@ -95,16 +115,19 @@ class LocalSource:
         self.root = Path(config.path).expanduser().absolute()
         self.label = config.label
         self.emit = emit
-        self.detector = CommitDetector(config.commit_signals, config.quiet_period_s, config.marker_names)
+        self.detector = CommitDetector(config.commit_signals, config.quiet_period_s, config.marker_names,
+                                       commit_timeout_s=config.commit_timeout_s)  # fmt: skip
         self._scheduler = scheduler
         self._own_scheduler = scheduler is None
         self._observer: BaseObserver | None = None
-        self._emitted: set[Path] = set()
+        self._emitted: dict[Path, Snapshot] = {}  # what each emitted directory held when emitted
+        self._refused: dict[Path, str] = {}  # symlinks out of the folder: reason, logged once
         self._due: list[tuple[float, str]] = []  # heap of (monotonic due time, directory name)
         self._scheduled: dict[str, float] = {}
         self._cv = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
+        self._missing_logged = False
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -149,7 +172,17 @@ class LocalSource:
             self._thread.join(timeout=5)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.label, "path": str(self.root), "type": self.config.type}
+        out: dict[str, Any] = {"name": self.label, "path": str(self.root), "type": self.config.type}
+        if self._refused:  # symlinks out of the folder, with the reason (also logged once)
+            out["refused"] = {p.name: why for p, why in sorted(self._refused.items())}
+        return out
+
+    def health_problem(self) -> str | None:
+        """Why this source cannot see new checkpoints right now (the daemon's /health), or None."""
+        if self.root.is_dir():
+            return None
+        what = "is not a directory" if self.root.exists() else "does not exist"
+        return f"source {self.label}: watched folder {self.root} {what}"
 
     def fetch(self, item: FetchItem, progress: Progress) -> Path:
         """Nothing to fetch: the checkpoint was registered with its directory in the folder."""
@@ -181,14 +214,13 @@ class LocalSource:
             return
         if not rel.parts:
             return
-        if len(rel.parts) == 1 and not path.exists():
-            self._emitted.discard(path)  # removed: a new directory of that name is a new checkpoint
+        if len(rel.parts) == 1 and not path.exists() and not path.is_symlink():
+            self._emitted.pop(path, None)  # removed: a new directory of that name is a new checkpoint
+            self._refused.pop(path, None)
         self.mark_dirty(rel.parts[0], COALESCE_S)
 
     def mark_dirty(self, name: str, delay_s: float = 0.0) -> None:
         if name.startswith(".") or self._stop.is_set():
-            return
-        if self.root / name in self._emitted:
             return
         due = time.monotonic() + delay_s
         with self._cv:
@@ -200,10 +232,18 @@ class LocalSource:
             self._cv.notify()
 
     def rescan(self) -> None:
-        """The safety net: look at every directory not emitted yet."""
+        """The safety net: look at every directory (an emitted one only costs a stat per file)."""
         if not self.root.is_dir():
-            log.warning("watched folder missing", source=self.label, path=str(self.root))
+            if not self._missing_logged:  # once, not every rescan: /health keeps saying it
+                log.warning("watched folder missing", source=self.label, path=str(self.root))
+                self._missing_logged = True
             return
+        if self._missing_logged:
+            log.info("watched folder is back", source=self.label, path=str(self.root))
+            self._missing_logged = False
+            if self._observer is not None:  # it watched the folder that went away: watch the new one
+                self._observer.stop()
+                self._observer = None
         self._start_observer()
         try:
             names = [p.name for p in self.root.iterdir() if p.is_dir()]
@@ -233,15 +273,24 @@ class LocalSource:
 
     def _look(self, name: str) -> None:
         directory = self.root / name
-        if directory in self._emitted:
-            return
         try:
+            now = snapshot(directory)
+            if self._emitted.get(directory) == now:
+                return  # emitted, and nothing changed since
+            why = escapes(directory, self.root)
+            if why is not None:
+                if self._refused.get(directory) != why:
+                    self._refused[directory] = why
+                    log.warning("checkpoint refused", source=self.label, directory=str(directory), reason=why)
+                return
+            self._refused.pop(directory, None)
             decision = self.detector.check(directory)
         except Exception:  # a broken directory must not stop the source
             log.exception("commit check failed", source=self.label, directory=str(directory))
             return
         if decision.committed:
-            self._emitted.add(directory)
+            again = directory in self._emitted
+            self._emitted[directory] = now
             item = discovered(self.label, directory, decision)
             log.debug(
                 "committed",
@@ -249,12 +298,13 @@ class LocalSource:
                 directory=str(directory),
                 signal=decision.signal,
                 version=decision.version,
+                again=again,
             )
             try:
                 self.emit(item)
             except Exception:
                 # Not recorded (e.g. the database is down): try again shortly.
-                self._emitted.discard(directory)
+                self._emitted.pop(directory, None)
                 log.exception("recording a discovered checkpoint failed; retrying", version=item.version,
                               retry_s=EMIT_RETRY_S)
                 self.mark_dirty(name, EMIT_RETRY_S)

@@ -46,6 +46,7 @@ class TransportEntry:
 TRANSPORTS: dict[str, TransportEntry] = {
     "disk": TransportEntry("daemon.transport.disk:DiskSender", "daemon.transport.disk:open_update"),
     "ipc": TransportEntry("daemon.transport.ipc_stage:IpcSender", "daemon.transport.ipc:open_update", stages=True),
+    "broadcast": TransportEntry("daemon.transport.broadcast:BroadcastSender", "daemon.transport.broadcast_worker:open_update"),
 }
 
 

@@ -37,8 +37,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from daemon.identity import check_private_socket_dir, proof, valid_nonce
+from daemon.jsonbody import JsonBodyError, parse_object
 from daemon.worker.limits import ADMIN_MAX_BODY_BYTES, BodyLimit
 from daemon.worker.updates import UpdateError
+from daemon.worker.weight_group import weight_group_route
 
 log = logging.getLogger("hotswap.worker.admin")
 
@@ -60,16 +62,10 @@ def _number(body: dict[str, Any], key: str, default: float) -> float:
 
 
 async def body_of(request: Request) -> dict[str, Any]:
-    raw = await request.body()
-    if not raw.strip():
-        return {}
-    try:
-        doc = json.loads(raw)
-    except (ValueError, RecursionError):
-        raise BadBody("body is not valid JSON") from None
-    if not isinstance(doc, dict):
-        raise BadBody("body must be a JSON object")
-    return doc
+    try:  # malformed, too deep (RecursionError inside json) or not an object: 400, never 500
+        return parse_object(await request.body())
+    except JsonBodyError as exc:
+        raise BadBody(str(exc)) from None
 
 
 def health_router(ctl: Any) -> APIRouter:
@@ -164,6 +160,7 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
     for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
                      ("rollback", rollback), ("probe", probe_route)):
         router.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
+    router.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
     return router
 
 

@@ -28,6 +28,7 @@ from daemon.worker.control import Controller
 from daemon.worker.detokenize import IncrementalDetokenizer, detokenize
 from daemon.worker.engine import Sequence
 from daemon.worker.limits import Admission, Offload, ServingLimits, most_request_bytes, read_json
+from daemon.worker.metrics import WorkerMetrics
 from daemon.worker.model import longest_token_chars
 from daemon.worker.openai_errors import ApiError, bad_request, error_body
 
@@ -43,6 +44,7 @@ class Serving:
     offload: Offload
     max_chars: int  # longest text that can fit the context
     created: int = field(default_factory=lambda: int(time.time()))
+    metrics: WorkerMetrics = field(default_factory=WorkerMetrics)  # GET /metrics (daemon.worker.metrics)
 
     @classmethod
     def build(cls, ctl: Controller, name: str, limits: ServingLimits) -> Serving:
@@ -114,6 +116,7 @@ async def _generate(request: Request, sv: Serving, *, chat: bool) -> Response:
             loop.call_soon_threadsafe(events.put_nowait, ("token", token))
 
         def on_done(_s: Sequence) -> None:
+            sv.metrics.tokens.inc(len(_s.generated))
             loop.call_soon_threadsafe(events.put_nowait, ("done", None))
 
         # a whole answer needs only the end; a stream every token

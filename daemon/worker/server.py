@@ -67,6 +67,7 @@ from daemon.worker.admin import (
 )
 from daemon.worker.completions import Serving, install_serving_routes
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
+from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
 
 log = logging.getLogger("hotswap.worker")
@@ -94,6 +95,7 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving, *, admin: bool =
     app = FastAPI(title="hotswap worker", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     install_serving_routes(app, serving)
+    install_metrics(app, serving.metrics)
     app.include_router(health_router(ctl))
     if admin:
         app.include_router(admin_router(ctl, token))

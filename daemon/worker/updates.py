@@ -180,6 +180,8 @@ def apply_update(
                 else:
                     store.prepare_for_copy()  # a swap may have left params on a leased buffer
                     transport.write_into(store.params)
+                if digest is None:  # a transport hashing what it received (broadcast) knows it only now
+                    record.digest = transport.source_digest() or record.digest
             except Exception as exc:
                 log.error("write of %s failed: %s; restoring %s", request.version, exc, previous)
                 restored = restore_current(store)

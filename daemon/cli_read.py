@@ -1,0 +1,283 @@
+"""The read-only CLI commands: `hotswap history` and `hotswap status`.
+
+They never create state: run from a folder where there is no database, they say where they
+looked and how to point them at the daemon's (`-c config.toml` or `--state-dir DIR`), exit 2.
+
+Everything user-controlled (versions, reasons, paths, URLs, worker names) is printed as plain
+text: never read as rich markup or emoji codes, control characters shown escaped (a version
+named `[/bold]` or one with an escape sequence neither crashes nor restyles the terminal).
+`history` fits the terminal (80 columns and off a TTY too): columns are dropped by priority and
+long values end in "…", never wrapped mid-word; `--wide` and `--json` print every full value.
+`status` asks the running daemon (its `/status` and `/health`) when there is one, else the database.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Callable
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from sqlalchemy.engine import make_url
+
+from daemon.config import Config, ConfigError, load_config
+
+API_TIMEOUT_S = 5.0
+
+
+class NoState(ConfigError):
+    """A read-only command found no database where it looked."""
+
+
+def read_config(args: argparse.Namespace) -> Config:
+    config = load_config(args.config)
+    state_dir = getattr(args, "state_dir", None)
+    if state_dir:
+        config.daemon.state_dir = state_dir
+    return config
+
+
+def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
+    """The registry, refusing (one line) to create an SQLite database that does not exist."""
+    from daemon.registry import Registry
+
+    url = make_url(config.database_url)
+    if url.drivername.startswith("sqlite") and url.database not in (None, "", ":memory:"):
+        path = Path(url.database).expanduser().absolute()
+        if not path.is_file():
+            raise NoState(
+                f"no hotswap database at {path} (config: {config.source_file}); "
+                "pass -c CONFIG or --state-dir DIR of the daemon's state"
+            )
+    reg = Registry(config.database_url)
+    if upgrade:
+        reg.upgrade()  # an existing database written by an older version
+    return reg
+
+
+def read_runtime_file(config: Config) -> dict[str, Any] | None:
+    try:
+        doc = json.loads(config.runtime_file.read_text())
+    except (OSError, ValueError):
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def daemon_alive(runtime: dict[str, Any] | None) -> bool:
+    if not runtime or not runtime.get("pid"):
+        return False
+    try:
+        os.kill(int(runtime["pid"]), 0)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def safe(value: Any) -> str:
+    """A value as one printable line: control characters (ESC, newlines, ...) escaped."""
+    text = "" if value is None else str(value)
+    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
+
+
+def plain(v: Any) -> Any:
+    return v.isoformat() if isinstance(v, datetime) else v
+
+
+# -- hotswap history ----------------------------------------------------------------------------
+
+# (key, header, priority): lower priority numbers are kept longer when the terminal is narrow
+_COLUMNS: tuple[tuple[str, str, int], ...] = (
+    ("version", "version", 0),
+    ("status", "status", 0),
+    ("discovered", "discovered", 6),
+    ("verified", "verified", 5),
+    ("deployed", "deployed", 2),
+    ("ended", "rolled back / superseded", 4),
+    ("updates", "worker updates", 7),
+    ("bytes", "bytes", 3),
+    ("reason", "reason", 1),
+)
+_SHRINKS = {"version": 12, "reason": 12, "ended": 14}  # may end in "…" down to this width
+_STYLES = {"verified": "green", "deployed": "bold green", "rejected": "red", "deferred": "yellow",
+           "duplicate": "dim", "superseded": "dim"}  # fmt: skip
+
+
+def history_cells(row: dict[str, Any], ts: Callable[[datetime | None], str]) -> dict[str, str]:
+    ended = (
+        f"rolled back {ts(row['rolled_back_at'])}" if row.get("rolled_back_at")
+        else f"superseded {ts(row['superseded_at'])}" if row.get("superseded_at") else ""
+    )  # fmt: skip
+    deployed = ts(row.get("deployed_at"))
+    last = row.get("last_deployed_at")
+    if last and row.get("deployed_at") and last != row["deployed_at"]:
+        deployed += f" (again {ts(last)})"
+    return {
+        "version": safe(row["version"]),
+        "status": safe(row["status"]),
+        "discovered": ts(row.get("discovered_at")),
+        "verified": ts(row.get("verified_at")),
+        "deployed": deployed,
+        "ended": ended,
+        "updates": safe(row.get("worker_update_ms") or ""),
+        "bytes": fmt_bytes(row.get("total_bytes")),
+        "reason": safe(row.get("status_message") or ""),
+    }
+
+
+def fit_columns(cells: list[dict[str, str]], width: int) -> dict[str, int]:
+    """Column key -> width for `width` terminal columns (rich's default box: 3 per column + 1).
+
+    Columns are dropped by priority until the rest fit with the shrinkable ones (version, reason,
+    ended) at their minimum; the space left then goes to those, in priority order."""
+    def natural(key: str, header: str) -> int:
+        return max([len(header), *(len(c[key]) for c in cells)])
+
+    def minimum(key: str, header: str) -> int:
+        nat = natural(key, header)
+        return min(nat, max(_SHRINKS[key], len(header.split(" /")[0]))) if key in _SHRINKS else nat
+
+    shown = [(k, h, p) for k, h, p in _COLUMNS if p == 0 or any(c[k] for c in cells)]
+    while sum(minimum(k, h) + 3 for k, h, _ in shown) + 1 > width:
+        droppable = [c for c in shown if c[2] > 0]
+        if not droppable:
+            break
+        shown.remove(max(droppable, key=lambda c: c[2]))
+    widths = {k: minimum(k, h) for k, h, _ in shown}
+    spare = width - (sum(w + 3 for w in widths.values()) + 1)
+    for k, h, _ in sorted((c for c in shown if c[0] in _SHRINKS), key=lambda c: c[2]):
+        extra = max(0, min(spare, natural(k, h) - widths[k]))
+        widths[k] += extra
+        spare -= extra
+    return widths
+
+
+def history_cmd(args: argparse.Namespace) -> int:
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    from daemon.registry import queries as q
+
+    config = read_config(args)
+    reg = open_existing_registry(config)
+    with reg.session() as s:
+        rows = q.history(s, limit=args.limit or None)
+    if args.json:
+        for r in rows:
+            print(json.dumps({k: plain(v) for k, v in r.items()}))
+        return 0
+    console = Console(highlight=False, emoji=False)
+    cells = [history_cells(r, ts_full if args.wide else ts_short) for r in rows]
+    widths: dict[str, int | None] = (
+        {k: None for k, _, _ in _COLUMNS} if args.wide else dict(fit_columns(cells, console.width))
+    )
+    keys = [k for k, _, _ in _COLUMNS if k in widths]
+    left_out = [h for k, h, _ in _COLUMNS if k not in keys and any(c[k] for c in cells)]
+    title = f"hotswap history ({len(rows)} newest)" if args.limit else "hotswap history"
+    table = Table(title=title, caption=f"left out to fit: {', '.join(left_out)} (--wide or --json for all)"
+                  if left_out else None)  # fmt: skip
+    headers = {k: h for k, h, _ in _COLUMNS}
+    for k in keys:
+        table.add_column(headers[k], no_wrap=True, overflow="fold" if args.wide else "ellipsis", width=widths[k],
+                         justify="right" if k == "bytes" else "left")  # fmt: skip
+    for c in cells:
+        table.add_row(*(Text(c[k], style=_STYLES.get(c[k], "")) if k == "status" else Text(c[k]) for k in keys))
+    if args.wide:  # every value whole: as wide as the table needs, whatever the terminal
+        console = Console(highlight=False, emoji=False, width=max(console.width, _natural_width(cells) + 1))
+    console.print(table)
+    return 0
+
+
+def _natural_width(cells: list[dict[str, str]]) -> int:
+    return sum(max([len(h), *(len(c[k]) for c in cells)]) + 3 for k, h, _ in _COLUMNS)
+
+
+def ts_full(v: datetime | None) -> str:
+    return v.strftime("%Y-%m-%d %H:%M:%S") if v else ""
+
+
+def ts_short(v: datetime | None) -> str:
+    return v.strftime("%m-%d %H:%M:%S") if v else ""
+
+
+def fmt_bytes(n: int | None) -> str:
+    if not n:
+        return ""
+    value = float(n)
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1000
+    return str(n)
+
+
+# -- hotswap status -----------------------------------------------------------------------------
+
+
+def status_cmd(args: argparse.Namespace) -> int:
+    from daemon.api import ApiState, status_document
+    from daemon.metrics import DaemonMetrics
+
+    config = read_config(args)
+    reg = open_existing_registry(config)
+    doc = status_document(ApiState(reg, DaemonMetrics()))
+    runtime = read_runtime_file(config)
+    running = daemon_alive(runtime)
+    health: dict[str, Any] | None = None
+    if running and runtime and runtime.get("api_url"):
+        live, health = _ask_daemon(str(runtime["api_url"]))
+        if live is not None:
+            doc = live
+    doc["daemon"] = {**doc.get("daemon", {}), "running": running, **(runtime or {})}
+    doc["health"] = health
+    if args.json:
+        print(json.dumps(doc, default=plain))
+        return 0
+    for line in status_lines(doc, config):
+        print(line)
+    return 0
+
+
+def _ask_daemon(url: str) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
+    import httpx
+
+    try:
+        live = httpx.get(f"{url}/status", timeout=API_TIMEOUT_S).json()
+        r = httpx.get(f"{url}/health", timeout=API_TIMEOUT_S)
+        health = {"ok": r.status_code == 200, **r.json()}
+    except (httpx.HTTPError, ValueError) as exc:
+        return None, {"ok": False, "error": f"the daemon's API at {url} does not answer ({exc})"}
+    return (live if isinstance(live, dict) else None), health
+
+
+def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
+    dd = doc["daemon"]
+    out: list[str] = []
+    if dd["running"]:
+        out.append(f"daemon:      running (pid {dd.get('pid')}, {safe(dd.get('api_url') or 'API off')})")
+    else:
+        out.append("daemon:      not running")
+    health = doc.get("health")
+    if health is not None:
+        out.append("health:      ok" if health.get("ok") else f"health:      unhealthy: {safe(health.get('error'))}")
+    out.append(f"database:    {safe(dd.get('database') or config.database_url)}")
+    aliases = doc.get("aliases") or {}
+    for name in ("serving", "last_good", "pinned"):
+        out.append(f"{name + ':':<12} {safe(aliases.get(name) or '-')}")
+    depth = dd.get("queue_depth")
+    out.append(f"queue:       {depth if depth is not None else '- (daemon not running)'}")
+    counts = ", ".join(f"{safe(k)} {v}" for k, v in sorted(doc.get("checkpoints", {}).items())) or "none"
+    out.append(f"checkpoints: {counts}")
+    if doc.get("latest"):
+        newest = doc["latest"][0]
+        out.append(f"newest:      {safe(newest['version'])} ({safe(newest['status'])})")
+    for w in doc.get("workers", []):
+        out.append(f"worker:      {safe(w['worker'])} {safe(w.get('state') or '-')} "
+                   f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}")  # fmt: skip
+    for src in doc.get("sources", []):
+        out.append(f"source:      {safe(src.get('name'))} {safe(src.get('path') or src.get('url') or '')}".rstrip())
+    return out
+

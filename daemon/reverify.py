@@ -1,0 +1,135 @@
+"""`hotswap reverify VERSION`: send a settled version back through every check.
+
+For a version whose files changed after its verdict (the daemon records that, see
+daemon.rediscovery) or a check that was fixed since. Any version except the serving one may
+be verified again; it goes back to `discovered` and through fetch/verify like a new arrival
+(a version that passes is then rolled out only if it is newer than the serving one).
+
+With the daemon running, the request goes to its API (`POST /v1/checkpoints/reverify`, with
+the control token from `<state_dir>/control.token`); without it, the registry is changed
+directly and the daemon verifies it at its next start. The command then waits (`--timeout`)
+for the verdict and prints it: exit 0 when verified, 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends
+from fastapi.responses import JSONResponse
+
+from daemon.auth import ControlGuard, TokenFileError, control_token_path, read_token_file
+from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.coordinator import Coordinator, request_reverify
+from daemon.registry import Registry
+from daemon.registry import queries as q
+from daemon.registry.status import UNFINISHED
+
+FAILED = ("rejected", "deferred", "duplicate", "unknown", *UNFINISHED)  # exit 1: its checks did not pass (yet)
+WHY = "re-verification requested by an operator (hotswap reverify)"
+
+
+def router(coordinator: Coordinator, guard: ControlGuard) -> APIRouter:
+    r = APIRouter(prefix="/v1/checkpoints", dependencies=[Depends(guard)])
+
+    @r.post("/reverify")
+    def reverify(body: dict[str, Any] = Body(default_factory=dict)) -> JSONResponse:  # noqa: B008
+        version = body.get("version")
+        if not isinstance(version, str) or not version or len(version) > 255:
+            return JSONResponse({"error": "'version' must be a version label"}, status_code=400)
+        try:
+            was = coordinator.reverify(version, WHY)
+        except LookupError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=404)
+        except ValueError as exc:
+            return JSONResponse({"error": str(exc)}, status_code=409)
+        return JSONResponse({"version": version, "was": was, "outcome": "queued"})
+
+    return r
+
+
+class NotRunning(RuntimeError):
+    pass
+
+
+def _daemon_url(config: Config) -> str:
+    """The running daemon's API address from its runtime file; NotRunning when there is none."""
+    try:
+        doc = json.loads(config.runtime_file.read_text())
+        os.kill(int(doc["pid"]), 0)
+    except (OSError, ValueError, KeyError, TypeError):
+        raise NotRunning("the hotswap daemon is not running") from None
+    if not doc.get("api_url"):
+        raise NotRunning("the running daemon has its HTTP API turned off")
+    return str(doc["api_url"])
+
+
+def _through_daemon(config: Config, version: str) -> dict[str, Any]:
+    import httpx
+
+    url = _daemon_url(config)
+    token = read_token_file(control_token_path(config.state_dir))
+    try:
+        resp = httpx.post(f"{url}/v1/checkpoints/reverify", json={"version": version}, timeout=30,
+                          headers={"Authorization": f"Bearer {token}"})  # fmt: skip
+    except httpx.TransportError as exc:
+        raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
+    try:
+        doc: dict[str, Any] = resp.json()
+    except ValueError:
+        doc = {"error": resp.text[:300]}
+    if resp.status_code != 200:
+        raise RuntimeError(str(doc.get("error") or f"HTTP {resp.status_code}"))
+    return doc
+
+
+def _wait(reg: Registry, version: str, timeout_s: float) -> tuple[str, str | None]:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        with reg.session() as s:
+            c = q.get_checkpoint(s, version)
+            st, msg = (c.status, c.status_message) if c is not None else ("unknown", None)
+        if st not in UNFINISHED or time.monotonic() >= deadline:
+            return st, msg
+        time.sleep(0.2)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="hotswap reverify", description="Verify VERSION again, from the start.")
+    p.add_argument("version")
+    p.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV} or the embedded default)")
+    p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the verdict (0: do not wait)")
+    args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        config = load_config(args.config)
+    except ConfigError as exc:
+        print(f"hotswap: error: {exc}", file=sys.stderr)
+        return 2
+    reg = Registry(config.database_url)
+    try:
+        try:
+            try:
+                was = _through_daemon(config, args.version)["was"]
+            except NotRunning:
+                reg.upgrade()
+                with reg.session() as s:
+                    _, was = request_reverify(s, args.version, WHY)
+                print(f"{args.version}: was {was}; queued: the daemon verifies it at its next start")
+                return 0
+        except (RuntimeError, LookupError, ValueError, TokenFileError) as exc:
+            print(f"hotswap: error: {' '.join(str(exc).split())}", file=sys.stderr)
+            return 1
+        print(f"{args.version}: was {was}; the daemon is verifying it")
+        if args.timeout <= 0:
+            return 0
+        st, msg = _wait(reg, args.version, args.timeout)
+        print(f"{args.version}: {st}" + (f" ({msg})" if msg else ""))
+        return 1 if st in FAILED else 0
+    finally:
+        reg.close()

@@ -1,0 +1,200 @@
+"""`type = "push"`: trainers push checkpoints to the daemon over HTTP(S); see daemon.sources.push_routes.
+
+The source serves the push routes on its own listener (`listen`, default 127.0.0.1:8781), so it can
+speak TLS, and verify client certificates (mTLS) with `tls_client_ca_file`, without changing the
+loopback control API: a client without a valid certificate fails the TLS handshake, before any
+HTTP request is read, let alone a byte written. A committed push lands in `<path>/<version>/` and
+is emitted with that directory (the fetch step has nothing to do). At start, every committed
+directory already in `path` is emitted again (a daemon stopped between rename and registration
+loses nothing; known versions are no-ops), and upload folders of an earlier run are removed.
+
+The retention hook keeps `path` under `max_bytes` (0 = no limit), never deleting a protected version.
+"""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import threading
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+from urllib.parse import urlsplit
+from urllib.request import url2pathname
+
+import uvicorn
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import BaseScheduler
+from fastapi import FastAPI
+
+from daemon.auth import read_token_file
+from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.logging import get_logger
+from daemon.manifest import ManifestError, load_manifest
+from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
+from daemon.sources.cache import prune_cache
+from daemon.sources.push_routes import Limits, PushState, clear_incoming, push_router
+
+log = get_logger(__name__)
+GIB = 1024**3
+
+
+@dataclass
+class PushSourceConfig:
+    """`[[sources]]` with `type = "push"`."""
+
+    path: str  # required: the registry folder; a committed push becomes <path>/<version>/
+    token_file: str  # required: the bearer token clients send (one line; keep it 0600)
+    type: Literal["push"] = "push"
+    name: str = ""  # label stored in checkpoints.source; "" = "push:<listen>"
+    listen: str = "127.0.0.1:8781"  # host:port of the push listener ("0.0.0.0:8781" for other hosts)
+    hmac_keys: dict[str, str] = field(default_factory=dict)  # key_id -> shared key file (as [checks])
+    ed25519_keys: dict[str, str] = field(default_factory=dict)  # key_id -> public key file (as [checks])
+    tls_cert_file: str = ""  # with tls_key_file: serve HTTPS
+    tls_key_file: str = ""
+    tls_client_ca_file: str = ""  # clients must present a certificate signed by this CA (mTLS)
+    max_checkpoint_bytes: int = 1024 * GIB
+    max_concurrent_uploads: int = 8  # per client address
+    rate_per_s: float = 50.0  # requests per second per client address (token bucket)
+    burst: int = 100
+    upload_timeout_s: float = 600.0  # an upload folder idle this long is removed
+    max_bytes: int = 0  # retention: keep <path> under this many bytes; 0 = no limit
+
+    def validate(self, key: str) -> None:
+        if not self.path:
+            raise ValueError(f"{key}.path: must not be empty")
+        if not self.token_file:
+            raise ValueError(f"{key}.token_file: must name the file holding the bearer token")
+        host, sep, port = self.listen.rpartition(":")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ValueError(f"{key}.listen: {self.listen!r} is not host:port (e.g. 0.0.0.0:8781)")
+        if not self.hmac_keys and not self.ed25519_keys:
+            raise ValueError(f"{key}.hmac_keys: a push is accepted only with a signed manifest: configure a key")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError(f"{key}.tls_cert_file and tls_key_file: set both or neither")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError(f"{key}.tls_client_ca_file: client certificates need TLS (tls_cert_file)")
+        if self.max_checkpoint_bytes <= 0 or self.max_concurrent_uploads < 1 or self.burst < 1:
+            raise ValueError(f"{key}: max_checkpoint_bytes, max_concurrent_uploads and burst must be positive")
+        if self.rate_per_s <= 0 or self.upload_timeout_s <= 0 or self.max_bytes < 0:
+            raise ValueError(f"{key}: rate_per_s and upload_timeout_s must be > 0, max_bytes >= 0")
+
+    @property
+    def label(self) -> str:
+        return self.name or f"push:{self.listen}"
+
+
+class PushServer:
+    """uvicorn in a thread on a socket bound up front (port 0 works), optionally TLS / mTLS."""
+
+    def __init__(self, app: FastAPI, listen: str, config: PushSourceConfig) -> None:
+        host, _, port = listen.rpartition(":")
+        host = host.strip("[]")
+        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind((host, int(port)))
+        self.host, self.port = host, int(self.sock.getsockname()[1])
+        self.tls = bool(config.tls_cert_file)
+        tls: dict[str, Any] = {}
+        if self.tls:
+            tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
+            if config.tls_client_ca_file:
+                tls |= {"ssl_ca_certs": config.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
+        cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls)
+        self.server = uvicorn.Server(cfg)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="push",
+                                        daemon=True)  # fmt: skip
+
+    @property
+    def url(self) -> str:
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{'https' if self.tls else 'http'}://{host}:{self.port}"
+
+    def start(self, timeout_s: float = 10.0) -> None:
+        self._thread.start()
+        deadline = time.monotonic() + timeout_s
+        while not self.server.started and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)  # listening once uvicorn's loop runs: clients are not refused after start()
+
+    def stop(self) -> None:
+        self.server.should_exit = True
+        self._thread.join(timeout=5)
+        self.sock.close()
+
+
+class PushSource:
+    """The push listener as a `Source`: committed pushes are emitted with their directory."""
+
+    config_type: ClassVar[type[PushSourceConfig]] = PushSourceConfig
+
+    def __init__(self, config: PushSourceConfig, emit: Emit, scheduler: BaseScheduler | None = None) -> None:
+        self.config = config
+        self.label = config.label
+        self.emit = emit
+        self.root = Path(config.path).expanduser().absolute()
+        limits = Limits(config.max_checkpoint_bytes, config.max_concurrent_uploads, config.rate_per_s,
+                        config.burst, config.upload_timeout_s)  # fmt: skip
+        self.state = PushState(self.root, limits, {k: Path(v).expanduser() for k, v in config.hmac_keys.items()},
+                               {k: Path(v).expanduser() for k, v in config.ed25519_keys.items()}, self._committed)  # fmt: skip
+        self._scheduler = scheduler
+        self._own_scheduler = scheduler is None
+        self._job_id = f"push-sweep:{self.root}"
+        self.server: PushServer | None = None
+
+    def start(self) -> None:
+        token = read_token_file(Path(self.config.token_file).expanduser())  # a clear error when unusable
+        self.root.mkdir(parents=True, exist_ok=True)
+        clear_incoming(self.root)
+        app = FastAPI(title="hotswap push", docs_url=None, redoc_url=None, openapi_url=None)
+        app.include_router(push_router(self.state, token))
+        self.server = PushServer(app, self.config.listen, self.config)
+        if self._scheduler is None:
+            self._scheduler = BackgroundScheduler(daemon=True)
+        every = max(0.2, min(60.0, self.config.upload_timeout_s / 4))
+        self._scheduler.add_job(self.state.sweep, "interval", seconds=every, id=self._job_id, max_instances=1,
+                                coalesce=True, replace_existing=True)  # fmt: skip
+        if self._own_scheduler:
+            self._scheduler.start()
+        for child in sorted(self.root.iterdir()):
+            if child.is_dir() and not child.name.startswith(".") and (child / MANIFEST_NAME).is_file():
+                self._committed(child.name, child)
+        self.server.start()
+        log.info("push source listening", source=self.label, url=self.server.url, path=str(self.root),
+                 mtls=bool(self.config.tls_client_ca_file))  # fmt: skip
+
+    def stop(self) -> None:
+        if self.server is not None:
+            self.server.stop()
+        if self._scheduler is not None:
+            if self._own_scheduler and self._scheduler.running:
+                self._scheduler.shutdown(wait=False)
+            elif self._scheduler.get_job(self._job_id) is not None:
+                self._scheduler.remove_job(self._job_id)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.label, "type": "push", "path": str(self.root),
+                "url": self.server.url if self.server else None, "mtls": bool(self.config.tls_client_ca_file)}  # fmt: skip
+
+    def _committed(self, version: str, directory: Path) -> None:
+        try:
+            label = load_manifest(directory).version or version
+        except ManifestError:
+            label = version
+        self.emit(DiscoveredCheckpoint(source=self.label, directory=directory, version=label, signal="push",
+                                       uri=directory.as_uri(), detected_at=datetime.now(UTC)))  # fmt: skip
+
+    def fetch(self, item: FetchItem, progress: Progress) -> Path:
+        parts = urlsplit(item.uri)
+        directory = Path(url2pathname(parts.path)) if parts.scheme == "file" else None
+        if directory is None or not directory.is_dir():
+            raise FetchError(f"{item.uri}: the pushed checkpoint is gone from {self.root}")
+        return directory
+
+    def prune(self, protected: frozenset[Path]) -> list[Path]:
+        return prune_cache(self.root, self.config.max_bytes, protected, label=self.label)
+
+
+# What daemon.sources.SOURCE_TYPES["push"] names; mypy checks it against the protocol.
+_TYPE: SourceType = PushSource

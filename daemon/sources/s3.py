@@ -1,0 +1,265 @@
+"""`type = "s3"`: checkpoints under `s3://bucket/prefix/<name>/`, each with its hotswap-manifest.json.
+
+A periodic listing (APScheduler, `poll_interval_s`) is the truth. With `sqs_queue_url`, S3 event
+notifications read from that queue only trigger an immediate listing: events are at-least-once,
+unordered and may lag, so nothing is decided from them.
+
+A checkpoint is committed once its manifest object exists AND every object the manifest lists
+exists with the listed size: uploaders put objects in any order (sync tools do not put the
+manifest last), and multipart objects' ETags are not MD5s, so sizes from the listing decide and
+the bytes are judged after download. A manifest that does not parse is handed on as well, so the
+fetch step rejects it with the parse error instead of the source waiting forever.
+
+The fetch step downloads into `cache_dir/<name>/` (daemon.sources.s3fetch: parallel ranged GETs,
+resumable, verified against the manifest and S3's FULL_OBJECT CRC32C); the retention hook keeps
+that folder under `cache_max_bytes`, never deleting a protected version.
+
+Credentials come from boto3's standard chain (environment, shared config/`profile`, instance or
+task role); none are stored here and none are logged.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import boto3
+from apscheduler.schedulers.background import BackgroundScheduler
+from apscheduler.schedulers.base import BaseScheduler
+from botocore.config import Config as BotoConfig
+from botocore.exceptions import BotoCoreError, ClientError
+
+from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.logging import get_logger
+from daemon.manifest import ManifestError, parse_manifest
+from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
+from daemon.sources.cache import prune_cache
+from daemon.sources.s3fetch import FetchStats, fetch_checkpoint, read_manifest
+
+log = get_logger(__name__)
+SQS_WAIT_S = 5  # long-poll length: also how long `stop` may wait for the hint thread
+
+
+@dataclass
+class S3SourceConfig:
+    """`[[sources]]` with `type = "s3"`."""
+
+    bucket: str  # required
+    type: Literal["s3"] = "s3"
+    prefix: str = ""  # checkpoints are <prefix><name>/...; a trailing "/" is added when missing
+    name: str = ""  # label stored in checkpoints.source; "" = "s3://<bucket>/<prefix>"
+    endpoint_url: str = ""  # any S3-compatible store (MinIO, Ceph, R2, moto); "" = AWS
+    region: str = ""  # "" = from the credential chain's config
+    profile: str = ""  # a shared-config profile; "" = the default chain
+    poll_interval_s: float = 30.0
+    sqs_queue_url: str = ""  # optional: S3 event notifications, used as hints only
+    concurrency: int = 8  # parallel ranged GETs per fetch
+    part_bytes: int = 64 * 1024 * 1024  # bytes per ranged GET
+    cache_dir: str = "~/.cache/hotswap/s3"  # downloads go to <cache_dir>/<name>/
+    cache_max_bytes: int = 0  # retention keeps the cache under this; 0 = no limit
+    retry_after_s: float = 10.0  # store unreachable during a fetch: try again this much later
+    max_attempts: int = 4  # botocore's retries per request (standard mode)
+    connect_timeout_s: float = 10.0
+    read_timeout_s: float = 60.0
+
+    def validate(self, key: str) -> None:
+        if not self.bucket or "/" in self.bucket:
+            raise ValueError(f"{key}.bucket: must be a bucket name (no '/'), got {self.bucket!r}")
+        if self.prefix.startswith("/"):
+            raise ValueError(f"{key}.prefix: must not start with '/'")
+        for name in ("poll_interval_s", "retry_after_s", "connect_timeout_s", "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{key}.{name}: must be > 0")
+        if self.concurrency < 1 or self.max_attempts < 1:
+            raise ValueError(f"{key}.concurrency and max_attempts: must be >= 1")
+        if self.part_bytes < 1024 * 1024:
+            raise ValueError(f"{key}.part_bytes: must be at least 1 MiB")
+        if self.cache_max_bytes < 0:
+            raise ValueError(f"{key}.cache_max_bytes: must be >= 0")
+
+    @property
+    def key_prefix(self) -> str:
+        return self.prefix if not self.prefix or self.prefix.endswith("/") else self.prefix + "/"
+
+    @property
+    def label(self) -> str:
+        return self.name or f"s3://{self.bucket}/{self.key_prefix}"
+
+
+def make_client(config: S3SourceConfig, service: str = "s3") -> Any:
+    """A boto3 client from the standard credential chain (thread-safe; shared by the range threads)."""
+    session = boto3.session.Session(profile_name=config.profile or None, region_name=config.region or None)
+    boto_config = BotoConfig(
+        max_pool_connections=config.concurrency + 4,
+        retries={"max_attempts": config.max_attempts, "mode": "standard"},
+        connect_timeout=config.connect_timeout_s,
+        read_timeout=config.read_timeout_s,
+    )
+    return session.client(service, endpoint_url=config.endpoint_url or None, config=boto_config)
+
+
+class S3Source:
+    """Lists one bucket prefix; emits each committed checkpoint once; fetches into its cache."""
+
+    config_type: ClassVar[type[S3SourceConfig]] = S3SourceConfig
+
+    def __init__(self, config: S3SourceConfig, emit: Emit, scheduler: BaseScheduler | None = None) -> None:
+        self.config = config
+        self.label = config.label
+        self.emit = emit
+        self.bucket = config.bucket
+        self.prefix = config.key_prefix
+        self.cache = Path(config.cache_dir).expanduser().absolute()
+        self.client = make_client(config)
+        self._scheduler = scheduler
+        self._own_scheduler = scheduler is None
+        self._job_id = f"s3-list:{self.label}"
+        self._emitted: set[str] = set()
+        self._waiting: dict[str, str] = {}  # name -> why not committed yet (logged when it changes)
+        self._scan_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._sqs_thread: threading.Thread | None = None
+        self.last_fetch: dict[str, FetchStats] = {}  # version -> what the last fetch did (status, tests)
+
+    # -- lifecycle ------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.cache.mkdir(parents=True, exist_ok=True)
+        if self._scheduler is None:
+            self._scheduler = BackgroundScheduler(daemon=True)
+        self._scheduler.add_job(self.scan, "interval", seconds=self.config.poll_interval_s, id=self._job_id,
+                                max_instances=1, coalesce=True, replace_existing=True,
+                                next_run_time=datetime.now(UTC))  # fmt: skip
+        if self._own_scheduler:
+            self._scheduler.start()
+        if self.config.sqs_queue_url:
+            self._sqs_thread = threading.Thread(target=self._hints, name="s3-hints", daemon=True)
+            self._sqs_thread.start()
+        log.info("source started", source=self.label, endpoint=self.config.endpoint_url or "aws",
+                 poll_s=self.config.poll_interval_s, sqs=bool(self.config.sqs_queue_url))  # fmt: skip
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._scheduler is not None:
+            if self._own_scheduler and self._scheduler.running:
+                self._scheduler.shutdown(wait=False)
+            elif self._scheduler.get_job(self._job_id) is not None:
+                self._scheduler.remove_job(self._job_id)
+        if self._sqs_thread is not None:
+            self._sqs_thread.join(timeout=SQS_WAIT_S + 5)
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.label, "type": "s3", "bucket": self.bucket, "prefix": self.prefix,
+                "endpoint_url": self.config.endpoint_url or None, "cache_dir": str(self.cache)}  # fmt: skip
+
+    def list_now(self) -> None:
+        """Run the listing as soon as possible (an SQS hint)."""
+        if self._scheduler is not None and self._scheduler.get_job(self._job_id) is not None:
+            self._scheduler.modify_job(self._job_id, next_run_time=datetime.now(UTC))
+
+    # -- listing --------------------------------------------------------------------------
+
+    def scan(self) -> list[DiscoveredCheckpoint]:
+        """One listing: emit every checkpoint that became committed; return what was emitted."""
+        with self._scan_lock:
+            try:
+                groups = self._list()
+            except (BotoCoreError, ClientError) as exc:
+                log.warning("listing the bucket failed", source=self.label, error=str(exc))
+                return []
+            out: list[DiscoveredCheckpoint] = []
+            for name, objects in sorted(groups.items()):
+                if name in self._emitted or MANIFEST_NAME not in objects:
+                    continue
+                item = self._committed(name, objects)
+                if item is None:
+                    continue
+                try:
+                    self.emit(item)
+                except Exception:  # not recorded (database down): the next listing tries again
+                    log.exception("recording a discovered checkpoint failed", version=item.version)
+                    continue
+                self._emitted.add(name)
+                self._waiting.pop(name, None)
+                out.append(item)
+            return out
+
+    def _list(self) -> dict[str, dict[str, tuple[int, str]]]:
+        """name -> {relative key: (size, ETag)} for every object under the prefix."""
+        groups: dict[str, dict[str, tuple[int, str]]] = {}
+        for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
+            for obj in page.get("Contents", []):
+                name, _, rel = obj["Key"][len(self.prefix):].partition("/")
+                if name and rel and not name.startswith("."):
+                    groups.setdefault(name, {})[rel] = (int(obj["Size"]), str(obj.get("ETag", "")))
+        return groups
+
+    def _committed(self, name: str, objects: dict[str, tuple[int, str]]) -> DiscoveredCheckpoint | None:
+        key = f"{self.prefix}{name}/{MANIFEST_NAME}"
+        try:
+            raw, _ = read_manifest(self.client, self.bucket, key, self.config.retry_after_s)
+        except FetchError as exc:
+            if exc.retry_after_s is not None:
+                return None  # the store is down: the next listing asks again
+            raw = b""
+        version = name
+        try:
+            manifest = parse_manifest(raw, None, f"s3://{self.bucket}/{key}")
+        except ManifestError as exc:
+            log.warning("manifest does not parse; handing it on to be rejected", source=self.label,
+                        name=name, error=str(exc))  # fmt: skip
+        else:
+            version = manifest.version or name
+            for f in manifest.files:
+                have = objects.get(f.path)
+                why = (f"{f.path} not uploaded yet" if have is None else
+                       f"{f.path} has {have[0]} of {f.bytes} bytes" if have[0] != f.bytes else "")  # fmt: skip
+                if why:
+                    if self._waiting.get(name) != why:
+                        self._waiting[name] = why
+                        log.debug("not committed yet", source=self.label, name=name, reason=why)
+                    return None
+        return DiscoveredCheckpoint(source=self.label, directory=None, version=version, signal="manifest",
+                                    uri=f"s3://{self.bucket}/{self.prefix}{name}/", detected_at=datetime.now(UTC))  # fmt: skip
+
+    def _hints(self) -> None:
+        sqs = make_client(self.config, "sqs")
+        url = self.config.sqs_queue_url
+        while not self._stop.is_set():
+            try:
+                resp = sqs.receive_message(QueueUrl=url, MaxNumberOfMessages=10, WaitTimeSeconds=SQS_WAIT_S)
+                messages = resp.get("Messages", [])
+                if messages:
+                    sqs.delete_message_batch(QueueUrl=url, Entries=[
+                        {"Id": str(i), "ReceiptHandle": m["ReceiptHandle"]} for i, m in enumerate(messages)])  # fmt: skip
+                    log.debug("S3 event hint; listing now", source=self.label, messages=len(messages))
+                    self.list_now()
+            except (BotoCoreError, ClientError) as exc:
+                log.warning("reading S3 event hints failed", source=self.label, error=str(exc))
+                self._stop.wait(self.config.poll_interval_s)
+
+    # -- fetch and retention -----------------------------------------------------------------
+
+    def fetch(self, item: FetchItem, progress: Progress) -> Path:
+        bucket, _, key_prefix = item.uri.removeprefix("s3://").partition("/")
+        name = key_prefix.rstrip("/").rsplit("/", 1)[-1]
+        if bucket != self.bucket or not key_prefix.startswith(self.prefix) or not name:
+            raise FetchError(f"{item.uri}: not under this source's s3://{self.bucket}/{self.prefix}")
+        dest = self.cache / name
+        stats = fetch_checkpoint(self.client, self.bucket, key_prefix, dest, progress,
+                                 concurrency=self.config.concurrency, part_bytes=self.config.part_bytes,
+                                 retry_after_s=self.config.retry_after_s)  # fmt: skip
+        self.last_fetch[item.version] = stats
+        log.info("downloaded", source=self.label, version=item.version, bytes=stats.downloaded_bytes,
+                 reused=stats.reused_bytes, full_object_crcs=stats.full_object_crcs)  # fmt: skip
+        return dest
+
+    def prune(self, protected: frozenset[Path]) -> list[Path]:
+        return prune_cache(self.cache, self.config.cache_max_bytes, protected, label=self.label)
+
+
+# What daemon.sources.SOURCE_TYPES["s3"] names; mypy checks it against the protocol.
+_TYPE: SourceType = S3Source

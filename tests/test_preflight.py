@@ -1,0 +1,123 @@
+"""`hotswap daemon` refuses to start with one stderr line and exit 2, before it touches anything,
+for: a busy API port, a missing/empty/unreadable token file, a missing or bad check key file, a
+required source folder that is missing. And a watched folder that goes away while the daemon
+runs makes `/health` 503 with the reason and shows in `hotswap status`, until it is back.
+Every case runs the real `hotswap daemon` process."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from conftest import hotswap_cli, make_config_file, publish_tiny
+
+
+@pytest.fixture
+def busy_port() -> Iterator[int]:
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    s.bind(("127.0.0.1", 0))
+    s.listen(1)
+    try:
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
+def _start_fails(tmp_path: Path, config: Path) -> str:
+    """Run `hotswap daemon -c config` from an empty folder; it must exit 2 with one stderr line."""
+    cwd = tmp_path / "cwd"
+    cwd.mkdir(exist_ok=True)
+    try:
+        out = hotswap_cli("daemon", "-c", str(config), cwd=cwd, timeout=60)
+    except subprocess.TimeoutExpired:
+        pytest.fail("the daemon started instead of refusing")
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2, out.stderr
+    assert len(lines) == 1, out.stderr
+    assert "Traceback" not in out.stderr
+    assert not (tmp_path / "state").exists(), "something was set up before the check"
+    return lines[0]
+
+
+def _config(tmp_path: Path, *, listen: str = "127.0.0.1:0", extra: str = "", **sections: object) -> Path:
+    path = make_config_file(
+        tmp_path / "c.toml",
+        daemon={"state_dir": str(tmp_path / "state"), "listen": listen},
+        sources=[{"path": str(tmp_path / "ckpts")}],
+        **sections,  # type: ignore[arg-type]
+    )
+    path.write_text(path.read_text() + extra)
+    return path
+
+
+def test_busy_port_is_one_line_before_anything_is_launched(tmp_path: Path, busy_port: int) -> None:
+    # the embedded-default fleet: a managed worker that would be seeded and launched first
+    cfg = _config(tmp_path, listen=f"127.0.0.1:{busy_port}", workers=[{"name": "w0", "launch": "managed"}])
+    line = _start_fails(tmp_path, cfg)
+    assert f"127.0.0.1:{busy_port} is already in use" in line and "[daemon].listen" in line
+    assert not (tmp_path / "ckpts").exists()
+
+
+@pytest.mark.parametrize("problem", ["missing", "empty", "directory"])
+def test_external_worker_token_file_problems(tmp_path: Path, problem: str) -> None:
+    token = tmp_path / "worker.token"
+    if problem == "empty":
+        token.write_text("\n")
+    elif problem == "directory":
+        token.mkdir()
+    worker = {"name": "ext", "url": "http://127.0.0.1:9", "token_file": str(token)}
+    line = _start_fails(tmp_path, _config(tmp_path, workers=[worker]))
+    assert "[[workers]] ext: token_file" in line and str(token) in line
+    want = {"missing": "does not exist", "empty": "is empty", "directory": "cannot be read"}[problem]
+    assert want in line
+
+
+def test_missing_hmac_key_file_is_noticed_at_start(tmp_path: Path) -> None:
+    key = tmp_path / "keys" / "trainer.key"
+    cfg = _config(tmp_path, extra=f'\n[checks.hmac_keys]\ntrainer = "{key}"\n')
+    line = _start_fails(tmp_path, cfg)
+    assert "[checks].hmac_keys.trainer" in line and str(key) in line and "unreadable" in line
+
+
+def test_bad_ed25519_key_file_is_noticed_at_start(tmp_path: Path) -> None:
+    key = tmp_path / "pub.key"
+    key.write_bytes(b"not a key at all")
+    cfg = _config(tmp_path, extra=f'\n[checks.ed25519_keys]\nci = "{key}"\n')
+    line = _start_fails(tmp_path, cfg)
+    assert "[checks].ed25519_keys.ci" in line and str(key) in line and "Ed25519" in line
+
+
+def test_required_source_folder_missing_at_start(tmp_path: Path) -> None:
+    folder = tmp_path / "mnt" / "ckpts"
+    cfg = make_config_file(
+        tmp_path / "c.toml",
+        daemon={"state_dir": str(tmp_path / "state"), "listen": "127.0.0.1:0"},
+        sources=[{"path": str(folder), "create": False, "required": True}],
+    )
+    line = _start_fails(tmp_path, cfg)
+    assert "[sources][0]" in line and str(folder) in line and "does not exist" in line
+
+
+def test_source_folder_missing_at_runtime_is_unhealthy_until_back(db_url, daemon_factory, tmp_path) -> None:
+    watch = tmp_path / "watched"
+    watch.mkdir()
+    d = daemon_factory(db_url, sources=[{"path": str(watch), "create": False, "rescan_interval_s": 0.5}])
+    assert d.get("/health").status_code == 200
+    shutil.rmtree(watch)
+    r = d.get("/health")
+    assert r.status_code == 503
+    assert f"watched folder {watch} does not exist" in r.json()["error"]
+    status = hotswap_cli("status", "-c", str(d.config_path), env={"COLUMNS": "200"})
+    assert status.returncode == 0, status.stderr
+    assert "unhealthy" in status.stdout and str(watch) in status.stdout
+    watch.mkdir()
+    assert d.get("/health").status_code == 200
+    # the folder that came back is watched again: a checkpoint in it is found
+    publish_tiny(watch / "back-1", seed=3, version="back-1")
+    d.wait_status("back-1", "verified")
+    assert httpx.get(d.api_url + "/status", timeout=10).json()["daemon"]["problems"] == []
