@@ -73,8 +73,10 @@ def _hijack(w: Any, model: Path, version: str) -> None:
 def test_tcp_worker_drift_goes_uncertain_and_a_squatter_never_gets_the_token(
     tmp_path: Path, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
+    # no restart_command: the daemon cannot bring the crashed worker back onto its port itself,
+    # so the squatter below surely gets it
     d = start_fleet(daemon_factory, f"sqlite:///{tmp_path / 'registry.db'}", pool,
-                    rollout={"health_window_s": 0.3, "health_poll_s": 0.3})  # fmt: skip
+                    rollout={"health_window_s": 0.3, "health_poll_s": 0.3}, worker_extra={"restart_command": ""})  # fmt: skip
     (w,) = pool.workers
     v0_path = str((d.watch_dir / "v0").resolve())
     assert w.info()["path"] == str(d.watch_dir / "v0")
