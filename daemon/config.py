@@ -208,6 +208,9 @@ class WorkerSpec:
     launch: Literal["external", "managed"] = "external"
     port: int = 0  # managed: loopback port; 0 = a free port chosen at launch
     model: str = ""  # managed: directory served before the registry has a version ("" = tiny seed)
+    # managed: where its admin API is: "unix" = a 0600 socket in <state_dir>/run (0700), the TCP
+    # port carrying only serving; "tcp" = on the port, the peer's identity proved before every token
+    admin: Literal["unix", "tcp"] = "unix"
     # Engine kinds only (vllm, sglang; README "Engines"): the engine's own pause mode used by
     # rollout mode "pause" ("" = keep for vLLM, retract for SGLang) and SGLang's admin key file.
     pause_mode: str = ""
@@ -232,6 +235,8 @@ class WorkerSpec:
                 raise _error(key, f"kind: only {MANAGED_KIND} workers can be managed, got {self.kind!r}")
             if self.restart_command:
                 raise _error(key, "restart_command: a managed worker is restarted by the daemon itself")
+        if self.admin not in ("unix", "tcp"):
+            raise _error(key, f"admin: {self.admin!r} must be \"unix\" or \"tcp\"")
         if not 0 <= self.port <= 65535:
             raise _error(key, f"port: {self.port} is not a TCP port")
         for opt, value in self.engine_options().items():

@@ -102,13 +102,17 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         seed = d.wait_status("tiny-seed", "deployed", timeout=30)
         assert seed["source"] == "embedded"
         runtime = wait_until(lambda: json.loads((state / "worker-local.json").read_text()), 60, what="the launch")
-        token = (state / "worker-local.token").read_text().strip()
         url = f"http://127.0.0.1:{runtime['port']}"
+        admin_socket = runtime["admin_socket"]  # the admin API is on a private socket, not the TCP port
 
         def info() -> dict[str, Any]:
-            return httpx.get(f"{url}/weight_info", headers={"Authorization": f"Bearer {token}"}, timeout=5).json()
+            token = (state / "worker-local.token").read_text().strip()  # a fresh one at every launch
+            with httpx.Client(transport=httpx.HTTPTransport(uds=admin_socket), timeout=5) as c:
+                return c.get("http://w/weight_info", headers={"Authorization": f"Bearer {token}"}).json()
 
         wait_until(lambda: info()["version"] == "tiny-seed", 180, what="the managed worker to serve the seed")
+        assert (os.stat(admin_socket).st_mode & 0o777) == 0o600
+        assert (os.stat(os.path.dirname(admin_socket)).st_mode & 0o777) == 0o700
         # a newcomer's first text prompt and chat message work: the seed ships a tokenizer
         for path, body in (("/v1/completions", {"prompt": "Hello", "max_tokens": 4}),
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4})):
@@ -117,6 +121,8 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
         publish_into(watch, "step-1", seed=1)
         d.wait_status("step-1", "deployed", timeout=120)
         assert info()["version"] == "step-1" and info()["state"] == "RUNNING"
+        assert httpx.get(f"{url}/weight_info", timeout=5).status_code == 404  # no admin route on TCP
+        first_token = (state / "worker-local.token").read_text()
         first_pid = runtime["pid"]
         back = hotswap_cli("rollback", "-c", str(cfg))  # to the seed, the one version before
         assert back.returncode == 0 and "tiny-seed succeeded (from step-1)" in back.stdout, back.stderr
@@ -138,6 +144,7 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
                                 30, what="the relaunch")  # fmt: skip
         wait_until(lambda: info()["state"] == "RUNNING" and info()["version"] == "step-2", 180, what="step-2 again")
         assert relaunched != first_pid
+        assert (state / "worker-local.token").read_text() != first_token  # per-launch secret
 
         assert d.stop() == 0  # SIGTERM: the daemon goes, its worker keeps serving (keep_workers_on_stop)
         assert info()["version"] == "step-2" and info()["state"] == "RUNNING"

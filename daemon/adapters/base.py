@@ -21,7 +21,8 @@ from daemon.transport.base import UpdateMode, UpdateRequest
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 
-__all__ = ["Capabilities", "NonFiniteOutput", "PauseMode", "Timeouts", "UpdateMode", "UpdateRefused", "UpdateRequest", "UpdateResult",
+__all__ = ["Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified", "Timeouts", "UpdateMode", "UpdateRefused",
+           "UpdateRequest", "UpdateResult",
            "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "read_token"]  # fmt: skip
 
 
@@ -31,6 +32,11 @@ class WorkerError(RuntimeError):
 
 class WorkerUnreachable(WorkerError):
     """No answer from the worker at all: connection refused, reset or timed out."""
+
+
+class PeerNotVerified(WorkerUnreachable):
+    """The peer at the worker's address could not prove it holds the worker's launch secret
+    (daemon/identity.py): it may be another process on the port. Nothing secret was sent to it."""
 
 
 class NonFiniteOutput(WorkerError):

@@ -6,10 +6,17 @@ no answer -> WorkerUnreachable; 409/422 (refused, weights unchanged) -> UpdateRe
 anything else -> WorkerError, with the worker's own message and the step in the text.
 
 URLs: `http://127.0.0.1:8100` or `unix:/run/hotswap/worker0.sock`.
+
+Identity (daemon/identity.py): the bearer token goes only to a peer that proved, on a fresh
+nonce just before that request, that it holds the token (`POST /admin/identify`), unless the
+URL is a Unix socket in a private directory (ours, 0700: no one else can be listening there).
+The token file is re-read when it changes, so a managed worker's per-launch secret is picked up.
 """
 
 from __future__ import annotations
 
+import os
+import stat
 import time
 from pathlib import Path
 from typing import Any
@@ -21,6 +28,7 @@ from daemon.adapters.base import (
     ClientFactory,
     NonFiniteOutput,
     PauseMode,
+    PeerNotVerified,
     Timeouts,
     UpdateRefused,
     UpdateRequest,
@@ -30,6 +38,7 @@ from daemon.adapters.base import (
     WorkerUnreachable,
     read_token,
 )
+from daemon.identity import new_nonce, proof_ok
 from daemon.transport import TRANSPORTS
 
 GET_RETRIES = 2
@@ -68,29 +77,67 @@ class BuiltinWorkerClient:
     ) -> None:
         self.name = name
         self.url = url
-        if token is None and token_file:
-            token = read_token(token_file, name)
+        self._token = _TokenSource(name, token, Path(token_file) if token_file else None)
         self.timeout = timeout_s if timeout_s is not None else timeout
         self.update_timeout = update_timeout_s
         self.drain_timeout = drain_timeout_s
-        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._socket: Path | None = None
         if url.startswith("unix:"):
-            transport = httpx.HTTPTransport(uds=url.removeprefix("unix:"))
+            self._socket = Path(url.removeprefix("unix:"))
+            transport = httpx.HTTPTransport(uds=str(self._socket))
             base = "http://worker"
         else:
             transport = httpx.HTTPTransport()
             base = url.rstrip("/")
-        self._http = httpx.Client(base_url=base, transport=transport, headers=headers, timeout=self.timeout)
+        self._http = httpx.Client(base_url=base, transport=transport, timeout=self.timeout)
 
     # -- plumbing ---------------------------------------------------------------------------
+    def _private_channel(self) -> bool:
+        """A Unix socket in a directory only we can enter: whoever listens there is ours."""
+        if self._socket is None:
+            return False
+        try:
+            st = os.stat(self._socket.parent)
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & 0o077
+
+    def _verify_peer(self, step: str, token: str, timeout: float) -> None:
+        """The peer proves it holds `token` on a fresh nonce; raises PeerNotVerified otherwise."""
+        nonce = new_nonce()
+        why: str
+        try:
+            resp = self._http.post("/admin/identify", json={"nonce": nonce}, timeout=min(timeout, self.timeout))
+        except (httpx.TransportError, OSError):
+            raise  # no answer at all: the caller's retry and WorkerUnreachable
+        if resp.status_code == 200:
+            try:
+                given = resp.json().get("proof")
+            except (ValueError, AttributeError):
+                given = None
+            if proof_ok(token.encode(), nonce, given):
+                return
+            why = "wrong proof"
+        else:
+            why = f"HTTP {resp.status_code} from /admin/identify"
+        raise PeerNotVerified(f"worker {self.name}: {step}: the peer at {self.url} failed the identity check "
+                              f"({why}); no token was sent to it")
+
     def _call(
-        self, method: str, path: str, step: str, *, json: Any = None, timeout: float | None = None
+        self, method: str, path: str, step: str, *, json: Any = None, timeout: float | None = None,
+        auth: bool = True,
     ) -> httpx.Response:
         attempts = 1 + (GET_RETRIES if method == "GET" else 0)
         last: Exception | None = None
         for i in range(attempts):
             try:
-                return self._http.request(method, path, json=json, timeout=timeout or self.timeout)
+                headers: dict[str, str] = {}
+                token = self._token.get() if auth else None
+                if token:
+                    if not self._private_channel():
+                        self._verify_peer(step, token, timeout or self.timeout)
+                    headers["Authorization"] = f"Bearer {token}"
+                return self._http.request(method, path, json=json, headers=headers, timeout=timeout or self.timeout)
             except (httpx.TransportError, OSError) as exc:  # connect/read errors and timeouts
                 last = exc
                 if i + 1 < attempts:
@@ -118,13 +165,13 @@ class BuiltinWorkerClient:
     # -- WorkerClient -------------------------------------------------------------------------
     def health(self) -> bool:
         try:
-            return self._call("GET", "/health", "health").status_code == 200
+            return self._call("GET", "/health", "health", auth=False).status_code == 200
         except WorkerUnreachable:
             return False
 
     def ready(self) -> bool:
         try:
-            return self._call("GET", "/ready", "ready").status_code == 200
+            return self._call("GET", "/ready", "ready", auth=False).status_code == 200
         except WorkerUnreachable:
             return False
 
@@ -183,6 +230,31 @@ class BuiltinWorkerClient:
 
     def close(self) -> None:
         self._http.close()
+
+
+class _TokenSource:
+    """The admin token: given, or read from its file again whenever the file changes."""
+
+    def __init__(self, worker: str, token: str | None, path: Path | None) -> None:
+        self.worker = worker
+        self.path = path
+        self._value = token
+        self._seen: tuple[int, int, int] | None = None
+
+    def get(self) -> str | None:
+        if self.path is None:
+            return self._value
+        try:
+            st = self.path.expanduser().stat()
+        except FileNotFoundError:
+            return None  # a managed worker not launched yet; its requests get 401
+        except OSError as exc:
+            raise WorkerError(f"worker {self.worker}: cannot read token file {self.path}: {exc.strerror}") from None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._seen:
+            self._value = read_token(self.path, self.worker)
+            self._seen = key
+        return self._value
 
 
 # What daemon.adapters.WORKER_KINDS["builtin"] names; mypy checks it against the protocol.

@@ -3,10 +3,16 @@
 `launch = "managed"`: the daemon runs a reference worker itself as a supervised child.
 
 The child is `hotswap worker --model DIR --version V --host 127.0.0.1 --port P
---token-file F --device D`, with its log in `<state_dir>/logs/worker-NAME.log`.
-Its pid and port are kept in `<state_dir>/worker-NAME.json`, so a daemon that
-was killed adopts the still-running child on its next start instead of starting
-a second one. The token file is created (0600) on first use.
+--token-file F --admin-uds S --device D`, with its log in `<state_dir>/logs/worker-NAME.log`.
+Its pid, port and admin socket are kept in `<state_dir>/worker-NAME.json`, so a daemon that
+was killed adopts the still-running child on its next start instead of starting a second one.
+
+Identity (issue 10, finding 4; daemon/identity.py): the admin API is on the Unix socket S in a
+private directory (`<state_dir>/run`, 0700; socket 0600), never on the TCP port, which carries
+only serving; with `admin = "tcp"` it stays on the port and the daemon checks the peer's proof
+before every token it sends. The token F is a fresh secret at every launch (0600 under the
+state dir; only its path is on the command line), so a token seen by anyone is useless after
+the next restart.
 
 `Restarter`: a worker that cannot be restored over its admin API is restarted. External
 workers get their configured `restart_command` (e.g. `systemctl restart hotswap-worker@0`),
@@ -38,6 +44,7 @@ import psutil
 from daemon.config import WorkerSpec
 from daemon.formats.checkpoint import MANIFEST_NAME, tensor_table
 from daemon.hashing import hash_files
+from daemon.identity import socket_dir, write_secret
 from daemon.logging import get_logger
 from daemon.manifest import load_manifest, publish
 from daemon.registry.journal import CheckpointRef, Journal
@@ -57,6 +64,20 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
+
+
+class PortTaken(RuntimeError):
+    """The managed worker's TCP port is held by another process: not launched (it would exit)."""
+
+
+def port_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
 
 
 def ensure_token_file(path: Path) -> Path:
@@ -102,7 +123,11 @@ class ManagedWorker:
         self.runtime_file = state_dir / f"worker-{spec.name}.json"
         self.log_file = state_dir / "logs" / f"worker-{spec.name}.log"
         self.port = spec.port or self._remembered_port() or free_port()
+        self.admin_socket: Path | None = (
+            socket_dir(state_dir) / f"worker-{spec.name}.sock" if spec.admin == "unix" else None
+        )
         self.pid: int | None = None
+        self.should_run = False  # launched (or meant to be) and not stopped by the daemon
         self._proc: subprocess.Popen[bytes] | None = None
         self.model: str | None = None
         self.version: str | None = None
@@ -111,7 +136,13 @@ class ManagedWorker:
 
     @property
     def url(self) -> str:
+        """The serving URL (TCP): what clients use."""
         return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def admin_url(self) -> str:
+        """Where the daemon's client talks to it: the private socket, or the TCP port."""
+        return f"unix:{self.admin_socket}" if self.admin_socket is not None else self.url
 
     def _remembered_port(self) -> int | None:
         try:
@@ -130,6 +161,7 @@ class ManagedWorker:
         if port != self.port or not self._is_our_worker(pid):
             return False
         self.pid = pid
+        self.should_run = True
         self.model, self.version = doc.get("model"), doc.get("version")
         log.info("managed_worker_adopted", worker=self.spec.name, pid=pid, port=port)
         return True
@@ -139,6 +171,8 @@ class ManagedWorker:
             p = psutil.Process(pid)
             cmd = p.cmdline()
         except (psutil.Error, OSError):
+            return False
+        if self.admin_socket is not None and str(self.admin_socket) not in cmd:
             return False
         return p.status() != psutil.STATUS_ZOMBIE and "worker" in cmd and str(self.port) in cmd
 
@@ -154,6 +188,8 @@ class ManagedWorker:
             "--token-file", str(self.token_file),
             "--device", self.spec.device,
         ]  # fmt: skip
+        if self.admin_socket is not None:
+            argv += ["--admin-uds", str(self.admin_socket)]
         if version:
             argv += ["--version", version]
         if self.expect is not None and self.expect.files:
@@ -162,8 +198,17 @@ class ManagedWorker:
 
     def launch(self, model: str, version: str | None, expect: Expect | None = None) -> int:
         """Start the child on `model`; with `expect` (the registry's per-file digests) the child
-        checks its initial load against them and refuses to start on a mismatch."""
+        checks its initial load against them and refuses to start on a mismatch. Raises PortTaken
+        when another process holds its port (it would be that process, not our worker, that
+        clients reach there: an alert, never a RUNNING worker)."""
+        self.should_run = True
+        self.model, self.version = model, version  # what a later relaunch starts from
+        if not port_free(self.port):
+            log.error("managed_worker_port_taken", worker=self.spec.name, port=self.port)
+            raise PortTaken(f"managed worker {self.spec.name}: port {self.port} is held by another process; "
+                            "not launching (free the port or set another `port`)")
         self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        write_secret(self.token_file)  # a fresh secret for every launch
         self.expect = expect
         if expect is not None and expect.files:
             tmp = self.expect_file().with_suffix(".tmp")
@@ -178,10 +223,15 @@ class ManagedWorker:
         self.pid = self._proc.pid
         self.model, self.version = model, version
         tmp = self.runtime_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": self.pid, "port": self.port, "model": model, "version": version}))
+        tmp.write_text(json.dumps({"pid": self.pid, "port": self.port, "model": model, "version": version,
+                                   "admin_socket": str(self.admin_socket) if self.admin_socket else None}))
         os.replace(tmp, self.runtime_file)
         log.info("managed_worker_launched", worker=self.spec.name, pid=self.pid, port=self.port, version=version)
         return self.pid
+
+    def needs_relaunch(self) -> bool:
+        """Meant to be running (launched or adopted, not stopped by the daemon) but not alive."""
+        return self.should_run and not self.alive()
 
     def alive(self) -> bool:
         if self.pid is None:
@@ -191,6 +241,7 @@ class ManagedWorker:
         return self._is_our_worker(self.pid)
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
+        self.should_run = False
         pid = self.pid
         if pid is None:
             return

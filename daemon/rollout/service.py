@@ -47,10 +47,10 @@ from daemon.rollout import health
 from daemon.rollout.attribution import attribute
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.managed import ManagedWorker, Restarter, ensure_seed
+from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed
 from daemon.rollout.planner import newer, newest
 from daemon.rollout.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
-from daemon.rollout.recovery import Recovery, fleet_version
+from daemon.rollout.recovery import Recovery, check_worker, fleet_version, recover_uncertain
 from daemon.rollout.stage import Stager, launch_target, registry_expect
 from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
 from daemon.transport.base import SenderOptions
@@ -82,8 +82,8 @@ class RolloutService:
             managed = ManagedWorker(spec, state_dir) if spec.launch == "managed" else None
             url = managed.url if managed else spec.url.rstrip("/")
             token_file = str(managed.token_file) if managed else spec.token_file
-            client = make_client(spec.kind, spec.name, url, token_file=token_file or None, timeouts=timeouts,
-                                 options=spec.engine_options())
+            client = make_client(spec.kind, spec.name, managed.admin_url if managed else url,
+                                 token_file=token_file or None, timeouts=timeouts, options=spec.engine_options())
             if settings.transport not in client.capabilities.transports:
                 raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
@@ -327,6 +327,7 @@ class RolloutService:
         if serving is None:
             return {"outcome": "nothing to reconcile"}
         target = self.engine.fallback_target(serving)
+        restored = recover_uncertain(self.driver, self.fleet, target)
         drifted = []
         for h in self.fleet:
             try:
@@ -336,7 +337,7 @@ class RolloutService:
             if info.state == WorkerState.RUNNING and target is not None and not target.matches(info):
                 drifted.append(h.name)
         if not drifted:
-            return {"outcome": "in sync"}
+            return {"outcome": "in sync", "restored": restored}
         log.warning("reconciling", workers=drifted, version=serving.version)
         result = self.engine.deploy(
             serving, trigger=T.ROLLBACK, fallback=serving, only=drifted, detail={"by": "reconcile"}
@@ -539,8 +540,11 @@ class RolloutService:
             if not model:
                 log.error("managed_worker_without_model", worker=h.name)
                 continue
-            h.managed.launch(model, target.version if target else None,
-                             registry_expect(self.journal, target) if target else None)  # fmt: skip
+            try:
+                h.managed.launch(model, target.version if target else None,
+                                 registry_expect(self.journal, target) if target else None)  # fmt: skip
+            except PortTaken as exc:
+                self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
         for h in managed:
             if self.driver.wait_answering(h, self.settings.restart_timeout_s) is None:
                 log.error("managed_worker_not_ready", worker=h.name,
@@ -599,13 +603,19 @@ class RolloutService:
         return self.state.current_job is not None
 
     def _poll_one(self, h: WorkerHandle) -> bool:
-        if h.managed is not None and h.managed.pid is not None and not h.managed.alive():
+        if h.managed is not None and h.managed.needs_relaunch():
             serving = self.journal.alias("serving")
             log.warning("managed_worker_died", worker=h.name)
-            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error="managed worker process exited")
+            h.observed(None)
+            error = "managed worker process exited; relaunched"
             target = launch_target(self.journal, serving) if serving else None  # never onto missing files
-            h.managed.relaunch(target.local_path if target else None, target.version if target else None,
-                               registry_expect(self.journal, target) if target else None)  # fmt: skip
+            try:
+                h.managed.relaunch(target.local_path if target else None, target.version if target else None,
+                                   registry_expect(self.journal, target) if target else None)  # fmt: skip
+            except (PortTaken, RuntimeError) as exc:  # a squatted port; no present target (child kept)
+                error = f"managed worker process exited; not relaunched: {exc}"
+                log.error("managed_worker_not_relaunched", worker=h.name, error=str(exc))
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=error)
             return False
         try:
             info = h.client.weight_info()
@@ -613,6 +623,10 @@ class RolloutService:
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
             h.observed(None)
             return False
+        if check_worker(self.journal, self.driver, h, info) is not None:  # reports what the registry does not
+            self.journal.observe(h.name, state=WorkerState.UNCERTAIN.value, weight_version=info.version,
+                                 error="its report does not match the registry", device=info.device)  # fmt: skip
+            return True
         state = info.state if info.state in WORKER_STATES else "UNKNOWN"
         self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
         h.observed(parse_state(info.state))

@@ -1,8 +1,8 @@
 """`hotswap worker`: serve one causal LM and take new weights in place, without a restart.
 
     hotswap worker --model DIR --port N [--host 127.0.0.1] [--token-file F]
-                   [--device auto|cpu|cuda:N] [--version V] [--uds PATH] [--max-batch N]
-                   [--served-model-name NAME] [--max-body-bytes N] [--max-queue N]
+                   [--device auto|cpu|cuda:N] [--version V] [--uds PATH] [--admin-uds PATH]
+                   [--max-batch N] [--served-model-name NAME] [--max-body-bytes N] [--max-queue N]
 
 Routes (admin ones need `Authorization: Bearer <token>`, the token read from --token-file and
 compared in constant time; without --token-file the admin routes answer 403):
@@ -19,6 +19,12 @@ compared in constant time; without --token-file the admin routes answer 403):
     POST /admin/resume                          POST /admin/rollback
     POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors, files}}
     POST /admin/probe     {max_tokens}: one greedy generation even while paused (post-update check)
+    POST /admin/identify  {nonce} -> {proof}: HMAC of the nonce under the token (no auth;
+                          the daemon checks it before it sends the token: daemon/identity.py)
+
+With --admin-uds PATH, /health, /ready and the admin routes are served on that Unix socket by a
+server, event loop and thread of their own (admin.py), and the TCP port has no admin routes: the
+daemon's managed workers run this way.
 
 Serving errors are OpenAI error objects {"error": {message, type, param, code}}: 400 invalid
 request, 404 unknown model or route, 413 body over --max-body-bytes, 429 at capacity
@@ -27,40 +33,46 @@ Admin errors are {"error": "..."}: 401 bad token, 409 refused in this state or t
 422 bad request / unreadable source, 500 write failed (weights restored), 503 unhealthy.
 Nothing a serving client sends runs on the event loop for long (limits.py), so /health and the
 admin routes answer while the serving side is saturated.
-Prints one line `hotswap worker ready: ...` on stdout once it accepts connections.
+Prints one line `hotswap worker ready: url=... [admin=unix:PATH] ...` once it accepts connections.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import hmac
 import logging
 import os
+import socket
 import stat
 import sys
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
-from starlette.concurrency import run_in_threadpool
+import uvicorn
+from fastapi import FastAPI
 
 from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
 from daemon.formats.safetensors import HeaderError
-from daemon.jsonbody import JsonBodyError, parse_object
+from daemon.identity import PrivateDirError
 from daemon.transport.base import TableMismatch, TransportError, check_table
 from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
+from daemon.worker.admin import (
+    AdminServer,
+    admin_router,
+    bind_private_socket,
+    create_admin_app,
+    health_router,
+)
 from daemon.worker.completions import Serving, install_serving_routes
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
 from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
-from daemon.worker.weight_group import weight_group_route
 
 log = logging.getLogger("hotswap.worker")
+ADMIN_SWITCH_INTERVAL_S = 0.001
 
 
 def read_token(path: str | Path) -> bytes:
@@ -77,108 +89,18 @@ def read_token(path: str | Path) -> bytes:
     return raw
 
 
-def create_app(ctl: Any, token: bytes | None, serving: Serving) -> Any:
-    """The ASGI app: serving routes (a `completions.Serving`), health and admin, behind the body cap."""
-    from daemon.worker.updates import UpdateError
-
+def create_app(ctl: Any, token: bytes | None, serving: Serving, *, admin: bool = True) -> Any:
+    """The ASGI app on the TCP port: serving routes (a `completions.Serving`), health, and (unless
+    `admin` is False: the admin API is on its own Unix socket, admin.py) the admin routes, behind
+    the body cap."""
     app = FastAPI(title="hotswap worker", docs_url=None, redoc_url=None, openapi_url=None)
     install_error_handlers(app)
     install_serving_routes(app, serving)
     install_metrics(app, serving.metrics)
-
-    def error(status: int, message: str, **extra: Any) -> JSONResponse:
-        headers = {"WWW-Authenticate": "Bearer"} if status == 401 else None
-        return JSONResponse({"error": message, **extra}, status_code=status, headers=headers)
-
-    def authorized(request: Request) -> JSONResponse | None:
-        if token is None:
-            return error(403, "admin API disabled: start the worker with --token-file")
-        header = request.headers.get("authorization", "")
-        scheme, _, given = header.partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), token):
-            return error(401, "missing or wrong bearer token")
-        return None
-
-    async def body_of(request: Request) -> dict[str, Any]:
-        try:  # malformed, too deep (RecursionError inside json) or not an object: 400, never 500
-            return parse_object(await request.body())
-        except JsonBodyError as exc:
-            raise _BadBody(str(exc)) from None
-
-    def admin(fn: Callable[[Request], Awaitable[Any]]) -> Callable[[Request], Awaitable[Response]]:
-        async def route(request: Request) -> Response:
-            denied = authorized(request)
-            if denied is not None:
-                return denied
-            try:
-                result = await fn(request)
-            except _BadBody as exc:
-                return error(400, str(exc))
-            except UpdateError as exc:
-                return error(exc.status, str(exc), state=ctl.state.value, **exc.detail)
-            return JSONResponse(result)
-
-        return route
-
-    @app.get("/health")
-    async def health() -> Response:
-        if ctl.store.unhealthy:
-            return error(503, f"unhealthy: {ctl.store.unhealthy}", state=ctl.state.value)
-        return JSONResponse({"status": "ok", "state": ctl.state.value})
-
-    @app.get("/ready")
-    async def ready() -> Response:
-        if ctl.ready():
-            return JSONResponse({"ready": True, "version": ctl.store.current.version})
-        return error(503, f"not ready: state {ctl.state.value}", ready=False, state=ctl.state.value)
-
-    async def weight_info(request: Request) -> dict[str, Any]:
-        info: dict[str, Any] = ctl.weight_info()
-        return info
-
-    async def drain(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        timeout = _number(body, "timeout_s", 30.0)
-        return await run_in_threadpool(ctl.drain, timeout)
-
-    async def pause(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        return await run_in_threadpool(ctl.pause, body.get("mode", "keep"), _number(body, "timeout_s", 30.0))
-
-    async def resume(request: Request) -> dict[str, Any]:
-        return await run_in_threadpool(ctl.resume)
-
-    async def update(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        return await run_in_threadpool(ctl.update, body)
-
-    async def rollback(request: Request) -> dict[str, Any]:
-        return await run_in_threadpool(ctl.rollback)
-
-    async def probe(request: Request) -> dict[str, Any]:
-        body = await body_of(request)
-        n = body.get("max_tokens", 4)
-        if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
-            raise _BadBody("'max_tokens' must be an integer in [1, 64]")
-        return await run_in_threadpool(ctl.probe, n)
-
-    app.add_api_route("/weight_info", admin(weight_info), methods=["GET"])
-    for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
-                     ("rollback", rollback), ("probe", probe)):
-        app.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
-    app.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
+    app.include_router(health_router(ctl))
+    if admin:
+        app.include_router(admin_router(ctl, token))
     return BodyLimit(app, serving.limits.max_body_bytes)
-
-
-class _BadBody(Exception):
-    pass
-
-
-def _number(body: dict[str, Any], key: str, default: float) -> float:
-    v = body.get(key, default)
-    if not isinstance(v, int | float) or isinstance(v, bool) or v < 0:
-        raise _BadBody(f"'{key}' must be a non-negative number")
-    return float(v)
 
 
 def initial_version(model_dir: Path, given: str | None) -> tuple[str, str | None]:
@@ -235,7 +157,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--port", type=int, default=8100, help="TCP port (0: pick a free one, printed when ready)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--uds", default=None, help="listen on this Unix socket instead of TCP")
-    p.add_argument("--token-file", default=None, help="file holding the admin bearer token")
+    p.add_argument("--token-file", default=None, help="file holding the admin bearer token (also the key of "
+                   "the identity proof, POST /admin/identify)")
+    p.add_argument("--admin-uds", default=None,
+                   help="serve /health, /ready and the admin API on this Unix socket (0600; its directory must be "
+                        "0700 and yours) from a thread and event loop of their own; the TCP port then carries no "
+                        "admin routes")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda:N")
     p.add_argument("--version", default=None, help="version label of the initial weights")
     p.add_argument("--expect-file", default=None,
@@ -263,6 +190,9 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
     except Exception:  # logging is a convenience; never the reason a worker fails to start
         logging.basicConfig(level=logging.INFO, stream=sys.stderr)
     try:
+        # The port first, before the model loads: a worker that cannot have its port exits at
+        # once, and never serves its admin API while another process answers on that port.
+        tcp = None if args.uds else bind_tcp(args.host, args.port)
         token = read_token(args.token_file) if args.token_file else None
         ctl, serving = build_worker(args, before_write=before_write)
     except (ValueError, LayoutError, HeaderError, TableMismatch, TransportError, OSError) as exc:
@@ -270,17 +200,43 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
         return 2
     if token is None:
         log.warning("no --token-file: the admin API is disabled")
-    app = create_app(ctl, token, serving)
+    admin_server: AdminServer | None = None
+    if args.admin_uds:
+        path = Path(args.admin_uds)
+        try:
+            admin_server = AdminServer(create_admin_app(ctl, token), bind_private_socket(path), path)
+        except (OSError, PrivateDirError) as exc:
+            print(f"hotswap worker: --admin-uds: {exc}", file=sys.stderr)
+            return 2
+    if admin_server is not None:
+        # The admin thread asks for the GIL while serving threads hold it: hand it over every
+        # 1 ms instead of every 5 (the default), so its answers wait less behind serving work.
+        sys.setswitchinterval(ADMIN_SWITCH_INTERVAL_S)
+    app = create_app(ctl, token, serving, admin=admin_server is None)
     ctl.engine.start()
     try:
-        asyncio.run(_serve(app, args, ctl))
+        if admin_server is not None:
+            admin_server.start()
+        asyncio.run(_serve(app, args, ctl, tcp))
     finally:
+        if admin_server is not None:
+            admin_server.stop()
         ctl.engine.stop()
     return 0
 
 
-async def _serve(app: Any, args: argparse.Namespace, ctl: Any) -> None:
-    import uvicorn
+def bind_tcp(host: str, port: int) -> socket.socket:
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--port {port} on {host}: cannot listen there ({exc.strerror}); another process may hold it") from None
+    return sock
+
+
+async def _serve(app: Any, args: argparse.Namespace, ctl: Any, tcp: socket.socket | None) -> None:
 
     class Server(uvicorn.Server):
         async def startup(self, sockets: Any = None) -> None:
@@ -292,13 +248,15 @@ async def _serve(app: Any, args: argparse.Namespace, ctl: Any) -> None:
             else:
                 host, port = self.servers[0].sockets[0].getsockname()[:2]
                 where = f"http://{host}:{port}"
+            if args.admin_uds:
+                where += f" admin=unix:{args.admin_uds}"
             print(f"hotswap worker ready: url={where} version={ctl.store.current.version} "
                   f"device={ctl.loaded.device} tensors={ctl.store.tensors} bytes={ctl.store.bytes} "
                   f"pid={os.getpid()}", flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level="warning",
                             access_log=False, lifespan="off")
-    await Server(config).serve()
+    await Server(config).serve(sockets=[tcp] if tcp is not None else None)
 
 
 if __name__ == "__main__":
