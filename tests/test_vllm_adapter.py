@@ -218,19 +218,23 @@ def test_vllm_killed_mid_update_ends_on_last_good_after_its_restart_command(vfle
                60, 0.5, "readiness back")  # fmt: skip
 
 
+N_DRAIN = 2000
+
+
 def test_drain_waits_for_requests_in_flight_then_pauses_and_reloads(vfleet: VFleet) -> None:
     """The client alone on the restarted server (the daemon idle on v1): readiness off at once,
     the drain returns only when vLLM's /metrics shows nothing running, the reload then serves."""
     vfleet.release.touch()
     c = VLLMWorkerClient("probe", vfleet.url, token=TOKEN, timeouts=Timeouts(30, 300, 120))
     out: list[Any] = []
-    bg = threading.Thread(target=lambda: out.append(greedy_vllm(vfleet.url, TOKEN, PROMPT[:12], 400, timeout=300)),
+    # long enough to be seen running on an idle machine too (400 tokens could end between polls)
+    bg = threading.Thread(target=lambda: out.append(greedy_vllm(vfleet.url, TOKEN, PROMPT[:12], N_DRAIN, timeout=300)),
                           daemon=True)  # fmt: skip
     bg.start()
     wait_until(lambda: c.weight_info().in_flight > 0, 60, 0.05, "the request to be in flight")
     c.drain(240)
     try:
-        assert out and len(out[0]) == 400  # finished before drain returned
+        assert out and len(out[0]) == N_DRAIN  # finished before drain returned
         assert not c.ready() and c.weight_info().state == "DRAINING"
         c.update(UpdateRequest("v1", "disk", {"path": str(vfleet.watch / "v1")}))
     finally:

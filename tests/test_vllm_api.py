@@ -264,13 +264,13 @@ def test_in_place_reload_serves_what_a_fresh_server_on_that_checkpoint_serves(
     assert api.greedy(LONG, 8) == fresh_b.long != a_tokens["long"]
     assert api.weight_version() == "B-1"
     assert api.served_model().endswith("/A")  # the served name stays the one it started with
-    # weight_checker: the reloaded runtime weights hash like a fresh server's; the CPU build
-    # repacks linear layers and leaves their parameters empty, so those compare as empty.
+    # weight_checker: the reloaded runtime weights hash like a fresh server's. Where the CPU
+    # build repacks linear layers (it depends on the CPU's ISA) their parameters are left
+    # empty and compare as empty; every parameter with bytes must have changed.
     assert api.weight_compare(fresh_b.checksums) == []
     changed = set(api.weight_compare(before))
     covered = {k for k, v in fresh_b.checksums.items() if v != EMPTY_SHA256}
     assert changed == covered and covered, (changed, covered)
-    assert any(v == EMPTY_SHA256 for v in fresh_b.checksums.values())
 
 
 def test_without_a_prefix_cache_reset_a_cached_prompt_serves_the_old_weights_kv(
