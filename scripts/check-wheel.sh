@@ -20,6 +20,9 @@ cleanup() {
         sleep 3
         kill -KILL "$DAEMON_PID" 2>/dev/null || true
     fi
+    if [ -f "$WORK/state/worker-w0.json" ]; then  # never leave the managed worker behind
+        kill -KILL "$(python3 -c 'import json,sys; print(json.load(open(sys.argv[1]))["pid"])' "$WORK/state/worker-w0.json")" 2>/dev/null || true
+    fi
     rm -rf "$WORK"
 }
 trap cleanup EXIT
@@ -85,6 +88,7 @@ cat > "$WORK/config.toml" <<EOF
 [daemon]
 state_dir = "$WORK/state"
 listen = "127.0.0.1:0"
+keep_workers_on_stop = false  # the check leaves nothing running behind it
 
 [[sources]]
 path = "$WORK/checkpoints"
