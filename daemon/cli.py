@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -31,11 +30,11 @@ from daemon.cli_read import (
     history_cmd,
     open_existing_registry,
     read_config,
-    read_runtime_file,
     safe,
     status_cmd,
 )
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.control_client import NotRunning, post_control
 from daemon.publish_cmd import publish_main  # noqa: F401 - `hotswap publish` lives there
 from daemon.statelock import StateDirLocked
 
@@ -193,56 +192,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 # -- hotswap rollback / pin / unpin: through the running daemon ----------------------------------
 
 
-class NotRunning(RuntimeError):
-    pass
-
-
-def _daemon_url(config: Config) -> str:
-    runtime = read_runtime_file(config)
-    where = str(config.runtime_file)
-    if not runtime:
-        raise NotRunning(f"the hotswap daemon is not running (no {where}); start it with `hotswap daemon`")
-    try:
-        os.kill(int(runtime["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        raise NotRunning(
-            f"the hotswap daemon is not running (pid {runtime.get('pid')} from {where} is gone); "
-            "start it with `hotswap daemon`"
-        ) from None
-    if not runtime.get("api_url"):
-        raise NotRunning("the running daemon has its HTTP API turned off ([daemon] listen = \"\")")
-    return str(runtime["api_url"])
-
-
 def _post(config_path: str | None, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """POST to the running daemon with its control token (`<state_dir>/control.token`)."""
-    import httpx
-
-    from daemon.apiconfig import client_tls
-    from daemon.auth import TokenFileError, control_token_path, read_token_file
-
-    config = load_config(config_path)
-    url = _daemon_url(config)
-    token_file = control_token_path(config.state_dir)
-    try:
-        token = read_token_file(token_file)
-    except TokenFileError as exc:
-        raise NotRunning(f"cannot send the daemon's control token: {exc} (run as the daemon's user)") from None
-    try:
-        r = httpx.post(f"{url}{path}", json={**body, "wait_s": timeout_s}, timeout=timeout_s + 30,
-                       headers={"Authorization": f"Bearer {token}"}, verify=client_tls(config.api, url))  # fmt: skip
-    except httpx.TransportError as exc:
-        raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
-    try:
-        doc: dict[str, Any] = r.json()
-    except ValueError:
-        doc = {"error": r.text[:500]}
-    if r.status_code in (401, 403):
-        raise RuntimeError(f"the daemon at {url} refused the request ({doc.get('error') or r.status_code}; "
-                           f"token from {token_file})")  # fmt: skip
-    if r.status_code != 200:
-        raise RuntimeError(doc.get("error") or f"HTTP {r.status_code}")
-    return doc
+    """POST to the running daemon with its control token; the daemon waits up to `timeout_s`."""
+    return post_control(load_config(config_path), path, {**body, "wait_s": timeout_s}, timeout_s + 30)
 
 
 def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:

@@ -14,8 +14,6 @@ for the verdict and prints it: exit 0 when verified, 1 otherwise.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 import time
 from collections.abc import Sequence
@@ -24,9 +22,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from daemon.apiconfig import client_tls
-from daemon.auth import ControlGuard, TokenFileError, control_token_path, read_token_file
+from daemon.auth import ControlGuard, TokenFileError
 from daemon.config import CONFIG_ENV, Config, ConfigError, load_config
+from daemon.control_client import NotRunning, post_control
 from daemon.coordinator import Coordinator
 from daemon.jsonbody import json_object
 from daemon.rediscovery import request_reverify
@@ -57,39 +55,8 @@ def router(coordinator: Coordinator, guard: ControlGuard) -> APIRouter:
     return r
 
 
-class NotRunning(RuntimeError):
-    pass
-
-
-def _daemon_url(config: Config) -> str:
-    """The running daemon's API address from its runtime file; NotRunning when there is none."""
-    try:
-        doc = json.loads(config.runtime_file.read_text())
-        os.kill(int(doc["pid"]), 0)
-    except (OSError, ValueError, KeyError, TypeError):
-        raise NotRunning("the hotswap daemon is not running") from None
-    if not doc.get("api_url"):
-        raise NotRunning("the running daemon has its HTTP API turned off")
-    return str(doc["api_url"])
-
-
 def _through_daemon(config: Config, version: str) -> dict[str, Any]:
-    import httpx
-
-    url = _daemon_url(config)
-    token = read_token_file(control_token_path(config.state_dir))
-    try:
-        resp = httpx.post(f"{url}/v1/checkpoints/reverify", json={"version": version}, timeout=30,
-                          headers={"Authorization": f"Bearer {token}"}, verify=client_tls(config.api, url))  # fmt: skip
-    except httpx.TransportError as exc:
-        raise NotRunning(f"the hotswap daemon at {url} does not answer ({exc})") from None
-    try:
-        doc: dict[str, Any] = resp.json()
-    except ValueError:
-        doc = {"error": resp.text[:300]}
-    if resp.status_code != 200:
-        raise RuntimeError(str(doc.get("error") or f"HTTP {resp.status_code}"))
-    return doc
+    return post_control(config, "/v1/checkpoints/reverify", {"version": version}, 30)
 
 
 def _wait(reg: Registry, version: str, timeout_s: float) -> tuple[str, str | None]:
