@@ -169,7 +169,8 @@ def test_twenty_broadcasts_in_a_row_leak_no_memory_or_descriptors(tmp_path: Path
     weights = build_checkpoint(tmp_path / "w9", "w9", seed=9)
     run = trainer(d, weights, "warm", tmp_path / "warm.json", "--count", "3")  # first sessions allocate once
     assert run.returncode == 0, run.stdout + run.stderr
-    assert all(doc["ok"] for doc in json.loads((tmp_path / "warm.json").read_text()))
+    warm = json.loads((tmp_path / "warm.json").read_text())
+    assert all(doc["ok"] for doc in warm), [doc.get("error") or doc.get("result") for doc in warm if not doc["ok"]]
     start = usage()
     run = trainer(d, weights, "loop", tmp_path / "loop.json", "--count", "20", timeout=500)
     assert run.returncode == 0, run.stdout + run.stderr

@@ -41,7 +41,15 @@ from support_engines import (
     restart_command,
 )
 from support_rollout import rollouts, worker_events, worker_paths
-from support_vllm import TOKEN, VLLM_TINY, free_port, make_vllm_checkpoint, vllm_command, vllm_python
+from support_vllm import (
+    MAX_MODEL_LEN,
+    TOKEN,
+    VLLM_TINY,
+    free_port,
+    make_vllm_checkpoint,
+    vllm_command,
+    vllm_python,
+)
 
 from daemon.adapters.base import Timeouts, UpdateRequest
 from daemon.adapters.engine_common import PROBE_PROMPT
@@ -218,7 +226,9 @@ def test_vllm_killed_mid_update_ends_on_last_good_after_its_restart_command(vfle
                60, 0.5, "readiness back")  # fmt: skip
 
 
-N_DRAIN = 2000
+# Nearly the whole context: about 4 s per 2000 tokens here, and one weight_info (four HTTP calls to a
+# server busy generating) can take seconds on two loaded cores, so a shorter request may end unseen.
+N_DRAIN = MAX_MODEL_LEN - 64
 
 
 def test_drain_waits_for_requests_in_flight_then_pauses_and_reloads(vfleet: VFleet) -> None:
@@ -227,11 +237,19 @@ def test_drain_waits_for_requests_in_flight_then_pauses_and_reloads(vfleet: VFle
     vfleet.release.touch()
     c = VLLMWorkerClient("probe", vfleet.url, token=TOKEN, timeouts=Timeouts(30, 300, 120))
     out: list[Any] = []
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            out.append(greedy_vllm(vfleet.url, TOKEN, PROMPT[:12], N_DRAIN, timeout=300))
+        except BaseException as exc:  # noqa: BLE001 - reported by the wait below
+            errors.append(exc)
+
     # long enough to be seen running on an idle machine too (400 tokens could end between polls)
-    bg = threading.Thread(target=lambda: out.append(greedy_vllm(vfleet.url, TOKEN, PROMPT[:12], N_DRAIN, timeout=300)),
-                          daemon=True)  # fmt: skip
+    bg = threading.Thread(target=generate, daemon=True)
     bg.start()
-    wait_until(lambda: c.weight_info().in_flight > 0, 60, 0.05, "the request to be in flight")
+    wait_until(lambda: (not errors and c.weight_info().in_flight > 0) or errors, 60, 0.05, "the request to be in flight")
+    assert not errors, f"the generation failed: {errors[0]!r}"
     c.drain(240)
     try:
         assert out and len(out[0]) == N_DRAIN  # finished before drain returned
