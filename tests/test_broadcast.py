@@ -48,7 +48,10 @@ def trainer(d: Any, weights: Path, version: str, out: Path, *extra: str, timeout
     env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, str(TRAINER), "--state-dir", str(d.state_dir), "--weights", str(weights),
            "--version", version, "--out", str(out), *extra]  # fmt: skip
-    return subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+    run = subprocess.run(cmd, env=env, cwd=str(REPO), capture_output=True, text=True, timeout=timeout)
+    if out.exists():  # what each push answered, for the assertion messages that print stdout
+        run.stdout += f"\n{out.name}: {out.read_text()}"
+    return run
 
 
 def greedy(w: Any, prompt: list[int]) -> list[int]:
