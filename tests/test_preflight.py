@@ -154,3 +154,16 @@ def test_engine_worker_admin_token_file_is_checked_at_start(tmp_path: Path) -> N
     worker = {"name": "sg", "kind": "sglang", "url": "http://127.0.0.1:9", "admin_token_file": str(token)}
     line = _start_fails(tmp_path, _config(tmp_path, workers=[worker]))
     assert "[[workers]] sg: admin_token_file" in line and str(token) in line and "does not exist" in line
+
+
+def test_a_transport_the_worker_kind_cannot_take_is_one_line_naming_both(tmp_path: Path) -> None:
+    token = tmp_path / "vllm.token"
+    token.write_text("t\n")
+    worker = {"name": "v0", "kind": "vllm", "url": "http://127.0.0.1:9", "token_file": str(token)}
+    config = _config(tmp_path, workers=[worker], rollout={"transport": "ipc"})
+    (tmp_path / "cwd").mkdir()
+    out = hotswap_cli("daemon", "-c", str(config), cwd=tmp_path / "cwd", timeout=60)
+    assert out.returncode == 2, out.stderr
+    assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
+    line = out.stderr.strip()
+    assert str(config) in line and "[[workers]] v0" in line and "'vllm'" in line and "'ipc'" in line, line

@@ -427,7 +427,7 @@ def test_service_refuses_a_worker_kind_that_does_not_take_the_transport(reg: Reg
     f = FakeWorkerClient("w0")
     f.capabilities = type(f.capabilities)(transports=("disk",))
     FAKES["w0"] = f
-    with pytest.raises(ValueError, match="w0 .* does not take transport 'ipc'"):
+    with pytest.raises(ValueError, match=r"\[\[workers\]\] w0: kind 'fake' takes transport 'disk', not \[rollout\].transport = 'ipc'"):
         RolloutService(reg, RolloutSettings(transport="ipc"), [WorkerSpec(name="w0", url="http://fake/w0", kind="fake")],
                        tmp_path)  # fmt: skip
 

@@ -30,7 +30,7 @@ from apscheduler.schedulers.base import BaseScheduler
 
 from daemon.adapters import make_client
 from daemon.adapters.base import Timeouts, WorkerError
-from daemon.config import Config, LoaderSettings, RolloutSettings, WorkerSpec
+from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.logging import get_logger
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
@@ -85,7 +85,9 @@ class RolloutService:
             client = make_client(spec.kind, spec.name, managed.admin_url if managed else url,
                                  token_file=token_file or None, timeouts=timeouts, options=spec.engine_options())
             if settings.transport not in client.capabilities.transports:
-                raise ValueError(f"worker {spec.name} ({spec.kind}) does not take transport {settings.transport!r}")
+                raise ConfigError(f"[[workers]] {spec.name}: kind {spec.kind!r} takes transport "
+                                  f"{' or '.join(map(repr, client.capabilities.transports))}, not "
+                                  f"[rollout].transport = {settings.transport!r}")  # fmt: skip
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
         self.fleet = Fleet(handles)
         self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(partial(registry_expect, self.journal)), observers)
@@ -103,7 +105,10 @@ class RolloutService:
     def from_config(
         cls, config: Config, registry: Registry, observers: Iterable[TransitionObserver] = ()
     ) -> RolloutService:
-        return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers)
+        try:
+            return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers)
+        except ConfigError as exc:
+            raise ConfigError(f"{config.source_file}: {exc}") from None
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, scheduler: BaseScheduler | None = None) -> None:
