@@ -70,9 +70,17 @@ _SAFE = re.compile(r"[^A-Za-z0-9._-]+")
 
 
 class Refusal(Exception):
-    def __init__(self, status_code: int, message: str) -> None:
+    """An answer other than 202. `retry_after_s`: the refusal is transient (the daemon is starting,
+    a worker is busy, another session runs); the trainer may ask again after that many seconds."""
+
+    def __init__(self, status_code: int, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.status_code = status_code
+        self.retry_after_s = retry_after_s
+
+    def response(self) -> JSONResponse:
+        headers = {} if self.retry_after_s is None else {"Retry-After": str(max(1, round(self.retry_after_s)))}
+        return JSONResponse({"error": str(self)}, status_code=self.status_code, headers=headers)
 
 
 @dataclass
@@ -104,7 +112,7 @@ class Broadcasts:
         version, table, spec = self._parse(body)
         svc = self.service
         if not svc.wait_ready(0):
-            raise Refusal(503, "the daemon is still starting (crash recovery)")
+            raise Refusal(503, "the daemon is still starting (crash recovery)", retry_after_s=1)
         handles = list(svc.fleet)
         not_ours = [h.name for h in handles if not isinstance(h.client, BuiltinWorkerClient)]
         if not_ours:
@@ -113,13 +121,14 @@ class Broadcasts:
             raise Refusal(409, f"version {version!r} is already recorded: every broadcast needs a new version")
         with self._lock:
             if self._running is not None:
-                raise Refusal(409, f"broadcast session {self._running.id} ({self._running.version}) is still running")
+                raise Refusal(409, f"broadcast session {self._running.id} ({self._running.version}) is still running",
+                              retry_after_s=1)  # fmt: skip
             taken: list[WorkerHandle] = []
             for h in handles:
                 if not h.busy.acquire(timeout=0.5):
                     for t in taken:
                         t.busy.release()
-                    raise Refusal(409, f"worker {h.name} is busy with a rollout; try again")
+                    raise Refusal(409, f"worker {h.name} is busy with a rollout; try again", retry_after_s=1)
                 taken.append(h)
             try:
                 session = self._record(version, table, spec, body, handles)
@@ -312,14 +321,14 @@ def broadcast_router(service: RolloutService, state_dir: Path, guard: ControlGua
         try:
             return JSONResponse(await run_in_threadpool(sessions.begin, body), status_code=202)
         except Refusal as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status_code)
+            return exc.response()
 
     @router.get("/{session}")
     async def result(session: str, wait_s: float = 0.0) -> Response:
         try:
             code, doc = await run_in_threadpool(sessions.result, session, wait_s)
         except Refusal as exc:
-            return JSONResponse({"error": str(exc)}, status_code=exc.status_code)
+            return exc.response()
         return JSONResponse(doc, status_code=code)
 
     return router

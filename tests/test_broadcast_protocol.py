@@ -94,3 +94,69 @@ def test_the_daemon_route_needs_the_control_token(tmp_path: Path) -> None:
     assert c.get("/v1/broadcast/x", headers={"Authorization": f"Bearer {token}"}).status_code == 404
     r = c.post("/v1/broadcast", content=b"{not json", headers={"Authorization": f"Bearer {token}"})
     assert r.status_code in (400, 422) and "JSON" in r.json()["error"]
+
+
+def _answering(replies: list[tuple[int, dict[str, str]]]) -> tuple[Any, list[float]]:
+    """A real HTTP server answering POSTs with `replies` in order (status, headers); the times asked."""
+    import http.server
+    import json as _json
+    import threading
+    import time as _time
+
+    asked: list[float] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802 - http.server's name
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            asked.append(_time.monotonic())
+            status, headers = replies[min(len(asked), len(replies)) - 1]
+            body = _json.dumps({"session": "s1"} if status == 202 else {"error": f"busy {len(asked)}"}).encode()
+            self.send_response(status)
+            for k, v in headers.items():
+                self.send_header(k, v)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server, asked
+
+
+def test_the_trainer_asks_again_after_a_transient_refusal_and_not_after_a_final_one() -> None:
+    from daemon.client.broadcast import BroadcastFailed, BroadcastPush
+
+    server, asked = _answering([(409, {"Retry-After": "1"}), (503, {"Retry-After": "1"}), (202, {})])
+    try:
+        push = BroadcastPush(f"http://127.0.0.1:{server.server_port}", token="t", timeout_s=30)
+        assert push._call("POST", "/v1/broadcast", {"version": "v1"}) == {"session": "s1"}
+        assert len(asked) == 3 and asked[2] - asked[0] >= 1.5  # waited as told, twice
+    finally:
+        server.shutdown()
+    server, asked = _answering([(409, {})])  # no Retry-After: final (e.g. the version is already recorded)
+    try:
+        push = BroadcastPush(f"http://127.0.0.1:{server.server_port}", token="t", timeout_s=30)
+        with pytest.raises(BroadcastFailed, match="HTTP 409: busy 1"):
+            push._call("POST", "/v1/broadcast", {"version": "v1"})
+        assert len(asked) == 1
+    finally:
+        server.shutdown()
+    server, asked = _answering([(409, {"Retry-After": "1"})])  # busy for longer than the trainer waits
+    try:
+        push = BroadcastPush(f"http://127.0.0.1:{server.server_port}", token="t", timeout_s=2.5)
+        with pytest.raises(BroadcastFailed, match="HTTP 409"):
+            push._call("POST", "/v1/broadcast", {"version": "v1"})
+        assert 2 <= len(asked) <= 4
+    finally:
+        server.shutdown()
+
+
+def test_only_transient_refusals_tell_the_trainer_when_to_ask_again() -> None:
+    from daemon.broadcast_api import Refusal
+
+    assert Refusal(409, "worker w0 is busy with a rollout; try again", retry_after_s=1).response().headers["Retry-After"] == "1"
+    assert "Retry-After" not in Refusal(409, "version 'v1' is already recorded").response().headers

@@ -159,15 +159,30 @@ class BroadcastPush:
                 raise BroadcastFailed(f"daemon: session {session}: HTTP {r.status_code}: {r.text[:200]}")
 
     def _call(self, method: str, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        with httpx.Client(timeout=30) as c:
-            r = c.request(method, f"{self.daemon_url}{path}", json=body, headers=self._headers)
-        try:
-            doc = r.json()
-        except ValueError:
-            doc = {"error": r.text[:200]}
-        if r.status_code not in (200, 202):
-            raise BroadcastFailed(f"daemon refused the broadcast: HTTP {r.status_code}: {doc.get('error')}", doc)
-        return dict(doc)
+        """One request; a transient refusal (Retry-After: the daemon starting, a worker busy with a
+        rollout, another session running) is asked again until `timeout_s` has passed."""
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            with httpx.Client(timeout=30) as c:
+                r = c.request(method, f"{self.daemon_url}{path}", json=body, headers=self._headers)
+            try:
+                doc = r.json()
+            except ValueError:
+                doc = {"error": r.text[:200]}
+            if r.status_code in (200, 202):
+                return dict(doc)
+            retry_after = _retry_after_s(r.headers.get("Retry-After"))
+            if retry_after is None or time.monotonic() + retry_after > deadline:
+                raise BroadcastFailed(f"daemon refused the broadcast: HTTP {r.status_code}: {doc.get('error')}", doc)
+            time.sleep(retry_after)
+
+
+def _retry_after_s(header: str | None) -> float | None:
+    """Retry-After in seconds (the daemon sends small integers); None when absent or unreadable."""
+    try:
+        return min(max(float(header), 0.1), 10.0) if header is not None else None
+    except ValueError:
+        return None
 
 
 def _group(store: Any, world: int, backend: str, comm: torch.device, timeout: timedelta) -> Any:
