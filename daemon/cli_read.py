@@ -53,7 +53,7 @@ def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
                 f"no hotswap database at {path} (config: {config.source_file}); "
                 "pass -c CONFIG or --state-dir DIR of the daemon's state"
             )
-    reg = Registry(config.database_url)
+    reg = Registry(config.database_url, config.fleet.host_name)
     if upgrade:
         reg.upgrade()  # an existing database written by an older version
     return reg
