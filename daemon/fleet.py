@@ -5,7 +5,9 @@
 - the fleet target (`daemon.fleet_target`): what late joiners converge to.
 - `FleetAgent.tick` (every `[fleet] poll_s`): when this host serves something older than the
   target, has the target's bytes here, is not pinned and is idle, it asks the rollout service to
-  converge (a rollout with trigger `fleet`, under the lease like any other).
+  converge (a rollout with trigger `fleet`, under the lease like any other). A version some host
+  verified but no host finished deploying (its registering host may have died mid-rollout) is
+  deployed here as a new version (with its health window), once this host has its own copy.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from daemon.logging import get_logger
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.status import RolloutOutcome, RolloutTrigger
 from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.planner import newer
+from daemon.rollout.planner import newer, newest
 
 log = get_logger(__name__)
 RETRY_S = 30.0  # a converge that did not reach the target is tried again after this long
@@ -83,40 +85,55 @@ class FleetAgent:
     """Moves this host to the fleet target when it is behind (see the module docstring)."""
 
     def __init__(self, journal: Journal, settings: FleetSettings, *, idle: Callable[[], bool],
-                 pinned: Callable[[], str | None], converge: Callable[[str], object]) -> None:  # fmt: skip
+                 pinned: Callable[[], str | None], converge: Callable[[str], object],
+                 submit: Callable[[int], object]) -> None:  # fmt: skip
         self.journal = journal
         self.settings = settings
-        self.idle, self.pinned, self.converge = idle, pinned, converge
+        self.idle, self.pinned, self.converge, self.submit = idle, pinned, converge, submit
         self._tried: dict[str, float] = {}
         self._missing_logged: set[str] = set()
 
-    def wanted(self) -> CheckpointRef | None:
-        """The version this host should move to now, else None."""
-        target = fleet_target(self.journal)
-        if target is None or self.pinned() is not None:
+    def wanted(self) -> tuple[CheckpointRef, bool] | None:
+        """What this host should do now: (version, True) converge to the fleet target, (version,
+        False) deploy a version the fleet verified that no host has finished yet; else None."""
+        if self.pinned() is not None:
             return None
         serving = self.journal.alias("serving")
-        ckpt = target.checkpoint
-        if serving is not None and (serving.id == ckpt.id or (not target.explicit and not newer(ckpt, serving))):
-            return None
-        if not ckpt.local_path or not Path(ckpt.local_path).is_dir():
-            if ckpt.version not in self._missing_logged:
-                self._missing_logged.add(ckpt.version)
-                log.warning("fleet_target_not_on_this_host", version=ckpt.version, host=self.journal.registry.host)
-            return None
-        return ckpt
+        target = fleet_target(self.journal)
+        if target is not None:
+            ckpt = target.checkpoint
+            if serving is None or (serving.id != ckpt.id and (target.explicit or newer(ckpt, serving))):
+                return (ckpt, True) if self._here(ckpt) else None
+            if target.explicit:
+                return None  # an operator's target holds the fleet there
+        # verified by some host (maybe one that died rolling it out) and not deployed anywhere yet
+        waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
+        return (waiting, False) if waiting is not None and self._here(waiting) else None
+
+    def _here(self, ckpt: CheckpointRef) -> bool:
+        if ckpt.local_path and Path(ckpt.local_path).is_dir():
+            return True
+        if ckpt.version not in self._missing_logged:
+            self._missing_logged.add(ckpt.version)
+            log.warning("fleet_version_not_on_this_host", version=ckpt.version, host=self.journal.registry.host)
+        return False
 
     def tick(self) -> str | None:
         """One look; the version asked for, if any."""
         if not self.idle():
             return None
-        ckpt = self.wanted()
-        if ckpt is None:
+        wanted = self.wanted()
+        if wanted is None:
             return None
+        ckpt, converge = wanted
         now = time.monotonic()
         if now - self._tried.get(ckpt.version, -RETRY_S) < RETRY_S:
             return None
         self._tried[ckpt.version] = now
-        log.info("fleet_converge", version=ckpt.version, host=self.journal.registry.host)
-        self.converge(ckpt.version)
+        log.info("fleet_converge" if converge else "fleet_deploy_verified", version=ckpt.version,
+                 host=self.journal.registry.host)  # fmt: skip
+        if converge:
+            self.converge(ckpt.version)
+        else:
+            self.submit(ckpt.id)
         return ckpt.version

@@ -46,6 +46,7 @@ class FleetLeases:
         self.host = registry.host
         self._lock = threading.Lock()
         self._slot: int | None = None
+        self._depth = 0  # nested holds (crash recovery that runs a rollout) share one slot
         self._lost = False
 
     @property
@@ -63,6 +64,10 @@ class FleetLeases:
 
     def try_acquire(self, version: str | None = None, checkpoint_id: int | None = None) -> int | None:
         """Take a free (or expired, or already this host's) slot; its number, else None."""
+        with self._lock:
+            if self._slot is not None:  # held already (a nested hold): the same slot
+                self._depth += 1
+                return self._slot
         n = self.settings.max_updating_hosts
         with self.registry.session() as s:
             s.execute(pg_insert(FleetLease).values([{"slot": i} for i in range(n)]).on_conflict_do_nothing())
@@ -84,7 +89,7 @@ class FleetLeases:
             record_event(s, to_state="fleet_lease_acquired", checkpoint_id=checkpoint_id,
                          detail={"slot": slot, "host": self.host, "version": version, "lease_s": self.settings.lease_s})  # fmt: skip
         with self._lock:
-            self._slot, self._lost = slot, False
+            self._slot, self._lost, self._depth = slot, False, 1
         return slot
 
     def renew(self) -> bool:
@@ -104,6 +109,9 @@ class FleetLeases:
 
     def release(self, checkpoint_id: int | None = None) -> None:
         with self._lock:
+            self._depth = max(0, self._depth - 1)
+            if self._depth:
+                return  # an outer hold goes on
             slot, self._slot = self._slot, None
         if slot is None:
             return

@@ -103,7 +103,7 @@ class RolloutService:
         if fleet is not None and self.leases is not None:
             self.engine = leased(self.engine, self.leases, lambda: self.stopping)
             self.fleet_agent = FleetAgent(self.journal, fleet, idle=self._idle, pinned=lambda: self.state.pinned,
-                                          converge=self.converge)  # fmt: skip
+                                          converge=self.converge, submit=self.submit)  # fmt: skip
         self.queue = RolloutQueue()
         self.state = RolloutState()
         self._stopping = threading.Event()
