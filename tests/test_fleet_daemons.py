@@ -116,9 +116,11 @@ def test_three_hosts_bound_one_kill_mid_rollout_and_a_late_joiner(
         wait_until(lambda i=i: aliases_of(pg_url, f"host-{i}") == {"serving": "v0", "last_good": "v0"}, 240,
                    0.2, f"host-{i} on v0")  # fmt: skip
 
-    for x in d:
-        publish_into(x.watch_dir, "v1", seed=1)
+    # v1 reaches host-1 first: it verifies it and is first to roll it out (held at PAUSED, lease held)
+    publish_into(d[1].watch_dir, "v1", seed=1)
     wait_until(lambda: "test_hold_begin" in d[1].log(), 300, 0.2, "host-1 paused mid-rollout of v1")
+    for i in (0, 2):  # the same bytes reach the other hosts: they wait for the lease
+        publish_into(d[i].watch_dir, "v1", seed=1)
     killed_at = db_now(pg_url)
     d[1].kill()  # SIGKILL: its lease is not released, only no longer renewed
     for i in (0, 2):  # the others go on
