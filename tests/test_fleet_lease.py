@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from conftest import POSTGRES_ENV, _postgres_database, wait_until
@@ -21,6 +22,7 @@ from daemon.registry import queries as q
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus
+from daemon.rollout.stage import launch_target
 
 pytestmark = pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")
 
@@ -144,3 +146,22 @@ def test_two_hosts_keep_their_own_aliases_workers_and_locations(pg_url: str) -> 
     with rb.session() as s:
         assert [w["url"] for w in q.worker_rows(s)] == ["http://b:1"]
         assert "still serving on host-a" in (s.get(Checkpoint, v2.id).status_message or "")  # type: ignore[union-attr]
+
+
+def test_a_host_never_launches_a_worker_on_another_hosts_path(pg_url: str, tmp_path: Path) -> None:
+    ra, rb = host_registry(pg_url, "host-a"), host_registry(pg_url, "host-b")
+    ja, jb = Journal(ra), Journal(rb)
+    seed = ja.register_seed(version="seed", local_path=str(tmp_path / "a-seed"), digest="blake3:00",
+                            total_bytes=1, tensors=1)  # fmt: skip
+    (tmp_path / "a-seed").mkdir()
+    ja.set_alias("serving", seed.id)
+    jb.set_alias("serving", seed.id)  # host b serves the same version, from a copy it does not have yet
+    b_serving = jb.alias("serving")
+    assert b_serving is not None and b_serving.local_path is None
+    assert launch_target(jb, b_serving) is None  # never host a's directory
+    assert launch_target(ja, ja.alias("serving")) is not None
+    (tmp_path / "b-seed").mkdir()  # host b makes its own seed: recorded as its copy of the same row
+    again = jb.register_seed(version="seed", local_path=str(tmp_path / "b-seed"), digest="blake3:00",
+                             total_bytes=1, tensors=1)  # fmt: skip
+    assert again.id == seed.id and again.local_path == str(tmp_path / "b-seed")
+    assert ja.checkpoint(seed.id).local_path == str(tmp_path / "a-seed")  # type: ignore[union-attr]
