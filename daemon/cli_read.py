@@ -296,7 +296,8 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
 _FLEET_COLUMNS = (("host", "host", 16), ("serving", "serving", 16), ("last_good", "last good", 14),
                   ("state", "state", 8), ("lag", "lag", 3), ("workers", "workers", 7),
                   ("updating_to", "updating to", 14))  # fmt: skip
-_FLEET_STYLES = {"in sync": "green", "updating": "yellow", "behind": "red", "degraded": "red", "pinned": "cyan"}
+_FLEET_STYLES = {"in sync": "green", "updating": "yellow", "behind": "red", "degraded": "red", "pinned": "cyan",
+                 "silent": "red"}  # fmt: skip
 
 
 def fleet_status(reg: Any, as_json: bool) -> int:

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from sqlalchemy import select, text
@@ -17,9 +18,11 @@ from sqlalchemy import select, text
 from daemon.fleet_lease import holders
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import Alias, Checkpoint, FleetTarget
+from daemon.registry.models import Alias, Checkpoint, FleetTarget, utcnow
 from daemon.registry.status import CheckpointStatus
 from daemon.rollout.planner import newest
+
+SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: the host is "silent"
 
 
 @dataclass(frozen=True)
@@ -70,8 +73,10 @@ def fleet_rows(registry: Registry) -> dict[str, Any]:
     for r in rows:
         held = busy.get(r["host"])
         r["updating_to"] = held["version"] if held else None
+        if isinstance(r["last_seen"], str):  # SQLite hands the view's timestamps back as text
+            r["last_seen"] = datetime.fromisoformat(r["last_seen"])
         r["state"] = _state(r, held is not None, target)
-        r["last_seen"] = r["last_seen"].isoformat() if hasattr(r["last_seen"], "isoformat") else r["last_seen"]
+        r["last_seen"] = r["last_seen"].isoformat() if isinstance(r["last_seen"], datetime) else r["last_seen"]
     return {"host": registry.host, "target": target.checkpoint.version if target else None,
             "target_explicit": bool(target and target.explicit), "hosts": rows}  # fmt: skip
 
@@ -79,6 +84,9 @@ def fleet_rows(registry: Registry) -> dict[str, Any]:
 def _state(row: dict[str, Any], updating: bool, target: Target | None) -> str:
     if updating:
         return "updating"
+    seen = row.get("last_seen")
+    if isinstance(seen, datetime) and utcnow() - (seen if seen.tzinfo else seen.replace(tzinfo=UTC)) > SILENT_AFTER:
+        return "silent"  # its daemon has not polled its workers for a while (stopped, or cut off)
     if row.get("pinned"):
         return "pinned"
     if target is not None and row.get("serving") == target.checkpoint.version:

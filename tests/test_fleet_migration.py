@@ -13,6 +13,7 @@ from conftest import REPO, make_config_file
 from sqlalchemy import text
 
 from daemon.config import ConfigError, parse_config
+from daemon.fleet_target import fleet_rows
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.journal import Journal
@@ -62,6 +63,10 @@ def test_0005_forwards_a_single_host_database_with_its_data(db_url: str) -> None
         assert q.aliases(s) == {"serving": "v1", "last_good": "v1", "pinned": None}
         rows = {r["version"]: r for r in q.history(s)}
         assert rows["v1"]["serving"] == 1 and rows["v1"]["local_path"] == "/ck/v1"
+    doc = fleet_rows(reg)  # `hotswap status --fleet`: the worker was last polled long ago
+    assert doc["target"] == "v1" and not doc["target_explicit"]
+    assert [(h["host"], h["serving"], h["last_good"], h["state"]) for h in doc["hosts"]] == [
+        ("gpu-07", "v1", "v1", "silent")]  # fmt: skip
     # another host on the same database sees none of it as its own
     other = Registry(db_url, "gpu-08")
     assert Journal(other).alias("serving") is None
