@@ -4,7 +4,7 @@
     hotswap daemon   [-c config.toml]        run the control plane (daemon.service)
     hotswap publish  DIR [--version V] ...   write hotswap-manifest.json (last)
     hotswap history  [-c ...] [-n N] [--json] versions and what happened to them
-    hotswap status   [-c ...] [--json]       daemon, checkpoints by status, workers
+    hotswap status   [-c ...] [--json] [--fleet]  daemon, checkpoints by status, workers (--fleet: every host)
     hotswap db upgrade [-c ...]              apply database migrations
     hotswap rollback [--to V] / pin V / unpin   manual control, through the running daemon's API
     hotswap verify DIR ...                   run the checks on a directory
@@ -123,6 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
     s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"), True)
     s.add_argument("--json", action="store_true")
+    s.add_argument("--fleet", action="store_true", help="every host of a fleet: serving version, state, lag")
     s.set_defaults(func=_cmd_status)
 
     db = sub.add_parser("db", help="database maintenance")
@@ -156,7 +157,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
 def _registry(config: Config, migrate: bool = False) -> Any:
     from daemon.registry import Registry
 
-    reg = Registry(config.database_url)
+    reg = Registry(config.database_url, config.fleet.host_name)
     if migrate:
         reg.upgrade()
     return reg

@@ -8,7 +8,8 @@ text: never read as rich markup or emoji codes, control characters shown escaped
 named `[/bold]` or one with an escape sequence neither crashes nor restyles the terminal).
 `history` fits the terminal (80 columns and off a TTY too): columns are dropped by priority and
 long values end in "…", never wrapped mid-word; `--wide` and `--json` print every full value.
-`status` asks the running daemon (its `/status` and `/health`) when there is one, else the database.
+`status` asks the running daemon (its `/status` and `/health`) when there is one, else the database;
+`status --fleet` reads every host's row of the registry (the `fleet_versions` view) in one table.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from sqlalchemy.engine import make_url
 
 from daemon.apiconfig import client_tls
 from daemon.config import Config, ConfigError, load_config
+from daemon.fleet_target import fleet_rows
 
 API_TIMEOUT_S = 5.0
 
@@ -53,7 +55,7 @@ def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
                 f"no hotswap database at {path} (config: {config.source_file}); "
                 "pass -c CONFIG or --state-dir DIR of the daemon's state"
             )
-    reg = Registry(config.database_url)
+    reg = Registry(config.database_url, config.fleet.host_name)
     if upgrade:
         reg.upgrade()  # an existing database written by an older version
     return reg
@@ -228,6 +230,8 @@ def status_cmd(args: argparse.Namespace) -> int:
 
     config = read_config(args)
     reg = open_existing_registry(config)
+    if getattr(args, "fleet", False):
+        return fleet_status(reg, args.json)
     doc = status_document(ApiState(reg, DaemonMetrics()))
     runtime = read_runtime_file(config)
     running = daemon_alive(runtime)
@@ -286,3 +290,36 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
         out.append(f"source:      {safe(src.get('name'))} {safe(src.get('path') or src.get('url') or '')}".rstrip())
     return out
 
+
+
+# (key, header, most width): `status --fleet` fits 80 columns; long names end in "…"
+_FLEET_COLUMNS = (("host", "host", 16), ("serving", "serving", 16), ("last_good", "last good", 14),
+                  ("state", "state", 8), ("lag", "lag", 3), ("workers", "workers", 7),
+                  ("updating_to", "updating to", 14))  # fmt: skip
+_FLEET_STYLES = {"in sync": "green", "updating": "yellow", "behind": "red", "degraded": "red", "pinned": "cyan",
+                 "silent": "red"}  # fmt: skip
+
+
+def fleet_status(reg: Any, as_json: bool) -> int:
+    """`hotswap status --fleet`: every host's serving version, state and lag."""
+    from rich.console import Console
+    from rich.table import Table
+    from rich.text import Text
+
+    doc = fleet_rows(reg)
+    if as_json:
+        print(json.dumps(doc, default=plain))
+        return 0
+    target = safe(doc["target"] or "-") + (" (set by an operator)" if doc["target_explicit"] else "")
+    table = Table(title=f"fleet target: {target}", caption=f"this host: {safe(doc['host'])}")
+    for _key, header, most in _FLEET_COLUMNS:
+        table.add_column(header, no_wrap=True, overflow="ellipsis", max_width=most,
+                         justify="right" if header in ("lag", "workers") else "left")  # fmt: skip
+    for r in doc["hosts"]:
+        cells = {**{k: safe(r.get(k) if r.get(k) is not None else "-") for k, _, _ in _FLEET_COLUMNS},
+                 "workers": f"{r.get('workers_running') or 0}/{r.get('workers') or 0}"}  # fmt: skip
+        table.add_row(*(Text(cells[k], style=_FLEET_STYLES.get(cells[k], "")) if k == "state" else Text(cells[k])
+                        for k, _, _ in _FLEET_COLUMNS))  # fmt: skip
+    console = Console(highlight=False, emoji=False)
+    console.print(table)
+    return 0

@@ -34,6 +34,7 @@ from typing import Any, Literal, get_args, get_origin
 from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.apiconfig import ApiSettings, listen_problem
 from daemon.checks import CheckSettings
+from daemon.fleet_config import FleetSettings, fleet_problem
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
 
@@ -321,6 +322,7 @@ class Config:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     workers: list[WorkerSpec] = field(default_factory=list)
     loader: LoaderSettings | None = None
+    fleet: FleetSettings = field(default_factory=FleetSettings)  # [fleet]: host name, fleet mode (daemon.fleet_config)
     source_file: str = EMBEDDED
 
     @property
@@ -392,6 +394,8 @@ def _parse(doc: dict[str, Any]) -> Config:
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
     if problem := listen_problem(config.daemon.listen_host_port, config.api):
+        raise ConfigError(problem)
+    if problem := fleet_problem(config.fleet, config.database_url):
         raise ConfigError(problem)
     if TRANSPORTS[config.rollout.transport].stages:
         # a transport that stages a copy (the loader) needs that room too, so headroom checks it

@@ -33,9 +33,8 @@ from daemon import rediscovery
 from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
 from daemon.logging import bind_version, get_logger
 from daemon.metrics import DaemonMetrics
-from daemon.registry import Registry, status
+from daemon.registry import Registry, hosts, status
 from daemon.registry import queries as q
-from daemon.registry.models import Alias, Checkpoint
 from daemon.registry.status import UNFINISHED, CheckpointStatus
 from daemon.sources.base import DiscoveredCheckpoint, FetchError, FetchItem, Source
 
@@ -172,8 +171,13 @@ class Coordinator:
             ckpt_id = ckpt.id if ckpt is not None else None
             again = None
             if ckpt is None and (known := q.get_checkpoint(s, item.version)) is not None:
-                again = rediscovery.handle(s, known, item)
                 known_id = known.id
+                if item.directory is not None and hosts.local_path(s, known.id) is None:
+                    # registered by another host of the fleet: this host's copy of the same version
+                    hosts.set_location(s, known.id, str(item.directory))
+                    vlog.info("known to the fleet; this host's copy recorded", directory=str(item.directory))
+                    return None
+                again = rediscovery.handle(s, known, item)
         if ckpt_id is None:
             if again is None or again.outcome == "unchanged":
                 vlog.info("already registered; ignored", uri=item.uri)
@@ -400,10 +404,8 @@ class Coordinator:
 
     def _reference_dir(self, s: Session) -> Path | None:
         """The serving version's directory, for the compat and forward checks."""
-        alias = s.get(Alias, "serving")
-        if alias is None:
+        alias = hosts.alias_row(s, "serving")
+        path = hosts.local_path(s, alias.checkpoint_id) if alias is not None else None  # this host's copy
+        if not path or not Path(path).is_dir():
             return None
-        ref: Checkpoint | None = s.get(Checkpoint, alias.checkpoint_id)
-        if ref is None or not ref.local_path or not Path(ref.local_path).is_dir():
-            return None
-        return Path(ref.local_path)
+        return Path(path)

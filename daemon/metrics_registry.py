@@ -53,26 +53,28 @@ class RegistryCollector(Collector):
                                   labels=["alias", "version"])  # fmt: skip
         last_error = GaugeMetricFamily("hotswap_last_failure_timestamp_seconds",
                                        "Unix time of the last failed or rolled back rollout (0: none)")  # fmt: skip
+        here = self._registry.host  # on a fleet's shared database: this host's rows only
         with self._registry.session() as s:
             for trigger, outcome, n in s.execute(
-                select(Rollout.trigger, Rollout.outcome, func.count()).where(Rollout.outcome.is_not(None))
+                select(Rollout.trigger, Rollout.outcome, func.count()).where(Rollout.outcome.is_not(None),
+                                                                             Rollout.host == here)
                 .group_by(Rollout.trigger, Rollout.outcome)
             ):
                 rollouts.add_metric([trigger, outcome or ""], n)
             by: dict[str, int] = {}
-            for (detail,) in s.execute(select(Rollout.detail).where(Rollout.trigger == "rollback")):
+            for (detail,) in s.execute(select(Rollout.detail).where(Rollout.trigger == "rollback", Rollout.host == here)):
                 key = str((detail or {}).get("by") or "manual")
                 by[key] = by.get(key, 0) + 1
             for key, n in sorted(by.items()):
                 rollbacks.add_metric([key], n)
             trips.add_metric([], by.get("health_window", 0))
-            for name, st, ver in s.execute(select(Worker.name, Worker.state, Worker.weight_version)):
+            for name, st, ver in s.execute(select(Worker.name, Worker.state, Worker.weight_version).where(Worker.host == here)):
                 state.add_metric([name, st], 1)
                 version.add_metric([name, ver or ""], 1)
-            for name, ver in s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint)):
+            for name, ver in s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint).where(Alias.host == here)):
                 alias.add_metric([name, ver], 1)
             failed_at = s.scalar(select(func.max(Rollout.finished_at))
-                                 .where(Rollout.outcome.in_(("failed", "rolled_back"))))  # fmt: skip
+                                 .where(Rollout.outcome.in_(("failed", "rolled_back")), Rollout.host == here))  # fmt: skip
             last_error.add_metric([], failed_at.timestamp() if failed_at is not None else 0.0)
         yield from (rollouts, rollbacks, trips, state, version, alias, last_error)
 

@@ -32,7 +32,6 @@ from pathlib import Path
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
-from sqlalchemy import select
 
 from daemon import reverify, systemd
 from daemon.api import ApiServer, ApiState, create_app, rollout_router
@@ -48,7 +47,6 @@ from daemon.readiness import readiness_router
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
-from daemon.registry.models import Alias, Checkpoint
 from daemon.registry.status import UNFINISHED, WAITING
 from daemon.reload import Reloadable, ReloadResult, reload_config
 from daemon.rollout.service import RolloutService
@@ -220,10 +218,8 @@ class Daemon:
 
     def protected_paths(self) -> frozenset[Path]:
         """Serving, last good and pinned, and every checkpoint still on its way to a worker."""
-        with self.registry.session() as s:
-            aliased = s.scalars(select(Checkpoint.local_path).join(Alias, Alias.checkpoint_id == Checkpoint.id))
-            in_flight = s.scalars(select(Checkpoint.local_path).where(Checkpoint.status.in_((*UNFINISHED, *WAITING))))
-            return frozenset(Path(p) for p in (*aliased, *in_flight) if p)
+        with self.registry.session() as s:  # this host's copies (checkpoint_locations)
+            return frozenset(Path(p) for p in q.protected_local_paths(s, (*UNFINISHED, *WAITING)))
 
     def _status_counts(self) -> dict[str, int]:
         with self.registry.session() as s:
@@ -245,7 +241,7 @@ class Daemon:
 def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     """Every part of the daemon, constructed in pipeline order; nothing runs until `start()`."""
     seen = observers or Observers()
-    registry = Registry(config.database_url)
+    registry = Registry(config.database_url, config.fleet.host_name)
     metrics = DaemonMetrics()
     scheduler = BackgroundScheduler(daemon=True)
     # register -> fetch -> verify: the coordinator (its queue is what the sources feed)

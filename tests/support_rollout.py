@@ -380,7 +380,8 @@ def aliases(registry: Any) -> dict[str, str]:
     from daemon.registry.models import Alias, Checkpoint
 
     with registry.session() as s:
-        return dict(s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint)).all())
+        q = select(Alias.name, Checkpoint.version).join(Checkpoint).where(Alias.host == registry.host)  # this host's
+        return dict(s.execute(q).all())
 
 
 def assert_fleet_on(workers: Iterable[WorkerProc], version: str, timeout: float = 60.0) -> None:

@@ -133,7 +133,7 @@ def test_status_changes_are_events_and_history_view_answers(registry):
             finished_at=datetime.now(UTC),
         )
         s.add(r)
-        s.add(Alias(name="serving", checkpoint_id=a.id))
+        s.add(Alias(name="serving", checkpoint_id=a.id))  # the session stamps its host
     with registry.session() as s:
         rows = {r["version"]: r for r in q.history(s)}
         events = [(e.from_state, e.to_state) for e in s.query(Event).filter(Event.checkpoint_id == 1)]

@@ -6,6 +6,7 @@ PostgreSQL (`database.url = "postgresql+psycopg://..."`).
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -17,6 +18,7 @@ from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
 from daemon import redact
+from daemon.registry import hosts
 
 # Shipped inside the package (daemon/migrations), so a wheel install migrates from any folder.
 MIGRATIONS = resources.files("daemon") / "migrations"
@@ -63,15 +65,26 @@ def make_engine(url: str) -> Engine:
 
 
 class Registry:
-    """The registry database: `with registry.session() as s: ...` commits on success."""
+    """The registry database: `with registry.session() as s: ...` commits on success.
 
-    def __init__(self, url: str) -> None:
+    A registry is bound to one host (`[fleet] host`, default this machine's hostname): its
+    sessions carry it (`s.info["host"]`), so workers, aliases, rollouts, events and checkpoint
+    locations are read and written as this host's (daemon.registry.hosts).
+    """
+
+    def __init__(self, url: str, host: str | None = None) -> None:
         self.url = url
+        self.host = host or socket.gethostname()
         try:
             self.engine = make_engine(url)
         except Exception as exc:
             raise RegistryError(f"cannot open database {redact_url(url)}: {one_line(exc)}") from exc
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False, info={"host": self.host})
+        hosts.install(self._sessions)
+
+    @property
+    def dialect(self) -> str:
+        return self.engine.dialect.name
 
     @contextmanager
     def session(self) -> Iterator[Session]:
@@ -93,6 +106,7 @@ class Registry:
             with resources.as_file(MIGRATIONS) as script_dir, self.engine.begin() as conn:
                 cfg = alembic_config(script_dir)
                 cfg.attributes["connection"] = conn
+                cfg.attributes["host"] = self.host  # existing single-host rows become this host's
                 command.upgrade(cfg, revision)
         except Exception as exc:
             raise RegistryError(f"migrating database {redact_url(self.url)} failed: {one_line(exc)}") from exc

@@ -13,8 +13,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from sqlalchemy import delete, func, select, update
+from sqlalchemy.orm import Session
 
-from daemon.registry import status
+from daemon.registry import hosts, status
 from daemon.registry.db import Registry
 from daemon.registry.models import Alias, Checkpoint, CheckpointFile, Event, Rollout, Worker, utcnow
 from daemon.registry.queries import record_event
@@ -52,12 +53,13 @@ class RolloutRef:
     detail: dict[str, Any]
 
 
-def _ref(c: Checkpoint) -> CheckpointRef:
+def _ref(s: Session, c: Checkpoint) -> CheckpointRef:
     return CheckpointRef(
         id=c.id,
         version=c.version,
         digest=c.digest,
-        local_path=c.local_path,
+        local_path=hosts.local_path(s, c.id),  # this host's copy; another host's path never
+
         tensor_count=c.tensor_count,
         status=CheckpointStatus(c.status),
         verified=c.verified_at is not None,
@@ -74,12 +76,12 @@ class Journal:
     def checkpoint(self, checkpoint_id: int) -> CheckpointRef | None:
         with self.registry.session() as s:
             c = s.get(Checkpoint, checkpoint_id)
-            return _ref(c) if c else None
+            return _ref(s, c) if c else None
 
     def checkpoint_by_version(self, version: str) -> CheckpointRef | None:
         with self.registry.session() as s:
             c = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
-            return _ref(c) if c else None
+            return _ref(s, c) if c else None
 
     def verified_files(self, checkpoint_id: int) -> list[tuple[str, int, str | None, str | None, str | None]]:
         """(path, bytes, crc32c, hash_alg, hash) of every file, as the verify stage computed them."""
@@ -89,17 +91,18 @@ class Journal:
 
     def alias(self, name: str) -> CheckpointRef | None:
         with self.registry.session() as s:
-            a = s.get(Alias, name)
-            return _ref(a.checkpoint) if a else None
+            a = hosts.alias_row(s, name)
+            return _ref(s, a.checkpoint) if a else None
 
     def set_alias(self, name: str, checkpoint_id: int | None) -> None:
+        """Set (or clear) one of this host's aliases."""
         with self.registry.session() as s:
             if checkpoint_id is None:
-                s.execute(delete(Alias).where(Alias.name == name))
+                s.execute(delete(Alias).where(Alias.host == hosts.host_of(s), Alias.name == name))
                 return
-            a = s.get(Alias, name)
+            a = hosts.alias_row(s, name)
             if a is None:
-                s.add(Alias(name=name, checkpoint_id=checkpoint_id, updated_at=utcnow()))
+                s.add(Alias(host=hosts.host_of(s), name=name, checkpoint_id=checkpoint_id, updated_at=utcnow()))
             else:
                 a.checkpoint_id = checkpoint_id
                 a.updated_at = utcnow()
@@ -107,11 +110,19 @@ class Journal:
     def move_status(
         self, checkpoint_id: int, to: CheckpointStatus, message: str | None = None, detail: dict[str, Any] | None = None
     ) -> None:
-        """A status transition (see `daemon.registry.status.TRANSITIONS`)."""
+        """A status transition (see `daemon.registry.status.TRANSITIONS`).
+
+        A version another host still serves is never `retired` (the status is fleet-wide):
+        the move becomes a note."""
         with self.registry.session() as s:
             c = s.get(Checkpoint, checkpoint_id)
-            if c is not None:
-                status.move(s, c, to, message, detail=detail)
+            if c is None:
+                return
+            if to == CheckpointStatus.RETIRED and (others := hosts.served_elsewhere(s, checkpoint_id)):
+                status.note(s, c, f"{message or 'replaced'} on {hosts.host_of(s)}; still serving on "
+                            f"{', '.join(sorted(others))}")  # fmt: skip
+                return
+            status.move(s, c, to, message, detail=detail)
 
     def note(self, checkpoint_id: int, message: str) -> None:
         """Only the status message changes (e.g. why a verified version waits)."""
@@ -139,7 +150,7 @@ class Journal:
                           Checkpoint.id.desc())
                 .limit(1)
             ).one_or_none()
-            return _ref(c) if c else None
+            return _ref(s, c) if c else None
 
     def good_versions(self, exclude_ids: Iterable[int] = (), limit: int = 10) -> list[CheckpointRef]:
         """Versions that served (deployed or retired, not rejected since), most recently deployed first."""
@@ -155,7 +166,7 @@ class Journal:
                           Checkpoint.id.desc())
                 .limit(limit)
             ).all()
-            return [_ref(c) for c in rows]
+            return [_ref(s, c) for c in rows]
 
     def newer_in_verification(self, checkpoint_id: int) -> bool:
         """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""
@@ -171,12 +182,15 @@ class Journal:
         """Every verified checkpoint that never started deploying, in arrival order."""
         with self.registry.session() as s:
             rows = s.scalars(select(Checkpoint).where(Checkpoint.status.in_(WAITING)).order_by(Checkpoint.id)).all()
-            return [_ref(c) for c in rows]
+            return [_ref(s, c) for c in rows]
 
     def last_rollout_of(self, checkpoint_id: int) -> int | None:
         with self.registry.session() as s:
             return s.scalar(
-                select(Rollout.id).where(Rollout.checkpoint_id == checkpoint_id).order_by(Rollout.id.desc()).limit(1)
+                select(Rollout.id)
+                .where(Rollout.checkpoint_id == checkpoint_id, Rollout.host == hosts.host_of(s))
+                .order_by(Rollout.id.desc())
+                .limit(1)
             )
 
     def register_seed(self, *, version: str, local_path: str, digest: str, total_bytes: int, tensors: int) -> CheckpointRef:
@@ -188,22 +202,26 @@ class Journal:
                     s, version=version, local_path=local_path, digest=digest, total_bytes=total_bytes, tensors=tensors,
                     why="made by the daemon (embedded default)", deployed="initial version of the managed worker",
                 )  # fmt: skip
-            return _ref(c)
+            elif hosts.local_path(s, c.id) is None:  # another host made it first: this host's copy
+                hosts.set_location(s, c.id, local_path)
+            return _ref(s, c)
 
     # -- workers -------------------------------------------------------------------
     def register_workers(self, workers: Iterable[tuple[str, str, str, str]]) -> None:
         """Insert or refresh a `workers` row per configured (name, kind, url, device); its state is kept."""
         with self.registry.session() as s:
             for name, kind, url, device in workers:
-                w = s.scalars(select(Worker).where(Worker.name == name)).one_or_none()
+                w = hosts.worker_row(s, name)
                 if w is None:
-                    s.add(Worker(name=name, kind=kind, url=url, device=device, state="UNKNOWN"))
+                    s.add(Worker(host=hosts.host_of(s), name=name, kind=kind, url=url, device=device, state="UNKNOWN"))
                 else:
                     w.kind, w.url, w.device = kind, url, device
 
     def worker_state(self, name: str) -> tuple[str, str | None]:
         with self.registry.session() as s:
-            w = s.scalars(select(Worker).where(Worker.name == name)).one()
+            w = hosts.worker_row(s, name)
+            if w is None:
+                raise LookupError(f"worker {name!r} is not registered on host {hosts.host_of(s)!r}")
             return w.state, w.weight_version
 
     def transition(
@@ -236,14 +254,14 @@ class Journal:
                 values["weight_version"] = weight_version
             if device:
                 values["device"] = device
-            s.execute(update(Worker).where(Worker.name == worker).values(**values))
+            s.execute(update(Worker).where(Worker.host == hosts.host_of(s), Worker.name == worker).values(**values))
 
     def observe(
         self, worker: str, *, state: str, weight_version: str | None, error: str | None, device: str | None = None
     ) -> str | None:
         """The health poll's view of a worker; an event only when its state changed. Returns the old state."""
         with self.registry.session() as s:
-            w = s.scalars(select(Worker).where(Worker.name == worker)).one_or_none()
+            w = hosts.worker_row(s, worker)
             if w is None:
                 return None
             previous = w.state
@@ -303,9 +321,11 @@ class Journal:
 
     def unfinished_rollouts(self) -> list[RolloutRef]:
         with self.registry.session() as s:
-            rows = s.scalars(select(Rollout).where(Rollout.outcome.is_(None)).order_by(Rollout.id)).all()
+            rows = s.scalars(
+                select(Rollout).where(Rollout.outcome.is_(None), Rollout.host == hosts.host_of(s)).order_by(Rollout.id)
+            ).all()
             return [
-                RolloutRef(r.id, _ref(r.checkpoint), RolloutTrigger(r.trigger), r.transport, r.mode, dict(r.detail or {}))
+                RolloutRef(r.id, _ref(s, r.checkpoint), RolloutTrigger(r.trigger), r.transport, r.mode, dict(r.detail or {}))
                 for r in rows
             ]
 

@@ -21,6 +21,7 @@ from sqlalchemy import (
     Float,
     ForeignKey,
     Integer,
+    PrimaryKeyConstraint,
     String,
     Text,
     UniqueConstraint,
@@ -48,6 +49,7 @@ class CheckpointStatus(StrEnum):
 
 class RolloutTrigger(StrEnum):
     NEW = "new"  # a newly verified checkpoint
+    FLEET = "fleet"  # this host converging to the fleet's target version (daemon.fleet)
     ROLLBACK = "rollback"  # back to an earlier version (operator, health window, reconcile)
     MANUAL = "manual"  # an operator's pin
 
@@ -192,9 +194,11 @@ class Check(Base):
 
 class Worker(Base):
     __tablename__ = "workers"
+    __table_args__ = (UniqueConstraint("host", "name", name="uq_workers_host_name"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(255), unique=True)
+    host: Mapped[str] = mapped_column(String(255), index=True)  # the daemon's host (daemon.fleet_config)
+    name: Mapped[str] = mapped_column(String(255))
     kind: Mapped[str] = mapped_column(String(32), default="builtin")
     url: Mapped[str] = mapped_column(Text)
     device: Mapped[str | None] = mapped_column(String(64))
@@ -218,6 +222,7 @@ class Rollout(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    host: Mapped[str | None] = mapped_column(String(255), index=True)  # the host whose workers it moved
     trigger: Mapped[str] = mapped_column(String(32), default="new")
     transport: Mapped[str] = mapped_column(String(32), default="disk")
     mode: Mapped[str] = mapped_column(String(32), default="copy")
@@ -248,6 +253,7 @@ class Event(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
+    host: Mapped[str | None] = mapped_column(String(255), index=True)  # the daemon that wrote it
     rollout_id: Mapped[int | None] = mapped_column(ForeignKey("rollouts.id"), index=True)
     checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id"), index=True)
     worker: Mapped[str | None] = mapped_column(String(255))
@@ -258,8 +264,11 @@ class Event(Base):
 
 
 class Alias(Base):
+    """serving / last_good / pinned of one host: every host has its own."""
+
     __tablename__ = "aliases"
 
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
@@ -269,3 +278,39 @@ class Alias(Base):
     @validates("name")
     def _validate_name(self, _key: str, value: str) -> str:
         return _check_choice("aliases.name", value, ALIAS_NAMES)  # type: ignore[return-value]
+
+
+class CheckpointLocation(Base):
+    """Where a checkpoint's bytes are on one host (a checkpoint is one row fleet-wide)."""
+
+    __tablename__ = "checkpoint_locations"
+    __table_args__ = (PrimaryKeyConstraint("checkpoint_id", "host"),)
+
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(255), index=True)
+    local_path: Mapped[str] = mapped_column(Text)
+    recorded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FleetLease(Base):
+    """One slot of the fleet-wide bound on hosts updating at once (`[fleet] max_updating_hosts`)."""
+
+    __tablename__ = "fleet_leases"
+
+    slot: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    host: Mapped[str | None] = mapped_column(String(255))  # NULL: free
+    version: Mapped[str | None] = mapped_column(String(255))  # what the holder is rolling out
+    acquired_at: Mapped[datetime | None]
+    expires_at: Mapped[datetime | None]  # renewed while updating; past it the slot is free again
+
+
+class FleetTarget(Base):
+    """An operator's explicit fleet version (one row, id 1); without it the target is the newest
+    version some host has as `last_good`."""
+
+    __tablename__ = "fleet_target"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    set_at: Mapped[datetime] = mapped_column(default=utcnow)
+    set_by: Mapped[str | None] = mapped_column(String(255))

@@ -15,6 +15,7 @@ from sqlalchemy import Column as SAColumn
 from sqlalchemy import Float, Integer, MetaData, String, Table, Text, func, select
 from sqlalchemy.orm import Session
 
+from daemon.registry import hosts
 from daemon.registry.models import (
     ALIAS_NAMES,
     Alias,
@@ -63,6 +64,7 @@ version_history = Table(
 worker_versions = Table(
     "worker_versions",
     _views,
+    SAColumn("host", String),  # added by migration 0005_fleet_hosts
     SAColumn("worker", String),
     SAColumn("kind", String),
     SAColumn("url", Text),
@@ -193,7 +195,16 @@ def known_versions(s: Session) -> set[str]:
 
 
 def known_local_paths(s: Session) -> set[str]:
-    return {p for p in s.scalars(select(Checkpoint.local_path)) if p}
+    """Every checkpoint directory this host has (its `checkpoint_locations`)."""
+    return set(hosts.local_paths(s).values())
+
+
+def protected_local_paths(s: Session, statuses: Iterable[str]) -> set[str]:
+    """This host's directories of its aliased versions and of checkpoints in `statuses`."""
+    here = hosts.local_paths(s)
+    ids = set(s.scalars(select(Alias.checkpoint_id).where(Alias.host == hosts.host_of(s))))
+    ids |= set(s.scalars(select(Checkpoint.id).where(Checkpoint.status.in_(list(statuses)))))
+    return {here[i] for i in ids if i in here}
 
 
 def status_counts(s: Session) -> dict[str, int]:
@@ -212,17 +223,30 @@ def history(s: Session, limit: int | None = None, newest_first: bool = True) -> 
     )
     if limit:
         q = q.limit(limit)
-    return [dict(r) for r in s.execute(q).mappings()]
+    serving = hosts.alias_row(s, "serving")
+    here = hosts.local_paths(s)
+    rows = [dict(r) for r in s.execute(q).mappings()]
+    for r in rows:  # the view's `serving` is "on any host"; this host's is what callers mean
+        r["serving"] = int(serving is not None and serving.checkpoint_id == r["checkpoint_id"])
+        r["local_path"] = here.get(r["checkpoint_id"], r["local_path"])
+    return rows
 
 
 def aliases(s: Session) -> dict[str, str | None]:
     """serving, last_good, pinned -> the version each names (None when unset)."""
-    found = dict(s.execute(select(Alias.name, Checkpoint.version).join(Checkpoint, Alias.checkpoint_id == Checkpoint.id)).all())
+    found = dict(
+        s.execute(
+            select(Alias.name, Checkpoint.version)
+            .join(Checkpoint, Alias.checkpoint_id == Checkpoint.id)
+            .where(Alias.host == hosts.host_of(s))
+        ).all()
+    )
     return {name: found.get(name) for name in ALIAS_NAMES}
 
 
 def worker_rows(s: Session) -> list[dict[str, Any]]:
-    return [dict(r) for r in s.execute(select(worker_versions).order_by(worker_versions.c.worker)).mappings()]
+    q = select(worker_versions).where(worker_versions.c.host == hosts.host_of(s)).order_by(worker_versions.c.worker)
+    return [dict(r) for r in s.execute(q).mappings()]
 
 
 def checks_of(s: Session, checkpoint_id: int) -> Sequence[Check]:

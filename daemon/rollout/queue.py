@@ -21,14 +21,14 @@ from typing import Any, Literal
 from daemon.registry.journal import CheckpointRef
 from daemon.rollout.planner import newer
 
-JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile"]
+JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile", "converge"]  # converge: daemon.fleet
 
 
 @dataclass(eq=False)
 class Job:
     kind: JobKind
     checkpoint: CheckpointRef | None = None  # deploy
-    version: str | None = None  # rollback --to / pin
+    version: str | None = None  # rollback --to / pin / converge
     force: bool = False  # pin: a rejected version too
     future: Future[dict[str, Any]] = field(default_factory=Future)
 

@@ -31,6 +31,9 @@ from apscheduler.schedulers.base import BaseScheduler
 from daemon.adapters import make_client
 from daemon.adapters.base import Timeouts, WorkerError
 from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
+from daemon.fleet import FleetAgent, holding, leased
+from daemon.fleet_config import FleetSettings
+from daemon.fleet_lease import FleetLeases
 from daemon.logging import get_logger
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
@@ -72,6 +75,7 @@ class RolloutService:
         loader: LoaderSettings | None = None,
         observers: Iterable[TransitionObserver] = (),
         restarter: Restarter | None = None,
+        fleet: FleetSettings | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = state_dir
@@ -95,6 +99,13 @@ class RolloutService:
                                 loader.socket if loader else "")  # fmt: skip
         self.stager = Stager(settings.transport, options, journal=self.journal)
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
+        # fleet mode: every rollout under a fleet-wide lease; an agent converges to the fleet target
+        self.leases = FleetLeases(registry, fleet) if fleet is not None and fleet.enabled else None
+        self.fleet_agent: FleetAgent | None = None
+        if fleet is not None and self.leases is not None:
+            self.engine = leased(self.engine, self.leases, lambda: self.stopping)
+            self.fleet_agent = FleetAgent(self.journal, fleet, idle=self._idle, pinned=lambda: self.state.pinned,
+                                          converge=self.converge, submit=self.submit)  # fmt: skip
         self.queue = RolloutQueue()
         self.state = RolloutState()
         self._stopping = threading.Event()
@@ -106,7 +117,8 @@ class RolloutService:
         cls, config: Config, registry: Registry, observers: Iterable[TransitionObserver] = ()
     ) -> RolloutService:
         try:
-            return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers)
+            return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers,
+                       fleet=config.fleet)  # fmt: skip
         except ConfigError as exc:
             raise ConfigError(f"{config.source_file}: {exc}") from None
 
@@ -116,8 +128,13 @@ class RolloutService:
         # On the caller's thread, before the coordinator starts: making the seed imports
         # transformers, and two threads importing it at once can fail.
         self._seed_if_empty()
+        if self.leases is not None and (stale := self.leases.release_stale()):
+            log.warning("fleet_lease_stale_released", slots=stale)  # this host's previous run died holding it
         self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
         self._thread.start()
+        if scheduler is not None and self.fleet_agent is not None:
+            scheduler.add_job(self.fleet_agent.tick, "interval", seconds=self.fleet_agent.settings.poll_s,
+                              id="fleet-converge", max_instances=1, coalesce=True)  # fmt: skip
         if scheduler is not None:
             scheduler.add_job(self.poll, "interval", seconds=self.settings.health_poll_s, id="worker-health",
                               max_instances=1, coalesce=True)  # fmt: skip
@@ -165,6 +182,14 @@ class RolloutService:
 
     def unpin(self) -> Future[dict[str, Any]]:
         return self.queue.command(Job("unpin"))
+
+    def converge(self, version: str) -> Future[dict[str, Any]]:
+        """Fleet mode: move this host to the fleet target `version` (daemon.fleet.FleetAgent)."""
+        return self.queue.command(Job("converge", version=version))
+
+    def _idle(self) -> bool:
+        return (self._ready.is_set() and self.state.current_job is None and self.queue.pending is None
+                and not self.queue.has_command(("converge", "rollback", "pin", "reconcile")))  # fmt: skip
 
     def status(self) -> dict[str, Any]:
         pending = self.queue.pending
@@ -219,6 +244,9 @@ class RolloutService:
             return self._pin(job.version, job.force)
         if job.kind == "unpin":
             return self._unpin()
+        if job.kind == "converge":
+            assert job.version is not None
+            return self._converge(job.version)
         return self._reconcile()
 
     def _yield_wanted(self, ckpt: CheckpointRef) -> bool:
@@ -317,6 +345,16 @@ class RolloutService:
             self.state.set_pinned(None)
             out["pinned"] = None
         return out
+
+    def _converge(self, version: str) -> dict[str, Any]:
+        target = self._deployable(version)
+        serving = self.journal.alias("serving")
+        if self.state.pinned is not None or (serving is not None and serving.id == target.id):
+            return {"version": version, "outcome": "skipped", "pinned": self.state.pinned}
+        fallback = self.fallback()
+        result = self.engine.deploy(target, trigger=T.FLEET, fallback=fallback, detail={"by": "fleet"},
+                                    should_yield=lambda: self.queue.has_command(MOVES_FLEET) or self.stopping)  # fmt: skip
+        return self.conclude(target, result, serving, fallback, trigger=T.FLEET)
 
     def _unpin(self) -> dict[str, Any]:
         was = self.state.pinned
@@ -507,7 +545,8 @@ class RolloutService:
         for r in open_rollouts[:-1]:
             self.journal.finish_rollout(r.id, RolloutOutcome.FAILED, {"reason": "left unfinished; a later rollout replaced it"})
         if open_rollouts:
-            self._recover_unfinished(open_rollouts[-1])
+            with holding(self.leases, open_rollouts[-1].checkpoint, lambda: self.stopping):
+                self._recover_unfinished(open_rollouts[-1])
         else:
             serving = self.journal.alias("serving")
             last_good = self.journal.alias("last_good")

@@ -1,0 +1,139 @@
+"""Fleet mode: many hosts on one PostgreSQL registry, each rolling out under a fleet-wide lease.
+
+- `LeasedEngine`: the rollout engine with every rollout inside a lease slot
+  (`daemon.fleet_lease`): at most `[fleet] max_updating_hosts` hosts move workers at once.
+- the fleet target (`daemon.fleet_target`): what late joiners converge to.
+- `FleetAgent.tick` (every `[fleet] poll_s`): when this host serves something older than the
+  target, has the target's bytes here, is not pinned and is idle, it asks the rollout service to
+  converge (a rollout with trigger `fleet`, under the lease like any other). A version some host
+  verified but no host finished deploying (its registering host may have died mid-rollout) is
+  deployed here as a new version (with its health window), once this host has its own copy.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from daemon.fleet_config import FleetSettings
+from daemon.fleet_lease import FleetLeases
+from daemon.fleet_target import fleet_target
+from daemon.logging import get_logger
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import RolloutOutcome, RolloutTrigger
+from daemon.rollout.engine import RolloutEngine, RolloutResult
+from daemon.rollout.planner import newer, newest
+
+log = get_logger(__name__)
+RETRY_S = 30.0  # a converge that did not reach the target is tried again after this long
+
+
+class LeasedEngine(RolloutEngine):
+    """Every rollout waits for a fleet lease slot, renews it while it runs and releases it after."""
+
+    leases: FleetLeases
+    stopping: Callable[[], bool]
+
+    def deploy(
+        self,
+        ckpt: CheckpointRef,
+        *,
+        trigger: RolloutTrigger,
+        fallback: CheckpointRef | None,
+        should_yield: Callable[[], bool] = lambda: False,
+        only: Collection[str] | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> RolloutResult:
+        if self.leases.acquire(ckpt.version, ckpt.id, self.stopping) is None:
+            rid = self.journal.start_rollout(ckpt.id, trigger=trigger, transport=self.stager.transport, mode="-",
+                                             detail={"version": ckpt.version, **(detail or {})})  # fmt: skip
+            reason = "the daemon stopped while waiting for a fleet lease"
+            self.journal.finish_rollout(rid, RolloutOutcome.SUPERSEDED, {"reason": reason})
+            return RolloutResult(rid, RolloutOutcome.SUPERSEDED, reason)
+        try:
+            with self.leases.renewing():
+                return super().deploy(ckpt, trigger=trigger, fallback=fallback, should_yield=should_yield,
+                                      only=only, detail=detail)  # fmt: skip
+        finally:
+            self.leases.release(ckpt.id)
+
+
+@contextmanager
+def holding(leases: FleetLeases | None, ckpt: CheckpointRef, stop: Callable[[], bool]) -> Iterator[None]:
+    """A block that moves workers outside a rollout (crash recovery at start) under a lease too."""
+    if leases is None or leases.acquire(ckpt.version, ckpt.id, stop) is None:
+        yield
+        return
+    try:
+        with leases.renewing():
+            yield
+    finally:
+        leases.release(ckpt.id)
+
+
+def leased(engine: RolloutEngine, leases: FleetLeases, stopping: Callable[[], bool]) -> LeasedEngine:
+    """`engine` as a LeasedEngine (same journal, fleet, driver and stager)."""
+    out = LeasedEngine(engine.journal, engine.fleet, engine.settings, engine.driver, engine.stager)
+    out.leases, out.stopping = leases, stopping
+    return out
+
+
+class FleetAgent:
+    """Moves this host to the fleet target when it is behind (see the module docstring)."""
+
+    def __init__(self, journal: Journal, settings: FleetSettings, *, idle: Callable[[], bool],
+                 pinned: Callable[[], str | None], converge: Callable[[str], object],
+                 submit: Callable[[int], object]) -> None:  # fmt: skip
+        self.journal = journal
+        self.settings = settings
+        self.idle, self.pinned, self.converge, self.submit = idle, pinned, converge, submit
+        self._tried: dict[str, float] = {}
+        self._missing_logged: set[str] = set()
+
+    def wanted(self) -> tuple[CheckpointRef, bool] | None:
+        """What this host should do now: (version, True) converge to the fleet target, (version,
+        False) deploy a version the fleet verified that no host has finished yet; else None."""
+        if self.pinned() is not None:
+            return None
+        serving = self.journal.alias("serving")
+        target = fleet_target(self.journal)
+        if target is not None:
+            ckpt = target.checkpoint
+            if serving is None or (serving.id != ckpt.id and (target.explicit or newer(ckpt, serving))):
+                return (ckpt, True) if self._here(ckpt) else None
+            if target.explicit:
+                return None  # an operator's target holds the fleet there
+        # verified by some host (maybe one that died rolling it out) and not deployed anywhere yet
+        waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
+        return (waiting, False) if waiting is not None and self._here(waiting) else None
+
+    def _here(self, ckpt: CheckpointRef) -> bool:
+        if ckpt.local_path and Path(ckpt.local_path).is_dir():
+            return True
+        if ckpt.version not in self._missing_logged:
+            self._missing_logged.add(ckpt.version)
+            log.warning("fleet_version_not_on_this_host", version=ckpt.version, host=self.journal.registry.host)
+        return False
+
+    def tick(self) -> str | None:
+        """One look; the version asked for, if any."""
+        if not self.idle():
+            return None
+        wanted = self.wanted()
+        if wanted is None:
+            return None
+        ckpt, converge = wanted
+        now = time.monotonic()
+        if now - self._tried.get(ckpt.version, -RETRY_S) < RETRY_S:
+            return None
+        self._tried[ckpt.version] = now
+        log.info("fleet_converge" if converge else "fleet_deploy_verified", version=ckpt.version,
+                 host=self.journal.registry.host)  # fmt: skip
+        if converge:
+            self.converge(ckpt.version)
+        else:
+            self.submit(ckpt.id)
+        return ckpt.version
