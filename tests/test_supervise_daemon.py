@@ -16,6 +16,7 @@ import json
 import os
 import shutil
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -152,3 +153,44 @@ def test_a_worker_that_can_never_start_backs_off_and_stays_unhealthy_with_its_lo
     out = hotswap_cli("status", "-c", str(d.config_path))
     assert "UNHEALTHY" in out.stdout and "error:" in out.stdout and "exited with status" in out.stdout, out.stdout
     assert d.alive()
+
+
+def test_worker_dying_at_launch_on_changed_files_falls_back_and_nothing_usable_is_unhealthy_without_a_loop(
+    managed: Any,
+) -> None:
+    """The issue's case at start-up: the daemon launches its worker on the serving version, whose
+    bytes changed on disk; the worker refuses them and exits. Then no intact version at all."""
+    d: DaemonProcess = managed()
+    d.wait_status("tiny-seed", "deployed", timeout=60)
+    publish_into(d.watch_dir, "v1", seed=1)
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v1", 180, what="v1 deployed")
+    assert d.stop() == 0  # keep_workers_on_stop = false: the worker goes too
+    table, _ = tensor_table(d.watch_dir / "v1")
+    loc = table["lm_head.weight"]
+    flip_byte(loc.file, loc.entry.start + loc.entry.nbytes // 2)  # same size: only the worker's check sees it
+    d.start(timeout=90)
+    row = wait_until(lambda: (r := worker_row(d.registry, "local"))["state"] == "UNHEALTHY"
+                     and "exited with status" in (r["last_error"] or "") and r, REPORT_S + 60, interval=0.05,
+                     what="the launch failure in workers.last_error")  # fmt: skip
+    first, *tail = row["last_error"].splitlines()
+    assert "relaunch in 1 s" in first and tail[0].startswith("--- last lines of "), row["last_error"]
+    assert any("does not match the verified" in line for line in tail[1:]), row["last_error"]  # the worker's own words
+    wait_until(lambda: served(d) == "tiny-seed", 180, what="the fallback serving")
+    (fallback,) = supervisor_events(d, "fallback")
+    assert fallback["detail"]["wanted"] == "v1" and "changed since it was verified" in fallback["detail"]["skipped"]["v1"]
+    wait_until(lambda: aliases(d.registry).get("serving") == "tiny-seed", 60, what="serving = the seed")
+
+    # nothing intact left on this host: UNHEALTHY with the reason, and nothing is launched
+    assert d.stop() == 0
+    shutil.rmtree(d.state_dir / "seed")
+    d.start(timeout=90)
+    row = wait_until(lambda: (r := worker_row(d.registry, "local"))["state"] == "UNHEALTHY"
+                     and "no version can be launched" in (r["last_error"] or "") and r, REPORT_S,
+                     what="no launch target")  # fmt: skip
+    assert "tiny-seed: its directory" in row["last_error"] and "v1:" in row["last_error"], row["last_error"]
+    health = d.get("/health")
+    assert health.status_code == 503 and "no version can be launched" in health.json()["error"], health.text
+    pid, failed = runtime(d)["pid"], len(supervisor_events(d, "launch_failed"))
+    time.sleep(4)  # a relaunch loop, if any, would show by now
+    assert len(supervisor_events(d, "no_launch_target")) == 1, supervisor_events(d, "no_launch_target")
+    assert runtime(d)["pid"] == pid and len(supervisor_events(d, "launch_failed")) == failed
