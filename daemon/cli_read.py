@@ -286,6 +286,8 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
     for w in doc.get("workers", []):
         out.append(f"worker:      {safe(w['worker'])} {safe(w.get('state') or '-')} "
                    f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}")  # fmt: skip
+        if w.get("last_error") and w.get("state") != "RUNNING":  # the cause; the log's lines: --json
+            out.append(f"  error:     {safe(str(w['last_error']).splitlines()[0])}")
     for src in doc.get("sources", []):
         out.append(f"source:      {safe(src.get('name'))} {safe(src.get('path') or src.get('url') or '')}".rstrip())
     return out

@@ -142,6 +142,11 @@ class RolloutSettings:
     drain_timeout_s: float = 30.0  # in-flight requests finishing after readiness goes off
     update_timeout_s: float = 300.0  # the transfer into the worker's parameters
     restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
+    # Managed workers (daemon/supervise.py): a failed launch waits base, doubling up to max, before
+    # the next; healthy for reset_s starts again from base.
+    relaunch_backoff_s: float = 1.0
+    relaunch_backoff_max_s: float = 60.0
+    relaunch_reset_s: float = 60.0
     stage_timeout_s: float = 600.0  # ipc: loader staging a version
     max_infra_retries: int = 3  # a version whose rollout failed for a crashed/unreachable worker: retries, then rejected
     # Post-deploy health window: roll back when a worker's failed share exceeds the bound.
@@ -162,6 +167,8 @@ class RolloutSettings:
             "drain_timeout_s",
             "update_timeout_s",
             "restart_timeout_s",
+            "relaunch_backoff_s",
+            "relaunch_reset_s",
             "stage_timeout_s",
             "health_sample_s",
             "health_poll_s",
@@ -169,6 +176,9 @@ class RolloutSettings:
         ):
             if getattr(self, name) <= 0:
                 raise _error(key, f"{name}: must be > 0, got {getattr(self, name)}")
+        if self.relaunch_backoff_max_s < self.relaunch_backoff_s:
+            raise _error(key, f"relaunch_backoff_max_s: must be >= relaunch_backoff_s ({self.relaunch_backoff_s}), "
+                              f"got {self.relaunch_backoff_max_s}")  # fmt: skip
         if self.health_window_s < 0:
             raise _error(key, f"health_window_s: must be >= 0 (0 = no window), got {self.health_window_s}")
         if not 0 <= self.max_error_rate <= 1:

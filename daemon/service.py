@@ -194,13 +194,16 @@ class Daemon:
         return result
 
     def health_problems(self) -> list[str]:
-        """What makes the daemon unhealthy now: each source's `health_problem()` (optional)."""
+        """What makes the daemon unhealthy now: each source's `health_problem()` (optional), and
+        each managed worker that failed to launch and is not healthy again."""
         problems: list[str] = []
         for source in self.sources:
             check = getattr(source, "health_problem", None)
             problem = check() if callable(check) else None
             if problem:
                 problems.append(problem)
+        if self.rollout is not None:
+            problems += self.rollout.supervisor.problems()  # a managed worker that failed to launch
         return problems
 
     def prune(self) -> list[Path]:

@@ -342,17 +342,23 @@ class WorkerDriver:
         t1 = time.perf_counter()
         info = self.wait_answering(h, self.settings.restart_timeout_s)
         if info is None:
+            exited = h.managed is not None and not h.managed.alive()
+            error = "the relaunched worker exited" if exited else f"not back {self.settings.restart_timeout_s:.0f} s after restart"
             self.move(h, rollout_id, S.UNHEALTHY, duration_ms=_ms(t1),
-                      detail={"action": "restart_timeout", "waited_s": self.settings.restart_timeout_s},
-                      error=f"not back {self.settings.restart_timeout_s:.0f} s after restart")  # fmt: skip
+                      detail={"action": "restart_timeout", "waited_s": round(time.perf_counter() - t1, 1),
+                              **({"exited": True} if exited else {})},
+                      error=error)  # fmt: skip
             return False
         return self.restore(h, rollout_id, fallback, f"{why}; restarted", avoid)
 
     def wait_answering(self, h: WorkerHandle, timeout_s: float, want: Callable[[WeightInfo], bool] | None = None) -> WeightInfo | None:
-        """Poll weight_info until the worker answers in RUNNING (and `want` holds), or time out."""
+        """Poll weight_info until the worker answers in RUNNING (and `want` holds), or time out;
+        None at once when a managed child exited (the supervisor reports why: daemon/supervise.py)."""
         deadline = time.monotonic() + timeout_s
         delay = 0.05
         while time.monotonic() < deadline:
+            if h.managed is not None and h.managed.should_run and not h.managed.alive():
+                return None
             try:
                 info = h.client.weight_info()
                 if parse_state(info.state) == S.RUNNING and (want is None or want(info)):

@@ -132,6 +132,8 @@ class ManagedWorker:
         self.model: str | None = None
         self.version: str | None = None
         self.expect: Expect | None = None
+        self.launches = 0  # launches by this daemon (the supervisor watches each one: daemon/supervise.py)
+        self.log_offset = 0  # where this launch's lines start in the log file
         ensure_token_file(self.token_file)
 
     @property
@@ -216,11 +218,13 @@ class ManagedWorker:
             os.replace(tmp, self.expect_file())
         argv = self.command(model, version)
         with open(self.log_file, "ab") as logf:
+            self.log_offset = logf.tell()
             # Own session: a Ctrl-C in the daemon's terminal does not hit the worker first;
             # the daemon stops it itself on shutdown.
             self._proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True)  # fmt: skip
         self.pid = self._proc.pid
+        self.launches += 1
         self.model, self.version = model, version
         tmp = self.runtime_file.with_suffix(".tmp")
         tmp.write_text(json.dumps({"pid": self.pid, "port": self.port, "model": model, "version": version,
@@ -239,6 +243,11 @@ class ManagedWorker:
         if self._proc is not None:
             return self._proc.poll() is None
         return self._is_our_worker(self.pid)
+
+    def exit_code(self) -> int | None:
+        """The child's exit status once it exited (negative: killed by that signal); None while it
+        runs or for an adopted child (not ours to wait for)."""
+        return self._proc.poll() if self._proc is not None else None
 
     def stop(self, timeout: float = STOP_TIMEOUT_S) -> None:
         self.should_run = False

@@ -50,12 +50,13 @@ from daemon.rollout import health
 from daemon.rollout.attribution import attribute
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed
+from daemon.rollout.managed import ManagedWorker, Restarter, ensure_seed
 from daemon.rollout.planner import newer, newest
 from daemon.rollout.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
 from daemon.rollout.recovery import Recovery, check_worker, fleet_version, recover_uncertain
-from daemon.rollout.stage import Stager, launch_target, registry_expect
+from daemon.rollout.stage import Stager, registry_expect
 from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
+from daemon.supervise import Supervisor
 from daemon.transport.base import SenderOptions
 
 log = get_logger(__name__)
@@ -108,6 +109,9 @@ class RolloutService:
                                           converge=self.converge, submit=self.submit)  # fmt: skip
         self.queue = RolloutQueue()
         self.state = RolloutState()
+        # managed children: watched from launch, relaunched with backoff (daemon/supervise.py)
+        self.supervisor = Supervisor(self.journal, self.fleet, self.driver, settings, self._fell_back)
+        self._fallback_to: str | None = None  # a managed worker fell back to it; made serving by reconcile
         self._stopping = threading.Event()
         self._ready = threading.Event()
         self._thread: threading.Thread | None = None
@@ -130,6 +134,7 @@ class RolloutService:
         self._seed_if_empty()
         if self.leases is not None and (stale := self.leases.release_stale()):
             log.warning("fleet_lease_stale_released", slots=stale)  # this host's previous run died holding it
+        self.supervisor.start()
         self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
         self._thread.start()
         if scheduler is not None and self.fleet_agent is not None:
@@ -144,6 +149,7 @@ class RolloutService:
         self.queue.wake()
         if self._thread is not None:
             self._thread.join(timeout)
+        self.supervisor.stop()
         if stop_managed:
             for h in self.fleet:
                 if h.managed is not None:
@@ -364,9 +370,29 @@ class RolloutService:
         self.queue.wake()
         return {"unpinned": was, "outcome": "unpinned", "next": pending.version if pending else None}
 
+    def _fell_back(self, version: str) -> None:
+        """The supervisor's `on_fallback`: a managed worker serves `version` because serving's
+        files cannot be launched here; the runner makes it serving (and brings the rest to it)."""
+        self._fallback_to = version
+        self.queue.command(Job("reconcile"))
+
+    def _take_fallback(self, serving: CheckpointRef | None) -> CheckpointRef | None:
+        version, self._fallback_to = self._fallback_to, None
+        ckpt = self.journal.checkpoint_by_version(version) if version else None
+        if ckpt is None or serving is None or ckpt.id == serving.id:
+            return serving
+        why = f"{serving.version} cannot be launched on this host; a managed worker fell back to {ckpt.version}"
+        self.journal.checkpoint_event(ckpt.id, "fallback", {"from": serving.version, "by": "supervisor"}, None)
+        last_good = self.journal.alias("last_good")
+        self.mark_serving(ckpt, serving, why)
+        if last_good is None or last_good.id == serving.id:
+            self.journal.set_alias("last_good", ckpt.id)
+        log.warning("serving_fell_back", version=ckpt.version, was=serving.version)
+        return ckpt
+
     def _reconcile(self) -> dict[str, Any]:
         """Bring workers that run something other than the serving version back to it."""
-        serving = self.journal.alias("serving")
+        serving = self._take_fallback(self.journal.alias("serving"))
         if serving is None:
             return {"outcome": "nothing to reconcile"}
         target = self.engine.fallback_target(serving)
@@ -573,27 +599,16 @@ class RolloutService:
             self.journal.set_alias("last_good", seed.id)
 
     def _launch_managed(self) -> CheckpointRef | None:
-        serving = self.journal.alias("serving")
         managed = [h for h in self.fleet if h.managed is not None]
         for h in managed:
             assert h.managed is not None
-            if h.managed.adopt():
-                continue
-            target = launch_target(self.journal, serving) if serving else None  # never onto missing files
-            model = target.local_path if target and target.local_path else h.spec.model
-            if not model:
-                log.error("managed_worker_without_model", worker=h.name)
-                continue
-            try:
-                h.managed.launch(model, target.version if target else None,
-                                 registry_expect(self.journal, target) if target else None)  # fmt: skip
-            except PortTaken as exc:
-                self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
-        for h in managed:
-            if self.driver.wait_answering(h, self.settings.restart_timeout_s) is None:
+            if not h.managed.adopt():
+                self.supervisor.launch(h)  # on serving, else the newest good version present here
+        for h in managed:  # healthy, or failed (recorded with its log's last lines, relaunched with backoff)
+            if not self.supervisor.wait_settled(h, self.settings.restart_timeout_s + 5):
                 log.error("managed_worker_not_ready", worker=h.name,
                           log_file=str(h.managed.log_file if h.managed else ""))  # fmt: skip
-        return serving
+        return self.journal.alias("serving")
 
     def _recover_unfinished(self, rollout: RolloutRef) -> None:
         fb_version = rollout.detail.get("fallback")
@@ -647,20 +662,8 @@ class RolloutService:
         return self.state.current_job is not None
 
     def _poll_one(self, h: WorkerHandle) -> bool:
-        if h.managed is not None and h.managed.needs_relaunch():
-            serving = self.journal.alias("serving")
-            log.warning("managed_worker_died", worker=h.name)
-            h.observed(None)
-            error = "managed worker process exited; relaunched"
-            target = launch_target(self.journal, serving) if serving else None  # never onto missing files
-            try:
-                h.managed.relaunch(target.local_path if target else None, target.version if target else None,
-                                   registry_expect(self.journal, target) if target else None)  # fmt: skip
-            except (PortTaken, RuntimeError) as exc:  # a squatted port; no present target (child kept)
-                error = f"managed worker process exited; not relaunched: {exc}"
-                log.error("managed_worker_not_relaunched", worker=h.name, error=str(exc))
-            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=error)
-            return False
+        if h.managed is not None and (self.supervisor.owns(h) or h.managed.needs_relaunch()):
+            return False  # launching, failed or just died: the supervisor reports it (daemon/supervise.py)
         try:
             info = h.client.weight_info()
         except WorkerError as exc:
