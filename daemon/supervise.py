@@ -94,8 +94,9 @@ def log_tail(path: Path, offset: int = 0, lines: int = LOG_TAIL_LINES) -> str:
 def choose_launch(journal: Journal, default_model: str, deep: bool) -> Choice:
     """The serving version if it can be launched here, else the newest good one that can.
 
-    `deep` (after a failed launch): the files are hashed against their verified digests too,
-    not only found with the verified sizes, so changed bytes are skipped instead of relaunched."""
+    `deep` (after a failed launch), and always for a version other than serving: the files are
+    hashed against their verified digests too, not only found with the verified sizes, so changed
+    bytes are skipped instead of launched (the worker would refuse them and exit)."""
     serving = journal.alias("serving")
     if serving is None:
         if default_model:
@@ -105,7 +106,7 @@ def choose_launch(journal: Journal, default_model: str, deep: bool) -> Choice:
     for c in [serving, *journal.good_versions(exclude_ids=[serving.id])]:
         expect = registry_expect(journal, c)
         problem = files_problem(c.local_path, expect)
-        if problem is None and deep and c.local_path:
+        if problem is None and (deep or c.id != serving.id) and c.local_path:
             problem = target_problem(c.local_path, expect)
         if problem is None and c.local_path:
             wanted = serving.version if c.id != serving.id else None
@@ -267,9 +268,13 @@ class Supervisor:
         })  # fmt: skip
         w.phase, w.since, w.retry_at, w.fell_back = Phase.WAITING, now, now + delay, None
 
-    def _unhealthy(self, h: WorkerHandle, w: Watch, line: str, tail: str, detail: dict[str, Any]) -> None:
+    def _unhealthy(
+        self, h: WorkerHandle, w: Watch, line: str, tail: str, detail: dict[str, Any], after: str | None = None
+    ) -> None:
+        """`after`: the failure this follows (kept under the new line, so its log lines stay in view)."""
         assert h.managed is not None
         error = line + (f"\n--- last lines of {h.managed.log_file} ---\n{tail}" if tail else "")
+        error += f"\nafter: {after}" if after else ""
         w.error = error
         log.error("managed_worker_failed", worker=h.name, error=line, log_file=str(h.managed.log_file))
         self.driver.move(h, None, WorkerState.UNHEALTHY, duration_ms=None, detail=detail, error=error)
@@ -294,7 +299,7 @@ class Supervisor:
             line = (f"{choice.wanted} cannot be launched on this host ({choice.skipped.get(choice.wanted)}); "
                     f"launching {using}, the newest good version that can")  # fmt: skip
             log.warning("managed_worker_fallback", worker=h.name, **detail)
-            self._unhealthy(h, w, line, "", detail)
+            self._unhealthy(h, w, line, "", detail, after=w.error)
             w.fell_back = (choice.wanted, choice.version) if choice.version else None
         try:
             if m.alive():

@@ -109,7 +109,11 @@ def test_missing_serving_checkpoint_is_reported_and_the_worker_falls_back_to_a_p
     (failed,) = supervisor_events(d, "launch_failed")
     assert failed["to"] == "UNHEALTHY" and failed["detail"]["exit_code"] == -9 and failed["detail"]["log_tail"]
 
-    # the relaunch skips both unusable versions, says why, and the seed becomes serving
+    # the relaunch skips both unusable versions, says why (the failure and its log lines kept under it)
+    row = wait_until(lambda: (r := worker_row(d.registry, "local"))["last_error"].startswith("v2 cannot be launched")
+                     and r, 30, interval=0.02, what="the fallback in workers.last_error")  # fmt: skip
+    assert "launching tiny-seed" in row["last_error"] and "after: the worker process was killed by signal 9" \
+        in row["last_error"] and f"--- last lines of {log_file} ---" in row["last_error"], row["last_error"]
     wait_until(lambda: served(d) == "tiny-seed" and runtime(d)["pid"] != before, 180, what="the fallback serving")
     (fallback,) = supervisor_events(d, "fallback")
     skipped = fallback["detail"]["skipped"]
