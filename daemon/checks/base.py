@@ -6,7 +6,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
@@ -57,6 +57,9 @@ class CheckSettings:
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"
     forward_device: str = "cpu"
+    # stage while verifying (daemon.checks.staged): the crc32c pass also copies every file to this
+    # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
+    stage_device: str = "auto"
     forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS  # token ids, when there is no tokenizer
     forward_top1_min: float | None = None  # e.g. 0.9: share of positions whose argmax matches the reference
     forward_kl_max: float | None = None  # mean KL(reference || new) per position, nats
@@ -82,6 +85,13 @@ class CheckSettings:
         problem = dependency_problem(self.enabled, self.keys_configured, self.require_manifest)
         if problem:
             raise ValueError(problem)
+
+    @property
+    def staging_device(self) -> str | None:
+        """Where the crc32c pass stages the bytes for finite/forward, None when nothing would use it."""
+        if self.stage_device == "off" or not ({"finite", "forward"} & set(self.enabled)):
+            return None
+        return self.forward_device if self.stage_device == "auto" else self.stage_device
 
     @property
     def keys_configured(self) -> bool:
@@ -191,6 +201,17 @@ class CheckFailed(Exception):
         self.deferred = deferred
 
 
+class Staged(Protocol):
+    """A checkpoint's bytes staged by the crc32c pass (daemon.checks.staged.StagedCopy)."""
+
+    device: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
 @dataclass(slots=True)
 class CheckContext:
     """State one check leaves for the next (file list, tensor table, ...)."""
@@ -206,6 +227,7 @@ class CheckContext:
     digest: str | None = None  # set only from hashes computed from the bytes
     headers: list[SafetensorsHeader] | None = None
     table: dict[str, TensorLocation] | None = None
+    staged: Staged | None = None  # the hashed bytes on the staging device; released by run_checks
 
     @property
     def total_bytes(self) -> int:

@@ -64,8 +64,32 @@ def run_checks(
     rows = [ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded or ()]
     ctx.recorded = rows or None  # nothing recorded (e.g. crc32c was off then): nothing to hold it to
     results: list[CheckResult] = []
+    try:
+        failure = _run_all(ctx, settings, results, on_result)
+    finally:
+        if ctx.staged is not None:  # pass or fail, the staged copy goes: it is never exported
+            ctx.staged.release()
+            ctx.staged = None
+    return VerifyReport(
+        ok=failure is None,
+        deferred=failure is not None and failure.deferred,
+        results=results,
+        reason=None if failure is None else f"{failure.name}: {failure.detail['reason']}",
+        digest=ctx.digest,
+        total_bytes=ctx.total_bytes,
+        tensor_count=len(ctx.table) if ctx.table is not None else 0,
+        files=list(ctx.files),
+        manifest=ctx.manifest,
+    )
+
+
+def _run_all(
+    ctx: CheckContext,
+    settings: CheckSettings,
+    results: list[CheckResult],
+    on_result: Callable[[CheckResult], None] | None,
+) -> CheckResult | None:
     passed: set[str] = set()
-    failure: CheckResult | None = None
     for name in CHECK_NAMES:
         if name not in settings.enabled:
             continue
@@ -96,16 +120,5 @@ def run_checks(
         if on_result is not None:
             on_result(result)
         if not ok:
-            failure = result
-            break
-    return VerifyReport(
-        ok=failure is None,
-        deferred=failure is not None and failure.deferred,
-        results=results,
-        reason=None if failure is None else f"{failure.name}: {failure.detail['reason']}",
-        digest=ctx.digest,
-        total_bytes=ctx.total_bytes,
-        tensor_count=len(ctx.table) if ctx.table is not None else 0,
-        files=list(ctx.files),
-        manifest=ctx.manifest,
-    )
+            return result
+    return None
