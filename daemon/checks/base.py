@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
-from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS
+from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, FileDigest
 from daemon.manifest import Manifest, ManifestFile
 
 # cheap to dear, the order they run in (DESIGN.md "Checks")
@@ -212,6 +212,15 @@ class Staged(Protocol):
     def release(self) -> None: ...
 
 
+class Stager(Protocol):
+    """Where the crc32c pass stages the weight files instead of this process (the ipc loader:
+    daemon.checks.loader_view.LoaderStager); run_checks calls `finish` once the checks are over."""
+
+    def stage(self, root: Path, rels: list[str], alg: str) -> tuple[list[FileDigest], Staged] | None: ...
+
+    def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None: ...
+
+
 @dataclass(slots=True)
 class CheckContext:
     """State one check leaves for the next (file list, tensor table, ...)."""
@@ -228,6 +237,7 @@ class CheckContext:
     headers: list[SafetensorsHeader] | None = None
     table: dict[str, TensorLocation] | None = None
     staged: Staged | None = None  # the hashed bytes on the staging device; released by run_checks
+    stager: Stager | None = None  # stage in the loader (ipc) rather than in this process
 
     @property
     def total_bytes(self) -> int:

@@ -19,7 +19,7 @@ import numpy as np
 from daemon.checks.base import CheckContext, CheckFailed
 from daemon.checks.finite_staged import scan_staged
 from daemon.checks.headers import load_table
-from daemon.checks.staged import StagedCopy
+from daemon.checks.staged import StagedTensors
 from daemon.formats.checkpoint import TensorLocation
 
 
@@ -92,7 +92,7 @@ def check_finite(ctx: CheckContext) -> dict[str, Any]:
         ((n, loc) for n, loc in table.items() if loc.entry.dtype in _FLOAT_BITS),
         key=lambda item: -item[1].entry.nbytes,
     )
-    staged = ctx.staged if isinstance(ctx.staged, StagedCopy) else None
+    staged = ctx.staged if isinstance(ctx.staged, StagedTensors) else None
     if staged is not None:
         found: list[_Bad] = [
             _Bad(b.tensor, b.file, b.nan, b.inf, b.first_index) for b in scan_staged(staged, floating, ctx.directory)

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from daemon.checks.staged import StagedCopy
+from daemon.checks.staged import StagedTensors, typed
 from daemon.formats.checkpoint import TensorLocation
 
 SLICE_ELEMENTS = 1 << 26  # bounds the temporaries to ~64 M elements at a time
@@ -46,13 +46,8 @@ class StagedBad:
     first_index: int
 
 
-def _words(copy: StagedCopy, loc: TensorLocation, root: Path, bits: _Bits) -> torch.Tensor:
-    rel = loc.file.relative_to(root).as_posix()
-    raw = copy.raw(rel, loc.entry.start, loc.entry.end)
-    width = torch.empty((), dtype=bits.word).element_size()
-    if (copy.bases[rel] + loc.entry.start) % width:
-        raw = raw.clone()
-    return raw.view(bits.word)
+def _words(copy: StagedTensors, name: str, loc: TensorLocation, root: Path, bits: _Bits) -> torch.Tensor:
+    return typed(copy.raw_tensor(name, loc, root), bits.word)
 
 
 def _special(w: torch.Tensor, bits: _Bits) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,17 +61,17 @@ def _special(w: torch.Tensor, bits: _Bits) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def scan_staged(
-    copy: StagedCopy, floating: list[tuple[str, TensorLocation]], root: Path
+    copy: StagedTensors, floating: list[tuple[str, TensorLocation]], root: Path
 ) -> list[StagedBad]:
     """Every tensor in `floating` (dtype in FLOAT_BITS) that holds a NaN or Inf, with counts."""
     if not floating:
         return []
-    device = copy.buffer.device
+    device = copy.torch_device
     counts = torch.zeros((len(floating), 2), dtype=torch.int64, device=device)  # specials, nans
     with torch.inference_mode():
-        for i, (_name, loc) in enumerate(floating):
+        for i, (name, loc) in enumerate(floating):
             bits = FLOAT_BITS[loc.entry.dtype]
-            w = _words(copy, loc, root, bits)
+            w = _words(copy, name, loc, root, bits)
             for s in range(0, w.numel(), SLICE_ELEMENTS):
                 special, nan = _special(w[s : s + SLICE_ELEMENTS], bits)
                 counts[i, 0] += special.sum()
@@ -87,7 +82,7 @@ def scan_staged(
         if not n_special:
             continue
         bits = FLOAT_BITS[loc.entry.dtype]
-        w = _words(copy, loc, root, bits)
+        w = _words(copy, name, loc, root, bits)
         first = int(_special(w, bits)[0].nonzero()[0, 0])  # only for the few bad tensors
         bad.append(StagedBad(name, loc.file.name, int(n_nan), int(n_special - n_nan), first))
     return bad

@@ -23,7 +23,7 @@ import torch
 from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
 from daemon.checks.canary import CANARIES, REFERENCES, bind, run, weights_identity
 from daemon.checks.headers import load_table
-from daemon.checks.staged import StagedCopy, stage_files
+from daemon.checks.staged import StagedTensors, stage_files
 from daemon.formats.checkpoint import LayoutError, read_config, tensor_table, weight_files
 from daemon.formats.safetensors import HeaderError
 
@@ -129,13 +129,14 @@ def prompt_ids(ctx: CheckContext, vocab: int) -> tuple[list[list[int]], str]:
     return prompts, "tokenizer"
 
 
-def _staged_state(ctx: CheckContext, directory: Path, device: str) -> tuple[dict[str, torch.Tensor], StagedCopy, bool]:
+def _staged_state(ctx: CheckContext, directory: Path, device: str) -> tuple[dict[str, torch.Tensor], StagedTensors, bool]:
     """The checkpoint's tensors as views of a staged copy on `device`: the crc32c pass's copy
     when it is there (the hashed bytes), else one read of the weight files (released by the
     caller when the third value is True)."""
     table = load_table(ctx) if directory == ctx.directory else tensor_table(directory)[0]
     staged = ctx.staged if directory == ctx.directory else None
-    own = not (isinstance(staged, StagedCopy) and staged.device == device)
+    own = not (isinstance(staged, StagedTensors) and _same_device(staged.device, device))
+    copy: StagedTensors
     if own:
         try:
             rels = sorted({loc.file.relative_to(directory).as_posix() for loc in table.values()})
@@ -144,7 +145,7 @@ def _staged_state(ctx: CheckContext, directory: Path, device: str) -> tuple[dict
         except OSError as exc:
             raise CheckFailed(f"{directory.name}: reading the weights failed: {exc}") from None
     else:
-        assert isinstance(staged, StagedCopy)
+        assert isinstance(staged, StagedTensors)
         copy = staged
     try:
         return {name: copy.tensor(name, loc, directory) for name, loc in table.items()}, copy, own
@@ -152,6 +153,11 @@ def _staged_state(ctx: CheckContext, directory: Path, device: str) -> tuple[dict
         if own:
             copy.release()
         raise
+
+
+def _same_device(a: str, b: str) -> bool:
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)
 
 
 def _canary_logits(

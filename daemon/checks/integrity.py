@@ -15,6 +15,7 @@ from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
 from daemon.checks.staged import stage_files
+from daemon.formats.checkpoint import LayoutError, weight_files
 from daemon.hashing import FileDigest, content_digest, hash_files
 from daemon.manifest import ManifestFile
 
@@ -80,6 +81,10 @@ def _hash(ctx: CheckContext, root: Path, files: list[ManifestFile], alg: str) ->
     bytes on the staging device (ctx.staged), hashed from the very buffer they were copied from."""
     settings = ctx.settings
     device = settings.staging_device
+    if ctx.stager is not None:
+        in_loader = _hash_in_loader(ctx, root, files, alg)
+        if in_loader is not None:
+            return in_loader
     if device is not None:
         try:
             digests, copy = stage_files(root, [f.path for f in files], device, alg=alg,
@@ -98,6 +103,40 @@ def _hash(ctx: CheckContext, root: Path, files: list[ManifestFile], alg: str) ->
                                 chunk=settings.crc_chunk_bytes)  # fmt: skip
     except OSError as exc:
         raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+
+
+def _hash_in_loader(
+    ctx: CheckContext, root: Path, files: list[ManifestFile], alg: str
+) -> tuple[str, list[FileDigest]] | None:
+    """The weight files hashed and staged by the loader in one read, the rest hashed here; None
+    when the loader cannot (then this process stages as usual)."""
+    assert ctx.stager is not None
+    try:
+        weights = {w.relative_to(root).as_posix() for w in weight_files(root)}
+    except LayoutError:
+        return None
+    rels = [f.path for f in files if f.path in weights]
+    if not rels:
+        return None
+    try:
+        got = ctx.stager.stage(root, rels, alg)
+    except OSError as exc:
+        raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+    except (RuntimeError, ValueError) as exc:
+        raise CheckFailed(f"staging in the loader for verify failed: {exc}") from None
+    if got is None:
+        return None
+    digests, staged = got
+    ctx.staged = staged
+    by_path = dict(zip(rels, digests, strict=True))
+    rest = [f.path for f in files if f.path not in by_path]
+    try:
+        others = hash_files([root / r for r in rest], alg=alg, threads=ctx.settings.crc_threads) if rest else []
+    except OSError as exc:
+        raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+    by_path.update(zip(rest, others, strict=True))
+    note = f"in the loader on {staged.device} ({len(rels)} weight files, hashed as staged; {len(rest)} others here)"
+    return note, [by_path[f.path] for f in files]
 
 
 def _same_file_list(files: list[ManifestFile], recorded: list[ManifestFile]) -> None:

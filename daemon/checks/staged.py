@@ -20,7 +20,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import crc32c as _crc32c
@@ -43,8 +43,45 @@ class StageReadError(OSError):
     """Reading a file into the staging copy failed; the message names the file."""
 
 
+class StagedTensors:
+    """A checkpoint's tensors staged on a device, as views: what finite and forward read."""
+
+    device: str
+
+    @property
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    @property
+    def torch_device(self) -> torch.device:
+        return torch.device(self.device)
+
+    def raw_tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
+        """The tensor's bytes as a flat uint8 view (no copy)."""
+        raise NotImplementedError
+
+    def tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
+        """The tensor at `loc` with its dtype and shape: a view when its address suits its element
+        size (always, in practice); otherwise a copy of that one tensor."""
+        dtype = _TORCH_DTYPES.get(loc.entry.dtype)
+        if dtype is None:
+            raise ValueError(f"tensor {name!r}: dtype {loc.entry.dtype} has no torch equivalent")
+        return typed(self.raw_tensor(name, loc, root), dtype).view(tuple(loc.entry.shape))
+
+    def release(self) -> None:
+        raise NotImplementedError
+
+
+def typed(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """A uint8 view reinterpreted as `dtype` (copied first only if its address is misaligned)."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    if raw.data_ptr() % itemsize:
+        raw = raw.clone()
+    return raw.view(dtype)
+
+
 @dataclass(slots=True)
-class StagedCopy:
+class StagedCopy(StagedTensors):
     """The files of one checkpoint, byte for byte, in one flat uint8 tensor on `device`."""
 
     device: str
@@ -52,7 +89,6 @@ class StagedCopy:
     bases: dict[str, int]  # relative posix path -> offset of the file's first byte in `buffer`
     sizes: dict[str, int]
     hashed: bool  # True: every byte in it was hashed as it was read (the crc32c check's pass)
-    _views: dict[str, torch.Tensor] = field(default_factory=dict)
 
     @property
     def nbytes(self) -> int:
@@ -69,31 +105,12 @@ class StagedCopy:
         base = self.bases[rel]
         return self.buffer[base + start : base + end]
 
-    def tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
-        """The tensor at `loc` as a view of the staged bytes with its dtype and shape.
-
-        A view when its offset suits its element size (safetensors pads so it always does in
-        practice); otherwise a copy of that one tensor.
-        """
-        cached = self._views.get(name)
-        if cached is not None:
-            return cached
-        rel = loc.file.relative_to(root).as_posix()
-        dtype = _TORCH_DTYPES.get(loc.entry.dtype)
-        if dtype is None:
-            raise ValueError(f"tensor {name!r}: dtype {loc.entry.dtype} has no torch equivalent")
-        raw = self.raw(rel, loc.entry.start, loc.entry.end)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if (self.bases[rel] + loc.entry.start) % itemsize:
-            raw = raw.clone()
-        t = raw.view(dtype).view(tuple(loc.entry.shape))
-        self._views[name] = t
-        return t
+    def raw_tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
+        return self.raw(loc.file.relative_to(root).as_posix(), loc.entry.start, loc.entry.end)
 
     def release(self) -> None:
         """Free the copy; on a GPU also give the memory back to the driver (the loader and the
         workers are other processes: memory held in this process's cache is lost to them)."""
-        self._views.clear()
         on_gpu = self.buffer.device.type == "cuda"
         self.buffer = torch.empty(0, dtype=torch.uint8)
         if on_gpu:

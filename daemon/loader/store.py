@@ -21,7 +21,9 @@ from typing import Any, Literal, Protocol
 
 from daemon.formats.checkpoint import tensor_table, weight_files
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch, content_digest
+from daemon.loader.crcs import RangeCrcs
 from daemon.loader.staging import (
+    ChunkCheck,
     PinnedPool,
     ReadJob,
     StagingError,
@@ -68,23 +70,30 @@ class Backend(Protocol):
     ) -> None: ...
 
 
+HASH_FOR_VERIFY = HASH_ALGORITHMS  # what `stage(verify_alg=...)` may ask for
+
+
 class StageCheck:
     """The loader's own digests of what it stages, computed while it reads (never the client's):
-    compared with the reference files the daemon gave (the registry's), computed alone otherwise."""
+    compared with the reference files the daemon gave (the registry's), computed alone otherwise.
+    `crcs`: also the CRC32C of every file (the daemon's verify staging here, `verify_alg`)."""
 
-    def __init__(self, directory: Path, expect: Expect, threads: int) -> None:
+    def __init__(self, directory: Path, expect: Expect, threads: int, alg: str = DEFAULT_HASH_ALG,
+                 crcs: RangeCrcs | None = None) -> None:  # fmt: skip
         self.directory = directory
         self.expect = expect
         self.threads = threads
+        self.alg = alg
+        self.crcs = crcs
         self.check: LoadCheck | None = None
 
-    def start(self, jobs: list[ReadJob]) -> LoadCheck:
+    def start(self, jobs: list[ReadJob]) -> ChunkCheck:
         try:
             self.check = LoadCheck(self.directory, self.expect, check_ranges(jobs), threads=self.threads,
-                                   compute_alg=DEFAULT_HASH_ALG if not self.expect.files else None)  # fmt: skip
+                                   compute_alg=self.alg if not self.expect.files else None)  # fmt: skip
         except (DigestMismatch, OSError) as exc:
             raise StagingError(f"check while staging: {exc}") from None
-        return self.check
+        return self.check if self.crcs is None else _Tee(self.check, self.crcs)
 
     def finish(self) -> tuple[tuple[tuple[str, int, str, str], ...], bool]:
         """(path, bytes, alg, hex) per file, and whether every file matched a reference."""
@@ -99,6 +108,20 @@ class StageCheck:
             (path, d.bytes, d.hash_alg or "crc32c", d.hash or d.crc32c) for path, d in sorted(self.check.digests.items())
         )
         return files, self.check.compared and not self.check.weak
+
+
+class _Tee:
+    """Each staged chunk to the strong-hash check and to the CRC32C of its file."""
+
+    def __init__(self, check: LoadCheck, crcs: RangeCrcs) -> None:
+        self.check, self.crcs = check, crcs
+
+    def feed(self, file: Path, offset: int, data: Any) -> None:
+        self.crcs.feed(file, offset, data)
+        self.check.feed(file, offset, data)
+
+    def abort(self) -> None:
+        self.check.abort()
 
 
 # ---- shared host memory ------------------------------------------------------------------
@@ -278,6 +301,8 @@ class StagedVersion:
     seconds: float = 0.0
     files: tuple[tuple[str, int, str, str], ...] = ()  # computed by the loader while staging
     checked: bool = False  # every file matched the reference the daemon gave
+    verified: bool = True  # False: staged for the daemon's checks; exported only once `verified`
+    crc32c: dict[str, str] = field(default_factory=dict)  # per file, when staged for verification
 
     def live_holders(self) -> dict[str, Holder]:
         for worker, h in list(self.holders.items()):
@@ -309,13 +334,25 @@ class LoaderStore:
     # -- stage ---------------------------------------------------------------------------
 
     def stage(
-        self, version: str, path: str, digest: str | None = None, files: list[Any] | None = None
+        self,
+        version: str,
+        path: str,
+        digest: str | None = None,
+        files: list[Any] | None = None,
+        verify_alg: str | None = None,
     ) -> dict[str, Any]:
         """Stage `path` as `version`. `files`: the registry's per-file digests ({path, bytes,
         digests}); the loader hashes every byte it stages and refuses on a mismatch. `digest` is
-        kept only when every file matched them; the descriptor carries the loader's own digests."""
+        kept only when every file matched them; the descriptor carries the loader's own digests.
+
+        `verify_alg` (the daemon's verify stages here: one read for hashes and staging): no
+        reference; the loader computes `verify_alg` and CRC32C of every file and answers them in
+        `digests`; the version is held back (its descriptor only for `purpose="check"`) until
+        `verified` confirms it, and the daemon drops it if a check fails."""
         if not version or len(version) > MAX_VERSION_CHARS or "\x00" in version:
             raise StoreError(f"bad version label {version!r}")
+        if verify_alg is not None and (verify_alg not in HASH_FOR_VERIFY or files):
+            raise StoreError(f"stage: verify_alg must be one of {list(HASH_FOR_VERIFY)}, without files")
         try:
             expect = Expect.from_json({"files": files or []})
         except BadUpdateRequest as exc:
@@ -342,11 +379,15 @@ class LoaderStore:
             self._make_room(entry.buffer_bytes, version)
             self._versions[version] = entry
         t0 = time.perf_counter()
-        check = StageCheck(directory, expect, self.hash_threads)
+        crcs = RangeCrcs() if verify_alg is not None else None
+        check = StageCheck(directory, expect, self.hash_threads, verify_alg or DEFAULT_HASH_ALG, crcs)
+        entry.verified = verify_alg is None
         try:
             entry.buffers = self.backend.allocate(version, entry.buffer_bytes)
             self.backend.fill(entry.buffers, table, slots, check)
             entry.files, entry.checked = check.finish()
+            if crcs is not None:
+                entry.crc32c = {p: crcs.result(directory / p, n) for p, n, _a, _h in entry.files}
             if not (entry.checked and _digest_of(expect) == digest):
                 entry.digest = None  # the client's claim is not repeated unless the bytes bore it out
         except BaseException:
@@ -360,7 +401,32 @@ class LoaderStore:
             entry.staged_at = entry.last_used = time.time()
             entry.seconds = time.perf_counter() - t0
         log.info("staged %s: %d tensors, %d bytes in %.2f s", version, len(slots), size, entry.seconds)
-        return self._info(entry)
+        info = {**self._info(entry), "staged_now": True}
+        if verify_alg is not None:
+            info["digests"] = [{"path": p, "bytes": n, "crc32c": entry.crc32c[p], "hash_alg": a, "hash": h}
+                               for p, n, a, h in entry.files]  # fmt: skip
+        return info
+
+    def verified(self, version: str, files: list[Any], digest: str | None = None) -> dict[str, Any]:
+        """The daemon's checks passed: `files` (the registry's digests now, every file) must agree
+        with what this loader computed while staging; then the version is exported like any
+        other (checked). `digest` is kept only when the files bear it out, as for `stage`."""
+        try:
+            expect = Expect.from_json({"files": files})
+        except BadUpdateRequest as exc:
+            raise StoreError(f"verified: {exc}") from None
+        with self._lock:
+            v = self._ready(version)
+            if v.verified:
+                return {"version": version, "verified": True}
+            own = {p: (n, a, h) for p, n, a, h in v.files}
+            theirs = {f.path: (f.bytes, f.digests) for f in expect.files}
+            for p, (n, a, h) in own.items():
+                if p not in theirs or theirs[p][0] != n or theirs[p][1].get(a) != h:
+                    raise StoreError(f"verified {version!r}: {p} does not match what was staged and hashed here")
+            v.verified = v.checked = True
+            v.digest = digest if digest is not None and _digest_of(expect) == digest else None
+            return {"version": version, "verified": True}
 
     def _existing(self, v: StagedVersion, directory: Path) -> dict[str, Any]:
         if v.path.resolve() != directory.resolve():
@@ -421,16 +487,21 @@ class LoaderStore:
             raise StoreError(f"version {version!r} is still staging")
         return v
 
-    def descriptor(self, version: str, device: str | None = None) -> dict[str, Any]:
+    def descriptor(self, version: str, device: str | None = None, purpose: str | None = None) -> dict[str, Any]:
+        """`purpose="check"`: the daemon's checks read a version not yet `verified` (not exported)."""
+        if purpose not in (None, "check"):
+            raise StoreError(f"descriptor: unknown purpose {purpose!r}")
         with self._lock:
             v = self._ready(version)
+            if not v.verified and purpose != "check":
+                raise StoreError(f"version {version!r} is staged but not verified yet; not exported")
             buffers = [b.ref() for b in v.buffers]
             if device is not None:
                 uuid = self._resolve_device(device)
                 buffers = [b for b in buffers if b.device_uuid == uuid]
                 if not buffers:
                     raise StoreError(f"version {version!r} is not staged on device {device}")
-            v.exported = True
+            v.exported = v.exported or purpose is None
             kind: Literal["cuda", "shm"] = "cuda" if self.backend.kind == "cuda" else "shm"
             desc = Descriptor(version, kind, v.size, v.slots, tuple(buffers), v.digest, self.socket_path,
                               v.files, v.checked)  # fmt: skip
@@ -494,6 +565,7 @@ class LoaderStore:
                     "tensors": len(v.slots),
                     "holders": {w: h.count for w, h in v.live_holders().items()},
                     "exported": v.exported,
+                    "verified": v.verified,
                     "staged_at": v.staged_at,
                     "last_used": v.last_used,
                 }

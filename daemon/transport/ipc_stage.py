@@ -8,6 +8,7 @@ worker can need any more (everything but serving and last good) are dropped from
 
 from __future__ import annotations
 
+from daemon.checks.loader_view import LoaderStager
 from daemon.loader.client import LoaderClient, LoaderError
 from daemon.logging import get_logger
 from daemon.transport.base import (
@@ -49,6 +50,11 @@ class IpcSender:
             raise StageError(f"{item.version}: staging in the loader failed: {exc}") from exc
         request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
+
+    def verify_stager(self, version: str, device: str) -> LoaderStager:
+        """For the daemon's verify: the crc32c pass stages `version` in the loader (one read);
+        once verified it counts as staged here (prepare finds it, retain may drop it)."""
+        return LoaderStager(self.loader, version, device, on_verified=self._staged.add)
 
     def retain(self, versions: set[str]) -> None:
         for version in sorted(self._staged - versions):
