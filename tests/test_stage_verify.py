@@ -215,3 +215,25 @@ def test_on_a_gpu_the_staged_copy_matches_the_files_and_the_checks_run_there(tmp
     assert report.reason is not None and report.reason.startswith("finite: ") and "element 77" in report.reason
     report = run_checks(nan, CheckSettings(forward_device="cuda:0", enabled=NO_FINITE.enabled))
     assert report.reason is not None and report.reason.startswith("forward: logits contain NaN/Inf")
+
+
+def test_if_the_staged_paths_cannot_run_here_the_checks_fall_back_and_still_reject(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import daemon.checks.finite as finite
+    import daemon.checks.forward as forward
+
+    def broken(*_a: Any, **_k: Any) -> Any:
+        raise RuntimeError("not supported by this torch")
+
+    monkeypatch.setattr(forward, "run", broken)
+    monkeypatch.setattr(finite, "scan_staged", broken)
+    good = published(tmp_path / "good", seed=1)
+    report = run_checks(good, CheckSettings())
+    assert report.ok, report.reason
+    assert _by_name(report)["forward"]["weights"].startswith("whole model built (canary failed: RuntimeError")
+    assert _by_name(report)["finite"]["scanned"].startswith("files (the staged scan failed")
+    nan = published(tmp_path / "nan", seed=2)
+    rewrite_tensors(nan, lambda s: s["model.norm.weight"].__setitem__(0, float("nan")))
+    assert (run_checks(nan, CheckSettings()).reason or "").startswith("finite: ")
+    assert (run_checks(nan, NO_FINITE).reason or "").startswith("forward: logits contain NaN/Inf")

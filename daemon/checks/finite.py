@@ -88,16 +88,21 @@ def _scan(name: str, loc: TensorLocation, chunk: int) -> _Bad | None:
 
 def check_finite(ctx: CheckContext) -> dict[str, Any]:
     table = load_table(ctx)
+    fallback = "files"
     floating = sorted(
         ((n, loc) for n, loc in table.items() if loc.entry.dtype in _FLOAT_BITS),
         key=lambda item: -item[1].entry.nbytes,
     )
     staged = ctx.staged if isinstance(ctx.staged, StagedTensors) else None
+    found: list[_Bad] = []
     if staged is not None:
-        found: list[_Bad] = [
-            _Bad(b.tensor, b.file, b.nan, b.inf, b.first_index) for b in scan_staged(staged, floating, ctx.directory)
-        ]
-    else:
+        try:
+            found = [_Bad(b.tensor, b.file, b.nan, b.inf, b.first_index)
+                     for b in scan_staged(staged, floating, ctx.directory)]  # fmt: skip
+        except (RuntimeError, TypeError, ValueError, NotImplementedError) as exc:
+            fallback = f"files (the staged scan failed: {type(exc).__name__}: {str(exc)[:160]})"
+            staged = None
+    if staged is None:
         chunk = ctx.settings.finite_chunk_bytes
         threads = max(1, min(ctx.settings.crc_threads or os.cpu_count() or 1, len(floating) or 1))
         with ThreadPoolExecutor(threads, thread_name_prefix="finite") as pool:
@@ -118,5 +123,5 @@ def check_finite(ctx: CheckContext) -> dict[str, Any]:
                 "bad_tensors": [x.tensor for x in found][:20],
             },
         )
-    where = f"staged copy on {staged.device}" if staged is not None else "files"
+    where = f"staged copy on {staged.device}" if staged is not None else fallback
     return {"tensors_scanned": len(floating), "bytes_scanned": scanned_bytes, "scanned": where}

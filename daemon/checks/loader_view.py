@@ -103,9 +103,16 @@ class LoaderStager:
         got = {d["path"]: FileDigest(d["bytes"], d["crc32c"], d["hash_alg"], d["hash"]) for d in info["digests"]}
         if sorted(got) != sorted(rels):
             raise ValueError(f"the loader staged {sorted(got)}, the checkpoint's weight files are {sorted(rels)}")
-        desc = parse_descriptor(self.loader.descriptor(self.version, purpose="check"))
+        try:
+            view = LoaderStaged(parse_descriptor(self.loader.descriptor(self.version, purpose="check")), self.device)
+        except (LoaderError, RuntimeError, ValueError) as exc:  # cannot open it here: verify reads itself
+            log.warning("verify_staging_view_failed", version=self.version, error=f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(LoaderError):
+                self.loader.drop(self.version)
+            self.staged_here = False
+            return None
         self.digests = got
-        return [got[r] for r in rels], LoaderStaged(desc, self.device)
+        return [got[r] for r in rels], view
 
     def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None:
         """Checks over: export it (with every file's digests as verify recorded them) or drop it."""
