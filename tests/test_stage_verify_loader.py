@@ -110,3 +110,26 @@ def test_a_version_the_loader_already_holds_is_hashed_here_not_confirmed(
     assert report.ok, report.reason
     assert _detail(report)["crc32c"]["staged"].startswith("on cpu")
     assert _versions(loader)["v1"]["verified"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the H200 run)")
+def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> None:
+    d = published(tmp_path / "v1", seed=1, shards=2, dtype="bfloat16")
+    nan = published(tmp_path / "nan", seed=2, dtype="bfloat16")
+    rewrite_tensors(nan, lambda s: s["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(77, float("nan")))
+    with shm_dir() as shm:
+        lp = LoaderProcess(tmp_path / "loader.sock", shm, device="cuda:0")
+        try:
+            settings = CheckSettings(forward_device="cuda:0", ipc_enabled=True)
+            report = run_checks(d, settings, stager=LoaderStager(lp.client, "v1", "cuda:0"))
+            assert report.ok, report.reason
+            detail = _detail(report)
+            assert detail["crc32c"]["staged"].startswith("in the loader on cuda:0"), detail["crc32c"]
+            assert detail["finite"]["scanned"] == "staged copy on cuda:0"
+            assert detail["forward"]["weights"] == "crc32c pass"
+            assert lp.client.descriptor("v1")["kind"] == "cuda"
+            report = run_checks(nan, settings, stager=LoaderStager(lp.client, "nan", "cuda:0"))
+            assert (report.reason or "").startswith("finite: ") and "element 77" in (report.reason or "")
+            assert "nan" not in _versions(lp)
+        finally:
+            lp.stop()
