@@ -115,9 +115,10 @@ def test_the_staged_scan_finds_nan_and_inf_in_every_float_width(
     save_file({"a.bad": bad, "b.good": good}, str(d / "model.safetensors"))
     table, _ = tensor_table(d)
     _digests, copy = stage_files(d, ["model.safetensors"], "cpu", alg=None)
-    found = scan_staged(copy, sorted(table.items()), d)
-    assert [(b.tensor, b.first_index) for b in found] == [("a.bad", 2345)]
-    assert (found[0].nan, found[0].inf) == ((1, 0) if kind == "nan" else (0, 1))
+    for engine in ("torch", "numpy"):  # the GPU's engine, run here on a CPU tensor; the host's
+        found = scan_staged(copy, sorted(table.items()), d, engine=engine)
+        assert [(b.tensor, b.first_index) for b in found] == [("a.bad", 2345)], engine
+        assert (found[0].nan, found[0].inf) == ((1, 0) if kind == "nan" else (0, 1)), engine
 
 
 def test_canary_skeleton_is_built_once_across_versions_and_reused_after_a_rejection(tmp_path: Path) -> None:
