@@ -8,7 +8,7 @@ worker can need any more (everything but serving and last good) are dropped from
 
 from __future__ import annotations
 
-from daemon.checks.loader_view import LoaderStager
+from daemon.checks.base import Stager
 from daemon.loader.client import LoaderClient, LoaderError
 from daemon.logging import get_logger
 from daemon.transport.base import (
@@ -51,9 +51,12 @@ class IpcSender:
         request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
 
-    def verify_stager(self, version: str, device: str) -> LoaderStager:
+    def verify_stager(self, version: str, device: str) -> Stager:
         """For the daemon's verify: the crc32c pass stages `version` in the loader (one read);
         once verified it counts as staged here (prepare finds it, retain may drop it)."""
+        # imported here: it needs torch, which a daemon without checks that use it never loads
+        from daemon.checks.loader_view import LoaderStager
+
         return LoaderStager(self.loader, version, device, on_verified=self._staged.add)
 
     def retain(self, versions: set[str]) -> None:
