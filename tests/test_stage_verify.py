@@ -238,3 +238,11 @@ def test_if_the_staged_paths_cannot_run_here_the_checks_fall_back_and_still_reje
     rewrite_tensors(nan, lambda s: s["model.norm.weight"].__setitem__(0, float("nan")))
     assert (run_checks(nan, CheckSettings()).reason or "").startswith("finite: ")
     assert (run_checks(nan, NO_FINITE).reason or "").startswith("forward: logits contain NaN/Inf")
+
+
+def test_stage_device_setting_is_validated() -> None:
+    with pytest.raises(ValueError, match="stage_device must be auto, off, cpu, cuda or cuda:N"):
+        CheckSettings.from_mapping({"stage_device": "gpu0"})
+    assert CheckSettings.from_mapping({"stage_device": "cuda:1"}).staging_device == "cuda:1"
+    assert CheckSettings(stage_device="auto", forward_device="cuda:0").staging_device == "cuda:0"
+    assert CheckSettings(enabled=("manifest", "headers", "crc32c")).staging_device is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
@@ -80,6 +81,8 @@ class CheckSettings:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
+        if not re.fullmatch(r"auto|off|cpu|cuda(:\d+)?", self.stage_device):
+            raise ValueError(f"checks.stage_device must be auto, off, cpu, cuda or cuda:N, got {self.stage_device!r}")
         if self.hash_alg not in HASH_ALGORITHMS:
             raise ValueError(f"checks.hash_alg: {self.hash_alg!r} is not one of {list(HASH_ALGORITHMS)}")
         problem = dependency_problem(self.enabled, self.keys_configured, self.require_manifest)
