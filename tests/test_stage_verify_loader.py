@@ -112,6 +112,20 @@ def test_a_version_the_loader_already_holds_is_hashed_here_not_confirmed(
     assert _versions(loader)["v1"]["verified"]
 
 
+def test_a_version_left_held_back_by_an_unfinished_verify_is_staged_afresh(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    d = published(tmp_path / "v1", seed=1)
+    first = LoaderStager(loader.client, "v1", "cpu")
+    got = first.stage(d, ["model.safetensors"], "blake3")  # then the daemon died: no finish
+    assert got is not None
+    got[1].release()
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "v1", "cpu"))
+    assert report.ok, report.reason
+    assert _detail(report)["crc32c"]["staged"].startswith("in the loader")
+    assert _versions(loader)["v1"]["verified"]
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the H200 run)")
 def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> None:
     d = published(tmp_path / "v1", seed=1, shards=2, dtype="bfloat16")
@@ -133,3 +147,22 @@ def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> No
             assert "nan" not in _versions(lp)
         finally:
             lp.stop()
+
+
+def test_rollout_staging_takes_over_a_version_a_restarted_daemon_never_confirmed(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    from daemon.transport.base import Expect, ExpectedFile, Outgoing, SenderOptions
+    from daemon.transport.ipc_stage import IpcSender
+
+    d = published(tmp_path / "v1", seed=1)
+    got = LoaderStager(loader.client, "v1", "cpu").stage(d, ["model.safetensors"], "blake3")
+    assert got is not None
+    got[1].release()  # staged for a verify, never confirmed (the daemon died)
+    m = load_manifest(d)
+    expect = Expect(digest=m.digest, tensors=21, files=tuple(
+        ExpectedFile(f.path, f.bytes, {"crc32c": f.crc32c, f.hash_alg or "blake3": f.hash}) for f in m.files))  # fmt: skip
+    sender = IpcSender(SenderOptions(state_dir=tmp_path, loader_socket=str(loader.socket_path)))
+    prepared = sender.prepare(Outgoing("v1", str(d), expect))
+    desc = prepared.request.source["descriptor"]
+    assert desc["checked"] is True and desc["version"] == "v1"

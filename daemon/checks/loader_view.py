@@ -98,7 +98,17 @@ class LoaderStager:
             log.warning("verify_staging_in_loader_failed", version=self.version, error=str(exc))
             return None
         if not info.get("staged_now"):
-            return None  # staged before (e.g. a re-verify): it must not be confirmed by this pass
+            try:
+                held = {v["version"]: v for v in self.loader.status()["versions"]}
+                if held.get(self.version, {}).get("verified") is not False:
+                    return None  # staged and exported before (a re-verify): not confirmed by this pass
+                self.loader.drop(self.version)  # held back by an earlier verify that never finished
+                info = self.loader.stage_for_verify(self.version, root, alg)
+            except LoaderError as exc:
+                log.warning("verify_staging_in_loader_failed", version=self.version, error=str(exc))
+                return None
+            if not info.get("staged_now"):
+                return None
         self.staged_here = True
         got = {d["path"]: FileDigest(d["bytes"], d["crc32c"], d["hash_alg"], d["hash"]) for d in info["digests"]}
         if sorted(got) != sorted(rels):

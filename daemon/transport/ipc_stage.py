@@ -44,7 +44,17 @@ class IpcSender:
                 info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest, files=files)
                 log.info("staged", version=item.version, bytes=info.bytes, seconds=info.seconds, devices=info.devices)
                 self._staged.add(item.version)
-            descriptor = self.loader.descriptor(item.version)
+            try:
+                descriptor = self.loader.descriptor(item.version)
+            except LoaderError as exc:
+                if "not verified yet" not in str(exc):
+                    raise
+                # held back by a verify that never confirmed it (the daemon restarted): stage afresh
+                self.loader.drop(item.version)
+                files = item.expect.to_json().get("files")
+                self.loader.stage(item.version, item.local_path, digest=item.expect.digest, files=files)
+                self._staged.add(item.version)
+                descriptor = self.loader.descriptor(item.version)
         except LoaderError as exc:
             self._staged.discard(item.version)
             raise StageError(f"{item.version}: staging in the loader failed: {exc}") from exc
