@@ -177,11 +177,13 @@ def _canary_logits(
         raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
     canary = CANARIES.get(doc, device, directory.name)
     state, copy, own = _staged_state(ctx, directory, device)
+    bound: dict[str, torch.Tensor] = {}
     try:
         bound = bind(canary, state, directory.name)
         return run(canary, bound, prompts), "crc32c pass" if not own else "read for the forward check"
     finally:
-        del state
+        bound.clear()  # no view may outlive the copy: its memory goes back when it is released
+        state.clear()
         if own:
             copy.release()
 
