@@ -13,6 +13,13 @@ and the requests that failed meanwhile.
 
     python -m bench.gpu_e2e --model 1b --device cuda:0 --transports ipc,disk --updates 20 --out DIR
     python -m bench.gpu_e2e --model tiny --device cpu --updates 3          # dry run anywhere
+
+Versions are derived from one written base (bench/e2e_versions.py, `--versions derived`, the
+default): every file is still read in full everywhere, but an 8B version costs ~3 s to make
+instead of ~18 s. Per version the phases of commit -> fleet (bench/e2e_phases.py) are recorded
+and tabled; with `--reject` (default corrupt,nan,incompatible) bad versions are committed under
+load in the `--reject-in` transport's fleet and must be rejected before any worker pauses
+(bench/e2e_reject.py records which check caught each).
 """
 
 from __future__ import annotations
@@ -25,7 +32,6 @@ import secrets
 import shutil
 import socket
 import sqlite3
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +43,11 @@ from typing import Any
 
 import httpx
 
-from bench.common import LAYOUTS, Layout, machine_description, print_table, write_checkpoint, write_json
+from bench.common import LAYOUTS, Layout, machine_description, write_checkpoint, write_json
+from bench.e2e_phases import phases
+from bench.e2e_reject import reject_one
+from bench.e2e_report import print_results, summarise
+from bench.e2e_versions import derive
 from daemon.loadgen import LoadGen
 
 REPO = Path(__file__).resolve().parents[1]
@@ -128,16 +138,22 @@ class Run:
         )
 
     # -- checkpoints ---------------------------------------------------------------------
-    def commit(self, version: str, seed: int) -> tuple[datetime, float, dict[str, float]]:
-        """Write shards + manifest outside the watched view, then rename in; returns the commit time."""
+    def commit(self, version: str, seed: int, prev: Path | None = None) -> tuple[datetime, float, dict[str, float]]:
+        """Write shards + manifest outside the watched view, then rename in; returns the commit time.
+
+        With `prev` (and `--versions derived`): derived from that directory (bench/e2e_versions.py)."""
         from daemon.manifest import publish
 
         stage = self.watch / f".stage-{version}"
         t = time.perf_counter()
-        write_checkpoint(stage, self.layout, shards=self.args.shards, seed=seed, device=self.args.gen_device)
-        t_write = time.perf_counter() - t
-        publish(stage, version=version)
-        t_publish = time.perf_counter() - t - t_write
+        if prev is not None:
+            derive(prev, stage, seed=seed, kind="good" if prev.parent == self.watch else "link", version=version)
+            t_write, t_publish = time.perf_counter() - t, 0.0  # derive publishes too
+        else:
+            write_checkpoint(stage, self.layout, shards=self.args.shards, seed=seed, device=self.args.gen_device)
+            t_write = time.perf_counter() - t
+            publish(stage, version=version)
+            t_publish = time.perf_counter() - t - t_write
         os.rename(stage, self.watch / version)
         return datetime.now(UTC), time.perf_counter(), {"write_s": t_write, "publish_s": t_publish}
 
@@ -272,15 +288,16 @@ class Run:
         return {"status": status, "status_message": msg, "checks_ms": checks, "workers": workers}
 
 
-def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> dict[str, Any]:
+def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base: Path | None) -> dict[str, Any]:
     root = Path(args.work_root) if args.work_root else None
     work = Path(tempfile.mkdtemp(prefix=f"hotswap-e2e-{transport}-", dir=root))
     run = Run(args, transport, work, layout)
     samples: list[dict[str, Any]] = []
     t_start = time.perf_counter()
     skipped = ""
+    rejections: list[dict[str, Any]] = []
     try:
-        run.commit("v0", seed=args.seed)
+        run.commit("v0", seed=args.seed, prev=base)
         run.start()
         print(f"[{transport}] fleet up in {time.perf_counter() - t_start:.1f}s", flush=True)
         with LoadGen(run.worker_urls, concurrency=args.clients, max_tokens=args.max_tokens, max_seconds=3600) as load:
@@ -292,12 +309,15 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> d
                     break
                 version = f"{transport}-{i:02d}"
                 before = load.snapshot()
-                written, t0, prep = run.commit(version, seed=args.seed + i)
+                derived_from = run.watch / prev if base is not None else None
+                written, t0, prep = run.commit(version, seed=args.seed + i, prev=derived_from)
                 fleet = wait_for(lambda v=version: all(x == v for x in run.versions()) and time.perf_counter(),
                                  args.update_timeout, f"{version} on every worker", 0.005, run.procs)  # fmt: skip
                 wait_for(lambda v=version: run.stamps(v).get("deployed") and run.idle(), args.update_timeout,
                          f"{version} deployed + health window", 0.05, run.procs)  # fmt: skip
                 st, det = run.stamps(version), run.details(version)
+                with run.db() as c:
+                    det["phases_ms"] = phases(c, version, written, fleet - t0)
                 after = load.snapshot()
                 sample = {
                     "version": version, "warmup": i <= args.warmup, **prep,
@@ -314,6 +334,13 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> d
                       f"{sample['commit_to_fleet_s']:.2f}s, pause ms {pw}, failed {sample['requests_failed']}", flush=True)  # fmt: skip
                 prev2, prev = prev, version
                 run.prune([prev2, prev])
+            if transport == args.reject_in:
+                for j, kind in enumerate(k for k in args.reject.split(",") if k):
+                    r = reject_one(run, load, kind, prev, args.seed + 500 + j, args.update_timeout)
+                    rejections.append(r)
+                    print(f"[{transport}] bad {kind}: {r['status']} by {r['caught_by']} in {r['commit_to_decision_s']}s, "
+                          f"no pause: {r['rejected_before_any_pause']}, failed {r['requests_failed']}", flush=True)  # fmt: skip
+                    run.prune([prev2, prev])
             totals = load.snapshot()
             errors = load.stats.errors[:20]
     except Exception as exc:
@@ -324,6 +351,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> d
             "transport": transport,
             "error": f"{type(exc).__name__}: {exc}",
             "samples": samples,
+            "rejections": rejections,
             "logs": tails,
         }
     finally:
@@ -335,45 +363,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout) -> d
                 shutil.copy(p.log, dst / p.log.name)
         shutil.rmtree(work, ignore_errors=True)
     return {"transport": transport, "samples": samples, "load": totals, "errors": errors, "skipped": skipped,
-            "seconds": time.perf_counter() - t_start}  # fmt: skip
-
-
-def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    measured = [s for s in result["samples"] if not s["warmup"]]
-
-    def stat(values: list[float]) -> dict[str, float] | None:
-        values = sorted(v for v in values if v is not None)
-        if not values:
-            return None
-        return {
-            "median": statistics.median(values),
-            "p90": values[int(0.9 * (len(values) - 1))],
-            "max": values[-1],
-        }
-
-    checks = sorted(
-        {n for s in measured for n in s["checks_ms"]},
-        key=lambda n: ALL_CHECKS.index(n) if n in ALL_CHECKS else 99,
-    )
-    pause = [w.get("pause_window_ms") for s in measured for w in s["workers"].values()]
-    return {
-        "n": len(measured),
-        "commit_to_verified_s": stat([s["commit_to_verified_s"] for s in measured]),
-        "verified_to_fleet_s": stat([s["verified_to_fleet_s"] for s in measured]),
-        "commit_to_fleet_s": stat([s["commit_to_fleet_s"] for s in measured]),
-        "pause_window_ms": stat(pause),
-        "update_call_ms": stat([w.get("update_call_ms") for s in measured for w in s["workers"].values()]),
-        "worker_update_ms": stat(
-            [w.get("worker_update_ms") for s in measured for w in s["workers"].values()]
-        ),
-        "post_check_ms": stat([w.get("post_check_ms") for s in measured for w in s["workers"].values()]),
-        "checks_ms_median": {
-            n: statistics.median(s["checks_ms"][n] for s in measured if n in s["checks_ms"]) for n in checks
-        },
-        "requests_failed_during_updates": sum(s["requests_failed"] for s in measured),
-        "requests_ok_during_updates": sum(s["requests_ok"] for s in measured),
-        "all_deployed": all(s["status"] in ("deployed", "retired", "superseded") for s in measured),
-    }
+            "rejections": rejections, "seconds": time.perf_counter() - t_start}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -402,10 +392,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--work-root", default=None, help="where the watched folders go (default: the temp dir)")
     ap.add_argument("--keep-logs", action="store_true", help="copy every process's log under --out")
     ap.add_argument("--out", default=str(REPO / ".bench-out" / "gpu_e2e"))
+    ap.add_argument("--versions", default="derived", choices=["derived", "fresh"],
+                    help="derived: one base written, each version derived from the last (bench/e2e_versions.py)")
+    ap.add_argument("--reject", default="corrupt,nan,incompatible", help="bad versions to commit ('' for none)")
+    ap.add_argument("--reject-in", default=None, help="the transport whose fleet gets them (default: the first)")
     args = ap.parse_args(argv)
     args.forward_device = args.forward_device or args.device
     args.gen_device = "cuda" if args.device.startswith("cuda") else "cpu"
     layout = MODELS[args.model]
+    transports = args.transports.split(",")
+    args.reject_in = args.reject_in or transports[0]
 
     out = Path(args.out) / f"gpu_e2e-{layout.name}.json"
     results: list[dict[str, Any]] = []
@@ -416,36 +412,27 @@ def main(argv: list[str] | None = None) -> int:
         "model": {"layout": layout.name, "tensors": len(layout.tensors()), "bytes": layout.total_bytes},
         "results": results,
     }
-    for transport in args.transports.split(","):
-        r = run_transport(args, transport, layout)
-        if "error" not in r:
-            r["summary"] = summarise(r)
-        results.append(r)
-        write_json(out, doc)  # after each transport: a run stopped later keeps what it measured
-    rows = []
-    for r in results:
-        s = r.get("summary")
-        if not s:
-            rows.append([r["transport"], "ERROR", r.get("error", "")[:60]] + [""] * 8)
-            continue
-
-        def m(key: str, sub: str = "median", s: dict[str, Any] = s) -> Any:
-            return s[key][sub] if s[key] else "-"
-
-        rows.append([r["transport"], s["n"], m("commit_to_verified_s"), m("verified_to_fleet_s"), m("commit_to_fleet_s"),
-                     m("commit_to_fleet_s", "max"), m("pause_window_ms"), m("pause_window_ms", "max"),
-                     m("worker_update_ms"), f'{s["requests_failed_during_updates"]}/{s["requests_ok_during_updates"]}',
-                     " ".join(f"{k}={v:.0f}" for k, v in s["checks_ms_median"].items())])  # fmt: skip
-    print_table(
-        f"{layout.name} ({layout.total_bytes / 1e9:.2f} GB, {len(layout.tensors())} tensors), 2 workers on {args.device}, "
-        "pause mode; medians (s / ms)",
-        ["transport", "n", "commit->verified s", "verified->fleet s", "commit->fleet s", "max s",
-         "pause ms", "max pause ms", "worker update ms", "failed/ok", "checks ms (median)"],
-        rows,
-    )  # fmt: skip
+    base: Path | None = None
+    if args.versions == "derived":
+        base = Path(tempfile.mkdtemp(prefix="hotswap-e2e-base-", dir=args.work_root)) / "base"
+        t = time.perf_counter()
+        write_checkpoint(base, layout, shards=args.shards, seed=args.seed, device=args.gen_device)
+        print(f"base checkpoint written in {time.perf_counter() - t:.1f}s", flush=True)
+    try:
+        for transport in transports:
+            r = run_transport(args, transport, layout, base)
+            if "error" not in r:
+                r["summary"] = summarise(r)
+            results.append(r)
+            write_json(out, doc)  # after each transport: a run stopped later keeps what it measured
+    finally:
+        if base is not None:
+            shutil.rmtree(base.parent, ignore_errors=True)
+    print_results(args, layout, results)
     write_json(out, doc)
     print(f"wrote {out}")
-    return 0 if all("error" not in r for r in results) else 1
+    bad = [x for r in results for x in r.get("rejections", []) if not x["rejected_before_any_pause"]]
+    return 0 if all("error" not in r for r in results) and not bad else 1
 
 
 if __name__ == "__main__":

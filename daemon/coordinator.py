@@ -31,6 +31,7 @@ from structlog.stdlib import BoundLogger
 
 from daemon import rediscovery
 from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
+from daemon.checks.base import Stager
 from daemon.logging import bind_version, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.registry import Registry, hosts, status
@@ -73,6 +74,8 @@ class Coordinator:
         # race a background import.
         self.warmup: Callable[[], None] | None = None
         self._heartbeat: Callable[[], object] | None = None  # systemd's watchdog ping
+        # (version, device) -> where the crc32c pass stages the weights (ipc: the loader), or None
+        self.verify_stager: Callable[[str, str], Stager | None] | None = None
         self._heartbeat_s = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
@@ -330,7 +333,8 @@ class Coordinator:
         vlog.info("verifying", directory=str(directory), reference=str(reference) if reference else None)
 
         t0 = time.perf_counter()
-        report = self._run_checks(checkpoint_id, directory, reference, vlog)
+        stager = self.verify_stager(version, self.check_settings.forward_device) if self.verify_stager else None
+        report = self._run_checks(checkpoint_id, directory, reference, vlog, stager)
         duration_ms = (time.perf_counter() - t0) * 1000.0
         self.metrics.verified(report, duration_ms)
         outcome = self._record_outcome(checkpoint_id, report, duration_ms, vlog)
@@ -338,7 +342,12 @@ class Coordinator:
         return outcome == C.VERIFIED
 
     def _run_checks(
-        self, checkpoint_id: int, directory: Path, reference: Path | None, vlog: BoundLogger
+        self,
+        checkpoint_id: int,
+        directory: Path,
+        reference: Path | None,
+        vlog: BoundLogger,
+        stager: Stager | None = None,
     ) -> VerifyReport:
         def on_result(result: CheckResult) -> None:
             with self.registry.session() as s:
@@ -361,7 +370,7 @@ class Coordinator:
                 reason=result.detail.get("reason"),
             )
 
-        return run_checks(directory, self.check_settings, reference=reference, on_result=on_result)
+        return run_checks(directory, self.check_settings, reference=reference, on_result=on_result, stager=stager)
 
     def _record_outcome(
         self, checkpoint_id: int, report: VerifyReport, duration_ms: float, vlog: BoundLogger

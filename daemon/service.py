@@ -259,6 +259,7 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     rollout = RolloutService.from_config(config, registry, transitions) if config.workers else None
     if rollout is not None:
         coordinator.on_verified = rollout.submit
+        coordinator.verify_stager = rollout.stager.verify_stager  # ipc: verify reads into the loader
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 
 

@@ -21,13 +21,13 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 class LoaderProcess:
-    def __init__(self, socket_path: Path, shm_dir: Path, *extra: str) -> None:
+    def __init__(self, socket_path: Path, shm_dir: Path, *extra: str, device: str = "cpu") -> None:
         self.socket_path = socket_path
         self.shm_dir = shm_dir
         self.log_path = socket_path.with_suffix(".log")
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.loader.server", "--socket", str(socket_path), "--device", "cpu",
+            [sys.executable, "-m", "daemon.loader.server", "--socket", str(socket_path), "--device", device,
              "--shm-dir", str(shm_dir), "--threads", "2", *extra],
             cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT,
         )

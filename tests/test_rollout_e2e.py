@@ -10,6 +10,7 @@ import contextlib
 import json
 import os
 import signal
+import sqlite3
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -191,5 +192,9 @@ def test_ipc_transport_stages_once_and_restores_by_ipc(
             assert {e["detail"]["transport"] for e in updated} == {"ipc"} and len(updated) == 2
             staged = {v["version"] for v in loader.client.status()["versions"]}
             assert {"v2"} <= staged and "v0" not in staged  # versions no worker can need are dropped
+            with sqlite3.connect(tmp_path / "registry.db") as c:  # verify read v2 once, into the loader
+                (detail,) = c.execute("SELECT c.detail FROM checks c JOIN checkpoints k ON k.id = c.checkpoint_id "
+                                      "WHERE k.version = 'v2' AND c.name = 'crc32c'").fetchone()  # fmt: skip
+            assert json.loads(detail)["staged"].startswith("in the loader")
         finally:
             loader.stop()

@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
-from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS
+from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, FileDigest
 from daemon.manifest import Manifest, ManifestFile
 
 # cheap to dear, the order they run in (DESIGN.md "Checks")
@@ -57,6 +58,9 @@ class CheckSettings:
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"
     forward_device: str = "cpu"
+    # stage while verifying (daemon.checks.staged): the crc32c pass also copies every file to this
+    # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
+    stage_device: str = "auto"
     forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS  # token ids, when there is no tokenizer
     forward_top1_min: float | None = None  # e.g. 0.9: share of positions whose argmax matches the reference
     forward_kl_max: float | None = None  # mean KL(reference || new) per position, nats
@@ -77,11 +81,20 @@ class CheckSettings:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
+        if not re.fullmatch(r"auto|off|cpu|cuda(:\d+)?", self.stage_device):
+            raise ValueError(f"checks.stage_device must be auto, off, cpu, cuda or cuda:N, got {self.stage_device!r}")
         if self.hash_alg not in HASH_ALGORITHMS:
             raise ValueError(f"checks.hash_alg: {self.hash_alg!r} is not one of {list(HASH_ALGORITHMS)}")
         problem = dependency_problem(self.enabled, self.keys_configured, self.require_manifest)
         if problem:
             raise ValueError(problem)
+
+    @property
+    def staging_device(self) -> str | None:
+        """Where the crc32c pass stages the bytes for finite/forward, None when nothing would use it."""
+        if self.stage_device == "off" or not ({"finite", "forward"} & set(self.enabled)):
+            return None
+        return self.forward_device if self.stage_device == "auto" else self.stage_device
 
     @property
     def keys_configured(self) -> bool:
@@ -191,6 +204,26 @@ class CheckFailed(Exception):
         self.deferred = deferred
 
 
+class Staged(Protocol):
+    """A checkpoint's bytes staged by the crc32c pass (daemon.checks.staged.StagedCopy)."""
+
+    device: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+class Stager(Protocol):
+    """Where the crc32c pass stages the weight files instead of this process (the ipc loader:
+    daemon.checks.loader_view.LoaderStager); run_checks calls `finish` once the checks are over."""
+
+    def stage(self, root: Path, rels: list[str], alg: str) -> tuple[list[FileDigest], Staged] | None: ...
+
+    def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None: ...
+
+
 @dataclass(slots=True)
 class CheckContext:
     """State one check leaves for the next (file list, tensor table, ...)."""
@@ -206,6 +239,8 @@ class CheckContext:
     digest: str | None = None  # set only from hashes computed from the bytes
     headers: list[SafetensorsHeader] | None = None
     table: dict[str, TensorLocation] | None = None
+    staged: Staged | None = None  # the hashed bytes on the staging device; released by run_checks
+    stager: Stager | None = None  # stage in the loader (ipc) rather than in this process
 
     @property
     def total_bytes(self) -> int:

@@ -1,4 +1,9 @@
-"""Check "forward": build the model from config.json, load the new weights, run fixed prompts.
+"""Check "forward": run fixed prompts through the model of config.json with the new weights.
+
+The model is a persistent canary (daemon.checks.canary): its skeleton is built once per
+architecture and run on the staged tensors (the crc32c pass's copy on the staging device, or one
+read of the weights when there is none); no model is constructed per version. `build_model`
+(a whole model with its own weights) stays for tools and tests that want one.
 
 Logits must be finite. When a bound is configured and a reference (serving) version
 is known, the new model's top-1 agreement and mean KL(reference || new) against the
@@ -8,22 +13,25 @@ the checkpoint directory; prompts are fixed token ids.
 
 from __future__ import annotations
 
+import contextlib
+import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+import torch
 
 from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
+from daemon.checks.canary import CANARIES, REFERENCES, bind, run, weights_identity
 from daemon.checks.headers import load_table
-from daemon.formats.checkpoint import LayoutError, read_config, weight_files
-
-if TYPE_CHECKING:
-    import torch
+from daemon.checks.staged import StagedTensors, stage_files
+from daemon.formats.checkpoint import LayoutError, read_config, tensor_table, weight_files
+from daemon.formats.safetensors import HeaderError
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # as the worker looks
 
 
 def build_model(directory: Path, device: str) -> torch.nn.Module:
     """The checkpoint's model from its config.json with its own weights, in eval mode."""
-    import torch
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -121,9 +129,33 @@ def prompt_ids(ctx: CheckContext, vocab: int) -> tuple[list[list[int]], str]:
     return prompts, "tokenizer"
 
 
-def _logits(model: torch.nn.Module, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
-    import torch
+def _staged_state(ctx: CheckContext, directory: Path, device: str) -> tuple[dict[str, torch.Tensor], StagedTensors, bool]:
+    """The checkpoint's tensors as views of a staged copy on `device`: the crc32c pass's copy
+    when it is there (the hashed bytes), else one read of the weight files (released by the
+    caller when the third value is True)."""
+    table = load_table(ctx) if directory == ctx.directory else tensor_table(directory)[0]
+    staged = ctx.staged if directory == ctx.directory else None
+    own = not (isinstance(staged, StagedTensors) and _same_device(staged.device, device))
+    copy: StagedTensors
+    if own:
+        try:
+            rels = sorted({loc.file.relative_to(directory).as_posix() for loc in table.values()})
+            _digests, copy = stage_files(directory, rels, device, alg=None, crc=False,
+                                         threads=ctx.settings.crc_threads)  # fmt: skip
+        except OSError as exc:
+            raise CheckFailed(f"{directory.name}: reading the weights failed: {exc}") from None
+    else:
+        assert isinstance(staged, StagedTensors)
+        copy = staged
+    try:
+        return {name: copy.tensor(name, loc, directory) for name, loc in table.items()}, copy, own
+    except BaseException:
+        if own:
+            copy.release()
+        raise
 
+
+def _logits(model: torch.nn.Module, prompts: list[list[int]], device: str) -> list[torch.Tensor]:
     out = []
     with torch.inference_mode():
         for ids in prompts:
@@ -132,9 +164,31 @@ def _logits(model: torch.nn.Module, prompts: list[list[int]], device: str) -> li
     return out
 
 
-def check_forward(ctx: CheckContext) -> dict[str, Any]:
-    import torch
+def _same_device(a: str, b: str) -> bool:
+    da, db = torch.device(a), torch.device(b)
+    return da.type == db.type and (da.index or 0) == (db.index or 0)
 
+
+def _canary_logits(
+    ctx: CheckContext, directory: Path, device: str, prompts: list[list[int]]
+) -> tuple[list[torch.Tensor], str]:
+    doc = _config_doc(directory)
+    if doc is None:
+        raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
+    canary = CANARIES.get(doc, device, directory.name)
+    state, copy, own = _staged_state(ctx, directory, device)
+    bound: dict[str, torch.Tensor] = {}
+    try:
+        bound = bind(canary, state, directory.name)
+        return run(canary, bound, prompts), "crc32c pass" if not own else "read for the forward check"
+    finally:
+        bound.clear()  # no view may outlive the copy: its memory goes back when it is released
+        state.clear()
+        if own:
+            copy.release()
+
+
+def check_forward(ctx: CheckContext) -> dict[str, Any]:
     load_table(ctx)  # headers are sound before torch reads them
     settings = ctx.settings
     device = settings.forward_device
@@ -142,9 +196,13 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     vocab_size = config.get("vocab_size")
     vocab = vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else 2**31
     prompts, source = prompt_ids(ctx, vocab)
-    model = build_model(ctx.directory, device)
-    new = _logits(model, prompts, device)
-    del model
+    builds = CANARIES.builds
+    try:
+        new, weights_from = _canary_logits(ctx, ctx.directory, device, prompts)
+    except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
+        # the canary is an optimisation: if this transformers/torch cannot run it, build the model
+        new = _logits(build_model(ctx.directory, device), prompts, device)
+        weights_from = f"whole model built (canary failed: {type(exc).__name__}: {str(exc)[:160]})"
     for i, logits in enumerate(new):
         finite = torch.isfinite(logits)
         if not bool(finite.all()):
@@ -153,12 +211,16 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
                 f"logits contain NaN/Inf (prompt {i}, position {pos}) on {device}",
                 {"prompt": i, "position": pos, "device": device},
             )
+    with contextlib.suppress(OSError, LayoutError):  # the next version's reference, if this one serves
+        REFERENCES.put(_reference_key(ctx.directory, device, prompts), new)
     detail: dict[str, Any] = {
         "device": device,
         "prompts": len(prompts),
         "prompt_source": source,
         "positions": sum(len(p) for p in prompts),
         "max_abs_logit": round(max(float(x.abs().max()) for x in new), 4),
+        "weights": weights_from,
+        "skeleton": "built" if CANARIES.builds != builds else "reused",
     }
     wants_reference = settings.forward_top1_min is not None or settings.forward_kl_max is not None
     if not wants_reference:
@@ -166,9 +228,18 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     if ctx.reference is None:
         detail["reference"] = "none (no serving version); agreement bounds not applied"
         return detail
-    ref_model = build_model(ctx.reference, device)
-    ref = _logits(ref_model, prompts, device)
-    del ref_model
+    try:
+        ref_key = _reference_key(ctx.reference, device, prompts)
+    except (OSError, LayoutError) as exc:
+        raise CheckFailed(f"serving version {ctx.reference.name}: cannot read its weights ({exc})") from None
+    ref = REFERENCES.get(ref_key)
+    detail["reference_logits"] = "cached" if ref is not None else "computed"
+    if ref is None:
+        try:
+            ref = _canary_logits(ctx, ctx.reference, device, prompts)[0]
+        except (LayoutError, HeaderError) as exc:
+            raise CheckFailed(f"serving version {ctx.reference.name}: {exc}") from None
+        REFERENCES.put(ref_key, ref)
     new_all, ref_all = torch.cat(new), torch.cat(ref)
     top1 = float((new_all.argmax(-1) == ref_all.argmax(-1)).float().mean())
     ref_logp, new_logp = ref_all.log_softmax(-1), new_all.log_softmax(-1)
@@ -182,3 +253,13 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     if settings.forward_kl_max is not None and kl > settings.forward_kl_max:
         raise CheckFailed(f"KL(serving || new) {kl:.4g} nats > bound {settings.forward_kl_max}", detail)
     return detail
+
+
+def _reference_key(directory: Path, device: str, prompts: list[list[int]]) -> tuple[Any, ...]:
+    doc = _config_doc(directory)
+    return (
+        weights_identity(weight_files(directory)),
+        json.dumps(doc, sort_keys=True, default=str),
+        device,
+        tuple(tuple(p) for p in prompts),
+    )

@@ -28,13 +28,18 @@ def check_headroom(ctx: CheckContext) -> dict[str, Any]:
     stage_bytes = sum(loc.entry.nbytes for loc in table.values())
     factor = ctx.settings.headroom_factor
     need = int(stage_bytes * factor)
-    available = psutil.virtual_memory().available
+    # the crc32c pass's staged copy is freed when verify ends, before anything stages for workers
+    staged = ctx.staged
+    staged_host = staged.nbytes if staged is not None and staged.device == "cpu" else 0
+    available = psutil.virtual_memory().available + staged_host
     detail: dict[str, Any] = {
         "stage_bytes": stage_bytes,
         "factor": factor,
         "host_needed": need,
         "host_available": available,
     }
+    if staged is not None:
+        detail["counted_staged_copy"] = {"device": staged.device, "bytes": staged.nbytes}
     if available < need:
         raise CheckFailed(
             f"host RAM available {_gib(available)} < {factor} x {_gib(stage_bytes)} to stage "
@@ -43,11 +48,16 @@ def check_headroom(ctx: CheckContext) -> dict[str, Any]:
             deferred=True,
         )
     if ctx.settings.ipc_enabled:
-        detail.update(_gpu_headroom(ctx.settings.staging_gpu, stage_bytes))
+        same_gpu = staged is not None and staged.device not in ("cpu",) and _same_device(staged.device, ctx.settings.staging_gpu)
+        detail.update(_gpu_headroom(ctx.settings.staging_gpu, stage_bytes, staged.nbytes if same_gpu and staged else 0))
     return detail
 
 
-def _gpu_headroom(device: str, stage_bytes: int) -> dict[str, Any]:
+def _same_device(a: str, b: str) -> bool:
+    return a == b or {a, b} <= {"cuda", "cuda:0"}
+
+
+def _gpu_headroom(device: str, stage_bytes: int, staged_here: int = 0) -> dict[str, Any]:
     import torch
 
     if not torch.cuda.is_available():
@@ -64,6 +74,7 @@ def _gpu_headroom(device: str, stage_bytes: int) -> dict[str, Any]:
             return {"shm_free": free}
         return {"gpu": "no CUDA device and no /dev/shm"}
     free, total = torch.cuda.mem_get_info(torch.device(device))
+    free += staged_here
     if free < stage_bytes:
         raise CheckFailed(
             f"GPU {device} free memory {_gib(free)} < {_gib(stage_bytes)} to stage; deferred until it frees",

@@ -10,9 +10,12 @@ and content digest (the reference for duplicate detection and for transports).
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
+from daemon.checks.staged import stage_files
+from daemon.formats.checkpoint import LayoutError, weight_files
 from daemon.hashing import FileDigest, content_digest, hash_files
 from daemon.manifest import ManifestFile
 
@@ -33,15 +36,7 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
     if recorded is not None:
         _same_file_list(files, recorded)
     t0 = time.perf_counter()
-    try:
-        digests = hash_files(
-            [root / f.path for f in files],
-            alg=alg,
-            threads=ctx.settings.crc_threads,
-            chunk=ctx.settings.crc_chunk_bytes,
-        )
-    except OSError as exc:
-        raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+    staged_note, digests = _hash(ctx, root, files, alg)
     seconds = time.perf_counter() - t0
     nbytes = sum(d.bytes for d in digests)
     detail: dict[str, Any] = {
@@ -50,6 +45,7 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
         "hash_alg": alg,
         "seconds": round(seconds, 4),
         "gb_per_s": round(nbytes / seconds / 1e9, 3) if seconds > 0 else None,
+        "staged": staged_note,
     }
     for f, d in zip(files, digests, strict=True):
         if d.bytes != f.bytes:
@@ -78,6 +74,69 @@ def check_crc32c(ctx: CheckContext) -> dict[str, Any]:
     ctx.digest = content_digest(ctx.files, alg)
     detail["digest"] = ctx.digest
     return detail
+
+
+def _hash(ctx: CheckContext, root: Path, files: list[ManifestFile], alg: str) -> tuple[str, list[FileDigest]]:
+    """Digests of every file from one read; when a later check uses it, that read also stages the
+    bytes on the staging device (ctx.staged), hashed from the very buffer they were copied from."""
+    settings = ctx.settings
+    device = settings.staging_device
+    if ctx.stager is not None:
+        in_loader = _hash_in_loader(ctx, root, files, alg)
+        if in_loader is not None:
+            return in_loader
+    if device is not None:
+        try:
+            digests, copy = stage_files(root, [f.path for f in files], device, alg=alg,
+                                        threads=settings.crc_threads, chunk=settings.crc_chunk_bytes)  # fmt: skip
+        except OSError as exc:
+            raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+        except (RuntimeError, ValueError) as exc:  # no memory on the staging device, no such device
+            note = f"not staged on {device} ({type(exc).__name__}: {str(exc)[:160]}); checks read the files"
+        else:
+            ctx.staged = copy
+            return f"on {device} ({copy.nbytes} bytes, hashed as read)", digests
+    else:
+        note = "no (checks.stage_device off, or neither finite nor forward enabled)"
+    try:
+        return note, hash_files([root / f.path for f in files], alg=alg, threads=settings.crc_threads,
+                                chunk=settings.crc_chunk_bytes)  # fmt: skip
+    except OSError as exc:
+        raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+
+
+def _hash_in_loader(
+    ctx: CheckContext, root: Path, files: list[ManifestFile], alg: str
+) -> tuple[str, list[FileDigest]] | None:
+    """The weight files hashed and staged by the loader in one read, the rest hashed here; None
+    when the loader cannot (then this process stages as usual)."""
+    assert ctx.stager is not None
+    try:
+        weights = {w.relative_to(root).as_posix() for w in weight_files(root)}
+    except LayoutError:
+        return None
+    rels = [f.path for f in files if f.path in weights]
+    if not rels:
+        return None
+    try:
+        got = ctx.stager.stage(root, rels, alg)
+    except OSError as exc:
+        raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+    except (RuntimeError, ValueError) as exc:
+        raise CheckFailed(f"staging in the loader for verify failed: {exc}") from None
+    if got is None:
+        return None
+    digests, staged = got
+    ctx.staged = staged
+    by_path = dict(zip(rels, digests, strict=True))
+    rest = [f.path for f in files if f.path not in by_path]
+    try:
+        others = hash_files([root / r for r in rest], alg=alg, threads=ctx.settings.crc_threads) if rest else []
+    except OSError as exc:
+        raise CheckFailed(f"reading for crc32c failed: {exc}") from None
+    by_path.update(zip(rest, others, strict=True))
+    note = f"in the loader on {staged.device} ({len(rels)} weight files, hashed as staged; {len(rest)} others here)"
+    return note, [by_path[f.path] for f in files]
 
 
 def _same_file_list(files: list[ManifestFile], recorded: list[ManifestFile]) -> None:

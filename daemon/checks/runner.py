@@ -17,6 +17,7 @@ from daemon.checks.base import (
     CheckResult,
     CheckSettings,
     CheckSkipped,
+    Stager,
     VerifyReport,
 )
 from daemon.manifest import ManifestFile
@@ -49,6 +50,7 @@ def run_checks(
     reference: Path | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
     recorded: Iterable[Any] | None = None,
+    stager: Stager | None = None,
 ) -> VerifyReport:
     """Run every enabled check on `directory`; `reference` is the serving version's directory.
 
@@ -59,13 +61,46 @@ def run_checks(
     `recorded`: the file digests an earlier verify recorded for this version (anything with
     path, bytes, crc32c, hash_alg, hash, e.g. its `checkpoint_files` rows), for a re-verify:
     the file list and bytes must still match them, with or without a manifest.
+
+    `stager`: the crc32c pass stages the weights there (the ipc loader) instead of in this
+    process; told the outcome at the end (export the version, or drop it).
     """
     ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
     rows = [ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded or ()]
     ctx.recorded = rows or None  # nothing recorded (e.g. crc32c was off then): nothing to hold it to
+    ctx.stager = stager if settings.stage_device != "off" else None
     results: list[CheckResult] = []
-    passed: set[str] = set()
     failure: CheckResult | None = None
+    completed = False
+    try:
+        failure = _run_all(ctx, settings, results, on_result)
+        completed = True
+    finally:
+        if ctx.staged is not None:  # pass or fail, this process's view of the copy goes
+            ctx.staged.release()
+            ctx.staged = None
+        if ctx.stager is not None:  # the loader's copy: exported only if every check passed
+            ctx.stager.finish(completed and failure is None and ctx.hashed, list(ctx.files), ctx.digest)
+    return VerifyReport(
+        ok=failure is None,
+        deferred=failure is not None and failure.deferred,
+        results=results,
+        reason=None if failure is None else f"{failure.name}: {failure.detail['reason']}",
+        digest=ctx.digest,
+        total_bytes=ctx.total_bytes,
+        tensor_count=len(ctx.table) if ctx.table is not None else 0,
+        files=list(ctx.files),
+        manifest=ctx.manifest,
+    )
+
+
+def _run_all(
+    ctx: CheckContext,
+    settings: CheckSettings,
+    results: list[CheckResult],
+    on_result: Callable[[CheckResult], None] | None,
+) -> CheckResult | None:
+    passed: set[str] = set()
     for name in CHECK_NAMES:
         if name not in settings.enabled:
             continue
@@ -96,16 +131,5 @@ def run_checks(
         if on_result is not None:
             on_result(result)
         if not ok:
-            failure = result
-            break
-    return VerifyReport(
-        ok=failure is None,
-        deferred=failure is not None and failure.deferred,
-        results=results,
-        reason=None if failure is None else f"{failure.name}: {failure.detail['reason']}",
-        digest=ctx.digest,
-        total_bytes=ctx.total_bytes,
-        tensor_count=len(ctx.table) if ctx.table is not None else 0,
-        files=list(ctx.files),
-        manifest=ctx.manifest,
-    )
+            return result
+    return None

@@ -106,8 +106,16 @@ class LoaderClient:
         r = self.call("stage", self.stage_timeout, version=version, path=os.fspath(path), digest=digest, files=files)
         return StagedInfo(r["version"], r["bytes"], r["tensors"], list(r["devices"]), r["seconds"])
 
-    def descriptor(self, version: str, device: str | None = None) -> dict[str, Any]:
-        return self.call("descriptor", version=version, device=device)
+    def stage_for_verify(self, version: str, path: str | os.PathLike[str], alg: str) -> dict[str, Any]:
+        """Stage with no reference: the loader answers its own `alg` + CRC32C digests of every file
+        (`digests`) and holds the version back until `verified` (the daemon's verify reads here)."""
+        return self.call("stage", self.stage_timeout, version=version, path=os.fspath(path), verify_alg=alg)
+
+    def verified(self, version: str, files: list[dict[str, Any]], digest: str | None = None) -> dict[str, Any]:
+        return self.call("verified", version=version, files=files, digest=digest)
+
+    def descriptor(self, version: str, device: str | None = None, purpose: str | None = None) -> dict[str, Any]:
+        return self.call("descriptor", version=version, device=device, purpose=purpose)
 
     def acquire(self, version: str, worker: str, pid: int | None = None) -> dict[str, Any]:
         return self.call("acquire", version=version, worker=worker, pid=pid)

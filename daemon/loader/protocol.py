@@ -3,8 +3,9 @@
 Request:  {"op": "stage", "version": "step-1200", "path": "/ckpt/step-1200", "id": 7}
 Response: {"ok": true, "id": 7, "result": {...}}  or  {"ok": false, "id": 7, "error": "reason"}
 
-Ops: stage{version, path, digest?} -> {version, bytes, tensors, devices};
-descriptor{version, device?} -> descriptor JSON (see daemon.transport.ipc_descriptor);
+Ops: stage{version, path, digest?, files?, verify_alg?} -> {version, bytes, tensors, devices, digests?};
+descriptor{version, device?, purpose?} -> descriptor JSON (see daemon.transport.ipc_descriptor);
+verified{version, files, digest?} -> {version, verified} (a version staged with verify_alg: now exported);
 acquire{version, worker, pid?} / release{version, worker} -> {version, holders};
 drop{version} -> {version, freed}; status{} -> {devices, budget_bytes, used_bytes, versions}.
 """
@@ -17,7 +18,7 @@ from typing import Any
 
 MAX_REQUEST_BYTES = 1 << 20
 MAX_RESPONSE_BYTES = 256 << 20  # a descriptor of a model with very many tensors
-OPS = ("stage", "descriptor", "acquire", "release", "drop", "status")
+OPS = ("stage", "descriptor", "verified", "acquire", "release", "drop", "status")
 
 
 class LoaderError(RuntimeError):

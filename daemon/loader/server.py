@@ -40,8 +40,10 @@ log = logging.getLogger("hotswap.loader")
 
 # op -> {argument: (type, required)}
 _ARGS: dict[str, dict[str, tuple[type, bool]]] = {
-    "stage": {"version": (str, True), "path": (str, True), "digest": (str, False), "files": (list, False)},
-    "descriptor": {"version": (str, True), "device": (str, False)},
+    "stage": {"version": (str, True), "path": (str, True), "digest": (str, False), "files": (list, False),
+              "verify_alg": (str, False)},
+    "descriptor": {"version": (str, True), "device": (str, False), "purpose": (str, False)},
+    "verified": {"version": (str, True), "files": (list, True), "digest": (str, False)},
     "acquire": {"version": (str, True), "worker": (str, True), "pid": (int, False)},
     "release": {"version": (str, True), "worker": (str, True)},
     "drop": {"version": (str, True)},

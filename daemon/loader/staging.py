@@ -16,16 +16,23 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
 from daemon.formats.checkpoint import TensorLocation
-from daemon.transport.check import DigestMismatch, LoadCheck, is_aborted
+from daemon.transport.check import DigestMismatch, is_aborted
 from daemon.transport.ipc_descriptor import TensorSlot
 
 if TYPE_CHECKING:
     import torch
 
 CHUNK_BYTES = 32 << 20
+
+
+class ChunkCheck(Protocol):
+    """What hashes the staged chunks (daemon.transport.check.LoadCheck, or the store's tee of it)."""
+
+    def feed(self, file: Path, offset: int, data: Any) -> None: ...
+    def abort(self) -> None: ...
 
 
 class StagingError(RuntimeError):
@@ -102,7 +109,7 @@ def check_ranges(jobs: Sequence[ReadJob]) -> dict[Path, list[tuple[int, int]]]:
     return ranges
 
 
-def _checked(check: LoadCheck | None, job: ReadJob, data: memoryview) -> None:
+def _checked(check: ChunkCheck | None, job: ReadJob, data: memoryview) -> None:
     if check is None:
         return
     try:
@@ -111,7 +118,7 @@ def _checked(check: LoadCheck | None, job: ReadJob, data: memoryview) -> None:
         raise StagingError(f"check while staging: {exc}") from None
 
 
-def read_into_host(jobs: Sequence[ReadJob], dest: memoryview, threads: int = 8, check: LoadCheck | None = None) -> None:
+def read_into_host(jobs: Sequence[ReadJob], dest: memoryview, threads: int = 8, check: ChunkCheck | None = None) -> None:
     """Read every job straight into `dest` (a writable view of the shared segment); with `check`,
     hash each job's bytes as they landed, in file order."""
     files = _Files(jobs)
@@ -163,7 +170,7 @@ class PinnedPool:
 
 
 def read_into_devices(
-    jobs: Sequence[ReadJob], dests: Sequence[torch.Tensor], pool: PinnedPool, check: LoadCheck | None = None
+    jobs: Sequence[ReadJob], dests: Sequence[torch.Tensor], pool: PinnedPool, check: ChunkCheck | None = None
 ) -> None:
     """Read each job into pinned memory, then copy it to the same offset of every device buffer
     (with `check`, hashing the pinned buffer while the copies run)."""

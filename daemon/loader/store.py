@@ -10,33 +10,34 @@ from the same directory returns the existing one, from another directory is refu
 
 from __future__ import annotations
 
-import itertools
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 from daemon.formats.checkpoint import tensor_table, weight_files
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch, content_digest
-from daemon.loader.staging import (
-    PinnedPool,
-    ReadJob,
-    StagingError,
-    check_ranges,
-    plan_reads,
-    read_into_devices,
-    read_into_host,
+from daemon.loader.backends import (
+    HASH_FOR_VERIFY,
+    PID_MAX,
+    Backend,
+    CudaBackend,
+    ShmBackend,
+    StageCheck,
+    StagedBuffer,
+    StoreError,
+    _pid_alive,
 )
+from daemon.loader.crcs import RangeCrcs
 from daemon.transport.base import BadUpdateRequest, Expect
-from daemon.transport.check import LoadCheck, ensure_contained
+from daemon.transport.check import ensure_contained
 from daemon.transport.ipc_descriptor import (
     ALIGN,
     HOST_DEVICE,
     MAX_VERSION_CHARS,
-    BufferRef,
     Descriptor,
     TensorSlot,
     align_up,
@@ -45,172 +46,7 @@ from daemon.transport.ipc_descriptor import (
 
 log = logging.getLogger("hotswap.loader")
 
-
-class StoreError(RuntimeError):
-    """A loader request that cannot be honoured; the message is the reason given to the client."""
-
-
-class StagedBuffer(Protocol):
-    device_uuid: str
-    nbytes: int
-
-    def ref(self) -> BufferRef: ...
-    def free(self) -> bool: ...
-
-
-class Backend(Protocol):
-    kind: str  # "shm" | "cuda"
-    devices: list[str]
-
-    def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]: ...
-    def fill(
-        self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...], check: StageCheck
-    ) -> None: ...
-
-
-class StageCheck:
-    """The loader's own digests of what it stages, computed while it reads (never the client's):
-    compared with the reference files the daemon gave (the registry's), computed alone otherwise."""
-
-    def __init__(self, directory: Path, expect: Expect, threads: int) -> None:
-        self.directory = directory
-        self.expect = expect
-        self.threads = threads
-        self.check: LoadCheck | None = None
-
-    def start(self, jobs: list[ReadJob]) -> LoadCheck:
-        try:
-            self.check = LoadCheck(self.directory, self.expect, check_ranges(jobs), threads=self.threads,
-                                   compute_alg=DEFAULT_HASH_ALG if not self.expect.files else None)  # fmt: skip
-        except (DigestMismatch, OSError) as exc:
-            raise StagingError(f"check while staging: {exc}") from None
-        return self.check
-
-    def finish(self) -> tuple[tuple[tuple[str, int, str, str], ...], bool]:
-        """(path, bytes, alg, hex) per file, and whether every file matched a reference."""
-        assert self.check is not None
-        try:
-            self.check.finish()
-        except (DigestMismatch, OSError) as exc:
-            raise StagingError(f"check while staging: {exc}") from None
-        finally:
-            self.check.close()
-        files = tuple(
-            (path, d.bytes, d.hash_alg or "crc32c", d.hash or d.crc32c) for path, d in sorted(self.check.digests.items())
-        )
-        return files, self.check.compared and not self.check.weak
-
-
-# ---- shared host memory ------------------------------------------------------------------
-
-
-class _ShmBuffer:
-    def __init__(self, segment: Any) -> None:
-        self.segment = segment
-        self.device_uuid = HOST_DEVICE
-        self.nbytes = segment.nbytes
-
-    def ref(self) -> BufferRef:
-        return BufferRef(HOST_DEVICE, self.nbytes, 0, path=str(self.segment.path))
-
-    def free(self) -> bool:
-        self.segment.unlink()
-        return True
-
-
-class ShmBackend:
-    kind = "shm"
-
-    def __init__(self, directory: Path, threads: int = 8) -> None:
-        self.directory = directory
-        self.threads = threads
-        self.devices = [HOST_DEVICE]
-        self._seq = itertools.count(1)  # next() is atomic: concurrent stages get distinct names
-
-    def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
-        from daemon.transport.ipc_shm import ShmSegment, segment_name
-
-        seq = next(self._seq)
-        return [_ShmBuffer(ShmSegment(self.directory, segment_name(os.getpid(), seq, name), nbytes))]
-
-    def fill(
-        self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...], check: StageCheck
-    ) -> None:
-        (buf,) = buffers
-        assert isinstance(buf, _ShmBuffer)
-        view = buf.segment.view()
-        jobs = plan_reads(table, slots)
-        try:
-            read_into_host(jobs, view, self.threads, check.start(jobs))
-        finally:
-            view.release()
-        buf.segment.seal()
-
-    def cleanup_stale(self) -> list[str]:
-        """Remove segments left by loaders that died without cleaning up (SIGKILL, OOM)."""
-        from daemon.transport.ipc_shm import segment_owner
-
-        removed: list[str] = []
-        for p in self.directory.iterdir():
-            pid = segment_owner(p.name)
-            if pid is None or pid == os.getpid() or _pid_alive(pid):
-                continue
-            try:
-                p.unlink()
-                removed.append(p.name)
-            except OSError as exc:
-                log.warning("cannot remove stale segment %s: %s", p, exc)
-        return removed
-
-
-# ---- GPUs --------------------------------------------------------------------------------
-
-
-class _CudaBuffer:
-    def __init__(self, buf: Any) -> None:
-        self.buf = buf
-        self.device_uuid = buf.device_uuid
-        self.nbytes = buf.nbytes
-
-    def ref(self) -> BufferRef:
-        return BufferRef(self.device_uuid, self.nbytes, 0, handle=self.buf.ipc_handle())
-
-    def free(self) -> bool:
-        return bool(self.buf.free())
-
-
-class CudaBackend:
-    kind = "cuda"
-
-    def __init__(self, indices: list[int], threads: int = 8) -> None:
-        from daemon.transport.ipc_cuda import device_uuid
-
-        self.indices = indices
-        self.devices = [device_uuid(i) for i in indices]
-        self.threads = threads
-        self._pool: PinnedPool | None = None
-
-    def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
-        from daemon.transport.ipc_cuda import CudaIpcError, DeviceBuffer
-
-        out: list[StagedBuffer] = []
-        try:
-            for i in self.indices:
-                out.append(_CudaBuffer(DeviceBuffer(i, nbytes)))
-        except CudaIpcError as exc:
-            for b in out:
-                b.free()
-            raise StoreError(f"cannot allocate {nbytes} bytes for {name} on GPU {i}: {exc}") from None
-        return out
-
-    def fill(
-        self, buffers: list[StagedBuffer], table: dict[str, Any], slots: tuple[TensorSlot, ...], check: StageCheck
-    ) -> None:
-        if self._pool is None:
-            self._pool = PinnedPool(self.threads)
-        dests = [b.buf.tensor() for b in buffers if isinstance(b, _CudaBuffer)]
-        jobs = plan_reads(table, slots, chunk=self._pool.chunk)
-        read_into_devices(jobs, dests, self._pool, check.start(jobs))
+__all__ = ["Backend", "CudaBackend", "LoaderStore", "ShmBackend", "StagedBuffer", "StoreError"]
 
 
 # ---- the store ---------------------------------------------------------------------------
@@ -230,29 +66,6 @@ class _RefFile:
     path: str
     bytes: int
     hash: str
-
-
-def _pid_max() -> int:
-    try:
-        with open("/proc/sys/kernel/pid_max") as f:
-            return int(f.read().strip())
-    except (OSError, ValueError):
-        return 1 << 22  # the kernel's ceiling
-
-
-PID_MAX = _pid_max()
-
-
-def _pid_alive(pid: int) -> bool:
-    if not 0 < pid <= PID_MAX:
-        return False
-    try:
-        os.kill(pid, 0)
-    except (ProcessLookupError, OverflowError, ValueError):
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 @dataclass
@@ -278,6 +91,8 @@ class StagedVersion:
     seconds: float = 0.0
     files: tuple[tuple[str, int, str, str], ...] = ()  # computed by the loader while staging
     checked: bool = False  # every file matched the reference the daemon gave
+    verified: bool = True  # False: staged for the daemon's checks; exported only once `verified`
+    crc32c: dict[str, str] = field(default_factory=dict)  # per file, when staged for verification
 
     def live_holders(self) -> dict[str, Holder]:
         for worker, h in list(self.holders.items()):
@@ -309,13 +124,25 @@ class LoaderStore:
     # -- stage ---------------------------------------------------------------------------
 
     def stage(
-        self, version: str, path: str, digest: str | None = None, files: list[Any] | None = None
+        self,
+        version: str,
+        path: str,
+        digest: str | None = None,
+        files: list[Any] | None = None,
+        verify_alg: str | None = None,
     ) -> dict[str, Any]:
         """Stage `path` as `version`. `files`: the registry's per-file digests ({path, bytes,
         digests}); the loader hashes every byte it stages and refuses on a mismatch. `digest` is
-        kept only when every file matched them; the descriptor carries the loader's own digests."""
+        kept only when every file matched them; the descriptor carries the loader's own digests.
+
+        `verify_alg` (the daemon's verify stages here: one read for hashes and staging): no
+        reference; the loader computes `verify_alg` and CRC32C of every file and answers them in
+        `digests`; the version is held back (its descriptor only for `purpose="check"`) until
+        `verified` confirms it, and the daemon drops it if a check fails."""
         if not version or len(version) > MAX_VERSION_CHARS or "\x00" in version:
             raise StoreError(f"bad version label {version!r}")
+        if verify_alg is not None and (verify_alg not in HASH_FOR_VERIFY or files):
+            raise StoreError(f"stage: verify_alg must be one of {list(HASH_FOR_VERIFY)}, without files")
         try:
             expect = Expect.from_json({"files": files or []})
         except BadUpdateRequest as exc:
@@ -342,11 +169,15 @@ class LoaderStore:
             self._make_room(entry.buffer_bytes, version)
             self._versions[version] = entry
         t0 = time.perf_counter()
-        check = StageCheck(directory, expect, self.hash_threads)
+        crcs = RangeCrcs() if verify_alg is not None else None
+        check = StageCheck(directory, expect, self.hash_threads, verify_alg or DEFAULT_HASH_ALG, crcs)
+        entry.verified = verify_alg is None
         try:
             entry.buffers = self.backend.allocate(version, entry.buffer_bytes)
             self.backend.fill(entry.buffers, table, slots, check)
             entry.files, entry.checked = check.finish()
+            if crcs is not None:
+                entry.crc32c = {p: crcs.result(directory / p, n) for p, n, _a, _h in entry.files}
             if not (entry.checked and _digest_of(expect) == digest):
                 entry.digest = None  # the client's claim is not repeated unless the bytes bore it out
         except BaseException:
@@ -360,7 +191,32 @@ class LoaderStore:
             entry.staged_at = entry.last_used = time.time()
             entry.seconds = time.perf_counter() - t0
         log.info("staged %s: %d tensors, %d bytes in %.2f s", version, len(slots), size, entry.seconds)
-        return self._info(entry)
+        info = {**self._info(entry), "staged_now": True}
+        if verify_alg is not None:
+            info["digests"] = [{"path": p, "bytes": n, "crc32c": entry.crc32c[p], "hash_alg": a, "hash": h}
+                               for p, n, a, h in entry.files]  # fmt: skip
+        return info
+
+    def verified(self, version: str, files: list[Any], digest: str | None = None) -> dict[str, Any]:
+        """The daemon's checks passed: `files` (the registry's digests now, every file) must agree
+        with what this loader computed while staging; then the version is exported like any
+        other (checked). `digest` is kept only when the files bear it out, as for `stage`."""
+        try:
+            expect = Expect.from_json({"files": files})
+        except BadUpdateRequest as exc:
+            raise StoreError(f"verified: {exc}") from None
+        with self._lock:
+            v = self._ready(version)
+            if v.verified:
+                return {"version": version, "verified": True}
+            own = {p: (n, a, h) for p, n, a, h in v.files}
+            theirs = {f.path: (f.bytes, f.digests) for f in expect.files}
+            for p, (n, a, h) in own.items():
+                if p not in theirs or theirs[p][0] != n or theirs[p][1].get(a) != h:
+                    raise StoreError(f"verified {version!r}: {p} does not match what was staged and hashed here")
+            v.verified = v.checked = True
+            v.digest = digest if digest is not None and _digest_of(expect) == digest else None
+            return {"version": version, "verified": True}
 
     def _existing(self, v: StagedVersion, directory: Path) -> dict[str, Any]:
         if v.path.resolve() != directory.resolve():
@@ -421,16 +277,21 @@ class LoaderStore:
             raise StoreError(f"version {version!r} is still staging")
         return v
 
-    def descriptor(self, version: str, device: str | None = None) -> dict[str, Any]:
+    def descriptor(self, version: str, device: str | None = None, purpose: str | None = None) -> dict[str, Any]:
+        """`purpose="check"`: the daemon's checks read a version not yet `verified` (not exported)."""
+        if purpose not in (None, "check"):
+            raise StoreError(f"descriptor: unknown purpose {purpose!r}")
         with self._lock:
             v = self._ready(version)
+            if not v.verified and purpose != "check":
+                raise StoreError(f"version {version!r} is staged but not verified yet; not exported")
             buffers = [b.ref() for b in v.buffers]
             if device is not None:
                 uuid = self._resolve_device(device)
                 buffers = [b for b in buffers if b.device_uuid == uuid]
                 if not buffers:
                     raise StoreError(f"version {version!r} is not staged on device {device}")
-            v.exported = True
+            v.exported = v.exported or purpose is None
             kind: Literal["cuda", "shm"] = "cuda" if self.backend.kind == "cuda" else "shm"
             desc = Descriptor(version, kind, v.size, v.slots, tuple(buffers), v.digest, self.socket_path,
                               v.files, v.checked)  # fmt: skip
@@ -494,6 +355,7 @@ class LoaderStore:
                     "tensors": len(v.slots),
                     "holders": {w: h.count for w, h in v.live_holders().items()},
                     "exported": v.exported,
+                    "verified": v.verified,
                     "staged_at": v.staged_at,
                     "last_used": v.last_used,
                 }

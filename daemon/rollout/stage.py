@@ -12,6 +12,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from daemon.adapters.base import WeightInfo
+from daemon.checks.base import Stager as CheckStager
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.transport import daemon_transport
 from daemon.transport.base import (
@@ -97,6 +98,12 @@ class Stager:
 
     def expected_files(self, ckpt: CheckpointRef) -> tuple[ExpectedFile, ...]:
         return registry_expect(self.journal, ckpt).files if self.journal is not None else ()
+
+    def verify_stager(self, version: str, device: str) -> CheckStager | None:
+        """Where the verify stage's crc32c pass stages `version` when the transport has a staging
+        area of its own (ipc: the loader), so the bytes are read once; None otherwise."""
+        make = getattr(self.sender, "verify_stager", None)
+        return make(version, device) if callable(make) else None
 
     def retain(self, versions: set[str]) -> None:
         """Free what no worker can need any more (everything but serving and last_good)."""

@@ -8,6 +8,7 @@ worker can need any more (everything but serving and last good) are dropped from
 
 from __future__ import annotations
 
+from daemon.checks.base import Stager
 from daemon.loader.client import LoaderClient, LoaderError
 from daemon.logging import get_logger
 from daemon.transport.base import (
@@ -43,12 +44,30 @@ class IpcSender:
                 info = self.loader.stage(item.version, item.local_path, digest=item.expect.digest, files=files)
                 log.info("staged", version=item.version, bytes=info.bytes, seconds=info.seconds, devices=info.devices)
                 self._staged.add(item.version)
-            descriptor = self.loader.descriptor(item.version)
+            try:
+                descriptor = self.loader.descriptor(item.version)
+            except LoaderError as exc:
+                if "not verified yet" not in str(exc):
+                    raise
+                # held back by a verify that never confirmed it (the daemon restarted): stage afresh
+                self.loader.drop(item.version)
+                files = item.expect.to_json().get("files")
+                self.loader.stage(item.version, item.local_path, digest=item.expect.digest, files=files)
+                self._staged.add(item.version)
+                descriptor = self.loader.descriptor(item.version)
         except LoaderError as exc:
             self._staged.discard(item.version)
             raise StageError(f"{item.version}: staging in the loader failed: {exc}") from exc
         request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
+
+    def verify_stager(self, version: str, device: str) -> Stager:
+        """For the daemon's verify: the crc32c pass stages `version` in the loader (one read);
+        once verified it counts as staged here (prepare finds it, retain may drop it)."""
+        # imported here: it needs torch, which a daemon without checks that use it never loads
+        from daemon.checks.loader_view import LoaderStager
+
+        return LoaderStager(self.loader, version, device, on_verified=self._staged.add)
 
     def retain(self, versions: set[str]) -> None:
         for version in sorted(self._staged - versions):

@@ -1,0 +1,147 @@
+"""The ipc loader's staged copy as the checks' staging area: verify reads the bytes once, in the loader.
+
+With transport = "ipc" the daemon's crc32c pass asks the loader to stage the weights with no
+reference (`stage` with `verify_alg`): the loader reads every file once into its GPU buffer
+(shared host memory without a GPU), hashing each chunk (strong hash and CRC32C) from the
+buffer it copies from, and answers its digests; the crc32c check compares them with the
+manifest. The finite scan and the forward canary then open the loader's buffer here (CUDA IPC
+handle / sealed segment, read-only use) and look at the tensors through views. The version is
+not exported to any worker until the daemon tells the loader `verified`; a version that fails
+a check is dropped from the loader.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from daemon.checks.staged import StagedTensors
+from daemon.formats.checkpoint import TensorLocation
+from daemon.hashing import FileDigest
+from daemon.loader.client import LoaderClient, LoaderError
+from daemon.logging import get_logger
+from daemon.manifest import ManifestFile
+from daemon.transport.ipc_cuda import ImportedBuffer, device_index, device_uuid
+from daemon.transport.ipc_descriptor import Descriptor, parse_descriptor
+from daemon.transport.ipc_shm import ShmMapping
+
+log = get_logger(__name__)
+
+
+class LoaderStaged(StagedTensors):
+    """Views of one version's tensors in the loader's buffer, opened in this process."""
+
+    def __init__(self, desc: Descriptor, want_device: str) -> None:
+        self.desc = desc
+        self.slots = {t.name: t for t in desc.tensors}
+        self._mapping: ImportedBuffer | ShmMapping | None
+        if desc.kind == "cuda":
+            want = torch.device(want_device)
+            uuids = [b.device_uuid for b in desc.buffers]
+            wanted = device_uuid(want.index or 0) if want.type == "cuda" else None
+            ref = desc.buffer_for(wanted if wanted in uuids else uuids[0])
+            assert ref.handle is not None
+            self._mapping = ImportedBuffer(ref.device_uuid, ref.handle, ref.buffer_bytes)
+            self.device = f"cuda:{device_index(ref.device_uuid)}"
+        else:
+            ref = desc.buffers[0]
+            assert ref.path is not None
+            self._mapping = ShmMapping(ref.path, ref.buffer_bytes)
+            self.device = "cpu"
+        self._offset = ref.offset
+        self._buffer: torch.Tensor | None = self._mapping.tensor()
+
+    @property
+    def nbytes(self) -> int:
+        return self.desc.size
+
+    def raw_tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
+        slot = self.slots.get(name)
+        if slot is None or slot.dtype != loc.entry.dtype or tuple(slot.shape) != tuple(loc.entry.shape):
+            raise ValueError(f"tensor {name!r}: the loader staged {slot} for the header's {loc.entry}")
+        if self._buffer is None:
+            raise ValueError("the loader's staged copy was released")
+        start = self._offset + slot.offset
+        return self._buffer[start : start + slot.nbytes]
+
+    def release(self) -> None:
+        if self._buffer is not None and self._buffer.device.type == "cuda":
+            torch.cuda.synchronize(self._buffer.device)
+        self._buffer = None
+        if self._mapping is not None:
+            self._mapping.close()
+            self._mapping = None
+
+
+class LoaderStager:
+    """The crc32c pass's staging in the loader for one version (daemon.checks.base.Stager)."""
+
+    def __init__(self, loader: LoaderClient, version: str, device: str,
+                 on_verified: Callable[[str], None] | None = None) -> None:  # fmt: skip
+        self.loader = loader
+        self.version = version
+        self.device = device
+        self.on_verified = on_verified
+        self.staged_here = False
+        self.digests: dict[str, FileDigest] = {}
+
+    def stage(self, root: Path, rels: list[str], alg: str) -> tuple[list[FileDigest], StagedTensors] | None:
+        """Digests of `rels` (the weight files) and the loader's copy; None when the loader cannot
+        (not running, or it holds this version already: then verify reads the files itself)."""
+        try:
+            info = self.loader.stage_for_verify(self.version, root, alg)
+        except LoaderError as exc:
+            log.warning("verify_staging_in_loader_failed", version=self.version, error=str(exc))
+            return None
+        if not info.get("staged_now"):
+            try:
+                held = {v["version"]: v for v in self.loader.status()["versions"]}
+                if held.get(self.version, {}).get("verified") is not False:
+                    return None  # staged and exported before (a re-verify): not confirmed by this pass
+                self.loader.drop(self.version)  # held back by an earlier verify that never finished
+                info = self.loader.stage_for_verify(self.version, root, alg)
+            except LoaderError as exc:
+                log.warning("verify_staging_in_loader_failed", version=self.version, error=str(exc))
+                return None
+            if not info.get("staged_now"):
+                return None
+        self.staged_here = True
+        got = {d["path"]: FileDigest(d["bytes"], d["crc32c"], d["hash_alg"], d["hash"]) for d in info["digests"]}
+        if sorted(got) != sorted(rels):
+            raise ValueError(f"the loader staged {sorted(got)}, the checkpoint's weight files are {sorted(rels)}")
+        try:
+            view = LoaderStaged(parse_descriptor(self.loader.descriptor(self.version, purpose="check")), self.device)
+        except (LoaderError, RuntimeError, ValueError) as exc:  # cannot open it here: verify reads itself
+            log.warning("verify_staging_view_failed", version=self.version, error=f"{type(exc).__name__}: {exc}")
+            with contextlib.suppress(LoaderError):
+                self.loader.drop(self.version)
+            self.staged_here = False
+            return None
+        self.digests = got
+        return [got[r] for r in rels], view
+
+    def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None:
+        """Checks over: export it (with every file's digests as verify recorded them) or drop it."""
+        if not self.staged_here:
+            return
+        try:
+            if ok:
+                self.loader.verified(self.version, [_expected(f) for f in files], digest)
+                if self.on_verified is not None:
+                    self.on_verified(self.version)
+            else:
+                self.loader.drop(self.version)
+        except LoaderError as exc:
+            log.warning("verify_staging_finish_failed", version=self.version, ok=ok, error=str(exc))
+            if ok:  # never leave it held back: the rollout's own stage then starts afresh
+                with contextlib.suppress(LoaderError):
+                    self.loader.drop(self.version)
+
+
+def _expected(f: ManifestFile) -> dict[str, Any]:
+    digests = {k: v for k, v in ((f.hash_alg or "", f.hash), ("crc32c", f.crc32c)) if k and v}
+    return {"path": f.path, "bytes": f.bytes, "digests": digests}
