@@ -96,3 +96,9 @@ def test_a_preparation_for_another_body_is_dropped_not_used(w: WorkerProcess, lo
     bad = w.post("/admin/prepare", {"version": "v9", "transport": "disk", "path": str(root / "nope")}, admin=True)
     assert bad.status_code == 422 and "nope" in bad.json()["error"]
     assert w.info()["version"] == "v2" and w.info()["prepared_version"] is None
+
+
+def test_a_broadcast_update_is_not_prepared_ahead(w: WorkerProcess) -> None:
+    # its open is the ranks' collective "ready" vote: it must stay inside the update
+    r = w.admin("/admin/prepare", {"version": "b1", "transport": "broadcast"})
+    assert r["prepared"] is False and "broadcast" in r["reason"] and w.info()["prepared_version"] is None

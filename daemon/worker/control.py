@@ -46,6 +46,11 @@ from daemon.worker.store import WeightStore
 log = logging.getLogger("hotswap.worker.control")
 
 
+# transports whose open (and validation) may run ahead of the pause; broadcast's open is a
+# collective vote with the trainer's ranks, so it stays inside the update
+PREPARABLE = ("disk", "ipc")
+
+
 class WorkerState(StrEnum):
     RUNNING = "RUNNING"
     DRAINING = "DRAINING"
@@ -188,6 +193,9 @@ class Controller:
         request = updates.parse_request(raw)
         if self.state is WorkerState.UNHEALTHY:
             raise Unavailable(f"worker is unhealthy ({self.store.unhealthy}); roll back or restart it")
+        if request.transport not in PREPARABLE:  # e.g. broadcast: opening it is a collective step
+            return {"version": request.version, "prepared": False, "state": self.state.value,
+                    "reason": f"transport {request.transport!r} is opened by the update itself"}  # fmt: skip
         self._drop_prepared()
         opened = updates.open_and_validate(request, self.store)
         with self._prepare_lock:
