@@ -417,7 +417,7 @@ class DiskTransport:
         wait_s = [0.0] * readers
 
         def work(r: int) -> None:
-            stream = torch.cuda.Stream(device=device) if on_gpu else None
+            stream = _reader_stream(device, r) if on_gpu else None
             bufs = pool[per_reader * r : per_reader * (r + 1)]
             events: list[torch.cuda.Event | None] = [None] * per_reader
             hashed = [threading.Event() for _ in bufs]
@@ -473,6 +473,22 @@ class DiskTransport:
         stats.readers = readers
         stats.extra["read_thread_s_max"] = max(read_s) if read_s else 0.0
         stats.extra["buffer_wait_s_max"] = max(wait_s) if wait_s else 0.0
+
+
+_streams: dict[tuple[int, int], Any] = {}
+_streams_lock = threading.Lock()
+
+
+def _reader_stream(device: torch.device, reader: int) -> Any:
+    """Reader `reader`'s side stream on `device`, made once per process (not once per update)."""
+    import torch
+
+    key = (device.index if device.index is not None else torch.cuda.current_device(), reader)
+    with _streams_lock:
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = torch.cuda.Stream(device=device)
+        return stream
 
 
 def _fail(errors: list[BaseException], exc: BaseException, check: LoadCheck | None) -> None:
