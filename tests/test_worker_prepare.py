@@ -4,14 +4,17 @@ answer, and what the update opened is let go after resume. Real worker and loade
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from support_check import expect_of, flip_byte
 from support_ipc import LoaderProcess, shm_dir
 from support_worker import WorkerProcess, start_worker, wait_until, write_token
 
+from daemon.formats.checkpoint import tensor_table
 from daemon.tinymodel import make_tiny_checkpoint
 
 
@@ -102,3 +105,34 @@ def test_a_broadcast_update_is_not_prepared_ahead(w: WorkerProcess) -> None:
     # its open is the ranks' collective "ready" vote: it must stay inside the update
     r = w.admin("/admin/prepare", {"version": "b1", "transport": "broadcast"})
     assert r["prepared"] is False and "broadcast" in r["reason"] and w.info()["prepared_version"] is None
+
+
+@pytest.fixture(scope="module")
+def ahead_worker(root: Path) -> Iterator[WorkerProcess]:
+    wp = start_worker(root / "v1", root / "token", extra=["--version", "v1", "--stage-disk", "on"])
+    yield wp
+    wp.stop()
+
+
+def test_a_prepared_disk_update_reads_ahead_and_the_pause_writes_only_verified_bytes(
+    ahead_worker: WorkerProcess, root: Path, tmp_path: Path
+) -> None:
+    w = ahead_worker
+    src = tmp_path / "v2x"
+    shutil.copytree(root / "v2", src)
+    body = {"version": "v2x", "transport": "disk", "path": str(src), "expect": expect_of(src).to_json()}
+    assert w.admin("/admin/prepare", body)["prepared"] is True
+    table, _ = tensor_table(src)
+    loc = min(table.values(), key=lambda x: (str(x.file), x.entry.start))
+    flip_byte(loc.file, loc.entry.start + loc.entry.nbytes // 2)  # changed after the check: never read
+    w.admin("/admin/pause", {"mode": "keep"})
+    up = w.admin("/admin/update", body)
+    w.admin("/admin/resume")
+    assert up["prepared"] is True and up["read_path"] == "ahead" and up["digest_checked"] is True
+    on_staged = w.greedy([1, 17, 42, 99, 7, 3])
+    w.admin("/admin/update", {"version": "v2", "transport": "disk", "path": str(root / "v2")})
+    assert w.greedy([1, 17, 42, 99, 7, 3]) == on_staged  # the verified v2 bytes, not the changed file
+    # a version whose bytes changed since verify is refused at prepare; nothing stays prepared
+    bad = w.post("/admin/prepare", {**body, "version": "v2y"}, admin=True)
+    assert bad.status_code == 422 and "does not match the verified" in bad.json()["error"], bad.text
+    assert w.info()["prepared_version"] is None and w.info()["version"] == "v2"

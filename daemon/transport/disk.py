@@ -102,7 +102,10 @@ def open_update(request: UpdateRequest, store: object) -> DiskTransport:
     path = request.source.get("path")
     if not isinstance(path, str) or not path:
         raise BadUpdateRequest("disk transport needs 'path' (a checkpoint directory)")
-    return DiskTransport(path, expect=request.expect)
+    tr = DiskTransport(path, expect=request.expect)
+    tr.stage_ahead = getattr(store, "stage_disk", "auto")
+    tr.flat = getattr(store, "flat", None)
+    return tr
 
 
 @dataclass(frozen=True, slots=True)
@@ -250,6 +253,13 @@ class DiskTransport:
         self.last_stats: WriteStats | None = None
         self.check_buffers = DEFAULT_CHECK_BUFFERS  # pinned buffers per reader while checking
         self.hash_threads = os.cpu_count() or 1  # BLAKE3 threads per file being hashed
+        # `stage`: "auto" reads ahead into a device buffer for CUDA parameters, "on" for any
+        # (host memory on the CPU: tests), "off" never; `flat`: the worker's flat weight buffer
+        self.stage_ahead = "auto"
+        self.flat: torch.Tensor | None = None
+        self.ahead: Any = None  # a daemon.transport.ahead.Ahead (imported with torch, worker side only)
+        self.ahead_note: str | None = None  # why a stage() read nothing ahead
+        self.ahead_seconds = 0.0
 
     # -- WeightTransport -------------------------------------------------------------------
     def table(self) -> dict[str, TensorSpec]:
@@ -267,8 +277,38 @@ class DiskTransport:
             for n, loc in self._locations.items()
         }
 
+    def stage(self, params: dict[str, torch.Tensor]) -> None:
+        """Before the pause: read (and check) the whole version into an `Ahead` buffer, so that
+        `write_into` is a device copy of verified bytes. Reads nothing when staging is off, the
+        parameters are on the CPU (unless "on") or the device has no room (`ahead_note` says);
+        raises TransportError when the bytes do not match the registry's (nothing kept)."""
+        from daemon.transport.ahead import Ahead, layout_like, room_for  # torch: never in the daemon
+
+        if self.ahead is not None or self.stage_ahead == "off" or not params:
+            return
+        device = next(iter(params.values())).device
+        if device.type != "cuda" and self.stage_ahead != "on":
+            return
+        need = layout_like(params, self.flat)[1]
+        self.ahead_note = room_for(device, need)
+        if self.ahead_note is not None:
+            return
+        ahead = Ahead(params, self.flat)
+        try:
+            self.ahead_seconds = self.write(ahead.views()).seconds
+        except BaseException:
+            ahead.free()
+            raise
+        self.ahead = ahead
+
     def write_into(self, params: dict[str, torch.Tensor]) -> None:
-        self.last_stats = self.write(params)
+        if self.ahead is None:
+            self.last_stats = self.write(params)
+            return
+        t0 = time.perf_counter()
+        copies = int(self.ahead.copy_into(params, self.flat))
+        self.last_stats = WriteStats(bytes=int(self.ahead.nbytes), tensors=len(params), chunks=copies,
+                                     seconds=time.perf_counter() - t0, path="ahead")  # fmt: skip
 
     def source_digest(self) -> str | None:
         """The checkpoint's manifest digest, or None when it has no manifest."""
@@ -278,10 +318,18 @@ class DiskTransport:
 
     def stats(self) -> dict[str, Any]:
         st = self.last_stats
-        return {} if st is None else {"read_path": st.path, **self.checked}
+        out: dict[str, Any] = {} if st is None else {"read_path": st.path, **self.checked}
+        if self.ahead is not None:
+            out["read_ahead_s"] = round(self.ahead_seconds, 4)
+        elif self.ahead_note:
+            out["read_ahead_skipped"] = self.ahead_note
+        return out
 
     def close(self) -> None:
         self._locations = None
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            ahead.free()
 
     # -- details ----------------------------------------------------------------------------
     def manifest_version(self) -> str | None:

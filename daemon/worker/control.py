@@ -37,7 +37,7 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
-from daemon.transport.base import UpdateRequest
+from daemon.transport.base import StagesAhead, TransportError, UpdateRequest
 from daemon.worker import updates
 from daemon.worker.engine import Engine, probe
 from daemon.worker.model import LoadedModel
@@ -198,6 +198,14 @@ class Controller:
                     "reason": f"transport {request.transport!r} is opened by the update itself"}  # fmt: skip
         self._drop_prepared()
         opened = updates.open_and_validate(request, self.store)
+        if request.mode == "copy" and isinstance(opened.transport, StagesAhead):
+            t0 = time.perf_counter()
+            try:  # read and check the whole version now, into a buffer of its own
+                opened.transport.stage(self.store.params)
+            except (TransportError, OSError, ValueError) as exc:
+                opened.close(self.store)
+                raise updates.BadRequest(f"cannot read the new weights ahead of the pause: {exc}") from None
+            opened.open_ms += (time.perf_counter() - t0) * 1e3
         with self._prepare_lock:
             old, self._prepared = self._prepared, (_key(request), opened)
         if old is not None:

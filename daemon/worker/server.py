@@ -146,6 +146,7 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
                                     **({"expect": expect.to_json()} if expect.files else {})})
     store = WeightStore(loaded.params, device, record)
     store.flat = flat
+    store.stage_disk = args.stage_disk
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
     ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write)
     log.info("loaded %s (%d tensors, %d bytes) on %s in %.2f s", version, store.tensors, store.bytes, device, load_s)
@@ -173,6 +174,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--expect-file", default=None,
                    help="JSON {digest, tensors, files}: verified per-file digests the initial weights must match")
     p.add_argument("--max-batch", type=int, default=8, help="sequences stepped concurrently")
+    p.add_argument("--stage-disk", choices=["auto", "on", "off"], default="auto",
+                   help="a prepared disk update reads and checks the version into a buffer of its own before the "
+                        "pause (auto: on CUDA, when the device has room; on: also on the CPU; off: read in the pause)")
     p.add_argument("--no-flat-weights", action="store_true",
                    help="keep each weight in its own allocation (default: one flat buffer laid out as the staging "
                         "loader lays out a version, so an ipc copy update is a few large copies)")

@@ -99,6 +99,7 @@ class WeightStore:
         self._deferred: list[Callable[[], None]] = []
         self._deferred_lock = threading.Lock()
         self.flat: torch.Tensor | None = None  # the one buffer every parameter is a view of, when packed
+        self.stage_disk = "auto"  # disk updates read ahead before the pause: auto (CUDA) | on | off
 
     # -- facts -------------------------------------------------------------------------------
     @property
