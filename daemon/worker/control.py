@@ -89,6 +89,7 @@ class Controller:
         self.requests_total = 0
         self.requests_failed = 0
         self.events: deque[dict[str, Any]] = deque(maxlen=64)
+        self._events_lock = threading.Lock()  # appended from the releaser thread, read by weight_info
         self._prepared: tuple[str, updates.Opened] | None = None
         self._prepare_lock = threading.Lock()
         store.defer_releases = True  # closing what an update opened waits until serving again
@@ -142,7 +143,7 @@ class Controller:
             "model_dir": self.model_dir,
             "last_update": self.store.last_update,
             "prepared_version": self._prepared_version(),
-            "events": list(self.events),
+            "events": self.recent_events(),
         }
 
     def _prepared_version(self) -> str | None:
@@ -150,7 +151,12 @@ class Controller:
         return None if held is None else json.loads(held[0]).get("version")
 
     def event(self, name: str, **detail: Any) -> None:
-        self.events.append({"event": name, "at": time.time(), "state": self.state.value, **detail})
+        with self._events_lock:
+            self.events.append({"event": name, "at": time.time(), "state": self.state.value, **detail})
+
+    def recent_events(self) -> list[dict[str, Any]]:
+        with self._events_lock:
+            return list(self.events)
 
     # -- transitions -------------------------------------------------------------------------
     def drain(self, timeout_s: float) -> dict[str, Any]:
