@@ -28,6 +28,17 @@ def checkpoint_order(directory: str) -> list[str]:
     return [loc.entry.name for loc in sorted(table.values(), key=lambda loc: (str(loc.file), loc.entry.start))]
 
 
+def room_to_pack(params: dict[str, torch.Tensor], margin: int = 1 << 30) -> str | None:
+    """None when the parameters' device can hold a second copy of them for a moment, else why not
+    (then the worker keeps its weights where they are: packing must never make a start fail)."""
+    device = next(iter(params.values())).device
+    if device.type != "cuda":
+        return None
+    need = sum(t.numel() * t.element_size() for t in params.values()) + margin
+    free, _total = torch.cuda.mem_get_info(device)
+    return None if free >= need else f"{free >> 20} MiB free on {device}, {need >> 20} MiB needed to pack"
+
+
 def pack_flat(params: dict[str, torch.Tensor], order: Sequence[str] = ()) -> torch.Tensor:
     """Move every parameter into one flat buffer (names in `order` first, then the rest by
     name); returns the buffer (1-D uint8). Values are kept; data_ptrs change once, here."""

@@ -69,7 +69,7 @@ from daemon.worker.admin import (
     health_router,
 )
 from daemon.worker.completions import Serving, install_serving_routes
-from daemon.worker.flat import checkpoint_order, pack_flat
+from daemon.worker.flat import checkpoint_order, pack_flat, room_to_pack
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
 from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
@@ -135,7 +135,13 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
     version, digest = initial_version(model_dir, args.version)
     t0 = time.perf_counter()
     loaded = build_model(model_dir, device)
-    flat = None if args.no_flat_weights else pack_flat(loaded.params, checkpoint_order(str(model_dir)))
+    flat = None
+    if not args.no_flat_weights:
+        no_room = room_to_pack(loaded.params)
+        if no_room is None:
+            flat = pack_flat(loaded.params, checkpoint_order(str(model_dir)))
+        else:
+            log.warning("weights stay in separate allocations (ipc copies one per tensor): %s", no_room)
     expect = load_expect_file(args.expect_file)  # checked while loading; kept for restores
     transport = DiskTransport(model_dir, expect=expect)
     check_table(transport.table(), loaded.params)
