@@ -45,6 +45,7 @@ from daemon.formats.checkpoint import weight_files
 from daemon.hashing import HASH_ALGORITHMS, hash_files
 from daemon.transport.base import Expect, ExpectedFile, check_table
 from daemon.transport.disk import DiskTransport, PinnedPool
+from daemon.worker.flat import checkpoint_order, pack_flat
 
 
 def reference_expect(directory: Path, files: list[Path], alg: str) -> Expect:
@@ -55,13 +56,18 @@ def reference_expect(directory: Path, files: list[Path], alg: str) -> Expect:
 
 
 def load_ours(
-    directory: Path, params: dict[str, torch.Tensor], readers: int, chunk_mb: int, expect: Expect | None = None
+    directory: Path, params: dict[str, torch.Tensor], readers: int, chunk_mb: int, expect: Expect | None = None,
+    buffers: int | None = None, hash_threads: int | None = None,
 ) -> dict[str, Any]:
     """One reload; with `expect`, check while loading (every byte hashed and compared)."""
     device = next(iter(params.values())).device
     t0 = time.perf_counter()
     tr = DiskTransport(directory, readers=readers, chunk_bytes=chunk_mb << 20, staged=True, expect=expect,
                        check=expect is not None)  # fmt: skip
+    if buffers:
+        tr.check_buffers = buffers
+    if hash_threads:
+        tr.hash_threads = hash_threads
     check_table(tr.table(), params)
     tr.write_into(params)
     sync_device(device)
@@ -69,7 +75,37 @@ def load_ours(
     st = tr.last_stats
     assert st is not None
     return {"seconds": dt, "bytes": st.bytes, "chunks": st.chunks, "readers": st.readers,
-            "read_thread_s_max": st.extra.get("read_thread_s_max", 0.0), "checked": tr.stats().get("checked_files", 0)}
+            "read_thread_s_max": st.extra.get("read_thread_s_max", 0.0),
+            "buffer_wait_s_max": st.extra.get("buffer_wait_s_max", 0.0), "checked": tr.stats().get("checked_files", 0)}
+
+
+def worker_update(
+    directory: Path, params: dict[str, torch.Tensor], expect: Expect | None, *, prepared: bool,
+    flat: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """The worker's own update call (`daemon.worker.updates.apply_update`, minus HTTP and the probe):
+    what a disk update costs inside the pause. `prepared`: as the worker's `prepare` does before
+    the pause, the source opened and validated and the version read ahead (and checked) into a
+    buffer of its own, so the pause is a device copy; else everything happens inside."""
+    from daemon.transport.base import StagesAhead, UpdateRequest
+    from daemon.worker.store import VersionRecord, WeightStore
+    from daemon.worker.updates import apply_update, open_and_validate
+
+    device = next(iter(params.values())).device
+    store = WeightStore(params, device, VersionRecord("before", None, "disk"))
+    store.flat = flat
+    request = UpdateRequest("bench", "disk", {"path": str(directory)}, "copy", expect or Expect())
+    t0 = time.perf_counter()
+    opened = open_and_validate(request, store) if prepared else None
+    if opened is not None and isinstance(opened.transport, StagesAhead):
+        opened.transport.stage(store.params)
+    sync_device(device)
+    t1 = time.perf_counter()
+    result = apply_update(store, request, prepared=opened)
+    sync_device(device)
+    return {"seconds": time.perf_counter() - t1, "prepare_s": t1 - t0, "write_ms": result["write_ms"],
+            "validate_ms": result["validate_ms"], "checked": result.get("checked_files", 0),
+            "read_path": result.get("read_path"), "read_ahead_skipped": result.get("read_ahead_skipped")}
 
 
 def load_safetensors(files: list[Path], params: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -163,6 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--check", choices=["off", "on", "both"], default="both",
                     help="check while loading (hash every byte against the verified digests): off, on, or both")
     ap.add_argument("--hash", choices=list(HASH_ALGORITHMS), default="blake3", help="digest algorithm for --check")
+    ap.add_argument("--check-sweep", default="",
+                    help="check on: readers x chunk-MiB x buffers-per-reader [x hash-threads] to try, e.g. "
+                         "'8x32x3,12x32x3,16x32x4,16x16x4x8' (best of 2 each)")
+    ap.add_argument("--no-flat", action="store_true", help="parameters in separate allocations, not one flat buffer")
+    ap.add_argument("--worker-path", action="store_true",
+                    help="also time the worker's update call (apply_update), source prepared before the pause or not")
     ap.add_argument("--out", type=Path, default=Path(".bench-out/disk_reload.json"))
     ap.add_argument("--keep", action="store_true", help="keep the shards afterwards")
     args = ap.parse_args(argv)
@@ -185,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
     files = weight_files(args.dir)
 
     ours_p = alloc_params(layout, device)
+    # as the reference worker holds its weights: one flat buffer in checkpoint order
+    flat = None if args.no_flat else pack_flat(ours_p, checkpoint_order(str(args.dir)))
     ref_p = alloc_params(layout, device)
     ptrs = {n: t.data_ptr() for n, t in ours_p.items()}
     results["pinned_h2d_gb_s"] = pinned_h2d_rate(device)
@@ -215,6 +259,33 @@ def main(argv: list[str] | None = None) -> int:
     checked_warm = [load_ours(args.dir, ours_p, args.readers, args.chunk_mb, expect)
                     for _ in range(args.repeats)] if expect is not None else []  # fmt: skip
     results["ours_warm_checked"] = checked_warm
+    check_sweep: list[dict[str, Any]] = []
+    for cfg in filter(None, args.check_sweep.split(",")) if expect is not None else []:
+        r, c, b, *h = (int(x) for x in cfg.split("x"))
+        runs = [load_ours(args.dir, ours_p, r, c, expect, buffers=b, hash_threads=h[0] if h else None) for _ in range(2)]
+        best = min(x["seconds"] for x in runs)
+        check_sweep.append({"readers": r, "chunk_mb": c, "buffers": b, "hash_threads": h[0] if h else None,
+                            "seconds": best, "runs": runs})  # fmt: skip
+        rows.append([f"ours warm, check on, {r} readers x {c} MiB x {b} buffers{f', {h[0]} hash threads' if h else ''}",
+                     best, layout.total_bytes / best / 1e9])  # fmt: skip
+    results["check_sweep"] = check_sweep
+    if args.worker_path:
+        wp = {}
+        for label, exp in (("off", None), ("on", expect)):
+            if exp is None and label == "on":
+                continue
+            for prep in (True, False):
+                runs = [worker_update(args.dir, ours_p, exp, prepared=prep, flat=flat) for _ in range(3)]
+                wp[f"check_{label}_{'prepared' if prep else 'opened_inside'}"] = runs
+                best = min(x["seconds"] for x in runs)
+                how = f"read ahead before it ({runs[0]['read_path']})" if prep else "read inside"
+                rows.append([f"worker update call = pause, check {label}, {how} (best of 3)", best,
+                             layout.total_bytes / best / 1e9])  # fmt: skip
+                if prep:
+                    pbest = min(x["prepare_s"] for x in runs)
+                    rows.append([f"  of which before the pause (prepare: open + read ahead + check {label})", pbest,
+                                 layout.total_bytes / pbest / 1e9])  # fmt: skip
+        results["worker_path"] = wp
     results["check_alg"] = args.hash if expect is not None else None
     ref_warm = [load_safetensors(files, ref_p) for _ in range(max(1, min(2, args.repeats)))]
     results["ours_warm"] = ours_warm

@@ -15,13 +15,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, runtime_checkable
 
 from daemon.transport.base import UpdateMode, UpdateRequest
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 
-__all__ = ["Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified", "Timeouts", "UpdateMode", "UpdateRefused",
+__all__ = ["Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified", "PreparesUpdates", "Timeouts", "UpdateMode", "UpdateRefused",
            "UpdateRequest", "UpdateResult",
            "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "read_token"]  # fmt: skip
 
@@ -108,6 +108,14 @@ class WorkerClient(Protocol):
     def probe(self) -> str: ...  # one short greedy generation; returns the served weight_version
     def counters(self) -> dict[str, int]: ...  # requests_total, requests_failed
     def close(self) -> None: ...
+
+
+@runtime_checkable
+class PreparesUpdates(Protocol):
+    """Optional: the worker can open and validate an update's source while it still serves
+    (`prepare(request)`, before the pause), so the update itself only writes."""
+
+    def prepare(self, request: UpdateRequest) -> None: ...
 
 
 class ClientFactory(Protocol):

@@ -207,6 +207,10 @@ class BuiltinWorkerClient:
         doc = self._admin("/admin/update", "update", request.to_json(), timeout=self.update_timeout)
         return UpdateResult(str(doc["version"]), float(doc.get("duration_ms", 0.0)), doc)
 
+    def prepare(self, request: UpdateRequest) -> None:
+        """`POST /admin/prepare`: open and validate `request`'s source now, while serving."""
+        self._admin("/admin/prepare", "prepare", request.to_json(), timeout=self.update_timeout)
+
     def rollback(self, request: UpdateRequest) -> UpdateResult:
         """Back to an earlier version: the same in-place update, from the request the daemon kept."""
         return self.update(request)

@@ -17,7 +17,15 @@ import time
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from daemon.adapters.base import UpdateRefused, WeightInfo, WorkerError, WorkerUnreachable
+from daemon.adapters.base import (
+    NonFiniteOutput,
+    PreparesUpdates,
+    UpdateRefused,
+    UpdateResult,
+    WeightInfo,
+    WorkerError,
+    WorkerUnreachable,
+)
 from daemon.config import RolloutMode, RolloutSettings
 from daemon.logging import get_logger
 from daemon.registry.journal import Journal
@@ -164,10 +172,25 @@ class WorkerDriver:
             h.observed(h.state or S.RUNNING)
             raise self.fail(h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0)
         h.observed(S.RUNNING)
+        self.prepare(h, target)
         self.begin(h, rollout_id, mode, target.version)
-        self.transfer(h, rollout_id, target, back=back)
-        self.finish(h, rollout_id, target)
+        result = self.transfer(h, rollout_id, target, back=back)
+        self.finish(h, rollout_id, target, result=result)
         return True
+
+    def prepare(self, h: WorkerHandle, target: Target) -> None:
+        """Let a worker that can open and validate the update's source do it while it still serves
+        (issue 15: no IPC handle opened inside the pause). Best effort: a failure is only logged,
+        the update then opens the source itself and gives the real answer."""
+        if not isinstance(h.client, PreparesUpdates):
+            return
+        t0 = time.perf_counter()
+        try:
+            h.client.prepare(target.request)
+        except WorkerError as exc:
+            log.warning("prepare_failed", worker=h.name, version=target.version, error=str(exc))
+            return
+        log.info("worker_prepared", worker=h.name, version=target.version, ms=round(_ms(t0), 1))
 
     def begin(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str | None) -> None:
         to = BEGIN_STATE[mode]
@@ -186,7 +209,7 @@ class WorkerDriver:
             raise self.fail(h, rollout_id, mode, exc, t0) from exc
         self.move(h, rollout_id, to, duration_ms=_ms(t0), detail={"mode": mode}, target_version=target_version)
 
-    def transfer(self, h: WorkerHandle, rollout_id: int, target: Target, *, back: bool = False) -> None:
+    def transfer(self, h: WorkerHandle, rollout_id: int, target: Target, *, back: bool = False) -> UpdateResult:
         t0 = time.perf_counter()
         try:
             result = h.client.rollback(target.request) if back else h.client.update(target.request)
@@ -198,13 +221,19 @@ class WorkerDriver:
             )
         detail = {"version": target.version, "transport": target.request.transport, "worker_ms": result.duration_ms}
         self.move(h, rollout_id, S.UPDATED, duration_ms=_ms(t0), detail=detail, version=target.version)
+        return result
 
-    def finish(self, h: WorkerHandle, rollout_id: int | None, target: Target, detail: dict[str, Any] | None = None) -> None:
-        """UPDATED -> RUNNING once weight_info and a probe generation show the target, then resume."""
+    def finish(
+        self, h: WorkerHandle, rollout_id: int | None, target: Target, detail: dict[str, Any] | None = None,
+        result: UpdateResult | None = None,
+    ) -> None:
+        """UPDATED -> RUNNING once weight_info and a probe show the target, then resume. The probe
+        is the one the worker ran itself at the end of the update when `result` carries it."""
         t0 = time.perf_counter()
+        probe = result.detail.get("probe") if result is not None else None
         try:
-            probe_version = self.post_check(h, target.version, target.checkpoint.digest)
-            self.resume(h)
+            probe_version, info = self._post_check(h, target.version, target.checkpoint.digest, probe)
+            self.resume(h, info.state)
         except (WorkerError, StepFailed) as exc:
             raise self.fail(h, rollout_id, "post_check", exc, t0) from exc
         self.move(
@@ -212,12 +241,18 @@ class WorkerDriver:
             rollout_id,
             S.RUNNING,
             duration_ms=_ms(t0),
-            detail={"probe_version": probe_version, **(detail or {})},
+            detail={"probe_version": probe_version, "probe_by": "worker" if isinstance(probe, dict) else "daemon",
+                    **(detail or {})},
             version=target.version,
         )
 
     def post_check(self, h: WorkerHandle, version: str, digest: str | None) -> str:
         """weight_info shows `version` (and `digest`), and a probe generation is served by it."""
+        return self._post_check(h, version, digest, None)[0]
+
+    def _post_check(self, h: WorkerHandle, version: str, digest: str | None, probe: Any) -> tuple[str, WeightInfo]:
+        """`post_check`; with `probe` (the worker's own probe from its update answer: a dict with
+        weight_version and finite) that result stands in for the probe generation."""
         info = h.client.weight_info()
         if info.version != version or (digest and info.digest and info.digest != digest):
             raise StepFailed(
@@ -226,17 +261,18 @@ class WorkerDriver:
                 f"weight_info shows version {info.version!r} digest {info.digest!r}, expected {version!r} digest {digest!r}",
                 kind=FailureKind.MISMATCH,
             )
-        served = h.client.probe()
+        served = _in_worker_probe(h.name, probe) if isinstance(probe, dict) else h.client.probe()
         if served != version:
             raise StepFailed(
                 h.name, "post_check", f"probe generation served version {served!r}, expected {version!r}",
                 kind=FailureKind.MISMATCH,
             )  # fmt: skip
-        return served
+        return served, info
 
-    def resume(self, h: WorkerHandle) -> None:
-        """Back to serving: resume unless the worker already reports RUNNING (e.g. freshly restarted)."""
-        if parse_state(h.client.weight_info().state) != S.RUNNING:
+    def resume(self, h: WorkerHandle, state: str | None = None) -> None:
+        """Back to serving: resume unless the worker already reports RUNNING (e.g. freshly restarted).
+        `state`: what the worker reported just now (saves asking again)."""
+        if parse_state(state if state is not None else h.client.weight_info().state) != S.RUNNING:
             h.client.resume()
 
     def revert(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode) -> None:
@@ -376,3 +412,13 @@ class WorkerDriver:
         if self.restore(h, rollout_id, fallback, why, avoid):
             return True
         return self.restart(h, rollout_id, fallback, why, avoid)
+
+
+def _in_worker_probe(worker: str, probe: dict[str, Any]) -> str:
+    """The version a worker's own post-update probe ran under; raises as `client.probe()` would."""
+    if probe.get("error"):
+        raise WorkerError(f"worker {worker}: probe: {str(probe['error'])[:200]}")
+    served = probe.get("weight_version")
+    if probe.get("finite") is not True:
+        raise NonFiniteOutput(f"worker {worker}: probe: non-finite logits under version {served}")
+    return str(served)

@@ -16,6 +16,9 @@ with `isinstance`:
 
 * `OpensBeforePause.open()`: acquire and map the source (IPC handles) before the worker pauses,
   so only `write_into` runs inside the pause window.
+* `StagesAhead.stage(params)`: read (and check) the whole version into a private buffer now,
+  while the worker serves (its `prepare`), so `write_into` inside the pause is a device copy of
+  bytes already verified (disk: `daemon.transport.ahead`).
 * `SwapCapable.lease(params)`: tensors the parameters may point at directly (swap mode: no copy;
   the previous version stays resident, so rollback is a pointer flip), validated against the
   live parameters, with a `release` for when no version record uses them any more.
@@ -256,6 +259,14 @@ WorkerTransportFactory = Callable[[UpdateRequest, Any], WorkerTransport]
 class OpensBeforePause(Protocol):
     def open(self) -> None:
         """Acquire and map the source; raises (nothing written) when it cannot."""
+        ...
+
+
+@runtime_checkable
+class StagesAhead(Protocol):
+    def stage(self, params: dict[str, torch.Tensor]) -> None:
+        """Read and check the source into a private buffer (or nothing, when it has no room);
+        raises TransportError when the bytes do not match (nothing kept)."""
         ...
 
 

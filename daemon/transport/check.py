@@ -8,6 +8,12 @@ the safetensors header, are read by the hasher itself), so the result is the has
 file exactly as verify computed it. `finish()` compares every file with its reference and raises
 `DigestMismatch` (the caller then restores the previous weights and commits nothing).
 
+Off the readers' critical path (`submit`): a reader hands over a chunk it has read (and started
+copying to the GPU) together with a `done` callback, and goes on reading; one hashing thread per
+file takes the chunks in file order and calls `done` once a chunk is hashed (the reader may
+then reuse that buffer). `finish()` waits for every file's hash, then compares, so nothing is
+committed (and the worker does not resume) before every byte was checked.
+
 The strong hash (BLAKE3 or SHA-256) decides; files the registry knows only by CRC32C (format-1
 rows) are checked by CRC and reported as `weak`. Hashing releases the GIL, and BLAKE3 splits
 each chunk over `threads` cores, so files hash in parallel with the reads.
@@ -18,7 +24,7 @@ from __future__ import annotations
 import json
 import os
 import threading
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -132,6 +138,13 @@ class OrderedHasher:
             self._aborted = True
             self._cond.notify_all()
 
+    def next_offset(self) -> int | None:
+        """Where the next chunk must start (earlier uncovered bytes hashed first); None when no
+        covered range is left."""
+        with self._cond:
+            self._fill_gaps()
+            return self._pos if self._pos in self._starts else None
+
     def result(self) -> FileDigest:
         with self._cond:
             self._fill_gaps()
@@ -163,6 +176,65 @@ class OrderedHasher:
             self._fd = -1
 
 
+Done = Callable[[], None]
+
+
+class _FileThread:
+    """Hashes one file's submitted chunks in file order on a thread of its own; `done` of every
+    chunk is called once it is hashed (or once hashing stopped: abort, error)."""
+
+    def __init__(self, hasher: OrderedHasher) -> None:
+        self.hasher = hasher
+        self.error: BaseException | None = None
+        self._pending: dict[int, tuple[Any, Done]] = {}
+        self._cond = threading.Condition()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name=f"hash-{hasher.path.name}", daemon=True)
+        self._thread.start()
+
+    def submit(self, offset: int, data: Any, done: Done) -> None:
+        with self._cond:
+            if self._stopped:
+                done()
+                return
+            self._pending[offset] = (data, done)
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                nxt = self.hasher.next_offset()
+                if nxt is None:
+                    return  # every covered range hashed
+                with self._cond:
+                    while nxt not in self._pending and not self._stopped:
+                        self._cond.wait()
+                    if self._stopped:
+                        return
+                    data, done = self._pending.pop(nxt)
+                try:
+                    self.hasher.feed(nxt, data)
+                finally:
+                    done()
+        except BaseException as exc:  # noqa: BLE001 - reported by finish()
+            if not is_aborted(exc):
+                self.error = exc
+        finally:
+            self.stop()
+
+    def stop(self) -> None:
+        """No more hashing: release every waiting chunk (their readers go on) and let go."""
+        with self._cond:
+            self._stopped = True
+            pending, self._pending = self._pending, {}
+            self._cond.notify_all()
+        for _data, done in pending.values():
+            done()
+
+    def join(self) -> None:
+        self._thread.join()
+
+
 class LoadCheck:
     """Every file a transport reads, checked against the registry's digests; see the module docstring."""
 
@@ -184,6 +256,8 @@ class LoadCheck:
             if ref is not None:
                 refs[f.path] = ref
         self.hashers: dict[Path, OrderedHasher] = {}
+        self._threads: dict[Path, _FileThread] = {}
+        self._threads_lock = threading.Lock()
         try:
             for file, covered in ranges.items():
                 rel = _relative(directory, file)
@@ -204,14 +278,31 @@ class LoadCheck:
         self.digests: dict[str, FileDigest] = {}
 
     def feed(self, file: Path, offset: int, data: Any) -> None:
+        """Hash in the caller's thread (blocks until every earlier byte of the file is hashed)."""
         self.hashers[file].feed(offset, data)
+
+    def submit(self, file: Path, offset: int, data: Any, done: Done) -> None:
+        """Hash on the file's own thread; `data` must stay unchanged until `done()` is called."""
+        with self._threads_lock:
+            t = self._threads.get(file)
+            if t is None:
+                t = self._threads[file] = _FileThread(self.hashers[file])
+        t.submit(offset, data, done)
 
     def abort(self) -> None:
         for h in self.hashers.values():
             h.abort()
+        for t in list(self._threads.values()):
+            t.stop()
 
     def finish(self) -> dict[str, Any]:
-        """Raise DigestMismatch unless every file matched; returns facts for the update's answer."""
+        """Wait for every file's hash; raise DigestMismatch unless every file matched; returns
+        facts for the update's answer."""
+        for t in list(self._threads.values()):
+            t.join()
+        for t in self._threads.values():
+            if t.error is not None:
+                raise t.error
         self.digests = {_relative(self.directory, f): h.check() for f, h in self.hashers.items()}
         algs = sorted({h.ref.alg for h in self.hashers.values()})
         return {"checked_files": len(self.hashers), "check_alg": ",".join(algs), "check_weak": self.weak}
@@ -222,6 +313,9 @@ class LoadCheck:
         return all(h.ref.value for h in self.hashers.values())
 
     def close(self) -> None:
+        for t in list(self._threads.values()):
+            t.stop()
+            t.join()
         for h in self.hashers.values():
             h.close()
 

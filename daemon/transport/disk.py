@@ -17,10 +17,13 @@ Two paths, picked per parameter device:
 * CPU (plain path): `os.preadv` straight into the parameter's memory (a memoryview of it).
 
 Check while loading: with `expect.files` (the registry's verified per-file digests, which the
-daemon sends with every update) every byte read is fed, in the reader thread that read it, to the
-file's hash (`daemon.transport.check`: each file hashed in file order, header included, files in
-parallel); a file that does not match is a TransportError after the write, nothing is committed
-and the worker restores the previous weights. Weight files that leave the directory (symlinks to
+daemon sends with every update) every byte read is hashed from the very buffer it was read into
+(`daemon.transport.check`: each file hashed in file order, header included, files in parallel).
+On the CUDA path the reader hands the buffer to its file's hashing thread and reads on into its
+next buffer (3 per reader), so the hash runs beside the reads and copies instead of holding the
+readers up; the write returns only once every file was hashed and compared. A file that does not
+match is a TransportError after the write, nothing is committed and the worker restores the
+previous weights. Weight files that leave the directory (symlinks to
 /etc/shadow) are refused before a byte of them is read.
 
 Errors name the file, the tensor and the offset. A failure part way through leaves the
@@ -69,6 +72,8 @@ if TYPE_CHECKING:
 # help up to about the core count; 32 MiB chunks were as good as 64.
 DEFAULT_CHUNK_BYTES = 32 * 1024 * 1024
 DEFAULT_READERS = 16
+# checking: a reader reads on while its earlier buffers wait for their file's hash
+DEFAULT_CHECK_BUFFERS = 3
 
 
 class DiskSender:
@@ -97,7 +102,10 @@ def open_update(request: UpdateRequest, store: object) -> DiskTransport:
     path = request.source.get("path")
     if not isinstance(path, str) or not path:
         raise BadUpdateRequest("disk transport needs 'path' (a checkpoint directory)")
-    return DiskTransport(path, expect=request.expect)
+    tr = DiskTransport(path, expect=request.expect)
+    tr.stage_ahead = getattr(store, "stage_disk", "auto")
+    tr.flat = getattr(store, "flat", None)
+    return tr
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,6 +251,15 @@ class DiskTransport:
         self.chunk_bytes = chunk_bytes
         self._locations: dict[str, TensorLocation] | None = None
         self.last_stats: WriteStats | None = None
+        self.check_buffers = DEFAULT_CHECK_BUFFERS  # pinned buffers per reader while checking
+        self.hash_threads = os.cpu_count() or 1  # BLAKE3 threads per file being hashed
+        # `stage`: "auto" reads ahead into a device buffer for CUDA parameters, "on" for any
+        # (host memory on the CPU: tests), "off" never; `flat`: the worker's flat weight buffer
+        self.stage_ahead = "auto"
+        self.flat: torch.Tensor | None = None
+        self.ahead: Any = None  # a daemon.transport.ahead.Ahead (imported with torch, worker side only)
+        self.ahead_note: str | None = None  # why a stage() read nothing ahead
+        self.ahead_seconds = 0.0
 
     # -- WeightTransport -------------------------------------------------------------------
     def table(self) -> dict[str, TensorSpec]:
@@ -260,8 +277,38 @@ class DiskTransport:
             for n, loc in self._locations.items()
         }
 
+    def stage(self, params: dict[str, torch.Tensor]) -> None:
+        """Before the pause: read (and check) the whole version into an `Ahead` buffer, so that
+        `write_into` is a device copy of verified bytes. Reads nothing when staging is off, the
+        parameters are on the CPU (unless "on") or the device has no room (`ahead_note` says);
+        raises TransportError when the bytes do not match the registry's (nothing kept)."""
+        from daemon.transport.ahead import Ahead, layout_like, room_for  # torch: never in the daemon
+
+        if self.ahead is not None or self.stage_ahead == "off" or not params:
+            return
+        device = next(iter(params.values())).device
+        if device.type != "cuda" and self.stage_ahead != "on":
+            return
+        need = layout_like(params, self.flat)[1]
+        self.ahead_note = room_for(device, need)
+        if self.ahead_note is not None:
+            return
+        ahead = Ahead(params, self.flat)
+        try:
+            self.ahead_seconds = self.write(ahead.views()).seconds
+        except BaseException:
+            ahead.free()
+            raise
+        self.ahead = ahead
+
     def write_into(self, params: dict[str, torch.Tensor]) -> None:
-        self.last_stats = self.write(params)
+        if self.ahead is None:
+            self.last_stats = self.write(params)
+            return
+        t0 = time.perf_counter()
+        copies = int(self.ahead.copy_into(params, self.flat))
+        self.last_stats = WriteStats(bytes=int(self.ahead.nbytes), tensors=len(params), chunks=copies,
+                                     seconds=time.perf_counter() - t0, path="ahead")  # fmt: skip
 
     def source_digest(self) -> str | None:
         """The checkpoint's manifest digest, or None when it has no manifest."""
@@ -271,10 +318,18 @@ class DiskTransport:
 
     def stats(self) -> dict[str, Any]:
         st = self.last_stats
-        return {} if st is None else {"read_path": st.path, **self.checked}
+        out: dict[str, Any] = {} if st is None else {"read_path": st.path, **self.checked}
+        if self.ahead is not None:
+            out["read_ahead_s"] = round(self.ahead_seconds, 4)
+        elif self.ahead_note:
+            out["read_ahead_skipped"] = self.ahead_note
+        return out
 
     def close(self) -> None:
         self._locations = None
+        if self.ahead is not None:
+            ahead, self.ahead = self.ahead, None
+            ahead.free()
 
     # -- details ----------------------------------------------------------------------------
     def manifest_version(self) -> str | None:
@@ -321,7 +376,7 @@ class DiskTransport:
             for loc in direct_locs:
                 ranges.setdefault(loc.file, []).append((loc.entry.start, loc.entry.nbytes))
             try:
-                check = LoadCheck(self.directory, self.expect, ranges, threads=os.cpu_count() or 1)
+                check = LoadCheck(self.directory, self.expect, ranges, threads=self.hash_threads)
             except (DigestMismatch, OSError) as exc:
                 raise TransportError(f"check while loading: {exc}") from None
             chunks = _interleave(chunks)  # the files hash in parallel, each in its own order
@@ -388,16 +443,18 @@ class DiskTransport:
     def _write_staged(
         self, chunks: list[Chunk], views: dict[str, torch.Tensor], stats: WriteStats, check: LoadCheck | None = None
     ) -> None:
-        """CUDA parameters: readers fill pinned buffers; each copies to the GPU on its own stream
-        (and, checking, hashes the buffer meanwhile)."""
+        """CUDA parameters: readers fill pinned buffers; each copies to the GPU on its own stream.
+        Checking, a reader hands the buffer to its file's hashing thread and reads on into its
+        next buffer; a buffer is refilled once its copy has finished and it was hashed."""
         import contextlib
 
         import torch
 
         readers = max(1, min(self.readers, len(chunks)))
+        per_reader = 2 if check is None else max(2, self.check_buffers)
         buf_bytes = max(c.nbytes for c in chunks) if chunks else 0
         buf_bytes = max(buf_bytes, min(self.chunk_bytes, DEFAULT_CHUNK_BYTES))
-        pool = PinnedPool.get(2 * readers, buf_bytes)
+        pool = PinnedPool.get(per_reader * readers, buf_bytes)
         device = views[chunks[0].segments[0].name].device
         on_gpu = device.type == "cuda"
         fds = self._open_all({c.file for c in chunks})
@@ -405,23 +462,30 @@ class DiskTransport:
         lock = threading.Lock()
         cursor = iter(chunks)
         read_s = [0.0] * readers
+        wait_s = [0.0] * readers
 
         def work(r: int) -> None:
-            stream = torch.cuda.Stream(device=device) if on_gpu else None
-            bufs = pool[2 * r : 2 * r + 2]
-            events: list[torch.cuda.Event | None] = [None, None]
+            stream = _reader_stream(device, r) if on_gpu else None
+            bufs = pool[per_reader * r : per_reader * (r + 1)]
+            events: list[torch.cuda.Event | None] = [None] * per_reader
+            hashed = [threading.Event() for _ in bufs]
+            for h in hashed:
+                h.set()
             arrays = [memoryview(b.numpy()) for b in bufs]
             k = 0
             try:
                 with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                     while not errors:
+                        t = time.perf_counter()
+                        hashed[k].wait()  # before taking a chunk: a waiting reader holds none
+                        ev = events[k]
+                        if ev is not None:
+                            ev.synchronize()  # the copy out of this buffer has finished
+                        wait_s[r] += time.perf_counter() - t
                         with lock:
                             chunk = next(cursor, None)
                         if chunk is None:
                             break
-                        ev = events[k]
-                        if ev is not None:
-                            ev.synchronize()  # the copy out of this buffer has finished
                         t = time.perf_counter()
                         first = chunk.segments[0].name
                         _read_exact(
@@ -435,13 +499,18 @@ class DiskTransport:
                             e = torch.cuda.Event()
                             e.record(stream)
                             events[k] = e
-                        if check is not None:  # the copy engine reads the buffer while we hash it
-                            check.feed(chunk.file, chunk.offset, arrays[k][: chunk.nbytes])
-                        k ^= 1
+                        if check is not None:  # hashed on the file's thread while the copy engine reads it
+                            hashed[k].clear()
+                            check.submit(chunk.file, chunk.offset, arrays[k][: chunk.nbytes], hashed[k].set)
+                        k = (k + 1) % per_reader
+                for h in hashed:  # the pool is shared by the next update: every buffer let go
+                    h.wait()
                 if stream is not None:
                     stream.synchronize()
             except BaseException as exc:  # noqa: BLE001 - reported by the caller
                 _fail(errors, exc, check)
+                for h in hashed:
+                    h.wait()
                 if stream is not None:
                     with contextlib.suppress(Exception):
                         stream.synchronize()
@@ -451,6 +520,23 @@ class DiskTransport:
         stats.chunks += len(chunks)
         stats.readers = readers
         stats.extra["read_thread_s_max"] = max(read_s) if read_s else 0.0
+        stats.extra["buffer_wait_s_max"] = max(wait_s) if wait_s else 0.0
+
+
+_streams: dict[tuple[int, int], Any] = {}
+_streams_lock = threading.Lock()
+
+
+def _reader_stream(device: torch.device, reader: int) -> Any:
+    """Reader `reader`'s side stream on `device`, made once per process (not once per update)."""
+    import torch
+
+    key = (device.index if device.index is not None else torch.cuda.current_device(), reader)
+    with _streams_lock:
+        stream = _streams.get(key)
+        if stream is None:
+            stream = _streams[key] = torch.cuda.Stream(device=device)
+        return stream
 
 
 def _fail(errors: list[BaseException], exc: BaseException, check: LoadCheck | None) -> None:

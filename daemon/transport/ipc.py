@@ -50,6 +50,7 @@ from daemon.transport.base import (
     pair_up,
 )
 from daemon.transport.check import reference_for, wants_check
+from daemon.transport.copyplan import plan_copies, run_copies
 from daemon.transport.ipc_descriptor import (
     HOST_DEVICE,
     BufferRef,
@@ -201,9 +202,10 @@ class IpcTransport:
     """WeightTransport over a loader descriptor; see the module docstring for the life cycle."""
 
     name = "ipc"
-    # CUDA copy: "loop" = one cudaMemcpyAsync per tensor (copy engine speed per tensor);
-    # "foreach" = torch._foreach_copy_ (fewer launches, a generic elementwise kernel)
-    cuda_copy = "loop"
+    # copy mode: "coalesce" = runs of tensors laid out alike in the worker's flat buffer and the
+    # loader's buffer move as one copy each (copyplan.py), the rest one copy per tensor;
+    # "loop" = one copy per tensor; "foreach" = torch._foreach_copy_ (CUDA; measured slower)
+    cuda_copy = "coalesce"
 
     def __init__(
         self,
@@ -213,9 +215,11 @@ class IpcTransport:
         worker: str | None = None,
         opener: IpcOpener | None = None,
         expect: Expect | None = None,
+        flat: torch.Tensor | None = None,
     ) -> None:
         """`expect`: the registry's per-file digests; when given, the version is used only if the
-        loader (running as this user) answers for it and its own staging digests match them."""
+        loader (running as this user) answers for it and its own staging digests match them.
+        `flat`: the worker's one buffer its parameters are views of (WeightStore.flat), if any."""
         self.descriptor = descriptor if isinstance(descriptor, Descriptor) else parse_descriptor(dict(descriptor))
         self.expect = expect or Expect()
         self.checked: dict[str, Any] = {}
@@ -229,6 +233,8 @@ class IpcTransport:
             )
         self._opened: OpenedVersion | None = None
         self._acquired = False
+        self.flat = flat
+        self.copies = 0  # copies the last write_into issued
 
     @property
     def version(self) -> str:
@@ -242,7 +248,7 @@ class IpcTransport:
         return self.descriptor.digest
 
     def stats(self) -> dict[str, Any]:
-        return dict(self.checked)
+        return {**self.checked, "copies": self.copies} if self.copies else dict(self.checked)
 
     def _from_loader(self) -> None:
         """Check while loading, ipc: take the descriptor from the loader itself (a loader that runs
@@ -288,8 +294,7 @@ class IpcTransport:
         views = self.views()
         if params.keys() != views.keys():
             raise TransportError(f"version {self.version!r}: parameter names differ from the descriptor's table")
-        dst: list[torch.Tensor] = []
-        src: list[torch.Tensor] = []
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for name, p in params.items():
             v = views[name]
             if p.shape != v.shape or p.dtype != v.dtype:
@@ -298,20 +303,19 @@ class IpcTransport:
                 )
             if p.data_ptr() == v.data_ptr():
                 continue  # already pointing at this very buffer (swap mode): nothing to copy
-            dst.append(p.data)
-            src.append(v)
+            pairs.append((p.data, v))
+        assert self._opened is not None
+        src_base = self._opened.payload
         try:
             with torch.no_grad():
-                if dst and dst[0].device.type == "cuda":
-                    if self.cuda_copy == "foreach":
-                        torch._foreach_copy_(dst, src)
-                    else:
-                        for d, s in zip(dst, src, strict=True):
-                            d.copy_(s)
-                    torch.cuda.synchronize(dst[0].device)
+                if self.cuda_copy == "foreach" and pairs and pairs[0][0].device.type == "cuda":
+                    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
                 else:
-                    for d, s in zip(dst, src, strict=True):
-                        d.copy_(s)
+                    plan = plan_copies(pairs, self.flat if self.cuda_copy == "coalesce" else None, src_base)
+                    run_copies(plan, self.flat, src_base)
+                    self.copies = plan.copies
+                if pairs and pairs[0][0].device.type == "cuda":
+                    torch.cuda.synchronize(pairs[0][0].device)
         except RuntimeError as exc:
             raise TransportError(f"version {self.version!r}: copy failed ({exc})") from exc
 
@@ -384,7 +388,7 @@ def open_update(request: UpdateRequest, store: Any) -> IpcTransport:
     descriptor = request.source.get("descriptor")
     if not isinstance(descriptor, dict):
         raise BadUpdateRequest("the ipc transport needs 'descriptor' (the loader's JSON descriptor)")
-    return IpcTransport(descriptor, device=store.device, expect=request.expect)
+    return IpcTransport(descriptor, device=store.device, expect=request.expect, flat=getattr(store, "flat", None))
 
 
 # Ending a lease closes an IPC handle (a device synchronize) and tells the loader: done off the

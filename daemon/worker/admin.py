@@ -8,7 +8,9 @@ token the admin routes answer 403):
                                                    secret before the daemon sends its token;
                                                    daemon/identity.py)
     GET  /weight_info
-    POST /admin/drain|pause|resume|update|rollback|probe
+    POST /admin/drain|pause|resume|prepare|update|rollback|probe
+                                                  (prepare: the update body, opened and validated
+                                                   while serving; the next update of it only writes)
 
 With `--admin-uds PATH` these routes are served by `AdminServer`: its own uvicorn server, event
 loop and thread, on a Unix socket (0600, in a directory that must be 0700 and ours), so no
@@ -145,6 +147,10 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
         body = await body_of(request)
         return await run_in_threadpool(ctl.update, body)
 
+    async def prepare(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        return await run_in_threadpool(ctl.prepare, body)
+
     async def rollback(request: Request) -> dict[str, Any]:
         return await run_in_threadpool(ctl.rollback)
 
@@ -158,7 +164,7 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
     router.add_api_route("/admin/identify", identify, methods=["POST"])
     router.add_api_route("/weight_info", admin(weight_info), methods=["GET"])
     for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
-                     ("rollback", rollback), ("probe", probe_route)):
+                     ("prepare", prepare), ("rollback", rollback), ("probe", probe_route)):
         router.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
     router.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
     return router

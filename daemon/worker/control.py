@@ -13,23 +13,42 @@ scheduler is parked first, and if a sequence is active the call is refused with 
 drain first); otherwise the write happens with the scheduler parked, and the worker goes back
 to RUNNING by itself (queued requests then start on the new weights). A write that fails and
 is undone leaves the state where it was.
+
+Keeping the pause short (issue 15): `prepare(body)` (while RUNNING, called by the daemon before
+it pauses) opens and validates the transport of exactly that update body; the `update` with the
+same body then only writes. After the write, still paused, `update` runs the post-update probe
+itself (one greedy forward on the fixed probe tokens, logits checked finite) and returns it as
+`probe`, so the daemon needs no generation round trip while requests are held. What an update
+opened (IPC handles, loader acquisitions, leases of dropped versions) is let go after `resume`,
+on a background thread, never inside the pause. `events` records each step with the state it
+ran in (prepared, paused, updated, resumed, released), for tests and operators.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
+import queue
 import threading
+import time
+from collections import deque
 from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
+from daemon.transport.base import StagesAhead, TransportError, UpdateRequest
 from daemon.worker import updates
 from daemon.worker.engine import Engine, probe
 from daemon.worker.model import LoadedModel
 from daemon.worker.store import WeightStore
 
 log = logging.getLogger("hotswap.worker.control")
+
+
+# transports whose open (and validation) may run ahead of the pause; broadcast's open is a
+# collective vote with the trainer's ranks, so it stays inside the update
+PREPARABLE = ("disk", "ipc")
 
 
 class WorkerState(StrEnum):
@@ -69,6 +88,13 @@ class Controller:
         self._counters = threading.Lock()
         self.requests_total = 0
         self.requests_failed = 0
+        self.events: deque[dict[str, Any]] = deque(maxlen=64)
+        self._events_lock = threading.Lock()  # appended from the releaser thread, read by weight_info
+        self._prepared: tuple[str, updates.Opened] | None = None
+        self._prepare_lock = threading.Lock()
+        store.defer_releases = True  # closing what an update opened waits until serving again
+        self._releases: queue.SimpleQueue[list[Callable[[], None]]] = queue.SimpleQueue()
+        self._releaser: threading.Thread | None = None
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -116,7 +142,21 @@ class Controller:
             "unhealthy_reason": self.store.unhealthy,
             "model_dir": self.model_dir,
             "last_update": self.store.last_update,
+            "prepared_version": self._prepared_version(),
+            "events": self.recent_events(),
         }
+
+    def _prepared_version(self) -> str | None:
+        held = self._prepared
+        return None if held is None else json.loads(held[0]).get("version")
+
+    def event(self, name: str, **detail: Any) -> None:
+        with self._events_lock:
+            self.events.append({"event": name, "at": time.time(), "state": self.state.value, **detail})
+
+    def recent_events(self) -> list[dict[str, Any]]:
+        with self._events_lock:
+            return list(self.events)
 
     # -- transitions -------------------------------------------------------------------------
     def drain(self, timeout_s: float) -> dict[str, Any]:
@@ -137,6 +177,7 @@ class Controller:
                 raise StateConflict(f"cannot pause in state {state.value}")
             finished = self.engine.pause(wait=mode == "wait", timeout_s=max(0.0, timeout_s))
             self._state = WorkerState.PAUSED
+            self.event("paused", mode=mode)
             return {"state": self.state.value, "mode": mode, "finished": finished,
                     "in_flight": self.engine.in_flight, "kept": self.engine.active}
 
@@ -147,12 +188,60 @@ class Controller:
             self._state = WorkerState.RUNNING
             self._hold = None
             self.engine.resume()
+            self.event("resumed")
+            self._release_deferred()
             return {"state": self.state.value, "version": self.store.current.version}
+
+    def prepare(self, raw: Any) -> dict[str, Any]:
+        """Open and validate the transport of update body `raw` now (before the pause); the next
+        `update` with the same body uses it. Replaces (and lets go of) any earlier preparation.
+        Refusals are the update's own (422/409), and leave nothing open."""
+        request = updates.parse_request(raw)
+        if self.state is WorkerState.UNHEALTHY:
+            raise Unavailable(f"worker is unhealthy ({self.store.unhealthy}); roll back or restart it")
+        if request.transport not in PREPARABLE:  # e.g. broadcast: opening it is a collective step
+            return {"version": request.version, "prepared": False, "state": self.state.value,
+                    "reason": f"transport {request.transport!r} is opened by the update itself"}  # fmt: skip
+        self._drop_prepared()
+        opened = updates.open_and_validate(request, self.store)
+        if request.mode == "copy" and isinstance(opened.transport, StagesAhead):
+            t0 = time.perf_counter()
+            try:  # read and check the whole version now, into a buffer of its own
+                opened.transport.stage(self.store.params)
+            except (TransportError, OSError, ValueError) as exc:
+                opened.close(self.store)
+                raise updates.BadRequest(f"cannot read the new weights ahead of the pause: {exc}") from None
+            opened.open_ms += (time.perf_counter() - t0) * 1e3
+        with self._prepare_lock:
+            old, self._prepared = self._prepared, (_key(request), opened)
+        if old is not None:
+            old[1].close(self.store)
+        self.event("prepared", version=request.version, transport=request.transport, mode=request.mode,
+                   open_ms=round(opened.open_ms, 3))  # fmt: skip
+        if self.state is WorkerState.RUNNING:
+            self._release_deferred()
+        return {"version": request.version, "prepared": True, "open_ms": opened.open_ms, "state": self.state.value}
 
     def update(self, raw: Any) -> dict[str, Any]:
         request = updates.parse_request(raw)
-        with self._admin:
-            return self._while_quiet(lambda: updates.apply_update(self.store, request, before_write=self.before_write))
+        prepared = self._take_prepared(request)
+        used = False
+
+        def change() -> dict[str, Any]:
+            nonlocal used
+            used = True
+            result = updates.apply_update(self.store, request, before_write=self.before_write, prepared=prepared)
+            result["probe"] = self._probe_now()
+            self.event("updated", version=request.version, prepared=prepared is not None,
+                       write_ms=round(float(result.get("write_ms", 0.0)), 3))  # fmt: skip
+            return result
+
+        try:
+            with self._admin:
+                return self._while_quiet(change)
+        finally:
+            if prepared is not None and not used:
+                prepared.close(self.store)
 
     def rollback(self) -> dict[str, Any]:
         with self._admin:
@@ -160,6 +249,7 @@ class Controller:
                 result = updates.rollback(self.store)  # restores the last good version
                 self._state, self._hold = WorkerState.RUNNING, None
                 self.engine.resume()
+                self._release_deferred()
                 result["state"] = self.state.value
                 return result
             return self._while_quiet(lambda: updates.rollback(self.store))
@@ -170,6 +260,60 @@ class Controller:
         return probe(self.engine, max_tokens)
 
     # -- helpers -----------------------------------------------------------------------------
+    def _probe_now(self) -> dict[str, Any]:
+        """The post-update probe, in process: one greedy forward on the fixed probe tokens."""
+        t0 = time.perf_counter()
+        try:
+            out = probe(self.engine, 1)
+        except Exception as exc:  # noqa: BLE001 - reported to the daemon, which fails the post-check
+            out = {"weight_version": self.store.current.version, "finite": False, "error": f"{type(exc).__name__}: {exc}"}
+        out["ms"] = (time.perf_counter() - t0) * 1e3
+        return out
+
+    def _take_prepared(self, request: UpdateRequest) -> updates.Opened | None:
+        """The preparation of exactly this request, taken out of its slot; any other one is let go."""
+        with self._prepare_lock:
+            held, self._prepared = self._prepared, None
+        if held is None:
+            return None
+        if held[0] == _key(request):
+            return held[1]
+        held[1].close(self.store)
+        return None
+
+    def _drop_prepared(self) -> None:
+        with self._prepare_lock:
+            held, self._prepared = self._prepared, None
+        if held is not None:
+            held[1].close(self.store)
+
+    def _release_deferred(self) -> None:
+        """Run what the store kept to release, on the releaser thread (the worker serves meanwhile)."""
+        fns = self.store.take_deferred()
+        if not fns:
+            return
+        if self._releaser is None:
+            self._releaser = threading.Thread(target=self._release_loop, name="hotswap-release", daemon=True)
+            self._releaser.start()
+        self._releases.put(fns)
+
+    def _release_loop(self) -> None:
+        while True:
+            self._run_releases(self._releases.get())
+
+    def _run_releases(self, fns: list[Callable[[], None]]) -> None:
+        """Run and forget each release (no reference to what it held may outlive it: a view keeps
+        a mapping alive)."""
+        t0 = time.perf_counter()
+        count, failed = len(fns), 0
+        while fns:
+            try:
+                fns.pop(0)()
+            except Exception as exc:  # noqa: BLE001 - a release must never take the worker down
+                failed += 1
+                log.warning("release after resume failed: %s", exc)
+        self.event("released", count=count, failed=failed, ms=round((time.perf_counter() - t0) * 1e3, 3))
+
     def _while_quiet(self, change: Callable[[], dict[str, Any]]) -> dict[str, Any]:
         """Run a weight change in a state that allows it; set the state after it."""
         state = self.state
@@ -191,12 +335,19 @@ class Controller:
                 self.engine.fail_all(f"worker unhealthy: {self.store.unhealthy}")
             elif from_running:
                 self.engine.resume()
+                self._release_deferred()
             raise
         if from_running:
             self.engine.resume()
+            self._release_deferred()
         else:
             if state in (WorkerState.PAUSED, WorkerState.DRAINING):
                 self._hold = "pause" if state is WorkerState.PAUSED else "drain"
             self._state = WorkerState.UPDATED
         result["state"] = self.state.value
         return result
+
+
+def _key(request: UpdateRequest) -> str:
+    """An update body in one canonical spelling: a preparation serves exactly the same body."""
+    return json.dumps(request.to_json(), sort_keys=True, separators=(",", ":"))

@@ -18,6 +18,8 @@ compared in constant time; without --token-file the admin routes answer 403):
     POST /admin/drain     {timeout_s}           POST /admin/pause {mode: keep|wait, timeout_s}
     POST /admin/resume                          POST /admin/rollback
     POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors, files}}
+                          answers with `probe`: one greedy forward under the new weights (post-check)
+    POST /admin/prepare   the same body, while serving: opened and validated before the pause
     POST /admin/probe     {max_tokens}: one greedy generation even while paused (post-update check)
     POST /admin/identify  {nonce} -> {proof}: HMAC of the nonce under the token (no auth;
                           the daemon checks it before it sends the token: daemon/identity.py)
@@ -67,6 +69,7 @@ from daemon.worker.admin import (
     health_router,
 )
 from daemon.worker.completions import Serving, install_serving_routes
+from daemon.worker.flat import checkpoint_order, pack_flat, room_to_pack
 from daemon.worker.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_QUEUE, BodyLimit, ServingLimits
 from daemon.worker.metrics import install_metrics
 from daemon.worker.openai_errors import install_error_handlers
@@ -132,6 +135,13 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
     version, digest = initial_version(model_dir, args.version)
     t0 = time.perf_counter()
     loaded = build_model(model_dir, device)
+    flat = None
+    if not args.no_flat_weights:
+        no_room = room_to_pack(loaded.params)
+        if no_room is None:
+            flat = pack_flat(loaded.params, checkpoint_order(str(model_dir)))
+        else:
+            log.warning("weights stay in separate allocations (ipc copies one per tensor): %s", no_room)
     expect = load_expect_file(args.expect_file)  # checked while loading; kept for restores
     transport = DiskTransport(model_dir, expect=expect)
     check_table(transport.table(), loaded.params)
@@ -141,6 +151,8 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
                            request={"transport": "disk", "path": str(model_dir), "version": version,
                                     **({"expect": expect.to_json()} if expect.files else {})})
     store = WeightStore(loaded.params, device, record)
+    store.flat = flat
+    store.stage_disk = args.stage_disk
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
     ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write)
     log.info("loaded %s (%d tensors, %d bytes) on %s in %.2f s", version, store.tensors, store.bytes, device, load_s)
@@ -168,6 +180,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--expect-file", default=None,
                    help="JSON {digest, tensors, files}: verified per-file digests the initial weights must match")
     p.add_argument("--max-batch", type=int, default=8, help="sequences stepped concurrently")
+    p.add_argument("--stage-disk", choices=["auto", "on", "off"], default="auto",
+                   help="a prepared disk update reads and checks the version into a buffer of its own before the "
+                        "pause (auto: on CUDA, when the device has room; on: also on the CPU; off: read in the pause)")
+    p.add_argument("--no-flat-weights", action="store_true",
+                   help="keep each weight in its own allocation (default: one flat buffer laid out as the staging "
+                        "loader lays out a version, so an ipc copy update is a few large copies)")
     p.add_argument("--served-model-name", default=None,
                    help="the name clients send as 'model' and /v1/models lists; stays the same across "
                         "weight updates (default: config.json's _name_or_path, else its model_type)")

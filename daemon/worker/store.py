@@ -21,6 +21,10 @@ Hook points for transports (see `daemon.worker.updates`):
   failure recovery call it instead of re-reading the source.
 * `VersionRecord.release`: called when a record is dropped from the store (swap mode frees or
   returns the retained buffers / IPC handles of a version nobody can roll back to any more).
+* `release(fn)`: how anything an update opened is let go (a record's release, a transport's
+  close). With `defer_releases` (the worker's controller sets it) they are kept until
+  `take_deferred()`, which the controller calls once the worker serves again: closing an IPC
+  handle (a device synchronize) or a loader round trip never runs inside the pause.
 
 Swap mode lives here, whatever transport leased the tensors: `swap_in(lease, record)` points
 every parameter at the lease's tensors (the worker's own storage is remembered at the first
@@ -91,6 +95,11 @@ class WeightStore:
         self.last_update: dict[str, Any] = {}
         self._own: _Flip | None = None  # the worker's own storage, captured at the first swap
         self._pointing_at: _Flip | None = None  # where the parameters point now (None: never swapped)
+        self.defer_releases = False  # True: `release` keeps closers until `take_deferred`
+        self._deferred: list[Callable[[], None]] = []
+        self._deferred_lock = threading.Lock()
+        self.flat: torch.Tensor | None = None  # the one buffer every parameter is a view of, when packed
+        self.stage_disk = "auto"  # disk updates read ahead before the pause: auto (CUDA) | on | off
 
     # -- facts -------------------------------------------------------------------------------
     @property
@@ -119,7 +128,21 @@ class WeightStore:
         self.update_count += 1
         self.unhealthy = None
         if dropped is not None and dropped.release is not None and dropped is not self.current:
-            dropped.release()
+            self.release(dropped.release)
+
+    def release(self, fn: Callable[[], None]) -> None:
+        """Let go of something an update opened: now, or with `defer_releases` once serving again."""
+        if not self.defer_releases:
+            fn()
+            return
+        with self._deferred_lock:
+            self._deferred.append(fn)
+
+    def take_deferred(self) -> list[Callable[[], None]]:
+        """The releases kept since the last call, in order (the caller runs them)."""
+        with self._deferred_lock:
+            fns, self._deferred = self._deferred, []
+        return fns
 
     def swap_current_and_previous(self) -> None:
         """After a rollback: the version we came from becomes the retained one."""

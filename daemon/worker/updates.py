@@ -13,6 +13,11 @@ Order of an update, all before any parameter changes except the last step:
    in swap mode, the lease of validated tensors is taken here;
 5. under the store lock (the scheduler is parked between steps): write_into(params), or the
    swap; then every cache is invalidated and the version committed.
+Steps 2-4 may run before the pause: `open_and_validate` (the controller's `prepare`, called by
+the daemon while the worker still serves) returns an `Opened` that `apply_update(prepared=...)`
+then uses, so only step 5 runs inside the pause. Whatever an update opened is let go through
+`store.release` (after resume, when the store defers releases).
+
 If step 5 fails, the previous weights are put back (the current record's `restore`, else a
 fresh transport for the current record's request) before the caller hears about it; if that
 fails too the store is marked unhealthy and the engine fails its requests.
@@ -93,12 +98,21 @@ class Opened:
     transport: WorkerTransport
     digest: str | None
     lease: SwapLease | None = None
+    open_ms: float = 0.0  # how long steps 2-4 took
+
+    def close(self, store: WeightStore) -> None:
+        """Let go of an `Opened` that will not be used (through the store: after resume)."""
+        if self.lease is not None:
+            lease, self.lease = self.lease, None
+            store.release(lease.release)
+        store.release(self.transport.close)
 
 
 def open_and_validate(
     request: UpdateRequest, store: WeightStore, open_transport: OpenTransport = worker_transport
 ) -> Opened:
     """Steps 2-4. Nothing is written; on refusal everything opened is closed again."""
+    t0 = time.perf_counter()
     try:
         transport = open_transport(request, store)
     except UpdateError:
@@ -139,7 +153,7 @@ def open_and_validate(
     except BaseException:
         transport.close()
         raise
-    return Opened(transport, digest, lease)
+    return Opened(transport, digest, lease, (time.perf_counter() - t0) * 1e3)
 
 
 def apply_update(
@@ -148,14 +162,16 @@ def apply_update(
     *,
     open_transport: OpenTransport = worker_transport,
     before_write: Sequence[BeforeWrite] = (),
+    prepared: Opened | None = None,
 ) -> dict[str, Any]:
     """Validate, then write under the store lock. Raises UpdateError subclasses.
 
-    `before_write` run between validation and the write phase (a test seam: the failure tests
-    damage the source there); production passes none.
+    `prepared`: `open_and_validate` of this very request, done before the pause (it is used and
+    let go here). `before_write` run between validation and the write phase (a test seam: the
+    failure tests damage the source there); production passes none.
     """
     t0 = time.perf_counter()
-    opened = open_and_validate(request, store, open_transport)
+    opened = prepared if prepared is not None else open_and_validate(request, store, open_transport)
     transport, digest = opened.transport, opened.digest
     validated_ms = (time.perf_counter() - t0) * 1e3
     path = request.source.get("path")
@@ -195,15 +211,15 @@ def apply_update(
             store.invalidate_caches()
             store.commit(record)
     finally:
-        if opened.lease is not None:  # taken, never used: the update stopped before the swap
-            opened.lease.release()
-        transport.close()
+        opened.close(store)  # a lease taken and never used, and the transport: after resume
     result: dict[str, Any] = {
         "version": request.version,
         "previous_version": previous,
         "duration_ms": (time.perf_counter() - t0) * 1e3,
         "validate_ms": validated_ms,
         "write_ms": write_ms,
+        "prepared": prepared is not None,  # opened and validated before the pause
+        "open_ms": opened.open_ms,
         "transport": request.transport,
         "mode": request.mode,
         "digest": record.digest,
@@ -263,7 +279,7 @@ def _write_record(rec: VersionRecord, transport: WorkerTransport | None, store: 
         store.prepare_for_copy()
         transport.write_into(store.params)
     finally:
-        transport.close()
+        store.release(transport.close)
 
 
 def _load_record(store: WeightStore, rec: VersionRecord) -> None:
