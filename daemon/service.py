@@ -256,6 +256,8 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     rollout = RolloutService.from_config(config, registry, transitions) if config.workers else None
     if rollout is not None:
         coordinator.on_verified = rollout.submit
+        if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
+            rollout.fleet_agent.fetch = coordinator.fetch_here
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 
 

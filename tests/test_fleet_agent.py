@@ -6,6 +6,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from conftest import publish_tiny
+from fake_source import FakeSource, FakeSourceConfig
+
+from daemon.checks import CheckSettings
+from daemon.coordinator import Coordinator
 from daemon.fleet import FleetAgent
 from daemon.fleet_config import FleetSettings
 from daemon.fleet_target import fleet_target, set_fleet_target
@@ -13,6 +18,8 @@ from daemon.registry import Registry, hosts
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint
 from daemon.registry.status import CheckpointStatus
+
+CHEAP = CheckSettings(enabled=("manifest", "headers", "crc32c"))
 
 
 def _versions(reg: Registry, root: Path, statuses: dict[str, CheckpointStatus]) -> dict[str, int]:
@@ -64,5 +71,35 @@ def test_what_a_host_converges_to(db_url: str, tmp_path: Path) -> None:
     set_fleet_target(ra, None, by="operator")
     pinned[0] = "v0"
     assert agent.wanted() is None  # a pinned host stays where it is
+    ra.close()
+    rb.close()
+
+
+def test_a_version_registered_by_another_host_is_fetched_from_its_source_here(db_url: str, tmp_path: Path) -> None:
+    """A remote source (no local directory at discovery, like S3): host a registers, fetches and
+    verifies; host b's source finds the same version, and its agent fetches b's own copy."""
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    store = tmp_path / "store"
+    publish_tiny(store / "f1", seed=1, version="f1")
+    src_a = FakeSource(FakeSourceConfig(store=str(store), cache=str(tmp_path / "a-cache"), name="bucket"), lambda i: None)
+    src_b = FakeSource(FakeSourceConfig(store=str(store), cache=str(tmp_path / "b-cache"), name="bucket"), lambda i: None)
+    a, b = Coordinator(ra, CHEAP), Coordinator(rb, CHEAP)
+    a.sources, b.sources = {"bucket": src_a}, {"bucket": src_b}
+    src_a.emit, src_b.emit = a.intake, b.intake
+    src_a.offer("f1")
+    a.process(a._queue.get_nowait())
+    ja, jb = Journal(ra), Journal(rb)
+    f1 = ja.checkpoint_by_version("f1")
+    assert f1 is not None and f1.status == CheckpointStatus.VERIFIED and f1.local_path == str(tmp_path / "a-cache" / "f1")
+    src_b.offer("f1")  # known to the fleet: not registered, not verified again, no copy here yet
+    assert b._queue.empty() and jb.checkpoint(f1.id).local_path is None  # type: ignore[union-attr]
+    agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: None,
+                       converge=lambda v: None, submit=lambda i: None)  # fmt: skip
+    agent.fetch = b.fetch_here
+    wanted = agent.wanted()  # the verified f1 nobody deployed yet: host b fetches its own copy first
+    assert wanted is not None and wanted[0].version == "f1"
+    assert src_b.fetched == ["f1"] and jb.checkpoint(f1.id).local_path == str(tmp_path / "b-cache" / "f1")  # type: ignore[union-attr]
+    assert ja.checkpoint(f1.id).local_path == str(tmp_path / "a-cache" / "f1")  # type: ignore[union-attr]
     ra.close()
     rb.close()
