@@ -55,8 +55,9 @@ class LeasedEngine(RolloutEngine):
             return RolloutResult(rid, RolloutOutcome.SUPERSEDED, reason)
         try:
             with self.leases.renewing():
-                return super().deploy(ckpt, trigger=trigger, fallback=fallback, should_yield=should_yield,
-                                      only=only, detail=detail)  # fmt: skip
+                # a lost slot (another host took it after an expiry) stops at the next batch boundary
+                return super().deploy(ckpt, trigger=trigger, fallback=fallback, only=only, detail=detail,
+                                      should_yield=lambda: should_yield() or self.leases.lost)  # fmt: skip
         finally:
             self.leases.release(ckpt.id)
 
