@@ -295,29 +295,6 @@ class Coordinator:
         vlog.info("fetched", directory=str(directory), seconds=round(time.monotonic() - t0, 2))
         return True
 
-    def fetch_here(self, checkpoint_id: int) -> bool:
-        """Fleet mode: this host's own copy of a version another host registered, from its source
-        (the same `[[sources]]` label here); recorded as this host's location. True on success."""
-        with self.registry.session() as s:
-            ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
-            if ckpt is None:
-                return False
-            item, label = FetchItem(ckpt.id, ckpt.version, ckpt.uri), ckpt.source
-        vlog = bind_version(log, item.version, source=label)
-        source = self.sources.get(label)
-        if source is None:
-            vlog.info("no copy on this host and its source is not configured here")
-            return False
-        try:
-            directory = source.fetch(item, lambda _done, _total: None)
-        except Exception as exc:  # FetchError or an OS fault: tried again by the fleet agent later
-            vlog.warning("fetching this host's copy failed", reason=str(exc))
-            return False
-        with self.registry.session() as s:
-            hosts.set_location(s, checkpoint_id, str(directory))
-        vlog.info("fetched this host's copy", directory=str(directory))
-        return True
-
     def _fetch_failed(self, checkpoint_id: int, exc: FetchError, vlog: BoundLogger) -> bool:
         retry = exc.retry_after_s
         to = C.DISCOVERED if retry is not None else C.REJECTED

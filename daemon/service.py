@@ -39,6 +39,7 @@ from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
 from daemon.broadcast_api import broadcast_router
 from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
+from daemon.fleet_fetch import fetch_here
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
@@ -257,7 +258,7 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     if rollout is not None:
         coordinator.on_verified = rollout.submit
         if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
-            rollout.fleet_agent.fetch = coordinator.fetch_here
+            rollout.fleet_agent.fetch = lambda cid: fetch_here(registry, coordinator.sources, cid)
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 
 

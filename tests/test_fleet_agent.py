@@ -13,6 +13,7 @@ from daemon.checks import CheckSettings
 from daemon.coordinator import Coordinator
 from daemon.fleet import FleetAgent
 from daemon.fleet_config import FleetSettings
+from daemon.fleet_fetch import fetch_here
 from daemon.fleet_target import fleet_target, set_fleet_target
 from daemon.registry import Registry, hosts
 from daemon.registry.journal import Journal
@@ -96,7 +97,7 @@ def test_a_version_registered_by_another_host_is_fetched_from_its_source_here(db
     assert b._queue.empty() and jb.checkpoint(f1.id).local_path is None  # type: ignore[union-attr]
     agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: None,
                        converge=lambda v: None, submit=lambda i: None)  # fmt: skip
-    agent.fetch = b.fetch_here
+    agent.fetch = lambda cid: fetch_here(rb, b.sources, cid)
     wanted = agent.wanted()  # the verified f1 nobody deployed yet: host b fetches its own copy first
     assert wanted is not None and wanted[0].version == "f1"
     assert src_b.fetched == ["f1"] and jb.checkpoint(f1.id).local_path == str(tmp_path / "b-cache" / "f1")  # type: ignore[union-attr]
