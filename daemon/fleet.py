@@ -55,8 +55,9 @@ class LeasedEngine(RolloutEngine):
             return RolloutResult(rid, RolloutOutcome.SUPERSEDED, reason)
         try:
             with self.leases.renewing():
-                return super().deploy(ckpt, trigger=trigger, fallback=fallback, should_yield=should_yield,
-                                      only=only, detail=detail)  # fmt: skip
+                # a lost slot (another host took it after an expiry) stops at the next batch boundary
+                return super().deploy(ckpt, trigger=trigger, fallback=fallback, only=only, detail=detail,
+                                      should_yield=lambda: should_yield() or self.leases.lost)  # fmt: skip
         finally:
             self.leases.release(ckpt.id)
 
@@ -91,6 +92,9 @@ class FleetAgent:
         self.settings = settings
         self.idle, self.pinned, self.converge, self.submit = idle, pinned, converge, submit
         self._tried: dict[str, float] = {}
+        self._fetched: dict[str, float] = {}
+        # set by the daemon (Coordinator.fetch_here): fetch this host's copy of a checkpoint id
+        self.fetch: Callable[[int], bool] | None = None
         self._missing_logged: set[str] = set()
 
     def wanted(self) -> tuple[CheckpointRef, bool] | None:
@@ -113,6 +117,11 @@ class FleetAgent:
     def _here(self, ckpt: CheckpointRef) -> bool:
         if ckpt.local_path and Path(ckpt.local_path).is_dir():
             return True
+        now = time.monotonic()
+        if self.fetch is not None and now - self._fetched.get(ckpt.version, -RETRY_S) >= RETRY_S:
+            self._fetched[ckpt.version] = now
+            if self.fetch(ckpt.id):  # its source brings this host's own copy (S3, a shared folder)
+                return True
         if ckpt.version not in self._missing_logged:
             self._missing_logged.add(ckpt.version)
             log.warning("fleet_version_not_on_this_host", version=ckpt.version, host=self.journal.registry.host)

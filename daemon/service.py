@@ -39,6 +39,7 @@ from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
 from daemon.broadcast_api import broadcast_router
 from daemon.config import Config, ConfigError
 from daemon.coordinator import Coordinator, StatusObserver
+from daemon.fleet_fetch import fetch_here
 from daemon.logging import configure_logging, get_logger
 from daemon.metrics import DaemonMetrics
 from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
@@ -260,6 +261,8 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     if rollout is not None:
         coordinator.on_verified = rollout.submit
         coordinator.verify_stager = rollout.stager.verify_stager  # ipc: verify reads into the loader
+        if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
+            rollout.fleet_agent.fetch = lambda cid: fetch_here(registry, coordinator.sources, cid)
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 
 

@@ -27,7 +27,9 @@ def _url() -> str:
     # `database_url`, not `database.url`: the latter is "" when the config leaves the
     # default (SQLite in the state dir), and alembic would then get an empty URL.
     if x.get("config"):
-        return load_config(x["config"]).database_url
+        loaded = load_config(x["config"])
+        config.attributes.setdefault("host", loaded.fleet.host_name)  # 0005: existing rows' host
+        return loaded.database_url
     ini_url = config.get_main_option("sqlalchemy.url")
     if ini_url:
         return ini_url

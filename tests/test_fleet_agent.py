@@ -1,0 +1,106 @@
+"""What a host of a fleet moves to (`FleetAgent`): the newest `last_good` of any host, an
+operator's explicit target (even an older one), a version the fleet verified that nobody finished
+deploying; never a version whose bytes are not on this host, never while pinned or busy."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from conftest import publish_tiny
+from fake_source import FakeSource, FakeSourceConfig
+
+from daemon.checks import CheckSettings
+from daemon.coordinator import Coordinator
+from daemon.fleet import FleetAgent
+from daemon.fleet_config import FleetSettings
+from daemon.fleet_fetch import fetch_here
+from daemon.fleet_target import fleet_target, set_fleet_target
+from daemon.registry import Registry, hosts
+from daemon.registry.journal import Journal
+from daemon.registry.models import Checkpoint
+from daemon.registry.status import CheckpointStatus
+
+CHEAP = CheckSettings(enabled=("manifest", "headers", "crc32c"))
+
+
+def _versions(reg: Registry, root: Path, statuses: dict[str, CheckpointStatus]) -> dict[str, int]:
+    ids = {}
+    with reg.session() as s:
+        for step, (v, st) in enumerate(statuses.items()):
+            (root / v).mkdir(parents=True)
+            c = Checkpoint(version=v, source="local:/x", uri=f"file:///x/{v}", local_path=str(root / v), step=step,
+                           status=st.value)  # fmt: skip
+            s.add(c)
+            s.flush()
+            ids[v] = c.id
+    with reg.session() as s:  # verified_at set: they passed their checks on the registering host
+        for c in s.query(Checkpoint):
+            c.verified_at = c.discovered_at
+    return ids
+
+
+def test_what_a_host_converges_to(db_url: str, tmp_path: Path) -> None:
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    ids = _versions(ra, tmp_path / "a", {"v0": CheckpointStatus.RETIRED, "v1": CheckpointStatus.DEPLOYED,
+                                         "v2": CheckpointStatus.VERIFIED})  # fmt: skip
+    ja, jb = Journal(ra), Journal(rb)
+    ja.set_alias("serving", ids["v1"])
+    ja.set_alias("last_good", ids["v1"])
+    asked: list[tuple[str, object]] = []
+    pinned: list[str | None] = [None]
+    agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: pinned[0],
+                       converge=lambda v: asked.append(("converge", v)),
+                       submit=lambda i: asked.append(("submit", i)))  # fmt: skip
+    target = fleet_target(jb)
+    assert target is not None and target.checkpoint.version == "v1" and not target.explicit
+    assert agent.wanted() is None  # host b has no copy of v1 (nor of v2): it never uses host a's
+    for v in ("v0", "v1", "v2"):  # host b's source finds the same versions in its own folder
+        (tmp_path / "b" / v).mkdir(parents=True)
+        with rb.session() as s:
+            hosts.set_location(s, ids[v], str(tmp_path / "b" / v))
+    assert agent.tick() == "v1" and asked == [("converge", "v1")]
+    assert agent.tick() is None  # asked once; tried again only after a while
+    jb.set_alias("serving", ids["v1"])
+    wanted = agent.wanted()  # in sync with the target: the verified v2 nobody finished is next
+    assert wanted is not None and wanted[0].version == "v2" and wanted[1] is False
+    set_fleet_target(ra, "v0", by="operator")  # an operator holds the fleet on an older version
+    wanted = agent.wanted()
+    assert wanted is not None and wanted[0].version == "v0" and wanted[1] is True
+    jb.set_alias("serving", ids["v0"])
+    assert agent.wanted() is None  # there: nothing newer while the explicit target stands
+    set_fleet_target(ra, None, by="operator")
+    pinned[0] = "v0"
+    assert agent.wanted() is None  # a pinned host stays where it is
+    ra.close()
+    rb.close()
+
+
+def test_a_version_registered_by_another_host_is_fetched_from_its_source_here(db_url: str, tmp_path: Path) -> None:
+    """A remote source (no local directory at discovery, like S3): host a registers, fetches and
+    verifies; host b's source finds the same version, and its agent fetches b's own copy."""
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    store = tmp_path / "store"
+    publish_tiny(store / "f1", seed=1, version="f1")
+    src_a = FakeSource(FakeSourceConfig(store=str(store), cache=str(tmp_path / "a-cache"), name="bucket"), lambda i: None)
+    src_b = FakeSource(FakeSourceConfig(store=str(store), cache=str(tmp_path / "b-cache"), name="bucket"), lambda i: None)
+    a, b = Coordinator(ra, CHEAP), Coordinator(rb, CHEAP)
+    a.sources, b.sources = {"bucket": src_a}, {"bucket": src_b}
+    src_a.emit, src_b.emit = a.intake, b.intake
+    src_a.offer("f1")
+    a.process(a._queue.get_nowait())
+    ja, jb = Journal(ra), Journal(rb)
+    f1 = ja.checkpoint_by_version("f1")
+    assert f1 is not None and f1.status == CheckpointStatus.VERIFIED and f1.local_path == str(tmp_path / "a-cache" / "f1")
+    src_b.offer("f1")  # known to the fleet: not registered, not verified again, no copy here yet
+    assert b._queue.empty() and jb.checkpoint(f1.id).local_path is None  # type: ignore[union-attr]
+    agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: None,
+                       converge=lambda v: None, submit=lambda i: None)  # fmt: skip
+    agent.fetch = lambda cid: fetch_here(rb, b.sources, cid)
+    wanted = agent.wanted()  # the verified f1 nobody deployed yet: host b fetches its own copy first
+    assert wanted is not None and wanted[0].version == "f1"
+    assert src_b.fetched == ["f1"] and jb.checkpoint(f1.id).local_path == str(tmp_path / "b-cache" / "f1")  # type: ignore[union-attr]
+    assert ja.checkpoint(f1.id).local_path == str(tmp_path / "a-cache" / "f1")  # type: ignore[union-attr]
+    ra.close()
+    rb.close()
