@@ -157,7 +157,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
 def _registry(config: Config, migrate: bool = False) -> Any:
     from daemon.registry import Registry
 
-    reg = Registry(config.database_url, config.fleet.host_name)
+    reg = Registry(config.database_url, config.fleet.host or None)
     if migrate:
         reg.upgrade()
     return reg

@@ -55,7 +55,7 @@ def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
                 f"no hotswap database at {path} (config: {config.source_file}); "
                 "pass -c CONFIG or --state-dir DIR of the daemon's state"
             )
-    reg = Registry(config.database_url, config.fleet.host_name)
+    reg = Registry(config.database_url, config.fleet.host or None)
     if upgrade:
         reg.upgrade()  # an existing database written by an older version
     return reg

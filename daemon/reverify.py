@@ -81,7 +81,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"hotswap: error: {exc}", file=sys.stderr)
         return 2
-    reg = Registry(config.database_url, config.fleet.host_name)
+    reg = Registry(config.database_url, config.fleet.host or None)
     try:
         try:
             try:

@@ -245,7 +245,7 @@ class Daemon:
 def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     """Every part of the daemon, constructed in pipeline order; nothing runs until `start()`."""
     seen = observers or Observers()
-    registry = Registry(config.database_url, config.fleet.host_name)
+    registry = Registry(config.database_url, config.fleet.host or None)
     metrics = DaemonMetrics()
     scheduler = BackgroundScheduler(daemon=True)
     # register -> fetch -> verify: the coordinator (its queue is what the sources feed)

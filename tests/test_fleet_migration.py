@@ -4,6 +4,7 @@ and fleet mode on SQLite is refused at start with one line (exit 2)."""
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -73,6 +74,22 @@ def test_0005_forwards_a_single_host_database_with_its_data(db_url: str) -> None
     assert Journal(other).checkpoint_by_version("v1").local_path is None  # type: ignore[union-attr]
     other.close()
     reg.close()
+
+
+def test_without_a_host_setting_sqlite_keeps_the_host_its_rows_have(db_url: str) -> None:
+    """A container gets a new hostname with every new container: on SQLite (one machine's file)
+    the rows' single host is kept; on PostgreSQL (a fleet's) the hostname is the host."""
+    first = Registry(db_url, "old-container")
+    first.upgrade()
+    Journal(first).register_workers([("w0", "builtin", "http://127.0.0.1:9", "cpu")])
+    first.close()
+    again = Registry(db_url)
+    again.upgrade()
+    if again.dialect == "sqlite":
+        assert again.host == "old-container" and Journal(again).worker_state("w0") == ("UNKNOWN", None)
+    else:
+        assert again.host == socket.gethostname()
+    again.close()
 
 
 def test_fleet_mode_on_sqlite_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -70,17 +70,37 @@ class Registry:
     A registry is bound to one host (`[fleet] host`, default this machine's hostname): its
     sessions carry it (`s.info["host"]`), so workers, aliases, rollouts, events and checkpoint
     locations are read and written as this host's (daemon.registry.hosts).
+
+    SQLite is one machine's file: without an explicit host, a registry on an SQLite database
+    whose rows all belong to one host takes that host's name (a container's hostname changes
+    with every new container; the state directory, and what it serves, stays).
     """
 
     def __init__(self, url: str, host: str | None = None) -> None:
         self.url = url
+        self.explicit_host = bool(host)
         self.host = host or socket.gethostname()
         try:
             self.engine = make_engine(url)
         except Exception as exc:
             raise RegistryError(f"cannot open database {redact_url(url)}: {one_line(exc)}") from exc
-        self._sessions = sessionmaker(self.engine, expire_on_commit=False, info={"host": self.host})
+        self._sessions = sessionmaker(self.engine, expire_on_commit=False)
         hosts.install(self._sessions)
+        self._adopt_single_host()
+
+    def _adopt_single_host(self) -> None:
+        if self.explicit_host or self.engine.dialect.name != "sqlite":
+            return
+        db = make_url(self.url).database
+        if not db or db == ":memory:" or db.startswith("file:") or not Path(db).expanduser().is_file():
+            return  # nothing written yet (and opening it would create the file)
+        try:
+            with self.engine.connect() as conn:
+                found = hosts.single_host(conn)
+        except Exception:  # noqa: BLE001 - no tables yet, or a database before 0005: keep the hostname
+            return
+        if found:
+            self.host = found
 
     @property
     def dialect(self) -> str:
@@ -88,7 +108,7 @@ class Registry:
 
     @contextmanager
     def session(self) -> Iterator[Session]:
-        s = self._sessions()
+        s = self._sessions(info={"host": self.host})
         try:
             yield s
             s.commit()
@@ -110,6 +130,7 @@ class Registry:
                 command.upgrade(cfg, revision)
         except Exception as exc:
             raise RegistryError(f"migrating database {redact_url(self.url)} failed: {one_line(exc)}") from exc
+        self._adopt_single_host()
 
     def current_revision(self) -> str | None:
         from alembic.runtime.migration import MigrationContext

@@ -18,7 +18,7 @@ from __future__ import annotations
 import socket
 from typing import Any
 
-from sqlalchemy import Table, delete, event, inspect, select, update
+from sqlalchemy import Connection, Table, delete, event, inspect, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from daemon.registry.models import Alias, Checkpoint, CheckpointLocation, Event, Rollout, Worker, utcnow
@@ -99,6 +99,12 @@ def served_elsewhere(s: Session, checkpoint_id: int) -> list[str]:
             )
         )
     )
+
+
+def single_host(conn: Connection) -> str | None:
+    """The one host every `workers` / `aliases` row belongs to; None when none or several."""
+    found = set(conn.execute(select(Worker.host).union(select(Alias.host))).scalars())
+    return found.pop() if len(found) == 1 else None
 
 
 def worker_row(s: Session, name: str) -> Worker | None:
