@@ -28,7 +28,6 @@ when the command did not finish within `wait_s` (it still runs).
 
 from __future__ import annotations
 
-import socket
 import ssl
 import threading
 import time
@@ -54,6 +53,7 @@ from daemon.registry import queries as q
 from daemon.registry.db import redact_url
 from daemon.rollout.queue import CommandError
 from daemon.rollout.service import RolloutService
+from daemon.tcplisten import tcp_listener
 
 DEFAULT_WAIT_S = 900.0
 
@@ -188,9 +188,7 @@ class ApiServer:
     """uvicorn in a background thread on a socket bound up front (so port 0 works)."""
 
     def __init__(self, app: FastAPI, host: str, port: int, tls_certfile: str = "", tls_keyfile: str = "") -> None:
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, port))
+        self.sock = tcp_listener(host, port)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.scheme = "https" if tls_certfile else "http"
         tls: dict[str, Any] = {"ssl_certfile": tls_certfile, "ssl_keyfile": tls_keyfile} if tls_certfile else {}

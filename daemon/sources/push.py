@@ -13,7 +13,6 @@ The retention hook keeps `path` under `max_bytes` (0 = no limit), never deleting
 
 from __future__ import annotations
 
-import socket
 import ssl
 import threading
 import time
@@ -37,6 +36,7 @@ from daemon.manifest import ManifestError, load_manifest
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache
 from daemon.sources.push_routes import Limits, PushState, clear_incoming, push_router
+from daemon.tcplisten import tcp_listener
 
 log = get_logger(__name__)
 GIB = 1024**3
@@ -97,9 +97,7 @@ class PushServer:
     def __init__(self, app: FastAPI, listen: str, config: PushSourceConfig) -> None:
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
-        self.sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        self.sock.bind((host, int(port)))
+        self.sock = tcp_listener(host, int(port))
         self.host, self.port = host, int(self.sock.getsockname()[1])
         self.tls = bool(config.tls_cert_file)
         tls: dict[str, Any] = {}

@@ -58,6 +58,7 @@ from fastapi import FastAPI
 from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
 from daemon.formats.safetensors import HeaderError
 from daemon.identity import PrivateDirError
+from daemon.tcplisten import tcp_listener
 from daemon.transport.base import TableMismatch, TransportError, check_table
 from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
@@ -244,12 +245,9 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
 
 
 def bind_tcp(host: str, port: int) -> socket.socket:
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
-        sock.bind((host, port))
+        sock = tcp_listener(host, port)
     except OSError as exc:
-        sock.close()
         raise OSError(f"--port {port} on {host}: cannot listen there ({exc.strerror}); another process may hold it") from None
     return sock
 
