@@ -52,7 +52,7 @@ from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrig
 from daemon.rollout.driver import StepFailed
 from daemon.rollout.service import RolloutService
 from daemon.rollout.stage import Target
-from daemon.rollout.states import WorkerHandle
+from daemon.rollout.states import WorkerHandle, WorkerState
 from daemon.transport.base import BadUpdateRequest, UpdateRequest
 from daemon.transport.broadcast import (
     DEFAULT_BUCKET_BYTES,
@@ -130,6 +130,14 @@ class Broadcasts:
                         t.busy.release()
                     raise Refusal(409, f"worker {h.name} is busy with a rollout; try again", retry_after_s=1)
                 taken.append(h)
+            # Only from RUNNING (as the daemon knows it): an UNCERTAIN worker waits for the reconcile
+            # job to re-install a known version, an unreachable one for the health poll or a restart.
+            not_running = [f"{h.name} is {h.state.value if h.state else 'not known yet'}" for h in handles
+                           if h.state != WorkerState.RUNNING]  # fmt: skip
+            if not_running:
+                for t in taken:
+                    t.busy.release()
+                raise Refusal(409, f"workers not RUNNING: {', '.join(not_running)}; try again", retry_after_s=1)
             try:
                 session = self._record(version, table, spec, body, handles)
             except BaseException:

@@ -160,3 +160,29 @@ def test_only_transient_refusals_tell_the_trainer_when_to_ask_again() -> None:
 
     assert Refusal(409, "worker w0 is busy with a rollout; try again", retry_after_s=1).response().headers["Retry-After"] == "1"
     assert "Retry-After" not in Refusal(409, "version 'v1' is already recorded").response().headers
+
+
+def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(tmp_path: Path) -> None:
+    """A worker the daemon holds UNCERTAIN (drift, waiting for the reconcile job) or has not heard
+    from: the session is refused as transient, before anything is recorded or any lock kept."""
+    from types import SimpleNamespace
+
+    from daemon.adapters.builtin import BuiltinWorkerClient
+    from daemon.broadcast_api import Broadcasts, Refusal
+    from daemon.config import WorkerSpec
+    from daemon.rollout.states import WorkerHandle, WorkerState
+
+    handles = [WorkerHandle(spec=WorkerSpec(name=n, url="http://127.0.0.1:9"), client=BuiltinWorkerClient(n, "http://127.0.0.1:9"),
+                            url="http://127.0.0.1:9") for n in ("w0", "w1")]  # fmt: skip
+    handles[0].observed(WorkerState.UNCERTAIN)
+    recorded: list[str] = []
+    journal = SimpleNamespace(checkpoint_by_version=lambda v: recorded.append(v) and None)
+    service = SimpleNamespace(wait_ready=lambda t: True, fleet=handles, journal=journal)
+    sessions = Broadcasts(service, tmp_path)  # type: ignore[arg-type]
+    body = {"version": "v9", "table": [{"name": "a", "dtype": "F32", "shape": [2]}], "master_address": "127.0.0.1",
+            "master_port": 29500}  # fmt: skip
+    with pytest.raises(Refusal, match="w0 is UNCERTAIN, w1 is not known yet") as refused:
+        sessions.begin(body)
+    assert refused.value.status_code == 409 and refused.value.retry_after_s is not None
+    assert all(h.busy.acquire(blocking=False) for h in handles), "a refused session kept a worker's lock"
+    assert not (tmp_path / "broadcast").exists()
