@@ -294,7 +294,9 @@ def test_kept_requests_hold_the_cache_until_reset_running_requests_then_continue
     api.pause("keep", clear_cache=False)
     api.reload_weights(str(ckpts.b))
     held = api.requests_in_engine()
-    assert api.reset_prefix_cache_once() is False, f"the frozen request holds KV blocks; (running, waiting)={held}"
+    assert api.reset_prefix_cache_once() is False, (
+        f"the frozen request holds KV blocks; (running, waiting)={held}; stream: {len(s.tokens)} tokens, "
+        f"status {s.status}, finish {s.finish_reason!r}, error {s.error!r}, alive {s.thread.is_alive()}")
     assert api.reset_prefix_cache_once(reset_running_requests=True) is True
     frozen_at = settled(s)  # A's tokens, all of them delivered
     api.resume()
