@@ -98,8 +98,9 @@ def _parameters_on_meta() -> Iterator[None]:
 _BUILD_LOCK = threading.Lock()  # _parameters_on_meta patches a class attribute: one build at a time
 
 
-def _build(doc: dict[str, Any], device: str, key: str, where: str) -> Canary:
-    from transformers import AutoModelForCausalLM
+def model_config(doc: dict[str, Any], where: str) -> tuple[Any, torch.dtype]:
+    """transformers' config for a config.json document already read (bounded) and its dtype;
+    CheckFailed naming `where` when transformers cannot use it."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     try:
@@ -112,6 +113,13 @@ def _build(doc: dict[str, Any], device: str, key: str, where: str) -> Canary:
     dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype)
+    return config, dtype
+
+
+def _build(doc: dict[str, Any], device: str, key: str, where: str) -> Canary:
+    from transformers import AutoModelForCausalLM
+
+    config, dtype = model_config(doc, where)
     try:
         with _BUILD_LOCK, torch.device(device), _no_init_weights(), _parameters_on_meta():
             try:

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
-from daemon.checks.canary import CANARIES, REFERENCES, bind, run, weights_identity
+from daemon.checks.canary import CANARIES, REFERENCES, bind, model_config, run, weights_identity
 from daemon.checks.headers import load_table
 from daemon.checks.staged import StagedTensors, stage_files
 from daemon.formats.checkpoint import LayoutError, read_config, tensor_table, weight_files
@@ -38,19 +38,8 @@ def build_model(directory: Path, device: str) -> torch.nn.Module:
     doc = _config_doc(directory)
     if doc is None:
         raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
-    try:
-        # from the bounded read, not from_pretrained's own unbounded one (what AutoConfig does inside)
-        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
-
-        model_type = doc.get("model_type")
-        if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
-            raise ValueError(f"unknown model_type {model_type!r}")
-        config = CONFIG_MAPPING[model_type].from_dict(doc)
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        raise CheckFailed(f"{directory.name}/config.json: transformers cannot use it ({exc})") from None
-    dtype = getattr(config, "torch_dtype", None) or getattr(config, "dtype", None) or torch.float32
-    if isinstance(dtype, str):
-        dtype = getattr(torch, dtype)
+    # from the bounded read, not from_pretrained's own unbounded one (what AutoConfig does inside)
+    config, dtype = model_config(doc, directory.name)
     try:
         # Built straight on `device` with no random initialisation: every weight is loaded next
         # (a missing one is refused below). Random init on the CPU cost ~10 s per 1B parameters.
