@@ -43,14 +43,17 @@ def start_worker(model: Path, token: Path, device: str, admin_uds: Path | None) 
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=str(REPO))
     assert proc.stdout is not None
     deadline = time.monotonic() + 300
+    seen: list[str] = []
     for line in proc.stdout:
         if line.startswith("hotswap worker ready:"):
             threading.Thread(target=_drain, args=(proc,), daemon=True).start()
             return proc, line.split("url=", 1)[1].split()[0]
+        seen = (seen + [line.rstrip()])[-30:]
         if time.monotonic() > deadline:
             break
     proc.kill()
-    raise RuntimeError(f"worker did not start (rc {proc.wait()})")
+    tail = "\n".join(seen)
+    raise RuntimeError(f"worker did not start (rc {proc.wait()}): {' '.join(cmd)}\n{tail}")
 
 
 def _drain(proc: subprocess.Popen[str]) -> None:
