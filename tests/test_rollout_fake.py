@@ -562,3 +562,77 @@ def test_a_version_that_keeps_killing_a_worker_in_its_health_window_is_rejected(
         assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
     finally:
         svc.stop()
+
+
+class PreparingFake(FakeWorkerClient):
+    """A fake that can prepare (like the reference worker's /admin/prepare); the log is shared."""
+
+    def __init__(self, name: str, log: list[str], **kw: Any) -> None:
+        super().__init__(name, **kw)
+        self.log = log
+        self.prepared: str | None = None
+        self.gate: Any = None  # a threading.Event this worker's update waits for (10 s at most)
+
+    def prepare(self, request: Any) -> None:
+        self.log.append(f"{self.name}.prepare {request.version}")
+        self.prepared = request.version
+
+    def pause(self, mode: Any = "keep") -> None:
+        self.log.append(f"{self.name}.pause")
+        super().pause(mode)
+
+    def drain(self, timeout_s: float) -> None:
+        self.log.append(f"{self.name}.pause")  # leaves RUNNING all the same
+        super().drain(timeout_s)
+
+    def update(self, request: Any) -> Any:
+        if self.gate is not None:
+            self.gate.wait(10)
+        self.log.append(f"{self.name}.update {request.version} prepared={self.prepared == request.version}")
+        self.prepared = None
+        return super().update(request)
+
+
+def test_later_workers_are_prepared_while_the_first_updates_and_each_is_prepared_once(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    import threading
+
+    log: list[str] = []
+    w0, w1 = PreparingFake("w0", log), PreparingFake("w1", log)
+    w0.gate = threading.Event()  # w0's update waits until w1 was prepared: only prepared-ahead passes
+    orig = w1.prepare
+
+    def prepare_then_open_gate(request: Any) -> None:
+        orig(request)
+        w0.gate.set()
+
+    w1.prepare = prepare_then_open_gate  # type: ignore[method-assign]
+    svc = _service(reg, tmp_path, w0, w1, max_unavailable=1)  # two batches: w0, then w1
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        out = svc._deploy_new(verified(reg, "v1"))
+        assert out["outcome"] == "succeeded", out
+        assert log.index("w1.prepare v1") < log.index("w0.update v1 prepared=True"), log
+        assert log.index("w1.prepare v1") < log.index("w1.pause"), log
+        assert log.count("w1.prepare v1") == 1 and log.count("w0.prepare v1") == 1, log  # not again at its turn
+        assert "w1.update v1 prepared=True" in log, log
+        assert {f.version for f in (w0, w1)} == {"v1"}
+    finally:
+        svc.stop()
+
+
+def test_a_worker_already_on_the_target_is_not_prepared_ahead(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    log: list[str] = []
+    w0, w1 = PreparingFake("w0", log), PreparingFake("w1", log, version="v1")
+    svc = _service(reg, tmp_path, w0, w1, max_unavailable=1)
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        assert svc._deploy_new(verified(reg, "v1"))["outcome"] == "succeeded"
+        assert not [e for e in log if e.startswith("w1.")], log  # nothing opened that no update takes
+    finally:
+        svc.stop()

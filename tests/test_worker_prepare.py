@@ -136,3 +136,19 @@ def test_a_prepared_disk_update_reads_ahead_and_the_pause_writes_only_verified_b
     bad = w.post("/admin/prepare", {**body, "version": "v2y"}, admin=True)
     assert bad.status_code == 422 and "does not match the verified" in bad.json()["error"], bad.text
     assert w.info()["prepared_version"] is None and w.info()["version"] == "v2"
+
+
+def test_a_preparation_no_update_takes_is_let_go_after_its_ttl(root: Path, loader: LoaderProcess) -> None:
+    """The daemon prepares later workers while the first ones update; when the rollout stops
+    before their turn, the open IPC handle (a loader acquisition) must not be kept for good."""
+    wp = start_worker(root / "v1", root / "token", extra=["--version", "v1", "--prepared-ttl-s", "1"])
+    try:
+        body = {"version": "v3", "transport": "ipc", "descriptor": loader.client.descriptor("v3"), "mode": "copy"}
+        assert wp.admin("/admin/prepare", body)["prepared"] is True
+        assert wp.info()["prepared_version"] == "v3" and holders(loader)["v3"]
+        wait_until(lambda: wp.info()["prepared_version"] is None, timeout=20, what="the preparation to expire")
+        assert any(e["event"] == "prepare_expired" and e["version"] == "v3" for e in wp.info()["events"])
+        wait_until(lambda: not holders(loader)["v3"], timeout=10, what="the loader acquisition let go")
+        assert wp.info()["version"] == "v1" and wp.info()["state"] == "RUNNING"
+    finally:
+        wp.stop()

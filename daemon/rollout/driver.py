@@ -153,10 +153,14 @@ class WorkerDriver:
         return failed
 
     # -- the normal path ---------------------------------------------------------------
-    def update(self, h: WorkerHandle, rollout_id: int, target: Target, mode: RolloutMode, *, back: bool = False) -> bool:
+    def update(
+        self, h: WorkerHandle, rollout_id: int, target: Target, mode: RolloutMode, *, back: bool = False,
+        prepare: bool = True,
+    ) -> bool:
         """RUNNING -> DRAINING|PAUSED -> UPDATED -> RUNNING on `target`. False when already on it.
 
         `back`: the target is an earlier version (the client's `rollback(request)` installs it).
+        `prepare`: False when the engine already prepared this worker ahead of its batch.
         Raises StepFailed after recording the move to UNHEALTHY (or UNCERTAIN).
         """
         t0 = time.perf_counter()
@@ -172,25 +176,27 @@ class WorkerDriver:
             h.observed(h.state or S.RUNNING)
             raise self.fail(h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0)
         h.observed(S.RUNNING)
-        self.prepare(h, target)
+        if prepare:
+            self.prepare(h, target)
         self.begin(h, rollout_id, mode, target.version)
         result = self.transfer(h, rollout_id, target, back=back)
         self.finish(h, rollout_id, target, result=result)
         return True
 
-    def prepare(self, h: WorkerHandle, target: Target) -> None:
+    def prepare(self, h: WorkerHandle, target: Target) -> bool:
         """Let a worker that can open and validate the update's source do it while it still serves
         (issue 15: no IPC handle opened inside the pause). Best effort: a failure is only logged,
-        the update then opens the source itself and gives the real answer."""
+        the update then opens the source itself and gives the real answer. True when prepared."""
         if not isinstance(h.client, PreparesUpdates):
-            return
+            return False
         t0 = time.perf_counter()
         try:
             h.client.prepare(target.request)
         except WorkerError as exc:
             log.warning("prepare_failed", worker=h.name, version=target.version, error=str(exc))
-            return
+            return False
         log.info("worker_prepared", worker=h.name, version=target.version, ms=round(_ms(t0), 1))
+        return True
 
     def begin(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str | None) -> None:
         to = BEGIN_STATE[mode]

@@ -49,6 +49,10 @@ log = logging.getLogger("hotswap.worker.control")
 # transports whose open (and validation) may run ahead of the pause; broadcast's open is a
 # collective vote with the trainer's ranks, so it stays inside the update
 PREPARABLE = ("disk", "ipc")
+# A preparation no update took within this long is let go (checked on each weight_info): the
+# daemon prepares later workers while the first ones update, and a rollout that stops early
+# (a failure, newer work) leaves theirs unused.
+PREPARED_TTL_S = 120.0
 
 
 class WorkerState(StrEnum):
@@ -76,6 +80,7 @@ class Controller:
         *,
         model_dir: str,
         before_write: Sequence[updates.BeforeWrite] = (),
+        prepared_ttl_s: float = PREPARED_TTL_S,
     ) -> None:
         self.loaded = loaded
         self.before_write = tuple(before_write)  # test seam (tests/hooked_worker.py); empty in production
@@ -91,6 +96,8 @@ class Controller:
         self.events: deque[dict[str, Any]] = deque(maxlen=64)
         self._events_lock = threading.Lock()  # appended from the releaser thread, read by weight_info
         self._prepared: tuple[str, updates.Opened] | None = None
+        self._prepared_at = 0.0  # time.monotonic() of the preparation held
+        self.prepared_ttl_s = prepared_ttl_s
         self._prepare_lock = threading.Lock()
         store.defer_releases = True  # closing what an update opened waits until serving again
         self._releases: queue.SimpleQueue[list[Callable[[], None]]] = queue.SimpleQueue()
@@ -121,6 +128,7 @@ class Controller:
                 self.requests_total += 1
 
     def weight_info(self) -> dict[str, Any]:
+        self._expire_prepared()  # asked every few seconds by the daemon's health poll
         cur, prev = self.store.current, self.store.previous
         return {
             "version": cur.version,
@@ -214,6 +222,7 @@ class Controller:
             opened.open_ms += (time.perf_counter() - t0) * 1e3
         with self._prepare_lock:
             old, self._prepared = self._prepared, (_key(request), opened)
+            self._prepared_at = time.monotonic()
         if old is not None:
             old[1].close(self.store)
         self.event("prepared", version=request.version, transport=request.transport, mode=request.mode,
@@ -280,6 +289,19 @@ class Controller:
             return held[1]
         held[1].close(self.store)
         return None
+
+    def _expire_prepared(self) -> None:
+        """Let go of a preparation no update used within `prepared_ttl_s` (its rollout stopped
+        before this worker's turn): an open IPC handle or a read-ahead buffer is not kept forever."""
+        with self._prepare_lock:
+            held = self._prepared
+            if held is None or time.monotonic() - self._prepared_at < self.prepared_ttl_s:
+                return
+            self._prepared = None
+        held[1].close(self.store)
+        self.event("prepare_expired", version=json.loads(held[0]).get("version"), ttl_s=self.prepared_ttl_s)
+        if self.state is WorkerState.RUNNING:
+            self._release_deferred()
 
     def _drop_prepared(self) -> None:
         with self._prepare_lock:

@@ -155,7 +155,8 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
     store.flat = flat
     store.stage_disk = args.stage_disk
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
-    ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write)
+    ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write,
+                     **({} if args.prepared_ttl_s is None else {"prepared_ttl_s": args.prepared_ttl_s}))
     log.info("loaded %s (%d tensors, %d bytes) on %s in %.2f s", version, store.tensors, store.bytes, device, load_s)
     name = args.served_model_name or served_name_default(model_dir, loaded.config)
     if args.max_body_bytes < 1024 or args.max_queue < 0:
@@ -184,6 +185,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--stage-disk", choices=["auto", "on", "off"], default="auto",
                    help="a prepared disk update reads and checks the version into a buffer of its own before the "
                         "pause (auto: on CUDA, when the device has room; on: also on the CPU; off: read in the pause)")
+    p.add_argument("--prepared-ttl-s", type=float, default=None,
+                   help="let go of a prepared update (open IPC handle, read-ahead buffer) that no update used "
+                        "within this many seconds (default: control.PREPARED_TTL_S, 120)")
     p.add_argument("--no-flat-weights", action="store_true",
                    help="keep each weight in its own allocation (default: one flat buffer laid out as the staging "
                         "loader lays out a version, so an ipc copy update is a few large copies)")
