@@ -15,8 +15,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from daemon.checks.base import CheckContext, CheckFailed
+from daemon.checks.finite_staged import FLOAT_BITS as STAGED_BITS
 from daemon.checks.finite_staged import scan_staged
 from daemon.checks.headers import load_table
 from daemon.checks.staged import StagedTensors
@@ -31,13 +33,10 @@ class _Bits:
     nan_only: bool = False  # float8_e4m3fn: no Inf, NaN is exponent and mantissa all ones
 
 
+# The masks are finite_staged's (one table); the file scan reads the words as numpy unsigned ints.
+_NUMPY_WORD = {torch.int64: np.uint64, torch.int32: np.uint32, torch.int16: np.uint16, torch.uint8: np.uint8}
 _FLOAT_BITS: dict[str, _Bits] = {
-    "F64": _Bits(np.uint64, 0x7FF0000000000000, 0x000FFFFFFFFFFFFF),
-    "F32": _Bits(np.uint32, 0x7F800000, 0x007FFFFF),
-    "F16": _Bits(np.uint16, 0x7C00, 0x03FF),
-    "BF16": _Bits(np.uint16, 0x7F80, 0x007F),
-    "F8_E5M2": _Bits(np.uint8, 0x7C, 0x03),
-    "F8_E4M3": _Bits(np.uint8, 0x78, 0x07, nan_only=True),
+    name: _Bits(_NUMPY_WORD[b.word], b.exponent, b.mantissa, b.nan_only) for name, b in STAGED_BITS.items()
 }
 
 
