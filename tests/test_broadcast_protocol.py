@@ -186,3 +186,11 @@ def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(
     assert refused.value.status_code == 409 and refused.value.retry_after_s is not None
     assert all(h.busy.acquire(blocking=False) for h in handles), "a refused session kept a worker's lock"
     assert not (tmp_path / "broadcast").exists()
+
+
+def test_a_retry_after_that_lies_is_bounded_or_ignored() -> None:
+    from daemon.client.broadcast import _retry_after_s
+
+    assert _retry_after_s(None) is None and _retry_after_s("soon") is None and _retry_after_s("") is None
+    assert _retry_after_s("nan") is None and _retry_after_s("inf") is None  # time.sleep(nan) would raise
+    assert _retry_after_s("86400") == 10.0 and _retry_after_s("-5") == 0.1 and _retry_after_s("2") == 2.0

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -180,9 +181,10 @@ class BroadcastPush:
 def _retry_after_s(header: str | None) -> float | None:
     """Retry-After in seconds (the daemon sends small integers); None when absent or unreadable."""
     try:
-        return min(max(float(header), 0.1), 10.0) if header is not None else None
+        seconds = float(header) if header is not None else math.nan
     except ValueError:
         return None
+    return min(max(seconds, 0.1), 10.0) if math.isfinite(seconds) else None
 
 
 def _group(store: Any, world: int, backend: str, comm: torch.device, timeout: timedelta) -> Any:
