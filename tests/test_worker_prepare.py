@@ -152,3 +152,12 @@ def test_a_preparation_no_update_takes_is_let_go_after_its_ttl(root: Path, loade
         assert wp.info()["version"] == "v1" and wp.info()["state"] == "RUNNING"
     finally:
         wp.stop()
+
+
+@pytest.mark.parametrize("ttl", ["0", "-1", "nan", "inf"])
+def test_a_prepared_ttl_that_is_not_a_positive_time_is_refused_at_start(ttl: str) -> None:
+    from daemon.worker.server import parse_args
+
+    with pytest.raises(SystemExit) as exited:
+        parse_args(["--model", "m", "--prepared-ttl-s", ttl])
+    assert exited.value.code == 2

@@ -43,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import math
 import os
 import socket
 import stat
@@ -201,7 +202,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--step-delay-ms", type=float, default=0.0,
                    help="sleep between scheduler steps (demos and tests: makes requests last long enough to watch)")
     p.add_argument("--log-level", default="info")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    ttl = args.prepared_ttl_s
+    if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
+        p.error(f"--prepared-ttl-s: must be a positive number of seconds, got {ttl}")
+    return args
 
 
 def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ()) -> int:
