@@ -8,6 +8,7 @@
     hotswap db upgrade [-c ...]              apply database migrations
     hotswap rollback [--to V] / pin V / unpin   manual control, through the running daemon's API
     hotswap verify DIR ...                   run the checks on a directory
+    hotswap fleet target [VERSION|--clear]   the version a fleet converges to (shared PostgreSQL)
     hotswap worker ... / hotswap loader ...  the reference worker / staging loader
 
 Commands owned by other packages are imported only when used (a CLI call never pays for
@@ -49,6 +50,7 @@ DELEGATED: dict[str, tuple[str, str]] = {
     "pin": ("daemon.cli:pin_main", "deploy VERSION and hold it: new checkpoints wait"),
     "unpin": ("daemon.cli:unpin_main", "let new checkpoints deploy again"),
     "reverify": ("daemon.reverify:main", "verify VERSION again from the start (e.g. after its files changed)"),
+    "fleet": ("daemon.fleet_cmd:main", "fleet target: print, set (VERSION) or clear the version every host converges to"),
 }
 
 EXIT_OK = 0

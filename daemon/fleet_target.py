@@ -19,7 +19,7 @@ from daemon.fleet_lease import holders
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import Alias, Checkpoint, FleetTarget, utcnow
-from daemon.registry.status import CheckpointStatus
+from daemon.registry.status import DEPLOYABLE, CheckpointStatus
 from daemon.rollout.planner import newest
 
 SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: the host is "silent"
@@ -29,6 +29,12 @@ SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: 
 class Target:
     checkpoint: CheckpointRef
     explicit: bool  # an operator's fleet_target row (converged to even when older)
+    set_by: str | None = None  # the explicit row's author and time
+    set_at: datetime | None = None
+
+
+class TargetRefused(ValueError):
+    """A version that cannot be the fleet's target (unknown, never verified, rejected)."""
 
 
 def fleet_target(journal: Journal) -> Target | None:
@@ -37,7 +43,7 @@ def fleet_target(journal: Journal) -> Target | None:
         explicit = s.get(FleetTarget, 1)
         if explicit is not None:
             ref = journal.checkpoint(explicit.checkpoint_id)
-            return Target(ref, True) if ref is not None else None
+            return Target(ref, True, explicit.set_by, explicit.set_at) if ref is not None else None
         ids = set(s.scalars(select(Alias.checkpoint_id).where(Alias.name == "last_good")))
         ok = set(s.scalars(select(Checkpoint.id).where(Checkpoint.id.in_(ids),
                                                         Checkpoint.status != CheckpointStatus.REJECTED.value)))  # fmt: skip
@@ -47,7 +53,8 @@ def fleet_target(journal: Journal) -> Target | None:
 
 
 def set_fleet_target(registry: Registry, version: str | None, by: str) -> None:
-    """Pin the whole fleet to `version` (None: back to "newest last_good")."""
+    """Hold the whole fleet on `version` (None: back to "newest last_good"). Only a version whose
+    checks passed and that is not rejected: every host would otherwise converge to it."""
     with registry.session() as s:
         row = s.get(FleetTarget, 1)
         if version is None:
@@ -56,11 +63,17 @@ def set_fleet_target(registry: Registry, version: str | None, by: str) -> None:
             return
         ckpt = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
         if ckpt is None:
-            raise LookupError(f"unknown version {version!r}")
+            raise TargetRefused(f"unknown version {version!r}: not in the registry")
+        status = CheckpointStatus(ckpt.status)
+        if status is CheckpointStatus.REJECTED or status not in DEPLOYABLE:
+            raise TargetRefused(
+                f"version {version!r} is {status.value}{f' ({ckpt.status_message})' if ckpt.status_message else ''}: "
+                "a fleet target must be a version whose checks passed and that is not rejected"
+            )
         if row is None:
-            s.add(FleetTarget(id=1, checkpoint_id=ckpt.id, set_by=by))
+            s.add(FleetTarget(id=1, checkpoint_id=ckpt.id, set_by=by, set_at=utcnow()))
         else:
-            row.checkpoint_id, row.set_by = ckpt.id, by
+            row.checkpoint_id, row.set_by, row.set_at = ckpt.id, by, utcnow()
 
 
 def fleet_rows(registry: Registry) -> dict[str, Any]:
