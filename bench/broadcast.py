@@ -7,7 +7,7 @@
    first round); broadcast = `broadcast_worker.join` + `open_update` + the ready vote + bucketed
    receive into the parameters + finite check + digest + done vote + abort;
 3. this process is the trainer (rank 0, `bucket_broadcast`/`vote` from the same module as
-   `daemon.client.BroadcastPush`), sending the other version each round;
+   `daemon.client.broadcast.BroadcastPush`), sending the other version each round;
 4. both sides are timed; the worker's parameters are compared with the disk version afterwards.
 
     OMP_NUM_THREADS=1 python -m bench.broadcast --layout small --out .bench-out/broadcast   # CPU, gloo

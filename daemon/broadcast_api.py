@@ -5,7 +5,7 @@
                                   -> 202 {session, group_name, world_size, workers, rollout_id}
     GET  /v1/broadcast/{session}  ?wait_s=N -> 200 the session's result, 202 while it runs
 
-Both need the control token (`daemon.auth.ControlGuard`). `daemon.client.BroadcastPush` is the
+Both need the control token (`daemon.auth.ControlGuard`). `daemon.client.broadcast.BroadcastPush` is the
 caller. A session is a rollout like any other, run on its own thread with every worker's
 `busy` lock held (so the rollout runner and the health poll wait for it):
 

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from daemon.client import BroadcastFailed, BroadcastPush
+from daemon.client.broadcast import BroadcastFailed, BroadcastPush
 from daemon.transport.broadcast import buckets, parse_table
 from daemon.transport.broadcast_worker import bucket_broadcast
 

@@ -1,5 +1,5 @@
 """The broadcast transport with real processes: a daemon, two reference workers and a trainer
-process (`tests/support_broadcast.py`, `daemon.client.BroadcastPush`) in one gloo group."""
+process (`tests/support_broadcast.py`, `daemon.client.broadcast.BroadcastPush`) in one gloo group."""
 
 from __future__ import annotations
 

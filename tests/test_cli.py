@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
+import sys
 
+import pytest
 from conftest import hotswap_cli, make_config_file, publish_tiny
 
 from daemon.cli import DELEGATED, main
@@ -29,6 +32,18 @@ def test_delegated_commands_parse_their_own_arguments(tmp_path):
     assert json.loads((publish_dir / "hotswap-manifest.json").read_text())["version"] == "cli-1"
     out = hotswap_cli("verify", str(publish_dir))
     assert out.returncode == 0, out.stdout + out.stderr
+
+
+# Operator commands that never touch weights: none of them may pay for importing torch (~1 s).
+LIGHT_COMMANDS = ("publish", "push", "rollback", "pin", "unpin", "reverify", "fleet")
+
+
+@pytest.mark.parametrize("command", LIGHT_COMMANDS)
+def test_operator_commands_do_not_import_torch(command):
+    module = DELEGATED[command][0].split(":")[0]
+    code = f"import sys, daemon.cli, {module}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
+    assert out.stdout.strip() == "[]", f"hotswap {command} ({module}) imports {out.stdout.strip()}"
 
 
 def test_unknown_command_is_an_error(capsys):

@@ -1,6 +1,8 @@
 """The trainer side of hotswap: objects a training loop uses to hand checkpoints to the daemon.
 
-Each way in lives in its own module and is re-exported here (one line each).
+Each way in lives in its own module. The file ways (`push`, `publish_s3`) are re-exported here;
+the broadcast (`daemon.client.broadcast.BroadcastPush`) needs torch.distributed and is imported
+from its own module, so `hotswap publish` and `hotswap push` never load torch.
 """
-from daemon.client.broadcast import BroadcastFailed, BroadcastPush, BroadcastResult  # noqa: F401
+
 from daemon.client.publish import PushError, publish_s3, push  # noqa: F401
