@@ -11,7 +11,8 @@ then the daemon puts v0 on it, and the tests, in order:
 2. a corrupt and an incompatible checkpoint are rejected and vLLM keeps serving v1's tokens;
 3. vLLM SIGKILLed mid-update (the daemon held with v4 at PAUSED): the worker ends back on v1
    after its restart command (a second vLLM start), every step in `events`;
-4. the client's drain on the restarted server: readiness off, in-flight requests finish first.
+4. the client's drain on the restarted server: readiness off, in-flight requests finish first;
+5. files changed after verify (a flipped byte, a weight file added) are refused before vLLM reads them.
 
 Skipped only with HOTSWAP_SKIP_VLLM=1 (refused under CI).
 """
@@ -51,7 +52,7 @@ from support_vllm import (
     vllm_python,
 )
 
-from daemon.adapters.base import Timeouts, UpdateRequest
+from daemon.adapters.base import Timeouts, UpdateRefused, UpdateRequest
 from daemon.adapters.engine_common import PROBE_PROMPT
 from daemon.adapters.vllm import VLLMWorkerClient
 from daemon.manifest import publish
@@ -276,4 +277,36 @@ def test_drain_waits_for_requests_in_flight_then_pauses_and_reloads(vfleet: VFle
         c.resume()
     assert c.ready() and c.probe() == "v1"
     assert vfleet.greedy() == vfleet.fresh_v1
+    c.close()
+
+
+def test_files_changed_after_verify_are_refused_before_vllm_reads_them(vfleet: VFleet, tmp_path: Path) -> None:
+    """The client hashes what vLLM will load against the verified digests in prepare (before the
+    pause) and stats it again right before reload_weights: a flipped byte, or a weight file
+    added after the check, is refused and vLLM keeps serving what it served, unpaused."""
+    from support_check import expect_of, flip_byte
+
+    vfleet.release.touch()
+    c = VLLMWorkerClient("guard", vfleet.url, token=TOKEN, timeouts=Timeouts(30, 300, 120))
+    label, tokens = vfleet.label(), vfleet.greedy()
+    copy = tmp_path / "v1-copy"
+    shutil.copytree(vfleet.watch / "v1", copy)
+    expect = expect_of(copy)  # what verify recorded, from the bytes before anyone touched them
+    req = UpdateRequest("v1-copy", "disk", {"path": str(copy)}, expect=expect)
+    shard = sorted(copy.glob("*.safetensors"))[0]
+    try:
+        flip_byte(shard, shard.stat().st_size - 64)
+        for step in (c.prepare, c.update):
+            with pytest.raises(UpdateRefused, match=r"does not match the verified .*\(nothing was loaded\)"):
+                step(req)
+        assert not c.api.is_paused() and vfleet.label() == label  # refused before the pause
+        flip_byte(shard, shard.stat().st_size - 64)  # the verified bytes again
+        c.prepare(req)  # hashed: passes
+        shutil.copy(shard, copy / "model-extra.safetensors")  # dropped in after the check
+        with pytest.raises(UpdateRefused, match=r"model-extra.safetensors: a weight file that was not verified"):
+            c.update(req)
+        assert vfleet.label() == label  # nothing was loaded: not even the partial label
+    finally:
+        c.resume()
+    assert vfleet.greedy() == tokens
     c.close()

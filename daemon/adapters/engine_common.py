@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from daemon.adapters.base import UpdateRefused, UpdateRequest, WorkerError, WorkerUnreachable
+from daemon.adapters.engine_files import CheckedFiles, EngineFilesRefused, check_engine_files
 from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
 
 T = TypeVar("T")
@@ -69,6 +70,22 @@ def install_path(request: UpdateRequest, worker: str, engine: str) -> str:
     if not Path(path).is_dir():
         raise UpdateRefused(f"worker {worker}: update: {path} is not a directory")
     return str(Path(path).resolve())
+
+
+def checked_files(request: UpdateRequest, worker: str, path: str) -> CheckedFiles | None:
+    """The request's files hashed against the verified digests (once per host and version);
+    UpdateRefused naming the file when they are not the verified bytes. None: nothing to check."""
+    try:
+        return check_engine_files(path, request.version, request.expect)
+    except EngineFilesRefused as exc:
+        raise UpdateRefused(f"worker {worker}: update: {exc} (nothing was loaded)") from None
+
+
+def refuse_if_changed(checked: CheckedFiles | None, worker: str) -> None:
+    """Right before the engine reads the directory: UpdateRefused if a checked file changed."""
+    problem = checked.changed() if checked is not None else None
+    if problem:
+        raise UpdateRefused(f"worker {worker}: update: {problem} (nothing was loaded)")
 
 
 def engine_call(worker: str, step: str, fn: Callable[[], T]) -> T:

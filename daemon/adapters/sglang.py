@@ -53,8 +53,10 @@ from daemon.adapters.engine_common import (
     EngineMemory,
     EngineOptions,
     Installed,
+    checked_files,
     engine_call,
     install_path,
+    refuse_if_changed,
 )
 from daemon.adapters.sglang_api import SGLangAPI
 from daemon.logging import get_logger
@@ -153,10 +155,17 @@ class SGLangWorkerClient:
         self._paused = self._draining = False
 
     # -- weights --------------------------------------------------------------------------
+    def prepare(self, request: UpdateRequest) -> None:
+        """While it still serves: hash the files SGLang will load against the verified digests
+        (daemon.adapters.engine_files), so the update itself only stats them."""
+        checked_files(request, self.name, install_path(request, self.name, "SGLang"))
+
     def update(self, request: UpdateRequest) -> UpdateResult:
         path = install_path(request, self.name, "SGLang")
         version, digest = request.version, request.expect.digest
         t0 = time.perf_counter()
+        files = checked_files(request, self.name, path)  # hashed in prepare unless it was skipped
+        refuse_if_changed(files, self.name)  # the last look before SGLang reads the directory
         if self._paused:
             # Unpaused (drain mode) the label would also land on the requests still finishing
             # under the old weights (SGLang applies it at once); then the daemon's own record of
