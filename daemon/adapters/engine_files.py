@@ -123,7 +123,8 @@ def _hash_and_compare(root: Path, version: str, refs: list[Reference]) -> Checke
     for alg in sorted({r.alg for r in refs}):
         group = [r for r in refs if r.alg == alg]
         try:
-            digests = hash_files([root / r.path for r in group], alg=None if alg == "crc32c" else alg)
+            weak = alg == "crc32c"  # format-1 rows: CRC only; else only the strong hash (no CRC pass)
+            digests = hash_files([root / r.path for r in group], alg=None if weak else alg, crc=weak)
         except OSError as exc:
             raise EngineFilesRefused(f"{exc.filename or root}: {exc.strerror or exc} while hashing") from None
         for ref, got in zip(group, digests, strict=True):
