@@ -22,7 +22,7 @@ from daemon.registry import queries as q
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus
-from daemon.rollout.stage import launch_target
+from daemon.supervise import choose_launch
 
 pytestmark = pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")
 
@@ -158,8 +158,9 @@ def test_a_host_never_launches_a_worker_on_another_hosts_path(pg_url: str, tmp_p
     jb.set_alias("serving", seed.id)  # host b serves the same version, from a copy it does not have yet
     b_serving = jb.alias("serving")
     assert b_serving is not None and b_serving.local_path is None
-    assert launch_target(jb, b_serving) is None  # never host a's directory
-    assert launch_target(ja, ja.alias("serving")) is not None
+    b_choice = choose_launch(jb, "", deep=False)  # what the supervisor would launch host b's worker on
+    assert b_choice.model is None and b_choice.skipped == {"seed": "no local copy to deploy from"}  # never a's path
+    assert choose_launch(ja, "", deep=False).model == str(tmp_path / "a-seed")
     (tmp_path / "b-seed").mkdir()  # host b makes its own seed: recorded as its copy of the same row
     again = jb.register_seed(version="seed", local_path=str(tmp_path / "b-seed"), digest="blake3:00",
                              total_bytes=1, tensors=1)  # fmt: skip

@@ -8,7 +8,6 @@ asks which transport it holds. A `Target` is a version plus the request that car
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 from daemon.adapters.base import WeightInfo
@@ -24,7 +23,6 @@ from daemon.transport.base import (
     StageError,
     UpdateRequest,
 )
-from daemon.transport.check import files_problem
 
 __all__ = ["StageError", "Stager", "Target"]
 
@@ -54,20 +52,6 @@ def registry_expect(journal: Journal, ckpt: CheckpointRef) -> Expect:
         digests = {k: v for k, v in (("crc32c", crc), (alg or "", digest)) if k and v}
         files.append(ExpectedFile(path, size, digests))
     return Expect(digest=ckpt.digest, tensors=ckpt.tensor_count, files=tuple(files))
-
-
-def launch_target(
-    journal: Journal, preferred: CheckpointRef | None, exclude: Iterable[int] = ()
-) -> CheckpointRef | None:
-    """The version to (re)launch or roll a worker back on: `preferred` when its files are all there,
-    else the newest version that served (not in `exclude`) whose files are; None when there is none."""
-    skip = set(exclude)
-    first = [preferred] if preferred is not None and preferred.id not in skip else []
-    candidates = first + journal.good_versions(exclude_ids=skip | {c.id for c in first})
-    for c in candidates:
-        if files_problem(c.local_path, registry_expect(journal, c)) is None:
-            return c
-    return None
 
 
 class Stager:
