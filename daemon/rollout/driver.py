@@ -54,7 +54,8 @@ class StepFailed(Exception):
     """A worker failed one step of a rollout; `reason` is one line naming the worker and step."""
 
     def __init__(self, worker: str, step: str, reason: str, *, kind: FailureKind = FailureKind.ERROR) -> None:
-        super().__init__(f"worker {worker}: {step}: {reason}")
+        # a client's WorkerError already names the worker (and its step): not said twice
+        super().__init__(reason if reason.startswith(f"worker {worker}: ") else f"worker {worker}: {step}: {reason}")
         self.worker = worker
         self.step = step
         self.reason = reason
