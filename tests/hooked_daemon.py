@@ -9,10 +9,11 @@ read here (never by the daemon):
   HOTSWAP_TEST_HOLD_STATE       hold the engine right after it records a worker moving to this
                                 state (e.g. PAUSED), so a real fault can be delivered there
   HOTSWAP_TEST_HOLD_WORKER      ... only for this worker (optional)
-  HOTSWAP_TEST_HOLD_VERSION     ... only while moving to this version (optional)
+  HOTSWAP_TEST_HOLD_VERSION     ... only while moving to this version (optional); "v4,v5": once
+                                for each, each ended by its own file RELEASE.v4, RELEASE.v5
   HOTSWAP_TEST_HOLD_RELEASE     file whose creation ends the hold (optional; else after 600 s)
 
-The hold fires once per daemon process and changes no state; it only waits.
+The hold fires once per daemon process (per listed version) and changes no state; it only waits.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import os
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import structlog
@@ -39,25 +40,34 @@ MAX_HOLD_S = 600.0
 class Hold:
     state: str
     worker: str | None
-    version: str | None
+    versions: tuple[str, ...]  # () = any version, once
     release: Path | None
-    fired: bool = False
+    fired: set[str | None] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
+    def _release_file(self, version: str | None) -> Path | None:
+        if self.release is None or len(self.versions) < 2:
+            return self.release
+        return self.release.with_name(f"{self.release.name}.{version}")
+
     def __call__(self, t: Transition) -> None:
         with self._lock:
-            if self.fired or t.to_state.value != self.state or self.worker not in (None, t.worker):
+            if t.to_state.value != self.state or self.worker not in (None, t.worker):
                 return
-            if self.version is not None and t.version != self.version:
+            if self.versions and t.version not in self.versions:
                 return
-            self.fired = True
+            key = t.version if self.versions else None
+            if key in self.fired:
+                return
+            self.fired.add(key)
+        release = self._release_file(t.version)
         log.warning("test_hold_begin", worker=t.worker, state=t.to_state.value, version=t.version)
         deadline = time.monotonic() + MAX_HOLD_S
-        while time.monotonic() < deadline and not (self.release is not None and self.release.exists()):
+        while time.monotonic() < deadline and not (release is not None and release.exists()):
             time.sleep(0.05)
-        log.warning("test_hold_end", worker=t.worker, state=t.to_state.value)
+        log.warning("test_hold_end", worker=t.worker, state=t.to_state.value, version=t.version)
 
 
 def observers_from_env() -> Observers:
@@ -68,8 +78,8 @@ def observers_from_env() -> Observers:
     state = os.environ.get("HOTSWAP_TEST_HOLD_STATE")
     if state:
         release = os.environ.get("HOTSWAP_TEST_HOLD_RELEASE")
-        seen.transitions.append(Hold(state.upper(), os.environ.get("HOTSWAP_TEST_HOLD_WORKER") or None,
-                                     os.environ.get("HOTSWAP_TEST_HOLD_VERSION") or None,
+        versions = tuple(v for v in os.environ.get("HOTSWAP_TEST_HOLD_VERSION", "").split(",") if v)
+        seen.transitions.append(Hold(state.upper(), os.environ.get("HOTSWAP_TEST_HOLD_WORKER") or None, versions,
                                      Path(release) if release else None))  # fmt: skip
     return seen
 

@@ -5,8 +5,9 @@ daemon with `kind = "sglang"` rolling checkpoints dropped into its watched folde
 served tokens equal a fresh server's, bad checkpoints rejected while the old tokens keep being
 served, requests during the update all succeed, and a shard changed after verify (which once
 made SGLang's broken disk rollback kill the server) is refused before SGLang reads it: the worker
-resumes on last good, every step in `events`. SGLang dying in a failed load is tested through
-the client in test_sglang_standin.py.
+resumes on last good, every step in `events`; SGLang SIGKILLed mid-update ends with the worker
+back on last good after its restart command. SGLang dying in its own failed "rollback" load is
+tested through the client in test_sglang_standin.py.
 """
 
 from __future__ import annotations
@@ -241,15 +242,16 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
                      "max_infra_retries": 0},
             workers=[worker],
         )
-        env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4",
-               "HOTSWAP_TEST_HOLD_RELEASE": str(release)}  # fmt: skip
+        env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4,v5",
+               "HOTSWAP_TEST_HOLD_RELEASE": str(release)}  # fmt: skip (released by release.v4, release.v5)
         d = DaemonProcess(root, cfg, f"sqlite:///{root / 'hotswap.db'}", watch, state, env, hooked=True)
         d.start(timeout=90)
         try:
             d.wait_status("v0", "deployed", timeout=120)
             yield Fleet(d, watch, url, pidfile, release, logs)
         finally:
-            release.touch()
+            for v in ("v4", "v5"):
+                release.with_name(f"release.{v}").touch()
             d.close()
     finally:
         kill_pidfile(pidfile)
@@ -311,7 +313,7 @@ def test_a_shard_changed_after_verify_is_refused_before_sglang_reads_it(fleet: F
     tensors[name] = tensors[name].flatten()[:-1].clone()
     save_file(tensors, str(shard), metadata={"format": "pt"})
     old_pid = int(fleet.pidfile.read_text())
-    fleet.release.touch()
+    fleet.release.with_name("release.v4").touch()
     fleet.daemon.wait_status("v4", "rejected", timeout=180)
     assert int(fleet.pidfile.read_text()) == old_pid  # never read by SGLang: no crash, no restart
     assert api.greedy(PROMPT, 8) == before  # v1's tokens, v1's label
@@ -324,3 +326,24 @@ def test_a_shard_changed_after_verify_is_refused_before_sglang_reads_it(fleet: F
     assert refused["kind"] == "refused" and shard.name in refused["error"] and "nothing was loaded" in refused["error"]
     assert events[-1]["detail"]["restored_to"] == "v1" and events[-1]["detail"]["how"] == "unchanged", events
     assert "Scheduler hit an exception" not in (fleet.logs / "sglang.log").read_text()
+
+
+def test_sglang_killed_mid_update_ends_on_last_good_after_its_restart_command(fleet: Fleet) -> None:
+    api = fleet.api()
+    before = api.greedy(PROMPT, 8)
+    log_at = len(fleet.daemon.log())
+    publish_ckpt(fleet.watch, "v5", lambda d: make_tiny_checkpoint(d, seed=15))
+    wait_until(lambda: "test_hold_begin" in fleet.daemon.log()[log_at:], 120, 0.1, "the daemon to hold v5 at PAUSED")
+    old_pid = int(fleet.pidfile.read_text())
+    kill_pidfile(fleet.pidfile)  # SIGKILL the server's whole process group, paused mid-rollout
+    fleet.release.with_name("release.v5").touch()
+    fleet.daemon.wait_status("v5", "rejected", timeout=240)
+    assert int(fleet.pidfile.read_text()) != old_pid  # the restart command ran
+    assert api.greedy(PROMPT, 8) == before  # v1's tokens, v1's label
+    (rollout,) = [r for r in rollouts(fleet.daemon.registry) if r["version"] == "v5"]
+    assert rollout["outcome"] == "failed"
+    path = worker_paths(fleet.daemon.registry)[("s0", "v5")][-1]
+    assert path[:2] == ["RUNNING", "PAUSED"] and "UNHEALTHY" in path and path[-1] == "RUNNING", path
+    events = worker_events(fleet.daemon.registry, rollout["id"])
+    assert any(e["detail"].get("action") == "restart" for e in events), events
+    assert events[-1]["detail"].get("restored_to") == "v1", events[-1]
