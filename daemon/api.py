@@ -51,9 +51,12 @@ from daemon.redact import redact_doc
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
+from daemon.registry.journal import Journal
 from daemon.rollout.queue import CommandError
 from daemon.rollout.service import RolloutService
+from daemon.rollout.stage import registry_expect
 from daemon.tcplisten import tcp_listener
+from daemon.transport.check import files_problem
 
 DEFAULT_WAIT_S = 900.0
 
@@ -175,9 +178,23 @@ def status_document(state: ApiState) -> dict[str, Any]:
         "sources": redact_doc(state.sources),
         "checkpoints": counts,
         "aliases": aliases,  # serving, last_good, pinned -> version
+        "alias_problems": alias_problems(state.registry),  # alias -> why its files cannot be deployed here
         "latest": redact_doc([_jsonable_row(r) for r in latest]),
         "workers": redact_doc([_jsonable_row(r) for r in workers]),
     }
+
+
+def alias_problems(registry: Registry) -> dict[str, str]:
+    """Why an alias's version could not be deployed on this host now (a stat of its verified
+    files): e.g. a pinned version whose directory was deleted, which no rollout can reach."""
+    journal = Journal(registry)
+    out: dict[str, str] = {}
+    for name in ("serving", "last_good", "pinned"):
+        ref = journal.alias(name)
+        problem = files_problem(ref.local_path, registry_expect(journal, ref)) if ref is not None else None
+        if problem:
+            out[name] = problem
+    return out
 
 
 def _jsonable_row(row: dict[str, Any]) -> dict[str, Any]:

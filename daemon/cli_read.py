@@ -274,8 +274,10 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
         out.append("health:      ok" if health.get("ok") else f"health:      unhealthy: {safe(health.get('error'))}")
     out.append(f"database:    {safe(dd.get('database') or config.database_url)}")
     aliases = doc.get("aliases") or {}
+    problems = doc.get("alias_problems") or {}
     for name in ("serving", "last_good", "pinned"):
-        out.append(f"{name + ':':<12} {safe(aliases.get(name) or '-')}")
+        why = f"  (cannot be deployed here: {safe(problems[name])})" if name in problems else ""
+        out.append(f"{name + ':':<12} {safe(aliases.get(name) or '-')}{why}")
     depth = dd.get("queue_depth")
     out.append(f"queue:       {depth if depth is not None else '- (daemon not running)'}")
     counts = ", ".join(f"{safe(k)} {v}" for k, v in sorted(doc.get("checkpoints", {}).items())) or "none"

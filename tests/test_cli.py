@@ -80,3 +80,33 @@ def test_history_before_any_daemon_ran_refuses_to_create_a_database(tmp_path):
     assert out.stdout == ""
     assert str(tmp_path / "state" / "hotswap.db") in out.stderr and "--state-dir" in out.stderr
     assert not (tmp_path / "state").exists()
+
+
+def test_status_says_when_an_alias_names_a_version_whose_files_are_gone(tmp_path, capsys):
+    """A pinned version whose directory was deleted holds every new checkpoint back, and no
+    rollout can reach it: `hotswap status` says so beside the alias (and /status in alias_problems)."""
+    from test_fleet_agent import _versions
+
+    from daemon.registry import Registry
+    from daemon.registry.journal import Journal
+    from daemon.registry.status import CheckpointStatus as S
+
+    state = tmp_path / "state"
+    state.mkdir()
+    reg = Registry(f"sqlite:///{state / 'hotswap.db'}")
+    reg.upgrade()
+    ids = _versions(reg, tmp_path / "ckpts", {"v1": S.DEPLOYED, "v2": S.VERIFIED})
+    journal = Journal(reg)
+    for alias in ("serving", "last_good"):
+        journal.set_alias(alias, ids["v1"])
+    journal.set_alias("pinned", ids["v2"])
+    reg.close()
+    shutil.rmtree(tmp_path / "ckpts" / "v2")
+    cfg = make_config_file(tmp_path / "c.toml", daemon={"state_dir": str(state)})
+    assert main(["status", "-c", str(cfg)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    gone = str(tmp_path / "ckpts" / "v2")
+    assert f"pinned:      v2  (cannot be deployed here: its directory {gone} is missing)" in lines, lines
+    assert "serving:     v1" in lines and "last_good:   v1" in lines
+    assert main(["status", "--json", "-c", str(cfg)]) == 0
+    assert json.loads(capsys.readouterr().out)["alias_problems"] == {"pinned": f"its directory {gone} is missing"}
