@@ -21,6 +21,7 @@ source's own module defines its table's dataclass.
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import re
 import shlex
@@ -140,6 +141,9 @@ class RolloutSettings:
     groups: dict[str, GroupSettings] = field(default_factory=dict)
     # Per-step timeouts (seconds). A step that runs past its timeout fails the worker.
     drain_timeout_s: float = 30.0  # in-flight requests finishing after readiness goes off
+    # drain mode: after a batch is back RUNNING, wait this long before draining the next, so a
+    # load balancer's health check has put it back in rotation (>= the balancer's check interval)
+    rejoin_s: float = 1.0
     update_timeout_s: float = 300.0  # the transfer into the worker's parameters
     restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
     # Managed workers (daemon/supervise.py): a failed launch waits base, doubling up to max, before
@@ -179,6 +183,8 @@ class RolloutSettings:
         if self.relaunch_backoff_max_s < self.relaunch_backoff_s:
             raise _error(key, f"relaunch_backoff_max_s: must be >= relaunch_backoff_s ({self.relaunch_backoff_s}), "
                               f"got {self.relaunch_backoff_max_s}")  # fmt: skip
+        if self.rejoin_s < 0:
+            raise _error(key, f"rejoin_s: must be >= 0 (0 = drain the next batch at once), got {self.rejoin_s}")
         if self.health_window_s < 0:
             raise _error(key, f"health_window_s: must be >= 0 (0 = no window), got {self.health_window_s}")
         if not 0 <= self.max_error_rate <= 1:
@@ -481,6 +487,8 @@ def _convert(value: Any, tp: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ConfigError(f"{key}: expected a number, got {_tname(value)} {value!r}")
+        if not math.isfinite(value):  # TOML has nan and inf: a timeout of nan never compares, inf never ends
+            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
         return float(value)
     if tp is str:
         if not isinstance(value, str):

@@ -126,6 +126,10 @@ forward_prompts = [[1, 2], [3]]
         ("[checks]\nhmac_keys = ['a']\n", "checks.hmac_keys: expected a table"),
         ("daemon = 3\n", "[daemon]: expected a table, got integer"),
         ("[daemon\n", "invalid TOML"),
+        ("[rollout]\nhealth_window_s = nan\n", "rollout.health_window_s: expected a finite number, got nan"),
+        ("[rollout]\ndrain_timeout_s = inf\n", "rollout.drain_timeout_s: expected a finite number, got inf"),
+        ("[[sources]]\npath = 'x'\nquiet_period_s = -inf\n", "sources[0].quiet_period_s: expected a finite number"),
+        ("[rollout]\nrejoin_s = -1\n", "rollout.rejoin_s: must be >= 0"),
     ],
 )
 def test_errors_name_the_file_and_key(tmp_path, text, message):

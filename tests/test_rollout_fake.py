@@ -11,6 +11,7 @@ from __future__ import annotations
 import atexit
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,7 +39,7 @@ from daemon.rollout.states import Fleet, Transition, WorkerHandle, WorkerState
 from daemon.transport.base import SenderOptions
 
 S = WorkerState
-FAST = {"health_window_s": 0.0, "restart_timeout_s": 2.0, "drain_timeout_s": 1.0}
+FAST = {"health_window_s": 0.0, "restart_timeout_s": 2.0, "drain_timeout_s": 1.0, "rejoin_s": 0.0}
 
 
 @pytest.fixture
@@ -124,6 +125,25 @@ def test_a_rollout_moves_every_worker_through_the_state_machine_in_order(reg: Re
     # already there: nothing moves
     again = r.deploy(v1, v0)
     assert again.outcome == RolloutOutcome.SUCCEEDED and again.moved == []
+
+
+@pytest.mark.parametrize(("mode", "rejoin_s"), [("drain", 0.3), ("pause", 5.0)])
+def test_in_drain_mode_the_next_batch_drains_only_after_the_last_one_had_time_to_rejoin(
+    reg: Registry, tmp_path: Path, mode: str, rejoin_s: float
+) -> None:
+    """A load balancer sees a resumed worker at its next health check; draining the next worker
+    at once could leave it nothing in rotation (seen: one request refused by both workers)."""
+    r = rig(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"), mode=mode, rejoin_s=rejoin_s)
+    at: dict[tuple[str, WorkerState], float] = {}
+    r.driver.observers.append(lambda t: at.setdefault((t.worker, t.to_state), time.monotonic()))
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    assert r.deploy(v1, v0).outcome == RolloutOutcome.SUCCEEDED and r.on() == {("RUNNING", "v1")}
+    begin = S.DRAINING if mode == "drain" else S.PAUSED
+    gap = at[("w1", begin)] - at[("w0", S.RUNNING)]
+    if mode == "drain":
+        assert gap >= rejoin_s, gap
+    else:  # paused requests wait in the worker instead of being refused: no wait
+        assert gap < rejoin_s, gap
 
 
 def test_a_refused_update_rolls_back_the_workers_already_moved(reg: Registry, tmp_path: Path) -> None:

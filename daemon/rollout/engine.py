@@ -9,6 +9,7 @@ then is the rollout closed as `failed`: no mixed versions after a failed rollout
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Collection
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -91,7 +92,11 @@ class RolloutEngine:
 
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         with PreparedAhead(self.driver, self.fleet, batches[1:], target) as ahead:
-            for batch in batches:
+            for i, batch in enumerate(batches):
+                if i and batches[i - 1].mode == "drain" and batch.mode == "drain":
+                    # the workers just resumed are ready, but a load balancer sees that only at its
+                    # next health check: draining the next batch now could leave it none to send to
+                    time.sleep(self.settings.rejoin_s)
                 if should_yield():
                     names = [h.name for h, _ in moved]
                     self.journal.finish_rollout(rid, RolloutOutcome.SUPERSEDED, {"moved": names})
