@@ -1,17 +1,23 @@
 """A port squatter, run as its own process: another local user's server on a worker's port.
 
-    python tests/support_squatter.py PORT LOG
+    python tests/support_squatter.py PORT LOG [--armed]
 
 Binds 127.0.0.1:PORT (failing at once if it cannot), prints `squatting PORT`, then answers every
 request like a healthy worker would (a RUNNING /weight_info on version v0, 200 for everything
 else, a made-up proof for /admin/identify) and appends one JSON line per request to LOG: method,
 path, headers and body. The tests read LOG to see what the daemon sent it.
+
+`--armed`: started (interpreter and imports) before the port is free, it prints `armed`, waits
+for a line on stdin, then binds as soon as the port is released (retrying for up to 5 s): what a
+squatter waiting for a worker to die does, ahead of any relaunch.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import sys
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -56,7 +62,20 @@ class Handler(BaseHTTPRequestHandler):
 def main() -> None:
     port, log_path = int(sys.argv[1]), sys.argv[2]
     Handler.log_path = log_path
-    server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+    if "--armed" in sys.argv[3:]:
+        print("armed", flush=True)
+        sys.stdin.readline()
+        deadline = time.monotonic() + 5.0
+        while True:
+            try:
+                server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
+                break
+            except OSError as exc:
+                if exc.errno != errno.EADDRINUSE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.002)
+    else:
+        server = ThreadingHTTPServer(("127.0.0.1", port), Handler)
     print(f"squatting {port}", flush=True)
     server.serve_forever()
 

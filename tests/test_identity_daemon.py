@@ -26,11 +26,21 @@ pytestmark = pytest.mark.timeout(600)
 
 
 @contextlib.contextmanager
-def squatter(port: int, log: Path) -> Iterator[subprocess.Popen[str]]:
-    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support_squatter.py"), str(port), str(log)],
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
+def squatter(port: int, log: Path, free_the_port: Callable[[], None] | None = None) -> Iterator[subprocess.Popen[str]]:
+    """A squatter on `port`. With `free_the_port` (e.g. SIGKILL its worker), the squatter starts
+    first and binds the moment the port is free: ahead of the daemon's relaunch, as a squatter
+    lying in wait would be (a fresh interpreter started after the kill can lose that race)."""
+    armed = ["--armed"] if free_the_port is not None else []
+    proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "support_squatter.py"), str(port), str(log), *armed],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)  # fmt: skip
     try:
-        assert proc.stdout is not None
+        assert proc.stdout is not None and proc.stdin is not None
+        if free_the_port is not None:
+            line = proc.stdout.readline()
+            assert line.startswith("armed"), line + proc.stdout.read()
+            free_the_port()
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
         line = proc.stdout.readline()
         assert line.startswith("squatting"), line + proc.stdout.read()
         yield proc
@@ -106,8 +116,7 @@ def test_tcp_worker_drift_goes_uncertain_and_a_squatter_never_gets_the_token(
 
     # 3. the worker crashes and another process takes its port
     log = tmp_path / "squatter.jsonl"
-    w.kill()
-    with squatter(w.port, log):
+    with squatter(w.port, log, w.kill):  # binds as soon as the killed worker's socket is gone
         wait_until(lambda: len(seen_by(log)) >= 6, 60, what="the daemon to poll the squatter")
         row = wait_until(lambda: (r := worker_row(d.registry, w.name))["state"] == "UNREACHABLE" and r, 30,
                          what="the row to say UNREACHABLE")  # fmt: skip
@@ -141,8 +150,7 @@ def test_managed_worker_port_squatter_gets_nothing_and_is_not_shown_running(tmp_
         first_token = (state / "worker-local.token").read_text().strip()
         assert str(runtime["port"]) not in runtime["admin_socket"]
         log = tmp_path / "squatter.jsonl"
-        os.kill(runtime["pid"], signal.SIGKILL)
-        with squatter(runtime["port"], log):
+        with squatter(runtime["port"], log, lambda: os.kill(runtime["pid"], signal.SIGKILL)):
             row = wait_until(lambda: (r := worker_row(d.registry, "local"))["state"] != "RUNNING"
                              and "held by another process" in (r["last_error"] or "") and r, 60,
                              what="the daemon to notice the taken port")  # fmt: skip
