@@ -146,6 +146,16 @@ def test_in_drain_mode_the_next_batch_drains_only_after_the_last_one_had_time_to
         assert gap < rejoin_s, gap
 
 
+def test_no_rejoin_wait_after_a_batch_that_drained_nobody(reg: Registry, tmp_path: Path) -> None:
+    """w0 is already on the target (nothing left rotation): w1 is drained without the wait."""
+    r = rig(reg, tmp_path, FakeWorkerClient("w0", version="v1"), FakeWorkerClient("w1"), rejoin_s=30.0)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    t0 = time.monotonic()
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and res.moved == ["w1"] and r.on() == {("RUNNING", "v1")}
+    assert time.monotonic() - t0 < 30.0  # a rejoin wait would have taken 30 s
+
+
 def test_a_refused_update_rolls_back_the_workers_already_moved(reg: Registry, tmp_path: Path) -> None:
     w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
     r = rig(reg, tmp_path, w0, w1)

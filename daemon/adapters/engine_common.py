@@ -73,19 +73,13 @@ def install_path(request: UpdateRequest, worker: str, engine: str) -> str:
 
 
 def checked_files(request: UpdateRequest, worker: str, path: str) -> CheckedFiles | None:
-    """The request's files hashed against the verified digests (once per host and version);
-    UpdateRefused naming the file when they are not the verified bytes. None: nothing to check."""
+    """The request's files hashed against the verified digests (once per host and version; a
+    later call only stats them again, the last look before the engine reads them); UpdateRefused
+    naming the file when they are not the verified bytes. None: nothing to check."""
     try:
         return check_engine_files(path, request.version, request.expect)
     except EngineFilesRefused as exc:
         raise UpdateRefused(f"worker {worker}: update: {exc} (nothing was loaded)") from None
-
-
-def refuse_if_changed(checked: CheckedFiles | None, worker: str) -> None:
-    """Right before the engine reads the directory: UpdateRefused if a checked file changed."""
-    problem = checked.changed() if checked is not None else None
-    if problem:
-        raise UpdateRefused(f"worker {worker}: update: {problem} (nothing was loaded)")
 
 
 def engine_call(worker: str, step: str, fn: Callable[[], T]) -> T:

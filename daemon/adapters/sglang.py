@@ -56,7 +56,6 @@ from daemon.adapters.engine_common import (
     checked_files,
     engine_call,
     install_path,
-    refuse_if_changed,
 )
 from daemon.adapters.sglang_api import SGLangAPI
 from daemon.logging import get_logger
@@ -164,8 +163,7 @@ class SGLangWorkerClient:
         path = install_path(request, self.name, "SGLang")
         version, digest = request.version, request.expect.digest
         t0 = time.perf_counter()
-        files = checked_files(request, self.name, path)  # hashed in prepare unless it was skipped
-        refuse_if_changed(files, self.name)  # the last look before SGLang reads the directory
+        checked_files(request, self.name, path)  # hashed in prepare (else now); here a stat per file
         if self._paused:
             # Unpaused (drain mode) the label would also land on the requests still finishing
             # under the old weights (SGLang applies it at once); then the daemon's own record of

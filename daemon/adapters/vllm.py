@@ -59,7 +59,6 @@ from daemon.adapters.engine_common import (
     checked_files,
     engine_call,
     install_path,
-    refuse_if_changed,
 )
 from daemon.adapters.engine_http import EngineAPIError
 from daemon.adapters.vllm_api import VLLMAPI
@@ -173,11 +172,10 @@ class VLLMWorkerClient:
         path = install_path(request, self.name, "vLLM")
         version, digest = request.version, request.expect.digest
         t0 = time.perf_counter()
-        files = checked_files(request, self.name, path)  # hashed in prepare unless it was skipped
+        checked_files(request, self.name, path)  # hashed in prepare (else now); here a stat per file
         if not self._call("update", self.api.is_paused):
             # The rollout pauses first; a reload into a serving engine would serve a mix.
             self.pause("keep")
-        refuse_if_changed(files, self.name)  # the last look before vLLM reads the directory
         try:
             self._call("update: mark partial", lambda: self.api.update_weight_version(PARTIAL_PREFIX + version))
         except WorkerError as exc:

@@ -91,9 +91,10 @@ class RolloutEngine:
             return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable, kind=FailureKind.UNAVAILABLE)
 
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
+        drained_last = False  # the previous batch took a worker out of a load balancer's rotation
         with PreparedAhead(self.driver, self.fleet, batches[1:], target) as ahead:
-            for i, batch in enumerate(batches):
-                if i and batches[i - 1].mode == "drain" and batch.mode == "drain":
+            for batch in batches:
+                if drained_last and batch.mode == "drain":
                     # the workers just resumed are ready, but a load balancer sees that only at its
                     # next health check: draining the next batch now could leave it none to send to
                     time.sleep(self.settings.rejoin_s)
@@ -105,6 +106,7 @@ class RolloutEngine:
                                          moved=names)  # fmt: skip
                 outcomes = self._run_batch(batch, rid, target, ahead)
                 moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
+                drained_last = batch.mode == "drain" and any(changed for _, changed, _ in outcomes)
                 failures = [(h, f) for h, _, f in outcomes if f is not None]
                 if failures:
                     ahead.close()  # no preparation lands after the failure path has begun
