@@ -21,31 +21,26 @@ source's own module defines its table's dataclass.
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import re
 import shlex
 import tomllib
-import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, get_args, get_origin
+from typing import Any, Literal
 
 from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
-from daemon.apiconfig import ApiSettings, listen_problem
 from daemon.checks import CheckSettings
-from daemon.fleet_config import FleetSettings, fleet_problem
+from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
+from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
+from daemon.fleet.settings import FleetSettings, fleet_problem
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
 
 CONFIG_ENV = "HOTSWAP_CONFIG"
 EMBEDDED = "<embedded default>"
 LOG_LEVELS = ("debug", "info", "warning", "error")
-
-
-class ConfigError(ValueError):
-    """A configuration problem; str() is one line naming the file and key."""
 
 
 @dataclass
@@ -75,35 +70,23 @@ class DaemonConfig:
 @dataclass
 class DatabaseConfig:
     url: str = ""  # SQLAlchemy URL; "" = sqlite:///<state_dir>/hotswap.db
+    # events and checks rows older than this many days are deleted (never those of serving, last good, pinned or
+    # in-flight versions; every version's own row stays): daemon.registry.retention. 0 = keep everything
+    retention_days: float = 0.0
+    retention_interval_s: float = 3600.0  # how often the daemon prunes them (with retention_days > 0)
 
     def validate(self, key: str) -> None:
         if self.url and "://" not in self.url:
             raise ConfigError(
                 f"{key}.url: {self.url!r} is not a SQLAlchemy URL (e.g. sqlite:///state/hotswap.db)"
             )
+        if self.retention_days < 0:
+            raise ConfigError(f"{key}.retention_days: must be >= 0 (0 = keep everything), got {self.retention_days}")
+        if self.retention_interval_s <= 0:
+            raise ConfigError(f"{key}.retention_interval_s: must be > 0, got {self.retention_interval_s}")
 
 
-# -- [rollout], [rollout.groups.NAME], [[workers]], [loader] -------------------------------------
-#
-# ```toml
-# [rollout]
-# transport = "disk"          # a name in daemon.transport.TRANSPORTS: disk | ipc
-# mode = "drain"              # default group's mode: drain | pause
-# max_unavailable = 1
-# health_window_s = 5.0       # post-deploy watch; 0 turns it off
-# max_error_rate = 0.01       # rolled back above this share of failed requests
-#
-# [rollout.groups.canary]     # optional: groups roll one after another, in [[workers]] order
-# mode = "pause"
-#
-# [[workers]]
-# name = "gpu0"
-# url = "http://127.0.0.1:8001"
-# token_file = "/etc/hotswap/worker.token"
-# device = "cuda:0"
-# group = "canary"
-# restart_command = "systemctl restart hotswap-worker@0"
-# ```
+# -- [rollout], [rollout.groups.NAME], [[workers]], [loader] (keys: docs/reference/config.md) ------
 
 RolloutMode = Literal["drain", "pause"]
 DEFAULT_GROUP = "default"
@@ -122,7 +105,7 @@ def _error(key: str, message: str) -> ConfigError:
 class GroupSettings:
     """`[rollout.groups.NAME]`: how one group of workers leaves RUNNING."""
 
-    mode: RolloutMode = "drain"
+    mode: RolloutMode = "drain"  # how this group leaves RUNNING: drain | pause
     max_unavailable: int = 0  # 0 = [rollout].max_unavailable
 
     def validate(self, key: str) -> None:
@@ -138,7 +121,7 @@ class RolloutSettings:
     update_mode: Literal["copy", "swap"] = "copy"  # how an ipc update lands in the worker
     mode: RolloutMode = "drain"  # mode of the "default" group and of groups without their own
     max_unavailable: int = 1  # workers out of RUNNING at the same time, per group
-    groups: dict[str, GroupSettings] = field(default_factory=dict)
+    groups: dict[str, GroupSettings] = field(default_factory=dict)  # named groups, [rollout.groups.NAME]: rolled one after another in [[workers]] order
     # Per-step timeouts (seconds). A step that runs past its timeout fails the worker.
     drain_timeout_s: float = 30.0  # in-flight requests finishing after readiness goes off
     # drain mode: after a batch is back RUNNING, wait this long before draining the next, so a
@@ -146,21 +129,26 @@ class RolloutSettings:
     rejoin_s: float = 1.0
     update_timeout_s: float = 300.0  # the transfer into the worker's parameters
     restart_timeout_s: float = 180.0  # restart command until the worker answers healthy
-    # Managed workers (daemon/supervise.py): a failed launch waits base, doubling up to max, before
+    # Managed workers (daemon/controller/supervise.py): a failed launch waits base, doubling up to max, before
     # the next; healthy for reset_s starts again from base.
     relaunch_backoff_s: float = 1.0
-    relaunch_backoff_max_s: float = 60.0
-    relaunch_reset_s: float = 60.0
+    relaunch_backoff_max_s: float = 60.0  # the longest wait between failed launches
+    relaunch_reset_s: float = 60.0  # healthy this long: the next failure waits relaunch_backoff_s again
     stage_timeout_s: float = 600.0  # ipc: loader staging a version
     max_infra_retries: int = 3  # a version whose rollout failed for a crashed/unreachable worker: retries, then rejected
     # Post-deploy health window: roll back when a worker's failed share exceeds the bound.
     health_window_s: float = 5.0
-    max_error_rate: float = 0.01
+    max_error_rate: float = 0.01  # roll back above this share of failed requests in the window (0.01 = 1 %)
     min_window_requests: int = 10  # fewer requests than this in the window: no verdict on that worker
-    health_sample_s: float = 0.5
+    health_sample_s: float = 0.5  # how often the window reads the workers' request counters
     health_probe_s: float = 1.0  # a greedy probe this often in the window (0 = none); a failed one counts
     health_poll_s: float = 5.0  # background poll of every worker's /weight_info
     request_timeout_s: float = 10.0  # every other admin call (weight_info, pause, probe, resume, ...)
+    broadcast_max_pause_s: float = 60.0  # a trainer broadcast holds the workers paused at most this long
+    # A verified checkpoint that cannot be written in place (tensor shapes differ from serving, e.g.
+    # a resized vocabulary) is rolled out by relaunching workers on it, batch by batch: managed ones
+    # by the daemon (port kept), external ones by restart_command ({path}, {version}); false: rejected.
+    restart_rollouts: bool = True
 
     def validate(self, key: str) -> None:
         if self.transport not in TRANSPORTS:
@@ -177,6 +165,7 @@ class RolloutSettings:
             "health_sample_s",
             "health_poll_s",
             "request_timeout_s",
+            "broadcast_max_pause_s",
         ):
             if getattr(self, name) <= 0:
                 raise _error(key, f"{name}: must be > 0, got {getattr(self, name)}")
@@ -210,12 +199,12 @@ class RolloutSettings:
 class WorkerSpec:
     """`[[workers]]`: one serving process the daemon keeps on the newest good version."""
 
-    name: str
+    name: str  # unique worker name (letters, digits, _.@-)
     url: str = ""  # base URL of its serving + admin API; "" only with launch = "managed"
     kind: str = MANAGED_KIND  # a name in daemon.adapters.WORKER_KINDS
     token_file: str = ""  # bearer token for the admin API; managed: "" = <state_dir>/worker-NAME.token
     device: str = "auto"  # informational for external workers; managed: passed to `hotswap worker`
-    group: str = DEFAULT_GROUP
+    group: str = DEFAULT_GROUP  # the rollout group ([rollout.groups.NAME]) it belongs to
     # Run when the worker cannot be restored over its admin API (e.g. "systemctl restart
     # hotswap-worker@0"). A string is split like a shell would, but never run by a shell;
     # {name} {url} {port} {device} {version} {path} {token_file} are filled in per argument.
@@ -231,7 +220,7 @@ class WorkerSpec:
     # Engine kinds only (vllm, sglang; README "Engines"): the engine's own pause mode used by
     # rollout mode "pause" ("" = keep for vLLM, retract for SGLang) and SGLang's admin key file.
     pause_mode: str = ""
-    admin_token_file: str = ""
+    admin_token_file: str = ""  # sglang: its --admin-api-key file (the weight routes take only that key)
 
     def validate(self, key: str) -> None:
         if not _NAME_RE.match(self.name):
@@ -294,7 +283,7 @@ class LoaderSettings:
     """`[loader]`: the staging loader used by `transport = "ipc"`."""
 
     socket: str = ""  # Unix socket of `hotswap loader`; "" = <state_dir>/loader.sock
-    token_file: str = ""
+    token_file: str = ""  # the loader's bearer token file ("" = none)
 
     def validate(self, key: str) -> None:
         return None
@@ -328,7 +317,7 @@ def _default_sources() -> list[Any]:
 class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
-    api: ApiSettings = field(default_factory=ApiSettings)  # [api]: TLS, remote access (daemon.apiconfig)
+    api: ApiSettings = field(default_factory=ApiSettings)  # [api]: TLS, remote access (daemon.common.apiconfig)
     # [[sources]]: each table's `type` picks its dataclass from daemon.sources.SOURCE_TYPES.
     sources: list[Any] = field(default_factory=_default_sources)
     # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
@@ -338,7 +327,7 @@ class Config:
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
     workers: list[WorkerSpec] = field(default_factory=list)
     loader: LoaderSettings | None = None
-    fleet: FleetSettings = field(default_factory=FleetSettings)  # [fleet]: host name, fleet mode (daemon.fleet_config)
+    fleet: FleetSettings = field(default_factory=FleetSettings)  # [fleet]: host name, fleet mode (daemon.fleet.settings)
     source_file: str = EMBEDDED
 
     @property
@@ -360,12 +349,16 @@ class Config:
 _NOT_SECTIONS = {"source_file"}
 
 
-def load_config(path: str | os.PathLike[str] | None = None) -> Config:
-    """Load and validate a config file; None means $HOTSWAP_CONFIG or else the embedded default."""
+def load_config(path: str | os.PathLike[str] | None = None,
+                overrides: dict[str, dict[str, Any]] | None = None) -> Config:  # fmt: skip
+    """Load and validate a config file; None means $HOTSWAP_CONFIG or else the embedded default.
+
+    `overrides` ({"daemon": {"listen": ...}}, from `hotswap daemon --listen`) replace keys of the
+    file (or of the embedded default) before it is validated, so they are checked as the file is."""
     if path is None and os.environ.get(CONFIG_ENV):
         path = os.environ[CONFIG_ENV]
     if path is None:
-        return parse_config({}, EMBEDDED)
+        return parse_config(_overridden({}, overrides), EMBEDDED)
     p = Path(path)
     try:
         raw = p.read_bytes()
@@ -379,19 +372,25 @@ def load_config(path: str | os.PathLike[str] | None = None) -> Config:
         raise ConfigError(f"{p}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
     except tomllib.TOMLDecodeError as exc:
         raise ConfigError(f"{p}: invalid TOML: {exc}") from None
-    return parse_config(doc, str(p))
+    return parse_config(_overridden(doc, overrides), str(p))
+
+
+def _overridden(doc: dict[str, Any], overrides: dict[str, dict[str, Any]] | None) -> dict[str, Any]:
+    for section, values in (overrides or {}).items():
+        table = doc.setdefault(section, {})
+        if isinstance(table, dict):
+            table.update(values)
+    return doc
 
 
 def parse_config(doc: dict[str, Any], source: str) -> Config:
     try:
         config = _parse(doc)
     except ConfigError as exc:
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{source}: {exc}", [f"{source}: {p}" for p in exc.problems]) from None
     config.source_file = source
     if source == EMBEDDED and "workers" not in doc:
-        config.workers = default_workers()
-        # One worker: draining it would turn requests away; pausing holds them instead.
-        config.rollout.mode = "pause"
+        config.workers = default_workers()  # one worker: the planner pauses it rather than drain it
     return config
 
 
@@ -406,13 +405,15 @@ def _parse(doc: dict[str, Any]) -> Config:
         if name == "sources" and name in doc:
             values[name] = _sources(doc[name])
         elif name in doc:
-            values[name] = _convert(doc[name], hints[name], name)
+            values[name] = convert(doc[name], hints[name], name)
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
     if problem := listen_problem(config.daemon.listen_host_port, config.api):
         raise ConfigError(problem)
     if problem := fleet_problem(config.fleet, config.database_url):
         raise ConfigError(problem)
+    if not config.rollout.restart_rollouts:  # compat then rejects what would need a restart rollout
+        config.checks.restart_rollouts = False
     if TRANSPORTS[config.rollout.transport].stages:
         # a transport that stages a copy (the loader) needs that room too, so headroom checks it
         config.checks.ipc_enabled = True
@@ -422,126 +423,14 @@ def _parse(doc: dict[str, Any]) -> Config:
 def _sources(value: Any) -> list[Any]:
     """`[[sources]]`: a union on `type`; each type's dataclass comes from its source module."""
     if not isinstance(value, list):
-        raise ConfigError(f"sources: expected an array, got {_tname(value)}")
+        raise ConfigError(f"sources: expected an array, got {type_name(value)}")
     out = []
     for i, table in enumerate(value):
         key = f"sources[{i}]"
         if not isinstance(table, dict):
-            raise ConfigError(f"{key}: expected a table, got {_tname(table)}")
+            raise ConfigError(f"{key}: expected a table, got {type_name(table)}")
         kind = table.get("type", "local")
         if kind not in SOURCE_TYPES:
             raise ConfigError(f"{key}.type: {kind!r} is not one of {', '.join(map(repr, SOURCE_TYPES))}")
-        out.append(_build_dataclass(table, source_type(kind).config_type, key))
+        out.append(build_dataclass(table, source_type(kind).config_type, key))
     return out
-
-
-def _fmt_key(key: str) -> str:
-    return f"[{key}]" if "." not in key and "[" not in key else key
-
-
-def _convert(value: Any, tp: Any, key: str) -> Any:
-    """Check `value` from TOML against annotation `tp`; build dataclasses; name `key` on error."""
-    origin = get_origin(tp)
-    if tp is Any:
-        return value
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in get_args(tp) if a is not type(None)]
-        if value is None:
-            return None
-        errors = []
-        for a in args:
-            try:
-                return _convert(value, a, key)
-            except ConfigError as exc:
-                errors.append(str(exc))
-        raise ConfigError(errors[0] if len(errors) == 1 else f"{key}: {value!r} has the wrong type")
-    if origin is Literal:
-        if value not in get_args(tp):
-            choices = ", ".join(repr(a) for a in get_args(tp))
-            raise ConfigError(f"{key}: {value!r} is not one of {choices}")
-        return value
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, dict):
-            raise ConfigError(f"{_fmt_key(key)}: expected a table, got {_tname(value)}")
-        return _build_dataclass(value, tp, key)
-    if origin in (list, tuple, frozenset, set):
-        if not isinstance(value, list):
-            raise ConfigError(f"{key}: expected an array, got {_tname(value)}")
-        item_args = get_args(tp)
-        item_tp = item_args[0] if item_args else Any
-        items = [_convert(v, item_tp, f"{key}[{i}]") for i, v in enumerate(value)]
-        return items if origin is list else origin(items)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{key}: expected a table, got {_tname(value)}")
-        _, vt = get_args(tp) or (str, Any)
-        return {str(k): _convert(v, vt, f"{key}.{k}") for k, v in value.items()}
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{key}: expected true or false, got {_tname(value)} {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{key}: expected an integer, got {_tname(value)} {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{key}: expected a number, got {_tname(value)} {value!r}")
-        if not math.isfinite(value):  # TOML has nan and inf: a timeout of nan never compares, inf never ends
-            raise ConfigError(f"{key}: expected a finite number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a string, got {_tname(value)} {value!r}")
-        return value
-    if tp is Path or (isinstance(tp, type) and issubclass(tp, os.PathLike)):
-        if not isinstance(value, str):
-            raise ConfigError(f"{key}: expected a path string, got {_tname(value)} {value!r}")
-        return Path(value)
-    raise ConfigError(f"{key}: unsupported setting type {tp!r}")
-
-
-def _build_dataclass(table: dict[str, Any], cls: Any, key: str) -> Any:
-    hints = typing.get_type_hints(cls)
-    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
-    unknown = sorted(set(table) - set(fields))
-    if unknown:
-        raise ConfigError(f"{key}.{unknown[0]}: unknown key (known: {', '.join(sorted(fields))})")
-    kwargs: dict[str, Any] = {}
-    for name, f in fields.items():
-        if name in table:
-            kwargs[name] = _convert(table[name], hints[name], f"{key}.{name}")
-        elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
-            raise ConfigError(f"{key}.{name}: missing required value")
-    try:
-        obj = cls(**kwargs)
-    except (TypeError, ValueError) as exc:
-        raise ConfigError(f"{key}: {exc}") from None
-    validate = getattr(obj, "validate", None)
-    if callable(validate):
-        try:
-            validate(key)
-        except ConfigError:
-            raise
-        except ValueError as exc:  # a section's own validate() may raise plain ValueError
-            msg = str(exc)
-            raise ConfigError(msg if msg.startswith(key) else f"{key}: {msg}") from None
-    return obj
-
-
-def _tname(value: Any) -> str:
-    return {
-        str: "string",
-        int: "integer",
-        float: "number",
-        bool: "boolean",
-        list: "array",
-        dict: "table",
-    }.get(type(value), type(value).__name__)
-
-
-def parse_listen(value: str, key: str) -> tuple[str, int]:
-    host, sep, port = value.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 <= int(port) <= 65535:
-        raise ConfigError(f"{key}: {value!r} is not host:port (e.g. 127.0.0.1:8780)")
-    return host.strip("[]"), int(port)

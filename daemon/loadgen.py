@@ -43,8 +43,10 @@ class LoadGen:
         max_tokens: int = 3,
         body: dict[str, Any] | None = None,
         request_timeout_s: float = 120.0,
+        headers: dict[str, str] | None = None,
     ) -> None:
         self.urls = urls
+        self.headers = dict(headers or {})  # e.g. an engine's bearer token, sent with every completion
         self.concurrency = concurrency
         self.max_requests = max_requests
         self.max_seconds = max_seconds
@@ -119,7 +121,7 @@ class LoadGen:
         return ready + [u for u in order if u not in ready]  # unready ones last, never none
 
     def _loop(self) -> None:
-        with httpx.Client(timeout=self.request_timeout_s) as client:
+        with httpx.Client(timeout=self.request_timeout_s, headers=self.headers) as client:
             while not self._stop.is_set() and time.monotonic() < self._deadline:
                 with self._lock:
                     if self.stats.sent >= self.max_requests:

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 import json
 import os
-import posixpath
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
 from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats.names import ManifestError, check_relative_path, check_version_label, version_problem
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES, SmallFileError, SmallFileMissing, read_small_file
 from daemon.hashing import (
     DEFAULT_HASH_ALG,
@@ -49,21 +49,19 @@ __all__ = [
     "Signer",
     "canonical_bytes",
     "check_relative_path",
+    "check_version_label",
     "crc32c_file",
     "list_checkpoint_files",
     "load_manifest",
     "parse_manifest",
     "publish",
+    "version_problem",
 ]
 
 FORMAT_1 = "hotswap.manifest/1"  # CRC32C only: read, flagged weak
 FORMAT_2 = "hotswap.manifest/2"  # CRC32C + a strong hash per file
 FORMAT = FORMAT_2  # what `publish` writes
 _TMP_PREFIX = f".{MANIFEST_NAME}.tmp"
-
-
-class ManifestError(ValueError):
-    """A manifest that is missing, malformed or unsafe; the message names the field or path."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,28 +168,6 @@ def canonical_bytes(doc: dict[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
 
 
-def check_relative_path(path: object, root: Path | None = None) -> str:
-    """Return `path` if it is a safe relative path inside the checkpoint, else raise ManifestError."""
-    if not isinstance(path, str) or not path:
-        raise ManifestError(f"file path {path!r} must be a non-empty string")
-    if "\\" in path or "\x00" in path:
-        raise ManifestError(f"file path {path!r} contains a backslash or NUL")
-    if path.startswith("/"):
-        raise ManifestError(f"file path {path!r} is absolute")
-    parts = path.split("/")
-    if ".." in parts:
-        raise ManifestError(f"file path {path!r} contains '..' (leaves the checkpoint)")
-    if posixpath.normpath(path) != path or "." in parts:
-        raise ManifestError(f"file path {path!r} is not normalised (expected {posixpath.normpath(path)!r})")
-    if root is not None:
-        full = root / path
-        if full.is_symlink() or any((root / "/".join(parts[:i])).is_symlink() for i in range(1, len(parts))):
-            target = full.resolve()
-            if not target.is_relative_to(root.resolve()):
-                raise ManifestError(f"file path {path!r} is a symlink leaving the checkpoint (-> {target})")
-    return path
-
-
 def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_NAME) -> Manifest:
     """Strictly parse manifest bytes (format 1 or 2); `root` enables the symlink-out check."""
     try:
@@ -209,8 +185,8 @@ def parse_manifest(raw: bytes, root: Path | None = None, where: str = MANIFEST_N
         raise ManifestError(f"{where}: step must be a non-negative integer, got {step!r}")
     parent = _opt(doc, "parent", str, where)
     created_at = _opt(doc, "created_at", str, where)
-    if version is not None and (not version or "/" in version or version in (".", "..")):
-        raise ManifestError(f"{where}: version {version!r} is not a usable label")
+    if version is not None:
+        check_version_label(version, where)
     hash_alg: str | None = None
     if fmt == FORMAT_2:
         hash_alg = doc.get("hash_alg")
@@ -326,10 +302,13 @@ def publish(
     *,
     hash_alg: str = DEFAULT_HASH_ALG,
     threads: int | None = None,
+    extra: dict[str, Any] | None = None,
 ) -> Manifest:
     """Hash every file (CRC32C and `hash_alg`, one read) and write a format-2 manifest atomically, last.
 
     The version defaults to the directory name. tmp + fsync + rename, then the directory is fsynced.
+    `extra`: more top-level keys, signed with the rest (a LoRA adapter's `adapter` name and
+    `base_model`: daemon.formats.adapter).
     """
     root = Path(directory)
     if not root.is_dir():
@@ -347,6 +326,7 @@ def publish(
         parent=parent,
         created_at=datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
         files=files,
+        extra=dict(extra or {}),
         format=FORMAT_2,
         hash_alg=hash_alg,
     )

@@ -2,16 +2,17 @@
 
     build_daemon(config) -> Daemon, read top to bottom as the pipeline:
         discover   sources ([[sources]], by type from daemon.sources) -> coordinator.intake
-        register   -> fetch -> verify      the coordinator (daemon.coordinator)
+        register   -> fetch -> verify      the coordinator (daemon.pipeline.coordinator)
         stage      -> roll out -> watch     the rollout service (daemon.rollout), when [[workers]] exist
-        plus the scheduler's periodic jobs and the HTTP API (daemon.api)
+        plus the scheduler's periodic jobs and the HTTP API (daemon.api.app)
 
-`run_daemon` first runs `daemon.preflight` (API port free, token and key files usable, required
+`run_daemon` first runs `daemon.process.preflight` (API port free, token and key files usable, required
 source folders present: one line and exit 2, before anything is created or launched).
 `Daemon.start()`: migrate the database, then start each part in that order (the rollout
 service first: it makes the seed and recovers a killed daemon's rollout before checkpoints
 flow), then write `<state_dir>/daemon.json` (pid and API URL, for the CLI and tests) and tell
-systemd READY=1. Each started part pushes its stop onto a stack; `Daemon.stop()` pops it:
+systemd READY=1. The state directory is made (or tightened, with a warning) 0700 before anything
+is written in it, and every file the daemon creates there is 0600 (daemon.common.private). Each started part pushes its stop onto a stack; `Daemon.stop()` pops it:
 every thread and job stops in reverse order, and is waited for. SIGTERM/SIGINT stop it cleanly.
 
 `Observers` are the daemon's test seam: callbacks after each recorded worker transition and
@@ -28,32 +29,37 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from daemon import reverify, systemd
-from daemon.api import ApiServer, ApiState, create_app, rollout_router
-from daemon.auth import ControlGuard, TokenFileError, ensure_control_token
-from daemon.broadcast_api import broadcast_router
+from daemon.api import reverify
+from daemon.api.app import ApiServer, ApiState, create_app, rollout_router
+from daemon.api.broadcast import broadcast_router
+from daemon.api.readiness import readiness_router
+from daemon.api.registry_metrics import RegistryCollector, RolloutMetrics, version_bytes
+from daemon.common import systemd
+from daemon.common.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.common.logging import configure_logging, get_logger
+from daemon.common.metrics import DaemonMetrics
+from daemon.common.private import private_dir, write_private
+from daemon.common.problems import Problem
+from daemon.common.statelock import StateDirLock
 from daemon.config import Config, ConfigError
-from daemon.coordinator import Coordinator, StatusObserver
-from daemon.fleet_fetch import fetch_here
-from daemon.logging import configure_logging, get_logger
-from daemon.metrics import DaemonMetrics
-from daemon.metrics_registry import RegistryCollector, RolloutMetrics, version_bytes
-from daemon.preflight import port_error, preflight
-from daemon.readiness import readiness_router
-from daemon.registry import Registry
+from daemon.controller.service import RolloutService
+from daemon.fleet.fetch import fetch_here
+from daemon.pipeline.coordinator import Coordinator, StatusObserver
+from daemon.process.health import HealthMonitor, ProblemCollector
+from daemon.process.preflight import port_error, preflight
+from daemon.process.reload import Reloadable, ReloadResult, reload_config
+from daemon.registry import Registry, retention
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
 from daemon.registry.status import UNFINISHED, WAITING
-from daemon.reload import Reloadable, ReloadResult, reload_config
-from daemon.rollout.service import RolloutService
 from daemon.rollout.states import TransitionObserver
 from daemon.sources import Source, build_source
-from daemon.statelock import StateDirLock
 
 # What the forward check imports on first use (~3 s on a laptop CPU).
 _FORWARD_MODULES = (
@@ -88,6 +94,7 @@ class Daemon:
     stop_event: threading.Event = field(default_factory=threading.Event)
     reload_event: threading.Event = field(default_factory=threading.Event)  # SIGHUP
     api_state: ApiState | None = None
+    health: HealthMonitor | None = None  # every problem, from every probe (daemon.process.health)
     state_lock: StateDirLock | None = None  # taken by run_daemon before anything else, else by start()
     _stops: list[tuple[str, Callable[[], None]]] = field(default_factory=list)
 
@@ -97,7 +104,10 @@ class Daemon:
 
     def start(self) -> None:
         cfg = self.config
-        cfg.state_dir.mkdir(parents=True, exist_ok=True)
+        was = private_dir(cfg.state_dir)  # 0700: the registry, tokens and logs are in it
+        if was is not None:
+            log.warning("state directory was open to other users; tightened to 0700", path=str(cfg.state_dir),
+                        mode=f"{was:04o}")  # fmt: skip
         if self.state_lock is None:  # before anything touches the state: a second daemon here exits 2
             self.state_lock = StateDirLock(cfg.state_dir)
             self.state_lock.acquire()
@@ -131,6 +141,13 @@ class Daemon:
         for source in self.sources:  # discover
             source.start()
             self._started(f"source {source.label}", source.stop)
+        agent = self.rollout.fleet_agent if self.rollout is not None else None  # fleet mode: host_behind
+        self.health = HealthMonitor(self.registry, lambda: self.sources, self.rollout,
+                                    extra=[agent.problems] if agent is not None else [],
+                                    state_dir=self.config.state_dir)  # watch
+        self.metrics.registry.register(ProblemCollector(self.health))
+        self.scheduler.add_job(self.health.tick, "interval", seconds=self.health.interval_s, id="health",
+                               max_instances=1, coalesce=True, next_run_time=datetime.now(UTC))  # fmt: skip
         self._add_jobs()
         listen = cfg.daemon.listen_host_port
         if listen is not None:
@@ -144,6 +161,10 @@ class Daemon:
         self._started("runtime file", lambda: self.runtime_file.unlink(missing_ok=True))
         systemd.ready(f"watching {len(self.sources)} source(s)")
         log.info("ready", api=self.api.url if self.api else None, sources=[s.label for s in self.sources])
+        if self.rollout is None:
+            log.warning("verify only: no [[workers]] in the config, so checkpoints are verified and recorded but "
+                        "rolled out nowhere (add a [[workers]] table, or run without -c for the managed worker)",
+                        config=cfg.source_file)  # fmt: skip
 
     def stop(self) -> None:
         """Stop everything `start` started, newest first, waiting for each."""
@@ -168,10 +189,14 @@ class Daemon:
         # directories a source created (a download cache) may go; serving, last good, pinned never
         self.scheduler.add_job(self.prune, "interval", seconds=cfg.daemon.retention_interval_s, id="retention",
                                max_instances=1, coalesce=True)  # fmt: skip
+        if cfg.database.retention_days > 0:  # old events and checks rows (daemon.registry.retention)
+            self.scheduler.add_job(self.prune_history, "interval", seconds=cfg.database.retention_interval_s,
+                                   id="history-retention", max_instances=1, coalesce=True)  # fmt: skip
 
     def _app(self) -> Any:
         assert self.guard is not None  # start() made it
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
+                         describe_sources=lambda: [s.describe() for s in self.sources],
                          queue_depth=self.coordinator.queue_depth, problems=self.health_problems,
                          guard=self.guard)  # fmt: skip
         self.api_state = state
@@ -179,12 +204,13 @@ class Daemon:
         app.include_router(reverify.router(self.coordinator, self.guard))
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout, self.guard))
-            app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard))  # trainer broadcast
+            app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard,
+                                               self.config.checks))  # trainer broadcast
             app.include_router(readiness_router(self.rollout))  # GET /v1/workers/{name}/ready
         return app
 
     def reload(self) -> ReloadResult:
-        """SIGHUP: apply the config file's changes that can be applied while running (daemon.reload)."""
+        """SIGHUP: apply the config file's changes that can be applied while running (daemon.process.reload)."""
         def on_sources(sources: list[Source]) -> None:
             if self.api_state is not None:
                 self.api_state.sources[:] = [s.describe() for s in sources]
@@ -194,18 +220,9 @@ class Daemon:
         systemd.status("config reload refused: " + result.error if result.error else "config reloaded")
         return result
 
-    def health_problems(self) -> list[str]:
-        """What makes the daemon unhealthy now: each source's `health_problem()` (optional), and
-        each managed worker that failed to launch and is not healthy again."""
-        problems: list[str] = []
-        for source in self.sources:
-            check = getattr(source, "health_problem", None)
-            problem = check() if callable(check) else None
-            if problem:
-                problems.append(problem)
-        if self.rollout is not None:
-            problems += self.rollout.supervisor.problems()  # a managed worker that failed to launch
-        return problems
+    def health_problems(self) -> list[Problem]:
+        """What is wrong now (daemon.process.health); nothing before the monitor exists."""
+        return self.health.check() if self.health is not None else []
 
     def prune(self) -> list[Path]:
         """The retention hook: let each source delete directories it created, except protected ones."""
@@ -219,6 +236,18 @@ class Daemon:
         if removed:
             log.info("pruned", directories=[str(p) for p in removed])
         return removed
+
+    def prune_history(self) -> retention.Pruned | None:
+        """The registry's retention job: events and checks rows older than `[database] retention_days`."""
+        try:
+            done = retention.prune(self.registry, self.config.database.retention_days)
+        except Exception:  # the database blinked: the next turn tries again
+            log.exception("pruning the registry history failed")
+            return None
+        if done.events or done.checks:
+            log.info("pruned registry history", events=done.events, checks=done.checks,
+                     older_than_days=self.config.database.retention_days)  # fmt: skip
+        return done
 
     def protected_paths(self) -> frozenset[Path]:
         """Serving, last good and pinned, and every checkpoint still on its way to a worker."""
@@ -236,10 +265,9 @@ class Daemon:
             "database": redact_url(self.config.database_url),
             "config": self.config.source_file,
             "started_at": time.time(),
+            "verify_only": self.rollout is None,  # no [[workers]]: checkpoints are verified, never rolled out
         }
-        tmp = self.runtime_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps(doc) + "\n")
-        os.replace(tmp, self.runtime_file)
+        write_private(self.runtime_file, (json.dumps(doc) + "\n").encode())
 
 
 def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
@@ -263,6 +291,7 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
         coordinator.verify_stager = rollout.stager.verify_stager  # ipc: verify reads into the loader
         if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
             rollout.fleet_agent.fetch = lambda cid: fetch_here(registry, coordinator.sources, cid)
+            rollout.fleet_agent.doing = lambda: rollout.state.current_job or (None if rollout.wait_ready(0) else "start-up")
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 
 

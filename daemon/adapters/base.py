@@ -17,11 +17,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from daemon.transport.base import UpdateMode, UpdateRequest
+from daemon.transport.base import Expect, UpdateMode, UpdateRequest
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 
-__all__ = ["Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified", "PreparesUpdates", "Timeouts", "UpdateMode", "UpdateRefused",
+__all__ = ["AdapterRequest", "AdapterResult", "Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified",
+           "PreparesUpdates", "ServedAdapter", "ServesAdapters", "Timeouts", "UpdateMode", "UpdateRefused",
            "UpdateRequest", "UpdateResult",
            "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "read_token"]  # fmt: skip
 
@@ -36,7 +37,7 @@ class WorkerUnreachable(WorkerError):
 
 class PeerNotVerified(WorkerUnreachable):
     """The peer at the worker's address could not prove it holds the worker's launch secret
-    (daemon/identity.py): it may be another process on the port. Nothing secret was sent to it."""
+    (daemon/common/identity.py): it may be another process on the port. Nothing secret was sent to it."""
 
 
 class NonFiniteOutput(WorkerError):
@@ -57,6 +58,10 @@ class Capabilities:
     restores_itself: bool = False  # keeps its last good weights and can `restore()` them alone
     atomic_updates: bool = False  # a failed update leaves the previous weights (else the worker is UNCERTAIN)
     reports_in_flight: bool = False  # weight_info().in_flight counts the requests it is serving
+    # LoRA adapters served by request `model` name (the client implements `ServesAdapters`)
+    adapters: bool = False
+    # a new version replaces a served name in one step, between requests (else: unload, then load)
+    adapter_swap_atomic: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +121,51 @@ class PreparesUpdates(Protocol):
     (`prepare(request)`, before the pause), so the update itself only writes."""
 
     def prepare(self, request: UpdateRequest) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterRequest:
+    """One LoRA adapter version to serve under `name` (a verified PEFT directory)."""
+
+    name: str  # what clients send as `model`
+    version: str
+    path: str
+    expect: Expect = field(default_factory=Expect)  # the verified digests the engine's files must match
+    replace: bool = False  # the worker serves another version of `name` now
+
+
+@dataclass(slots=True)
+class AdapterResult:
+    name: str
+    version: str
+    duration_ms: float
+    tokens: list[int] | None = None  # the worker's own greedy probe under the adapter, when it ran one
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedAdapter:
+    name: str
+    version: str | None  # None: the engine knows only the directory (the daemon maps it to a version)
+    path: str | None
+
+
+@runtime_checkable
+class ServesAdapters(Protocol):
+    """LoRA adapters by name beside the base (with `capabilities.adapters`); nothing is paused.
+    Errors: UpdateRefused (refused, the name serves what it did), WorkerError otherwise."""
+
+    def load_adapter(self, request: AdapterRequest) -> AdapterResult: ...
+    def unload_adapter(self, name: str) -> None: ...
+    def adapters(self) -> dict[str, ServedAdapter]: ...
+    def adapter_probe(self, name: str) -> tuple[str | None, list[int]]:
+        """One greedy generation with `model: name`: (the version it ran under if the engine
+        says, its tokens); NonFiniteOutput when its logits were not finite."""
+        ...
+
+    def adapter_counters(self, name: str) -> dict[str, int] | None:
+        """requests_total / requests_failed of that adapter's requests; None: the engine has none."""
+        ...
 
 
 class ClientFactory(Protocol):

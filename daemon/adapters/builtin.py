@@ -7,7 +7,7 @@ anything else -> WorkerError, with the worker's own message and the step in the 
 
 URLs: `http://127.0.0.1:8100` or `unix:/run/hotswap/worker0.sock`.
 
-Identity (daemon/identity.py): the bearer token goes only to a peer that proved, on a fresh
+Identity (daemon/common/identity.py): the bearer token goes only to a peer that proved, on a fresh
 nonce just before that request, that it holds the token (`POST /admin/identify`), unless the
 URL is a Unix socket in a private directory (ours, 0700: no one else can be listening there).
 The token file is re-read when it changes, so a managed worker's per-launch secret is picked up.
@@ -24,11 +24,14 @@ from typing import Any
 import httpx
 
 from daemon.adapters.base import (
+    AdapterRequest,
+    AdapterResult,
     Capabilities,
     ClientFactory,
     NonFiniteOutput,
     PauseMode,
     PeerNotVerified,
+    ServedAdapter,
     Timeouts,
     UpdateRefused,
     UpdateRequest,
@@ -38,7 +41,7 @@ from daemon.adapters.base import (
     WorkerUnreachable,
     read_token,
 )
-from daemon.identity import new_nonce, proof_ok
+from daemon.common.identity import new_nonce, proof_ok
 from daemon.transport import TRANSPORTS
 
 GET_RETRIES = 2
@@ -61,6 +64,8 @@ class BuiltinWorkerClient:
         restores_itself=True,
         atomic_updates=True,
         reports_in_flight=True,
+        adapters=True,  # unmerged LoRA by request `model` (daemon.worker.lora)
+        adapter_swap_atomic=True,  # requests keep the version they were admitted with
     )
 
     def __init__(
@@ -226,6 +231,38 @@ class BuiltinWorkerClient:
         if not doc.get("finite", True):
             raise NonFiniteOutput(f"worker {self.name}: probe: non-finite logits under version {doc.get('weight_version')}")
         return str(doc["weight_version"])
+
+    # -- LoRA adapters (ServesAdapters) ------------------------------------------------------
+    def load_adapter(self, request: AdapterRequest) -> AdapterResult:
+        body = {"name": request.name, "version": request.version, "path": request.path,
+                "expect": request.expect.to_json()}  # fmt: skip
+        doc = self._admin("/admin/adapters/load", "load adapter", body, timeout=self.update_timeout)
+        raw = doc.get("probe")
+        probe: dict[str, Any] = raw if isinstance(raw, dict) else {}
+        if probe.get("error") or probe.get("finite") is False:
+            raise NonFiniteOutput(f"worker {self.name}: load adapter: probe under {request.name} {request.version}: "
+                                  f"{probe.get('error') or 'non-finite logits'}")  # fmt: skip
+        tokens = probe.get("token_ids")
+        return AdapterResult(str(doc["name"]), str(doc["version"]), float(doc.get("ms", 0.0)),
+                             list(tokens) if isinstance(tokens, list) else None, doc)  # fmt: skip
+
+    def unload_adapter(self, name: str) -> None:
+        self._admin("/admin/adapters/unload", "unload adapter", {"name": name})
+
+    def adapters(self) -> dict[str, ServedAdapter]:
+        served = self.weight_info().extra.get("adapters") or {}
+        return {n: ServedAdapter(n, a.get("version"), a.get("path")) for n, a in served.items() if isinstance(a, dict)}
+
+    def adapter_probe(self, name: str) -> tuple[str | None, list[int]]:
+        doc = self._admin("/admin/probe", "adapter probe", {"max_tokens": 4, "adapter": name})
+        if not doc.get("finite", True):
+            raise NonFiniteOutput(f"worker {self.name}: probe: non-finite logits under adapter {name} "
+                                  f"{doc.get('adapter_version')}")  # fmt: skip
+        return doc.get("adapter_version"), list(doc.get("token_ids") or [])
+
+    def adapter_counters(self, name: str) -> dict[str, int] | None:
+        c = (self.weight_info().extra.get("adapter_requests") or {}).get(name) or {}
+        return {"requests_total": int(c.get("requests_total", 0)), "requests_failed": int(c.get("requests_failed", 0))}
 
     def counters(self) -> dict[str, int]:
         info = self.weight_info()

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from daemon.adapters.base import UpdateRefused, UpdateRequest, WorkerError, WorkerUnreachable
+from daemon.adapters.base import AdapterRequest, UpdateRefused, UpdateRequest, WorkerError, WorkerUnreachable
 from daemon.adapters.engine_files import CheckedFiles, EngineFilesRefused, check_engine_files
 from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
 
@@ -70,6 +70,13 @@ def install_path(request: UpdateRequest, worker: str, engine: str) -> str:
     if not Path(path).is_dir():
         raise UpdateRefused(f"worker {worker}: update: {path} is not a directory")
     return str(Path(path).resolve())
+
+
+def adapter_path(request: AdapterRequest, worker: str) -> str:
+    """The adapter's directory, resolved (UpdateRefused when it is not one)."""
+    if not Path(request.path).is_dir():
+        raise UpdateRefused(f"worker {worker}: load adapter {request.name}: {request.path} is not a directory")
+    return str(Path(request.path).resolve())
 
 
 def checked_files(request: UpdateRequest, worker: str, path: str) -> CheckedFiles | None:

@@ -15,7 +15,9 @@ moment between the last stat and that read; the reference worker and the ipc loa
 very bytes they load (use them where that matters).
 
 The hash runs in `prepare` (before the pause) when the rollout asks for it; one hash per
-(directory, version, digest) serves every engine worker on the host.
+(directory, version, digest) serves every engine worker on the host. LoRA adapter directories
+go through the same check before an engine's load-adapter call (`adapter_model.safetensors`
+against its verified digest, and no other weight file beside it).
 """
 
 from __future__ import annotations

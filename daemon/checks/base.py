@@ -41,29 +41,35 @@ DEFAULT_TEXTS: tuple[str, ...] = (
 class CheckSettings:
     """What the verify stage runs and with which bounds. Every field has a working default."""
 
-    enabled: tuple[str, ...] = CHECK_NAMES
+    enabled: tuple[str, ...] = CHECK_NAMES  # checks to run, cheap to dear; crc32c needs manifest, and with keys both must be on
     require_manifest: bool = False  # reject index/marker-committed checkpoints (no manifest)
     hmac_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> shared key file
     ed25519_keys: dict[str, Path] = field(default_factory=dict)  # key_id -> public key file (PEM or raw)
     # accept a format-1 manifest (CRC32C only: its signature does not cover the weights) with keys set
     allow_format1_manifest: bool = False
     hash_alg: str = DEFAULT_HASH_ALG  # strong hash for checkpoints without a format-2 manifest
-    header_cap_bytes: int = HEADER_CAP_BYTES
+    header_cap_bytes: int = HEADER_CAP_BYTES  # safetensors JSON header limit (100 MiB, as safetensors itself)
     crc_threads: int | None = None  # hashing (CRC32C + strong hash) threads; None: one per CPU core
-    crc_chunk_bytes: int = 8 * 1024 * 1024
+    crc_chunk_bytes: int = 8 * 1024 * 1024  # read size of the hashing pass
     reference_dir: Path | None = None  # compat/forward reference when the caller passes none
-    finite_chunk_bytes: int = 16 * 1024 * 1024
-    headroom_factor: float = 1.5
+    finite_chunk_bytes: int = 16 * 1024 * 1024  # read size of the finite-values check
+    headroom_factor: float = 1.5  # host RAM available must be >= this x the staging bytes
     deferred_retry_s: float = 30.0  # how often the daemon re-tests `deferred` checkpoints' headroom
     ipc_enabled: bool = False  # also require GPU memory for staging
-    staging_gpu: str = "cuda:0"
-    forward_device: str = "cpu"
+    staging_gpu: str = "cuda:0"  # GPU whose memory the headroom check counts when staging (ipc)
+    forward_device: str = "cpu"  # device for the forward-pass check
     # stage while verifying (daemon.checks.staged): the crc32c pass also copies every file to this
     # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
     stage_device: str = "auto"
     forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS  # token ids, when there is no tokenizer
     forward_top1_min: float | None = None  # e.g. 0.9: share of positions whose argmax matches the reference
     forward_kl_max: float | None = None  # mean KL(reference || new) per position, nats
+    # LoRA adapters: the forward canary of base + adapter must stay this close to the base alone
+    adapter_kl_max: float | None = 5.0  # mean KL(base || base with the adapter) per position, nats (a large value: no bound)
+    adapter_top1_min: float | None = None  # e.g. 0.5: share of positions whose argmax the adapter leaves unchanged
+    # a checkpoint whose tensor shapes differ from the serving version (e.g. a resized vocabulary)
+    # passes compat as "needs a restart rollout"; false rejects it. Set from [rollout] restart_rollouts.
+    restart_rollouts: bool = True
 
     def __post_init__(self) -> None:
         unknown = [n for n in self.enabled if n not in CHECK_NAMES]
@@ -79,6 +85,10 @@ class CheckSettings:
             raise ValueError(f"checks.forward_top1_min must be in [0, 1], got {self.forward_top1_min}")
         if self.forward_kl_max is not None and self.forward_kl_max < 0:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
+        if self.adapter_kl_max is not None and self.adapter_kl_max < 0:
+            raise ValueError(f"checks.adapter_kl_max must be >= 0, got {self.adapter_kl_max}")
+        if self.adapter_top1_min is not None and not 0.0 <= self.adapter_top1_min <= 1.0:
+            raise ValueError(f"checks.adapter_top1_min must be in [0, 1], got {self.adapter_top1_min}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
         if not re.fullmatch(r"auto|off|cpu|cuda(:\d+)?", self.stage_device):

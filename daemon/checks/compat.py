@@ -1,6 +1,10 @@
 """Check "compat": same tensor names, shapes and dtypes as the serving version.
 
-A hot swap writes into the live parameters, so anything else needs a restart rollout.
+A hot swap writes into the live parameters, so anything else needs a restart rollout (the
+workers are relaunched on it: daemon.rollout.relaunch). With `checks.restart_rollouts` (set from
+`[rollout] restart_rollouts`, on by default) such a checkpoint passes, its detail saying
+`restart_rollout: true` and the differences; with it off it is rejected. A LoRA adapter
+checkpoint is checked against the serving base instead (daemon.checks.adapter, chosen by the runner).
 """
 
 from __future__ import annotations
@@ -42,9 +46,14 @@ def check_compat(ctx: CheckContext) -> dict[str, Any]:
     if diffs:
         shown = "; ".join(diffs[:MAX_LISTED])
         more = f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
+        detail = {"reference": str(ref_dir), "differences": diffs[:50], "difference_count": len(diffs)}
+        if ctx.settings.restart_rollouts:
+            return {**detail, "tensors": len(table), "restart_rollout": True,
+                    "note": f"cannot be written in place ({len(diffs)} differences: {shown}{more}): "
+                            "rolled out by relaunching the workers on it"}  # fmt: skip
         raise CheckFailed(
             f"incompatible with the serving version ({len(diffs)} differences: {shown}{more}); "
-            "needs a restart rollout",
-            {"reference": str(ref_dir), "differences": diffs[:50], "difference_count": len(diffs)},
+            "needs a restart rollout, and [rollout] restart_rollouts = false forbids them",
+            detail,
         )
     return {"reference": str(ref_dir), "tensors": len(table)}

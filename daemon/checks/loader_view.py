@@ -20,10 +20,10 @@ from typing import Any
 import torch
 
 from daemon.checks.staged import StagedTensors
+from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import TensorLocation
 from daemon.hashing import FileDigest
 from daemon.loader.client import LoaderClient, LoaderError
-from daemon.logging import get_logger
 from daemon.manifest import ManifestFile
 from daemon.transport.ipc_cuda import ImportedBuffer, device_index, device_uuid
 from daemon.transport.ipc_descriptor import Descriptor, parse_descriptor

@@ -20,6 +20,7 @@ from daemon.checks.base import (
     Stager,
     VerifyReport,
 )
+from daemon.formats.adapter import is_adapter
 from daemon.manifest import ManifestFile
 
 # check name -> "module:function"; imported on first use so cheap checks never pay for torch
@@ -33,12 +34,17 @@ _CHECKS: dict[str, str] = {
     "forward": "daemon.checks.forward:check_forward",
 }
 assert tuple(_CHECKS) == CHECK_NAMES
+# A LoRA adapter checkpoint (daemon.formats.adapter) is checked against the serving base instead
+_ADAPTER_CHECKS: dict[str, str] = {
+    "compat": "daemon.checks.adapter:check_adapter_compat",
+    "forward": "daemon.checks.adapter:check_adapter_forward",
+}
 
 CheckFn = Callable[[CheckContext], dict[str, Any]]
 
 
-def _resolve(name: str) -> CheckFn:
-    module, func = _CHECKS[name].split(":")
+def _resolve(name: str, adapter: bool = False) -> CheckFn:
+    module, func = (_ADAPTER_CHECKS if adapter and name in _ADAPTER_CHECKS else _CHECKS)[name].split(":")
     fn: CheckFn = getattr(importlib.import_module(module), func)
     return fn
 
@@ -101,6 +107,7 @@ def _run_all(
     on_result: Callable[[CheckResult], None] | None,
 ) -> CheckResult | None:
     passed: set[str] = set()
+    adapter = is_adapter(ctx.directory)
     for name in CHECK_NAMES:
         if name not in settings.enabled:
             continue
@@ -111,7 +118,7 @@ def _run_all(
             missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
             if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
                 raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
-            detail = _resolve(name)(ctx)
+            detail = _resolve(name, adapter)(ctx)
             ok = True
         except CheckSkipped as exc:
             detail = {"skipped": exc.reason, **exc.detail}

@@ -1,6 +1,7 @@
 """Manifest signatures: HMAC-SHA256 with a shared key, Ed25519 with a key pair.
 
-Both sign the canonical manifest bytes (daemon.manifest.canonical_bytes). Key files:
+Both sign canonical JSON bytes (daemon.manifest.canonical_bytes): a manifest's, or a broadcast
+session's (daemon.transport.broadcast.session_message). Key files:
 HMAC: the file's bytes are the key (one trailing newline is dropped, so `openssl rand
 -hex 32 > key` works). Ed25519: PEM (PKCS#8 private / SubjectPublicKeyInfo public) or
 the raw 32 key bytes.
@@ -127,29 +128,37 @@ def verify_manifest_signature(
     sig = manifest.signature
     if sig is None:
         raise SignatureError("manifest is unsigned but signing keys are configured")
-    keys = {"hmac-sha256": hmac_keys, "ed25519": ed25519_keys}.get(sig.alg)
+    return verify_signature(manifest.canonical(), sig.alg, sig.key_id, sig.value, hmac_keys, ed25519_keys)
+
+
+def verify_signature(
+    message: bytes,
+    alg: str,
+    key_id: str,
+    value_b64: str,
+    hmac_keys: Mapping[str, Path],
+    ed25519_keys: Mapping[str, Path],
+    *,
+    what: str = "manifest",
+) -> dict[str, Any]:
+    """Raise SignatureError unless `value_b64` is `alg`'s signature of `message` by configured key
+    `key_id` (the manifest's and a broadcast session's signatures both come here)."""
+    keys = {"hmac-sha256": hmac_keys, "ed25519": ed25519_keys}.get(alg)
     if keys is None:
-        raise SignatureError(f"signature algorithm {sig.alg!r} is not supported; known: {list(ALGORITHMS)}")
-    if sig.key_id not in keys:
-        raise SignatureError(
-            f"signature key_id {sig.key_id!r} ({sig.alg}) is not configured; known: {sorted(keys)}"
-        )
+        raise SignatureError(f"signature algorithm {alg!r} is not supported; known: {list(ALGORITHMS)}")
+    if key_id not in keys:
+        raise SignatureError(f"signature key_id {key_id!r} ({alg}) is not configured; known: {sorted(keys)}")
     try:
-        value = base64.b64decode(sig.value, validate=True)
+        value = base64.b64decode(value_b64, validate=True)
     except (binascii.Error, ValueError):
-        raise SignatureError(f"signature value by {sig.key_id!r} is not valid base64") from None
-    message = manifest.canonical()
-    if sig.alg == "hmac-sha256":
-        expected = hmac.new(read_hmac_key(keys[sig.key_id]), message, hashlib.sha256).digest()
+        raise SignatureError(f"signature value by {key_id!r} is not valid base64") from None
+    if alg == "hmac-sha256":
+        expected = hmac.new(read_hmac_key(keys[key_id]), message, hashlib.sha256).digest()
         if not hmac.compare_digest(expected, value):
-            raise SignatureError(
-                f"bad hmac-sha256 signature by key {sig.key_id!r}: manifest altered or wrong key"
-            )
+            raise SignatureError(f"bad hmac-sha256 signature by key {key_id!r}: {what} altered or wrong key")
     else:
         try:
-            read_ed25519_public(keys[sig.key_id]).verify(value, message)
+            read_ed25519_public(keys[key_id]).verify(value, message)
         except InvalidSignature:
-            raise SignatureError(
-                f"bad ed25519 signature by key {sig.key_id!r}: manifest altered or wrong key"
-            ) from None
-    return {"alg": sig.alg, "key_id": sig.key_id}
+            raise SignatureError(f"bad ed25519 signature by key {key_id!r}: {what} altered or wrong key") from None
+    return {"alg": alg, "key_id": key_id}

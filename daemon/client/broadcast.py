@@ -12,6 +12,10 @@ the daemon's verdict (`GET /v1/broadcast/{session}`). The daemon's result is the
 workers' digest of what they received, who committed, who was put back on last good.
 Raises `BroadcastFailed` (its `.result` holds the daemon's answer) when the version was not
 taken; the workers are then back on the last good version.
+
+`key_file=`/`key_id=` (and `key_alg=`, "hmac-sha256" or "ed25519"), as `hotswap publish`: the
+push carries the content digest of its tensors (computed as the workers will) and a signature of
+{version, table, digest}; a daemon with `[checks]` signing keys refuses an unsigned session.
 """
 
 from __future__ import annotations
@@ -30,13 +34,17 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from daemon.auth import control_token_path, read_token_file
+from daemon.checks.signatures import load_signer
+from daemon.common.auth import control_token_path, read_token_file
 from daemon.transport.base import TORCH_TO_ST
-from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, buckets, parse_table
-from daemon.transport.broadcast_worker import bucket_broadcast, vote
+from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, buckets, parse_table, session_message
+from daemon.transport.broadcast_worker import bucket_broadcast, tensors_digest, vote
 
 
 class BroadcastFailed(RuntimeError):
+    """The version was not taken: refused, timed out, or the workers' digests disagreed. Every
+    worker is back on the last good version; `result` is the daemon's answer when there was one."""
+
     def __init__(self, message: str, result: dict[str, Any] | None = None) -> None:
         super().__init__(message)
         self.result = result or {}
@@ -44,6 +52,9 @@ class BroadcastFailed(RuntimeError):
 
 @dataclass(frozen=True)
 class BroadcastResult:
+    """A taken broadcast: the version, the digest every worker computed of what it received, the
+    rollout that recorded it, each worker's report, and the seconds spent sending."""
+
     version: str
     ok: bool
     digest: str | None
@@ -54,6 +65,16 @@ class BroadcastResult:
 
 
 class BroadcastPush:
+    """Push a model's tensors straight into the serving workers' parameters, as one rollout.
+
+    The daemon is found through `state_dir` (its `daemon.json` and `control.token`), or given
+    as `daemon_url` and `token`. Each `push()` opens a session (`POST /v1/broadcast`), joins the
+    workers in a torch.distributed group (NCCL for CUDA tensors, else gloo) at `master_address`,
+    sends the tensors in buckets of `bucket_bytes`, and waits until the daemon took or undid the
+    version, at most `timeout_s`. With `key_file` and `key_id` (as `hotswap publish`) the session
+    is signed; the daemon refuses unsigned sessions when it has signing keys.
+    """
+
     def __init__(
         self,
         daemon_url: str | None = None,
@@ -65,6 +86,9 @@ class BroadcastPush:
         backend: str | None = None,
         timeout_s: float = 60.0,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        key_file: str | Path | None = None,
+        key_id: str | None = None,
+        key_alg: str = "hmac-sha256",
     ) -> None:
         if daemon_url is None or token is None:
             if state_dir is None:
@@ -86,8 +110,15 @@ class BroadcastPush:
         self.backend = backend
         self.timeout_s = timeout_s
         self.bucket_bytes = bucket_bytes
+        if (key_file is None) != (key_id is None):
+            raise ValueError("BroadcastPush: key_file and key_id go together")
+        # as `hotswap publish --key-file --key-id`: the daemon verifies with its [checks] keys
+        self._signer = load_signer(key_alg, key_id, Path(key_file)) if key_file is not None and key_id else None
 
     def push(self, version: str, tensors: Mapping[str, torch.Tensor], *, step: int | None = None) -> BroadcastResult:
+        """Broadcast `tensors` (e.g. `model.state_dict()`) as `version`; raises BroadcastFailed when
+        it is not taken. A daemon that is busy or starting answers Retry-After, and this asks again
+        until `timeout_s`."""
         named = {n: t.detach() for n, t in tensors.items()}
         if not named:
             raise ValueError("nothing to push: no tensors")
@@ -96,6 +127,7 @@ class BroadcastPush:
         comm = device if backend == "nccl" else torch.device("cpu")
         table = [{"name": n, "dtype": TORCH_TO_ST[str(t.dtype).removeprefix("torch.")], "shape": list(t.shape)}
                  for n, t in named.items()]  # fmt: skip
+        signed = self._sign(version, table, named)
         timeout = timedelta(seconds=self.timeout_s)
         tcp = dist.TCPStore(self.master_address, self.master_port, None, True, timeout, wait_for_workers=False)
         pg: Any = None
@@ -104,7 +136,7 @@ class BroadcastPush:
         try:
             session = self._call("POST", "/v1/broadcast", {
                 "version": version, "table": table, "master_address": self.master_address, "master_port": tcp.port,
-                "backend": backend, "timeout_s": self.timeout_s, "bucket_bytes": self.bucket_bytes, "step": step,
+                "backend": backend, "timeout_s": self.timeout_s, "bucket_bytes": self.bucket_bytes, "step": step, **signed,
             })  # fmt: skip
             store = dist.PrefixStore(f"hotswap/{session['group_name']}/", tcp)
             world = int(session["world_size"])
@@ -136,6 +168,15 @@ class BroadcastPush:
         return out
 
     # -- details ----------------------------------------------------------------------------
+    def _sign(self, version: str, table: list[dict[str, Any]], named: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """{digest, signature} for a signed session (computed before a byte is sent), else {}."""
+        if self._signer is None:
+            return {}
+        digest = tensors_digest(parse_table(table), named)
+        message = session_message(version, parse_table(table), digest)
+        sig = self._signer
+        return {"digest": digest, "signature": {"alg": sig.alg, "key_id": sig.key_id, "value": sig.sign(message)}}
+
     def _send(self, pg: Any, named: dict[str, torch.Tensor], table: list[dict[str, Any]], comm: torch.device,
               timeout: timedelta) -> None:  # fmt: skip
         flat = {n: t.contiguous().view(-1).view(torch.uint8) for n, t in named.items()}

@@ -19,7 +19,7 @@ import os
 import ssl
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -31,6 +31,7 @@ import httpx
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from daemon.checks.signatures import HmacSigner, read_hmac_key
+from daemon.client.tls_diagnosis import tls_diagnosis, tls_problem
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, Signature, Signer, load_manifest, publish
 
@@ -84,7 +85,7 @@ def publish_s3(
     concurrency: int = 8,
     part_bytes: int = 32 * MIB,
 ) -> Manifest:
-    """Upload a checkpoint to s3://bucket/prefix/<version>/: every file first, the manifest last."""
+    """Upload a checkpoint to `s3://bucket/prefix/<version>/`: every file first, the manifest last."""
     root = Path(directory)
     bucket, prefix = parse_s3_url(url)
     manifest = ensure_manifest(root, prefix.rstrip("/").rsplit("/", 1)[-1], signer)
@@ -182,19 +183,24 @@ def push(
         bar = Progress(*Progress.get_default_columns(), DownloadColumn(), TransferSpeedColumn(), transient=True)
         bar.start()
     try:
-        with httpx.Client(verify=_tls_context(verify, cert), timeout=timeout_s) as http:
+        tls = _tls_context(verify, cert)
+
+        def diagnose() -> str | None:
+            return tls_diagnosis(url, tls, cert is not None) if isinstance(tls, ssl.SSLContext) else None
+
+        with httpx.Client(verify=tls, timeout=timeout_s) as http:
             for f in manifest.files:
                 task = bar.add_task(f.path, total=f.bytes) if bar is not None else None
                 answer = _with_retries(retries, f.path, lambda f=f, task=task: http.put(
                     f"{base}/files/{quote(f.path)}", params={"alg": manifest.hash_alg or "blake3"},
                     content=_chunks(root / f.path, bar, task),
-                    headers={**headers, "Content-Length": str(f.bytes)}))  # fmt: skip
+                    headers={**headers, "Content-Length": str(f.bytes)}), diagnose)  # fmt: skip
                 if answer.get("bytes") != f.bytes or answer.get(manifest.hash_alg or "") != f.hash:
                     raise PushError(f"{f.path}: the daemon hashed {answer} but the manifest lists {f}")
                 if bar is not None:
                     bar.remove_task(task)
             return _with_retries(retries, "commit", lambda: http.post(
-                f"{base}/commit", content=body, headers={**headers, "Content-Type": "application/json"}))  # fmt: skip
+                f"{base}/commit", content=body, headers={**headers, "Content-Type": "application/json"}), diagnose)  # fmt: skip
     finally:
         if bar is not None:
             bar.stop()
@@ -212,12 +218,14 @@ def _tls_context(verify: bool | str, cert: tuple[str, str] | None) -> ssl.SSLCon
     return ctx
 
 
-def _with_retries(retries: int, what: str, send: Any) -> dict[str, Any]:
+def _with_retries(retries: int, what: str, send: Any, diagnose: Callable[[], str | None] | None = None) -> dict[str, Any]:
     delay = 0.5
     for attempt in range(retries + 1):
         try:
             resp = send()
         except httpx.TransportError as exc:
+            if attempt == 0 and (cause := tls_problem(exc) or (diagnose() if diagnose else None)):
+                raise PushError(f"{what}: {cause}") from None  # trying again cannot help: say what is wrong
             if attempt == retries:
                 raise PushError(f"{what}: daemon unreachable after {retries + 1} tries ({exc})") from None
         else:
@@ -228,9 +236,19 @@ def _with_retries(retries: int, what: str, send: Any) -> dict[str, Any]:
                     reason = resp.json().get("error") or resp.json().get("detail")
                 except ValueError:
                     reason = resp.text[:200]
-                raise PushError(f"{what}: {resp.status_code} {reason}", resp.status_code)
+                raise PushError(f"{what}: {resp.status_code} {reason}{_hint(resp.status_code)}", resp.status_code)
             wait = resp.headers.get("retry-after")
             delay = float(wait) if wait and wait.replace(".", "").isdigit() else delay
         time.sleep(min(delay, 30.0))
         delay *= 2
     raise PushError(f"{what}: gave up")  # not reached
+
+
+def _hint(status: int) -> str:
+    if status == 401:
+        return (" (send the token in the push source's token_file, [[sources]] type = \"push\"; "
+                "the daemon's control.token is for its control API)")
+    if status == 404:
+        return " (no push route here: --to must be the push source's listen address, default port 8781)"
+    return ""
+

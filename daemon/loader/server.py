@@ -181,7 +181,7 @@ def build_backend(devices: list[str], shm_dir: Path, threads: int) -> Backend:
 
 def _configure_logging(level: str) -> None:
     try:
-        from daemon.logging import configure_logging
+        from daemon.common.logging import configure_logging
 
         configure_logging(level)
     except ImportError:  # structlog missing (bare GPU box): plain logging will do
@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--max-versions", type=int, default=3, help="versions resident at most (serving, last good, incoming)")
     p.add_argument("--shm-dir", default="/dev/shm", help="directory for shared-memory segments (cpu)")
     p.add_argument("--threads", type=int, default=8, help="reader threads while staging")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     return p.parse_args(argv)
 
 

@@ -1,27 +1,48 @@
 """Database access: one `Registry` per process wraps the engine, sessions and migrations.
 
-The same code runs on SQLite (default, one file in the state folder) and on
-PostgreSQL (`database.url = "postgresql+psycopg://..."`).
+The same code runs on SQLite (default, one file in the state folder, 0600 with its -wal and -shm)
+and on PostgreSQL (`database.url = "postgresql+psycopg://..."`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import socket
+import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect
+from sqlalchemy import Engine, create_engine, event, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from daemon import redact
+from daemon.common import redact
+from daemon.common.logging import get_logger
+from daemon.common.private import FILE_MODE, open_private, private_dir, tighten
 from daemon.registry import hosts
+from daemon.registry.migratelock import migration_lock
+from daemon.registry.outbox import Outbox
 
-# Shipped inside the package (daemon/migrations), so a wheel install migrates from any folder.
-MIGRATIONS = resources.files("daemon") / "migrations"
+log = get_logger(__name__)
+
+
+def _migrations() -> Path | Traversable:
+    """The Alembic scripts. In a source tree they are the repository's top-level `migrations/`;
+    a wheel carries them as the package `daemon.migrations` (setup.py maps that folder into the
+    package), so an installed daemon migrates from any folder."""
+    tree = Path(__file__).resolve().parents[2] / "migrations"
+    if (tree / "env.py").is_file() and (tree / "versions" / "0001_initial.py").is_file():
+        return tree
+    return resources.files("daemon.migrations")
+
+
+MIGRATIONS = _migrations()
 HEAD_REVISION = "head"
 
 
@@ -52,12 +73,32 @@ def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     cur.close()
 
 
+def private_sqlite_file(path: Path) -> None:
+    """The database file 0600 before SQLite opens it: SQLite gives its -wal and -shm files the mode of
+    the database file, so all three are closed to other users whatever the umask. An existing file
+    of ours that is looser (an install from before) is tightened, with its -wal/-shm, and logged."""
+    if not path.parent.is_dir():
+        private_dir(path.parent)  # made for it (the state directory, usually): 0700
+    with contextlib.suppress(FileExistsError):
+        os.close(open_private(path, os.O_RDWR | os.O_EXCL))
+        return
+    for p in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm"),
+              path.with_name(path.name + "-journal")):  # fmt: skip
+        try:
+            was = tighten(p, FILE_MODE)
+        except OSError as exc:  # not ours to change (another user's CLI): SQLite decides
+            log.warning("cannot tighten the database file", path=str(p), error=exc.strerror)
+            continue
+        if was is not None:
+            log.warning("database file was open to other users; tightened to 0600", path=str(p), mode=f"{was:04o}")
+
+
 def make_engine(url: str) -> Engine:
     parsed = make_url(url)
     if parsed.get_backend_name() == "sqlite":
         db = parsed.database
         if db and db != ":memory:" and not db.startswith("file:"):
-            Path(db).expanduser().parent.mkdir(parents=True, exist_ok=True)
+            private_sqlite_file(Path(db).expanduser())
         engine = create_engine(url, connect_args={"check_same_thread": False})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
@@ -85,6 +126,7 @@ class Registry:
         except Exception as exc:
             raise RegistryError(f"cannot open database {redact_url(url)}: {one_line(exc)}") from exc
         self._sessions = sessionmaker(self.engine, expire_on_commit=False)
+        self.outbox = Outbox()  # writes kept while the database is out (daemon.registry.outbox)
         hosts.install(self._sessions)
         self._adopt_single_host()
 
@@ -118,16 +160,46 @@ class Registry:
         finally:
             s.close()
 
+    def answers(self) -> bool:
+        """`SELECT 1` works (reads; a read-only or full database still answers)."""
+        try:
+            with self.engine.connect() as conn:
+                conn.execute(text("SELECT 1"))
+        except Exception:  # noqa: BLE001 - any failure is "does not answer"
+            return False
+        return True
+
+    def wait_until_writable(self, stop: threading.Event, every_s: float = 1.0) -> bool:
+        """Block until the database answers and every write kept through an outage is recorded
+        (daemon.registry.outbox). False when `stop` was set first."""
+        while not stop.is_set():
+            if self.answers() and self.outbox.flush():
+                return True
+            stop.wait(every_s)
+        return False
+
     def upgrade(self, revision: str = HEAD_REVISION) -> None:
-        """Apply Alembic migrations up to `revision` (idempotent)."""
+        """Apply Alembic migrations up to `revision` (idempotent). One process at a time per
+        database (daemon.registry.migratelock): the lock is taken before the migration's
+        transaction begins and released after it committed, so processes started together on a
+        fresh database all succeed (the first migrates, the others then find it at head)."""
         from alembic import command
 
         try:
-            with resources.as_file(MIGRATIONS) as script_dir, self.engine.begin() as conn:
+            with (
+                resources.as_file(MIGRATIONS) as script_dir,
+                migration_lock(self.engine),
+                self.engine.begin() as conn,
+            ):
                 cfg = alembic_config(script_dir)
                 cfg.attributes["connection"] = conn
                 cfg.attributes["host"] = self.host  # existing single-host rows become this host's
-                command.upgrade(cfg, revision)
+                unknown, at_head = revision_state(cfg, conn)
+                if unknown:  # a newer release migrated it: run on it as is
+                    log.warning("database_newer_than_this_daemon", revisions=unknown, database=redact_url(self.url),
+                                note="its migrations are additive first, so this release keeps working; upgrade it")  # fmt: skip
+                elif not (at_head and revision == HEAD_REVISION):  # at head: nothing to run (every CLI call asks)
+                    command.upgrade(cfg, revision)
         except Exception as exc:
             raise RegistryError(f"migrating database {redact_url(self.url)} failed: {one_line(exc)}") from exc
         self._adopt_single_host()
@@ -145,10 +217,22 @@ class Registry:
         self.engine.dispose()
 
 
+def revision_state(cfg: Any, conn: Any) -> tuple[list[str], bool]:
+    """(the database's revisions these migrations do not have: a newer hotswap's, expand first and
+    contract a release later, docs/how-to/upgrading.md; whether it is at these migrations' head)."""
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    script = ScriptDirectory.from_config(cfg)
+    known = {s.revision for s in script.walk_revisions()}
+    current = MigrationContext.configure(conn).get_current_heads()
+    return [r for r in current if r not in known], set(current) == set(script.get_heads())
+
+
 def alembic_config(script_dir: Path | None = None) -> Any:
     """Alembic config on the packaged migrations (or `script_dir`, a real directory)."""
     from alembic.config import Config
 
-    cfg = Config()
+    cfg = Config(stdout=sys.stdout)  # now: alembic's default is the sys.stdout of its import time
     cfg.set_main_option("script_location", str(script_dir or MIGRATIONS))
     return cfg

@@ -16,6 +16,7 @@ never this host's.
 from __future__ import annotations
 
 import socket
+from collections.abc import Collection
 from typing import Any
 
 from sqlalchemy import Connection, Table, delete, event, inspect, select, update
@@ -76,14 +77,15 @@ def local_path(s: Session, checkpoint_id: int) -> str | None:
     )
 
 
-def local_paths(s: Session) -> dict[int, str]:
-    """checkpoint id -> its directory on this host, for every checkpoint that has one here."""
-    rows = s.execute(
-        select(CheckpointLocation.checkpoint_id, CheckpointLocation.local_path).where(
-            CheckpointLocation.host == host_of(s)
-        )
-    ).all()
-    return {int(i): str(p) for i, p in rows}
+def local_paths(s: Session, ids: Collection[int] | None = None) -> dict[int, str]:
+    """checkpoint id -> its directory on this host, for every checkpoint that has one here (or
+    for those of `ids` only: a page of history reads its own rows, not a year's)."""
+    q = select(CheckpointLocation.checkpoint_id, CheckpointLocation.local_path).where(
+        CheckpointLocation.host == host_of(s)
+    )
+    if ids is not None:
+        q = q.where(CheckpointLocation.checkpoint_id.in_(list(ids)))
+    return {int(i): str(p) for i, p in s.execute(q).all()}
 
 
 def alias_row(s: Session, name: str) -> Alias | None:

@@ -10,15 +10,17 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import Select, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from daemon.registry import hosts, status
 from daemon.registry.db import Registry
 from daemon.registry.models import Alias, Checkpoint, CheckpointFile, Event, Rollout, Worker, utcnow
-from daemon.registry.queries import record_event
+from daemon.registry.outbox import deferrable
+from daemon.registry.queries import by_status, record_event
 from daemon.registry.status import (
     UNFINISHED,
     WAITING,
@@ -68,6 +70,23 @@ def _ref(s: Session, c: Checkpoint) -> CheckpointRef:
 
 
 
+def _recently_deployed(exclude_ids: Iterable[int]) -> Select[Checkpoint]:
+    """Deployed or retired versions, the most recently deployed first, read newest first from
+    `ix_checkpoints_last_deployed` (every deploy sets `last_deployed_at`; 0011 filled it in where
+    an older release had only `deployed_at`), not by sorting the whole history."""
+    return (
+        select(Checkpoint)
+        .where(
+            Checkpoint.id.not_in(list(exclude_ids)),
+            Checkpoint.kind != "adapter",  # a LoRA adapter is never the base's fallback
+            Checkpoint.last_deployed_at.is_not(None),
+            Checkpoint.deployed_at.is_not(None),
+            Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
+        )
+        .order_by(Checkpoint.last_deployed_at.desc(), Checkpoint.id.desc())
+    )
+
+
 class Journal:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
@@ -94,19 +113,25 @@ class Journal:
             a = hosts.alias_row(s, name)
             return _ref(s, a.checkpoint) if a else None
 
+    @deferrable
     def set_alias(self, name: str, checkpoint_id: int | None) -> None:
-        """Set (or clear) one of this host's aliases."""
+        """Set (or clear) one of this host's aliases. A `last_good` is also remembered on the
+        checkpoint (`last_good_at`): the fleet target is the newest version ever good somewhere."""
         with self.registry.session() as s:
             if checkpoint_id is None:
                 s.execute(delete(Alias).where(Alias.host == hosts.host_of(s), Alias.name == name))
                 return
+            now = utcnow()
             a = hosts.alias_row(s, name)
             if a is None:
-                s.add(Alias(host=hosts.host_of(s), name=name, checkpoint_id=checkpoint_id, updated_at=utcnow()))
+                s.add(Alias(host=hosts.host_of(s), name=name, checkpoint_id=checkpoint_id, updated_at=now))
             else:
                 a.checkpoint_id = checkpoint_id
-                a.updated_at = utcnow()
+                a.updated_at = now
+            if name == "last_good":
+                s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(last_good_at=now))
 
+    @deferrable
     def move_status(
         self, checkpoint_id: int, to: CheckpointStatus, message: str | None = None, detail: dict[str, Any] | None = None
     ) -> None:
@@ -124,6 +149,7 @@ class Journal:
                 return
             status.move(s, c, to, message, detail=detail)
 
+    @deferrable
     def note(self, checkpoint_id: int, message: str) -> None:
         """Only the status message changes (e.g. why a verified version waits)."""
         with self.registry.session() as s:
@@ -131,6 +157,7 @@ class Journal:
             if c is not None:
                 status.note(s, c, message)
 
+    @deferrable
     def checkpoint_event(self, checkpoint_id: int, to_state: str, detail: dict[str, Any], rollout_id: int | None) -> None:
         """A checkpoint milestone that is not a status (e.g. `rolled_back`)."""
         with self.registry.session() as s:
@@ -139,34 +166,13 @@ class Journal:
     def previous_deployed(self, exclude_id: int) -> CheckpointRef | None:
         """The most recently deployed version other than `exclude_id` that was not rejected since."""
         with self.registry.session() as s:
-            c = s.scalars(
-                select(Checkpoint)
-                .where(
-                    Checkpoint.id != exclude_id,
-                    Checkpoint.deployed_at.is_not(None),
-                    Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
-                )
-                .order_by(func.coalesce(Checkpoint.last_deployed_at, Checkpoint.deployed_at).desc(),
-                          Checkpoint.id.desc())
-                .limit(1)
-            ).one_or_none()
+            c = s.scalars(_recently_deployed([exclude_id]).limit(1)).one_or_none()
             return _ref(s, c) if c else None
 
     def good_versions(self, exclude_ids: Iterable[int] = (), limit: int = 10) -> list[CheckpointRef]:
         """Versions that served (deployed or retired, not rejected since), most recently deployed first."""
         with self.registry.session() as s:
-            rows = s.scalars(
-                select(Checkpoint)
-                .where(
-                    Checkpoint.id.not_in(list(exclude_ids)),
-                    Checkpoint.deployed_at.is_not(None),
-                    Checkpoint.status.in_((CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED)),
-                )
-                .order_by(func.coalesce(Checkpoint.last_deployed_at, Checkpoint.deployed_at).desc(),
-                          Checkpoint.id.desc())
-                .limit(limit)
-            ).all()
-            return [_ref(s, c) for c in rows]
+            return [_ref(s, c) for c in s.scalars(_recently_deployed(exclude_ids).limit(limit)).all()]
 
     def newer_in_verification(self, checkpoint_id: int) -> bool:
         """A newer checkpoint is still being verified (it may supersede `checkpoint_id`)."""
@@ -179,10 +185,10 @@ class Journal:
             return bool(n)
 
     def waiting(self) -> list[CheckpointRef]:
-        """Every verified checkpoint that never started deploying, in arrival order."""
+        """Every verified full checkpoint that never started deploying, in arrival order (adapters:
+        daemon.registry.adapters)."""
         with self.registry.session() as s:
-            rows = s.scalars(select(Checkpoint).where(Checkpoint.status.in_(WAITING)).order_by(Checkpoint.id)).all()
-            return [_ref(s, c) for c in rows]
+            return [_ref(s, c) for c in by_status(s, [w.value for w in WAITING]) if c.kind != "adapter"]
 
     def last_rollout_of(self, checkpoint_id: int) -> int | None:
         with self.registry.session() as s:
@@ -224,6 +230,7 @@ class Journal:
                 raise LookupError(f"worker {name!r} is not registered on host {hosts.host_of(s)!r}")
             return w.state, w.weight_version
 
+    @deferrable
     def transition(
         self,
         *,
@@ -236,12 +243,15 @@ class Journal:
         weight_version: str | None = None,
         error: str | None = None,
         device: str | None = None,
+        at: datetime | None = None,
     ) -> None:
         """Append a worker transition and move `workers.state` (and its version) with it.
-        Called only by the state machine's move (`daemon.rollout.driver`)."""
+        Called only by the state machine's move (`daemon.rollout.driver`); `at`: when it
+        happened (set by `deferrable`, so a write kept through an outage keeps its time)."""
         with self.registry.session() as s:
             record_event(
                 s,
+                at=at,
                 rollout_id=rollout_id,
                 worker=worker,
                 from_state=from_state,
@@ -256,8 +266,10 @@ class Journal:
                 values["device"] = device
             s.execute(update(Worker).where(Worker.host == hosts.host_of(s), Worker.name == worker).values(**values))
 
+    @deferrable
     def observe(
-        self, worker: str, *, state: str, weight_version: str | None, error: str | None, device: str | None = None
+        self, worker: str, *, state: str, weight_version: str | None, error: str | None, device: str | None = None,
+        at: datetime | None = None,
     ) -> str | None:
         """The health poll's view of a worker; an event only when its state changed. Returns the old state."""
         with self.registry.session() as s:
@@ -268,6 +280,7 @@ class Journal:
             if previous != state:
                 record_event(
                     s,
+                    at=at,
                     worker=worker,
                     from_state=previous,
                     to_state=state,
@@ -299,6 +312,7 @@ class Journal:
             s.flush()
             return r.id
 
+    @deferrable
     def finish_rollout(self, rollout_id: int, outcome: RolloutOutcome, detail: dict[str, Any] | None = None) -> None:
         with self.registry.session() as s:
             r = s.get(Rollout, rollout_id)
@@ -309,6 +323,7 @@ class Journal:
             if detail:
                 r.detail = {**(r.detail or {}), **detail}
 
+    @deferrable
     def amend_rollout(self, rollout_id: int, *, outcome: RolloutOutcome | None = None, detail: dict[str, Any]) -> None:
         """Change a finished rollout's outcome (health window verdict) without moving finished_at."""
         with self.registry.session() as s:
@@ -320,13 +335,14 @@ class Journal:
             r.detail = {**(r.detail or {}), **detail}
 
     def unfinished_rollouts(self) -> list[RolloutRef]:
+        """This host's base rollouts in flight, oldest first: every host's from `ix_rollouts_in_flight`
+        (a handful), this one's kept here (by host, SQLite's planner would read all of this host's
+        rollouts). An adapter rollout's end is the adapter reconcile (daemon.controller.adapters)."""
         with self.registry.session() as s:
-            rows = s.scalars(
-                select(Rollout).where(Rollout.outcome.is_(None), Rollout.host == hosts.host_of(s)).order_by(Rollout.id)
-            ).all()
+            rows = s.scalars(select(Rollout).where(Rollout.outcome.is_(None)).order_by(Rollout.id)).all()
             return [
                 RolloutRef(r.id, _ref(s, r.checkpoint), RolloutTrigger(r.trigger), r.transport, r.mode, dict(r.detail or {}))
-                for r in rows
+                for r in rows if r.host == hosts.host_of(s) and r.transport != "adapter"
             ]
 
     def rollout_had_failure(self, rollout_id: int) -> bool:

@@ -20,11 +20,13 @@ from sqlalchemy import (
     DateTime,
     Float,
     ForeignKey,
+    Index,
     Integer,
     PrimaryKeyConstraint,
     String,
     Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
@@ -49,7 +51,7 @@ class CheckpointStatus(StrEnum):
 
 class RolloutTrigger(StrEnum):
     NEW = "new"  # a newly verified checkpoint
-    FLEET = "fleet"  # this host converging to the fleet's target version (daemon.fleet)
+    FLEET = "fleet"  # this host converging to the fleet's target version (daemon.fleet.agent)
     ROLLBACK = "rollback"  # back to an earlier version (operator, health window, reconcile)
     MANUAL = "manual"  # an operator's pin
 
@@ -77,6 +79,7 @@ CHECKPOINT_STATUSES = tuple(s.value for s in CheckpointStatus)
 ROLLOUT_TRIGGERS = tuple(t.value for t in RolloutTrigger)
 ROLLOUT_OUTCOMES = tuple(o.value for o in RolloutOutcome)
 ALIAS_NAMES = ("serving", "last_good", "pinned")
+CHECKPOINT_KINDS = ("full", "adapter")
 
 
 def utcnow() -> datetime:
@@ -124,8 +127,19 @@ class Base(DeclarativeBase):
     type_annotation_map = {datetime: UTCDateTime, dict[str, Any]: JSON}
 
 
+# A version the fleet may follow without an operator (daemon.fleet.target.good), when it got there
+# through `last_good_at`: the partial index `ix_checkpoints_good` holds exactly these (migration 0011).
+GOOD_WHERE = ("last_good_at IS NOT NULL AND verified_at IS NOT NULL "
+              "AND status IN ('verified', 'staged', 'deployed', 'retired', 'superseded')")  # fmt: skip
+
+
 class Checkpoint(Base):
     __tablename__ = "checkpoints"
+    # the good versions by step then arrival: the fleet target and each host's lag (fleet_versions)
+    # and the versions that served, most recently deployed first (fallbacks, rollbacks)
+    __table_args__ = (Index("ix_checkpoints_good", "step", "id", sqlite_where=text(GOOD_WHERE),
+                            postgresql_where=text(GOOD_WHERE)),
+                      Index("ix_checkpoints_last_deployed", "last_deployed_at", "id"))  # fmt: skip
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     version: Mapped[str] = mapped_column(String(255), unique=True)
@@ -144,6 +158,11 @@ class Checkpoint(Base):
     verified_at: Mapped[datetime | None]
     deployed_at: Mapped[datetime | None]  # the first deploy; never overwritten (a rollback keeps it)
     last_deployed_at: Mapped[datetime | None]  # every time it became the deployed version
+    last_good_at: Mapped[datetime | None]  # the last time some host made it its last_good (the fleet target)
+    # "full" (a whole model) or "adapter" (a LoRA adapter, PEFT layout: daemon.formats.adapter)
+    kind: Mapped[str] = mapped_column(String(16), default="full", server_default="full")
+    adapter_name: Mapped[str | None] = mapped_column(String(255), index=True)  # what clients send as `model`
+    base_model: Mapped[str | None] = mapped_column(Text)  # the base an adapter was trained for
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"
@@ -156,8 +175,22 @@ class Checkpoint(Base):
     def _validate_status(self, _key: str, value: str) -> str:
         return _check_choice("checkpoints.status", value, CHECKPOINT_STATUSES)  # type: ignore[return-value]
 
+    @validates("kind")
+    def _validate_kind(self, _key: str, value: str) -> str:
+        return _check_choice("checkpoints.kind", value, CHECKPOINT_KINDS)  # type: ignore[return-value]
+
     def __repr__(self) -> str:
         return f"Checkpoint(version={self.version!r}, status={self.status!r})"
+
+
+class CheckpointStatusCount(Base):
+    """How many checkpoints are in each status, kept by triggers on `checkpoints` (migration 0012):
+    the counts `hotswap status`, `/status` and /metrics show, without counting the history."""
+
+    __tablename__ = "checkpoint_status_counts"
+
+    status: Mapped[str] = mapped_column(String(32), primary_key=True)
+    n: Mapped[int] = mapped_column(BigInteger)
 
 
 class CheckpointFile(Base):
@@ -197,7 +230,7 @@ class Worker(Base):
     __table_args__ = (UniqueConstraint("host", "name", name="uq_workers_host_name"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    host: Mapped[str] = mapped_column(String(255), index=True)  # the daemon's host (daemon.fleet_config)
+    host: Mapped[str] = mapped_column(String(255), index=True)  # the daemon's host (daemon.fleet.settings)
     name: Mapped[str] = mapped_column(String(255))
     kind: Mapped[str] = mapped_column(String(32), default="builtin")
     url: Mapped[str] = mapped_column(Text)
@@ -219,6 +252,9 @@ class Worker(Base):
 
 class Rollout(Base):
     __tablename__ = "rollouts"
+    # the rollouts in flight (recovery at start, retention): a handful of entries whatever the history
+    __table_args__ = (Index("ix_rollouts_in_flight", "id", sqlite_where=text("outcome IS NULL"),
+                            postgresql_where=text("outcome IS NULL")),)  # fmt: skip
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
@@ -250,6 +286,8 @@ class Event(Base):
     """
 
     __tablename__ = "events"
+    # the newest event of a kind (the last rejection for /metrics) without reading every row
+    __table_args__ = (Index("ix_events_to_state_at", "to_state", "at"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     at: Mapped[datetime] = mapped_column(default=utcnow, index=True)
@@ -270,7 +308,7 @@ class Alias(Base):
 
     host: Mapped[str] = mapped_column(String(255), primary_key=True)
     name: Mapped[str] = mapped_column(String(64), primary_key=True)
-    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
 
     checkpoint: Mapped[Checkpoint] = relationship()
@@ -306,7 +344,7 @@ class FleetLease(Base):
 
 class FleetTarget(Base):
     """An operator's explicit fleet version (one row, id 1); without it the target is the newest
-    version some host has as `last_good`."""
+    verified, not rejected version that was some host's `last_good` (daemon.fleet.target)."""
 
     __tablename__ = "fleet_target"
 
@@ -314,3 +352,47 @@ class FleetTarget(Base):
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
     set_at: Mapped[datetime] = mapped_column(default=utcnow)
     set_by: Mapped[str | None] = mapped_column(String(255))
+
+
+class FleetHostReason(Base):
+    """Why one host does not serve the fleet target, as its own fleet agent last saw it
+    (daemon.fleet.behind); no row while it serves the target."""
+
+    __tablename__ = "fleet_host_reasons"
+
+    host: Mapped[str] = mapped_column(String(255), primary_key=True)
+    target: Mapped[str] = mapped_column(String(255))  # the fleet target it is not on
+    cause: Mapped[str] = mapped_column(String(32))  # one word: not_here, pinned, waiting, failed, ...
+    reason: Mapped[str] = mapped_column(Text)  # one line, naming the target and the cause
+    since: Mapped[datetime] = mapped_column(default=utcnow)  # behind this target since
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)  # the reason last changed
+
+
+class AdapterAlias(Base):
+    """serving / last_good / pinned of one LoRA adapter name on one host (a full checkpoint's are `aliases`)."""
+
+    __tablename__ = "adapter_aliases"
+    __table_args__ = (PrimaryKeyConstraint("host", "adapter", "name"),)
+
+    host: Mapped[str] = mapped_column(String(255))
+    adapter: Mapped[str] = mapped_column(String(255))
+    name: Mapped[str] = mapped_column(String(64))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
+
+    @validates("name")
+    def _validate_name(self, _key: str, value: str) -> str:
+        return _check_choice("adapter_aliases.name", value, ALIAS_NAMES)  # type: ignore[return-value]
+
+
+class WorkerAdapter(Base):
+    """Which version of a LoRA adapter one worker serves, as the daemon last loaded or saw it."""
+
+    __tablename__ = "worker_adapters"
+    __table_args__ = (PrimaryKeyConstraint("host", "worker", "adapter"),)
+
+    host: Mapped[str] = mapped_column(String(255))
+    worker: Mapped[str] = mapped_column(String(255))
+    adapter: Mapped[str] = mapped_column(String(255))
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
+    loaded_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -12,16 +12,18 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Column as SAColumn
-from sqlalchemy import Float, Integer, MetaData, String, Table, Text, func, select
+from sqlalchemy import Float, Integer, MetaData, String, Table, Text, select
 from sqlalchemy.orm import Session
 
 from daemon.registry import hosts
 from daemon.registry.models import (
     ALIAS_NAMES,
+    AdapterAlias,
     Alias,
     Check,
     Checkpoint,
     CheckpointFile,
+    CheckpointStatusCount,
     Event,
     UTCDateTime,
     utcnow,
@@ -95,9 +97,10 @@ def record_event(
     worker: str | None = None,
     duration_ms: float | None = None,
     detail: dict[str, Any] | None = None,
+    at: datetime | None = None,
 ) -> Event:
     ev = Event(
-        at=utcnow(),
+        at=at or utcnow(),
         checkpoint_id=checkpoint_id,
         rollout_id=rollout_id,
         worker=worker,
@@ -180,14 +183,19 @@ def find_same_digest(s: Session, digest: str, exclude_id: int) -> Checkpoint | N
 
 def unfinished_checkpoints(s: Session) -> Sequence[Checkpoint]:
     """Checkpoints a stopped daemon left in `discovered`/`verifying`, oldest first."""
-    return s.scalars(
-        select(Checkpoint).where(Checkpoint.status.in_(UNFINISHED_STATUSES)).order_by(Checkpoint.id)
-    ).all()
+    return by_status(s, UNFINISHED_STATUSES)
 
 
 def checkpoints_with_status(s: Session, status: str) -> Sequence[Checkpoint]:
     """Checkpoints in one status, oldest first."""
-    return s.scalars(select(Checkpoint).where(Checkpoint.status == status).order_by(Checkpoint.id)).all()
+    return by_status(s, (status,))
+
+
+def by_status(s: Session, statuses: Sequence[str]) -> list[Checkpoint]:
+    """Checkpoints in these statuses, oldest first, found through `ix_checkpoints_status` and sorted
+    here: asked to sort by id, SQLite's planner (with ANALYZE's average of a fifth of the table per
+    status) reads every version in id order instead, though the statuses asked for are rare."""
+    return sorted(s.scalars(select(Checkpoint).where(Checkpoint.status.in_(list(statuses)))), key=lambda c: c.id)
 
 
 def known_versions(s: Session) -> set[str]:
@@ -200,34 +208,51 @@ def known_local_paths(s: Session) -> set[str]:
 
 
 def protected_local_paths(s: Session, statuses: Iterable[str]) -> set[str]:
-    """This host's directories of its aliased versions and of checkpoints in `statuses`."""
-    here = hosts.local_paths(s)
+    """This host's directories of its aliased versions and of checkpoints in `statuses` (their
+    locations only: the retention job runs every few minutes, whatever the history's length)."""
     ids = set(s.scalars(select(Alias.checkpoint_id).where(Alias.host == hosts.host_of(s))))
-    ids |= set(s.scalars(select(Checkpoint.id).where(Checkpoint.status.in_(list(statuses)))))
-    return {here[i] for i in ids if i in here}
+    ids |= {c.id for c in by_status(s, list(statuses))}
+    return set(hosts.local_paths(s, ids).values())
 
 
 def status_counts(s: Session) -> dict[str, int]:
-    rows = s.execute(select(Checkpoint.status, func.count()).group_by(Checkpoint.status)).all()
+    """status -> how many checkpoints have it (those that some have), as the database's triggers keep them."""
+    rows = s.execute(select(CheckpointStatusCount.status, CheckpointStatusCount.n).where(CheckpointStatusCount.n != 0))
     return {status: int(n) for status, n in rows}
 
 
-def history(s: Session, limit: int | None = None, newest_first: bool = True) -> list[dict[str, Any]]:
-    """Rows of the `version_history` view as dicts, plus `last_deployed_at` (the latest deploy:
-    a rollback's or pin's time; `deployed_at` is the first)."""
+def history(
+    s: Session,
+    limit: int | None = None,
+    newest_first: bool = True,
+    checkpoint_id: int | None = None,
+    adapter: str | None = None,
+) -> list[dict[str, Any]]:
+    """Rows of the `version_history` view as dicts (the newest `limit`, or one checkpoint's), plus
+    `last_deployed_at` (the latest deploy: a rollback's or pin's time; `deployed_at` is the first)
+    and `kind`, `adapter_name`, `base_model` (LoRA adapters). `adapter`: only that adapter name's
+    versions. The view computes its columns for the rows returned only (migration 0011)."""
     order = version_history.c.checkpoint_id.desc() if newest_first else version_history.c.checkpoint_id
     q = (
-        select(version_history, Checkpoint.last_deployed_at)
+        select(version_history, Checkpoint.last_deployed_at, Checkpoint.kind, Checkpoint.adapter_name,
+               Checkpoint.base_model)
         .join(Checkpoint, Checkpoint.id == version_history.c.checkpoint_id)
         .order_by(order)
-    )
+    )  # fmt: skip
+    if checkpoint_id is not None:
+        q = q.where(version_history.c.checkpoint_id == checkpoint_id)
+    if adapter is not None:
+        q = q.where(Checkpoint.adapter_name == adapter)
     if limit:
         q = q.limit(limit)
     serving = hosts.alias_row(s, "serving")
-    here = hosts.local_paths(s)
+    adapters_serving = set(s.scalars(select(AdapterAlias.checkpoint_id).where(
+        AdapterAlias.host == hosts.host_of(s), AdapterAlias.name == "serving")))  # fmt: skip
     rows = [dict(r) for r in s.execute(q).mappings()]
+    here = hosts.local_paths(s, [r["checkpoint_id"] for r in rows] if limit or checkpoint_id is not None else None)
     for r in rows:  # the view's `serving` is "on any host"; this host's is what callers mean
-        r["serving"] = int(serving is not None and serving.checkpoint_id == r["checkpoint_id"])
+        r["serving"] = int(serving is not None and serving.checkpoint_id == r["checkpoint_id"]
+                           or r["checkpoint_id"] in adapters_serving)  # fmt: skip
         r["local_path"] = here.get(r["checkpoint_id"], r["local_path"])
     return rows
 
@@ -242,6 +267,17 @@ def aliases(s: Session) -> dict[str, str | None]:
         ).all()
     )
     return {name: found.get(name) for name in ALIAS_NAMES}
+
+
+def adapter_aliases(s: Session) -> dict[str, dict[str, str]]:
+    """LoRA adapter name -> {serving|last_good|pinned: version} on this host."""
+    out: dict[str, dict[str, str]] = {}
+    rows = s.execute(select(AdapterAlias.adapter, AdapterAlias.name, Checkpoint.version)
+                     .join(Checkpoint, Checkpoint.id == AdapterAlias.checkpoint_id)
+                     .where(AdapterAlias.host == hosts.host_of(s))).all()  # fmt: skip
+    for adapter, alias, version in rows:
+        out.setdefault(adapter, {})[alias] = version
+    return out
 
 
 def worker_rows(s: Session) -> list[dict[str, Any]]:

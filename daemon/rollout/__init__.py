@@ -1,4 +1,5 @@
-"""Rollout: the worker state machine, rolling updates, rollback, health window and crash recovery.
+"""Rollout: the mechanism that moves a host's workers between versions: the worker state
+machine, rolling updates, rollback, health window and crash recovery.
 
 Modules, in the order the data flows:
 
@@ -6,15 +7,17 @@ Modules, in the order the data flows:
               worker's position in it (WorkerHandle, Fleet)
     planner   which workers leave RUNNING together, in which mode (batches)
     stage     a checkpoint -> the update request workers get, by the configured transport
-    driver    one worker through the state machine: update, restore, restart (`move` is the
-              only way a worker's state changes)
+    driver    one worker through the state machine: the normal path, a refused update, a
+              failed step (`move` is the only way a worker's state changes)
+    relaunch  restart rollouts: a worker relaunched on a version it cannot take in place
+    failure   one failed worker back to RUNNING: restore the fallback, else keep its intact
+              weights, else restart it
     engine    the whole fleet onto one version, and the failure path (no mixed versions)
     health    the post-deploy health window
     recovery  after a daemon crash: finish or undo the rollout that was in flight
     managed   worker processes: children the daemon runs itself, restart commands, the seed
-    queue     the runner's bookkeeping: the job queue and RolloutState
-    service   the runner: start-up, jobs (new checkpoint, rollback, pin, unpin, reconcile),
-              what their results mean for the registry, and the health poll
 
-Settings are sections of daemon.config; rows are written through daemon.registry.journal.
+Settings are sections of daemon.config; rows are written through daemon.registry.journal. What
+to roll out and when is decided above, in daemon.controller (and daemon.fleet for a fleet);
+this package never imports either.
 """

@@ -1,11 +1,11 @@
-"""One worker through the state machine: update, restore, restart, and pick up after a crash.
+"""One worker through the state machine: the normal path, and the record of a failed step.
 
 Every transition is committed to `events` (with the step's duration) before the next step
 starts; `move` is the only way a worker's state changes. A step that fails moves the worker to
 UNHEALTHY (or UNCERTAIN, when the step may have changed weights on an engine without atomic
-updates) and raises `StepFailed`; the engine then calls `restore` (back to the fallback version:
-the fallback's update request, installed and checked) and, if that fails too, `restart` (the
-configured restart command, then wait until the worker is healthy again).
+updates) and raises `StepFailed`; the way back (restore, restart) is daemon.rollout.failure. An
+update the worker refuses before writing anything is not a failure of the worker: it resumes on
+what it served and goes straight back to RUNNING (`refused`), and the rollout fails.
 
 What a worker can do comes from its client's `capabilities` (pause modes, drain, whether it
 restores by itself, whether its updates are atomic); the driver never asks its kind.
@@ -14,7 +14,7 @@ restores by itself, whether its updates are atomic); the driver never asks its k
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from daemon.adapters.base import (
@@ -26,15 +26,15 @@ from daemon.adapters.base import (
     WorkerError,
     WorkerUnreachable,
 )
+from daemon.common.logging import get_logger
 from daemon.config import RolloutMode, RolloutSettings
-from daemon.logging import get_logger
 from daemon.registry.journal import Journal
 from daemon.registry.status import FailureKind
 from daemon.rollout.managed import Restarter
+from daemon.rollout.relaunch import Relauncher
 from daemon.rollout.stage import Target
 from daemon.rollout.states import (
     BEGIN_STATE,
-    FAILED,
     Transition,
     TransitionObserver,
     WorkerHandle,
@@ -60,6 +60,7 @@ class StepFailed(Exception):
         self.step = step
         self.reason = reason
         self.kind = kind
+        self.kept_serving = False  # refused before any write and resumed: the worker is RUNNING on what it had
 
 
 def _ms(t0: float) -> float:
@@ -86,6 +87,7 @@ class WorkerDriver:
         self.settings = settings
         self.restarter = restarter
         self.observers = list(observers)
+        self.relauncher = Relauncher(journal, settings, restarter)  # restart rollouts (daemon.rollout.relaunch)
 
     # -- recording ---------------------------------------------------------------------
     def move(
@@ -156,12 +158,13 @@ class WorkerDriver:
     # -- the normal path ---------------------------------------------------------------
     def update(
         self, h: WorkerHandle, rollout_id: int, target: Target, mode: RolloutMode, *, back: bool = False,
-        prepare: bool = True,
+        prepare: bool = True, why: str | None = None,
     ) -> bool:
         """RUNNING -> DRAINING|PAUSED -> UPDATED -> RUNNING on `target`. False when already on it.
 
         `back`: the target is an earlier version (the client's `rollback(request)` installs it).
         `prepare`: False when the engine already prepared this worker ahead of its batch.
+        `why`: the plan's reason for `mode`, recorded with the move out of RUNNING.
         Raises StepFailed after recording the move to UNHEALTHY (or UNCERTAIN).
         """
         t0 = time.perf_counter()
@@ -177,9 +180,18 @@ class WorkerDriver:
             h.observed(h.state or S.RUNNING)
             raise self.fail(h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0)
         h.observed(S.RUNNING)
+        restart = self.relauncher.needed(info, target)
+        if restart is not None:  # other shapes than it serves: relaunched on the target instead
+            refusal = self.relauncher.refusal(h, target, restart)
+            if refusal is not None:
+                failed = StepFailed(h.name, "update", refusal, kind=FailureKind.REFUSED)
+                failed.kept_serving = True  # it never left RUNNING
+                raise failed
+            self.relauncher.relaunch(self, h, rollout_id, target, mode, restart)
+            return True
         if prepare:
             self.prepare(h, target)
-        self.begin(h, rollout_id, mode, target.version)
+        self.begin(h, rollout_id, mode, target.version, why)
         result = self.transfer(h, rollout_id, target, back=back)
         self.finish(h, rollout_id, target, result=result)
         return True
@@ -199,7 +211,9 @@ class WorkerDriver:
         log.info("worker_prepared", worker=h.name, version=target.version, ms=round(_ms(t0), 1))
         return True
 
-    def begin(self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str | None) -> None:
+    def begin(
+        self, h: WorkerHandle, rollout_id: int, mode: RolloutMode, target_version: str | None, why: str | None = None
+    ) -> None:
         to = BEGIN_STATE[mode]
         caps = h.client.capabilities
         t0 = time.perf_counter()
@@ -214,12 +228,15 @@ class WorkerDriver:
                 h.client.pause("keep" if "keep" in caps.pause_modes else caps.pause_modes[0])
         except WorkerError as exc:
             raise self.fail(h, rollout_id, mode, exc, t0) from exc
-        self.move(h, rollout_id, to, duration_ms=_ms(t0), detail={"mode": mode}, target_version=target_version)
+        self.move(h, rollout_id, to, duration_ms=_ms(t0), detail={"mode": mode, **({"reason": why} if why else {})},
+                  target_version=target_version)  # fmt: skip
 
     def transfer(self, h: WorkerHandle, rollout_id: int, target: Target, *, back: bool = False) -> UpdateResult:
         t0 = time.perf_counter()
         try:
             result = h.client.rollback(target.request) if back else h.client.update(target.request)
+        except UpdateRefused as exc:
+            raise self.refused(h, rollout_id, exc, t0) from exc
         except WorkerError as exc:
             raise self.fail(h, rollout_id, "update", exc, t0) from exc
         if result.version != target.version:
@@ -229,6 +246,28 @@ class WorkerDriver:
         detail = {"version": target.version, "transport": target.request.transport, "worker_ms": result.duration_ms}
         self.move(h, rollout_id, S.UPDATED, duration_ms=_ms(t0), detail=detail, version=target.version)
         return result
+
+    def refused(self, h: WorkerHandle, rollout_id: int, exc: UpdateRefused, t0: float) -> StepFailed:
+        """The worker refused the update before writing a parameter (a table that does not match,
+        a file changed since verify, ...): it still holds what it served. Resumed there and back
+        to RUNNING, recorded as a refusal, not a failure of the worker; the caller fails the
+        rollout. When the worker does not confirm that (its report or resume fails), the usual
+        failure path (UNHEALTHY, then restore) takes it. (A refusal means nothing was written, on
+        any engine: that is the contract of UpdateRefused.)"""
+        try:
+            info = h.client.weight_info()
+            if parse_state(info.state) not in (S.DRAINING, S.PAUSED, S.RUNNING) or not info.version:
+                raise WorkerError(f"worker {h.name}: reports {info.state} on {info.version!r} after refusing")
+            self.resume(h, info.state)
+        except WorkerError as again:
+            log.warning("refused_update_not_resumed", worker=h.name, error=str(again))
+            return self.fail(h, rollout_id, "update", exc, t0)
+        self.move(h, rollout_id, S.RUNNING, duration_ms=_ms(t0),
+                  detail={"action": "refused", "step": "update", "kind": FailureKind.REFUSED.value, "error": str(exc),
+                          "kept": info.version}, version=info.version)  # fmt: skip
+        failed = StepFailed(h.name, "update", str(exc), kind=FailureKind.REFUSED)
+        failed.kept_serving = True
+        return failed
 
     def finish(
         self, h: WorkerHandle, rollout_id: int | None, target: Target, detail: dict[str, Any] | None = None,
@@ -306,121 +345,6 @@ class WorkerDriver:
         self.move(h, rollout_id, S.RUNNING, duration_ms=_ms(t1), detail={"probe_version": served}, version=result.version)
 
     # -- the failure path --------------------------------------------------------------
-    def restore(
-        self, h: WorkerHandle, rollout_id: int | None, fallback: Target | None, why: str, avoid: str | None = None
-    ) -> bool:
-        """UNHEALTHY/UNCERTAIN -> RUNNING on `fallback`: its request installed, then checked.
-        False when the worker cannot be restored.
-
-        With no known fallback, a worker serving `avoid` (the version being rolled out) goes
-        back to the weights it retained itself, if it can; any other keeps its weights.
-        """
-        assert h.state in FAILED, h.state
-        caps = h.client.capabilities
-        t0 = time.perf_counter()
-        how = "unchanged"
-        try:
-            info = h.client.weight_info()
-            if parse_state(info.state) == S.UNHEALTHY and caps.restores_itself:
-                # The worker's own write failed and could not be undone: it restores its retained
-                # last good weights first (the only call it takes in that state).
-                how = f"worker rollback to {h.client.restore().version}"
-                info = h.client.weight_info()
-            if fallback is None:
-                fallback_version = info.version or ""
-                if h.state == S.UNCERTAIN or (avoid is not None and info.version == avoid):
-                    if not caps.restores_itself:
-                        raise WorkerError(f"worker {h.name}: no known version to re-install")
-                    fallback_version = h.client.restore().version
-                    how = f"worker rollback to {fallback_version}"
-                self.post_check(h, fallback_version, None)
-            else:
-                if h.state == S.UNCERTAIN or not fallback.matches(info):
-                    if parse_state(info.state) == S.RUNNING and caps.pause_modes:
-                        # The transfer needs the worker out of RUNNING; pause keeps its queue.
-                        h.client.pause("keep" if "keep" in caps.pause_modes else caps.pause_modes[0])
-                    h.client.rollback(fallback.request)
-                    how = f"update to {fallback.version} ({fallback.request.transport})"
-                self.post_check(h, fallback.version, fallback.checkpoint.digest)
-                fallback_version = fallback.version
-            self.resume(h)
-        except (WorkerError, StepFailed) as exc:
-            log.warning("restore_failed", worker=h.name, error=str(exc))
-            self.move(h, rollout_id, S.UNHEALTHY, duration_ms=_ms(t0),
-                      detail={"action": "restore_failed", "error": str(exc), "why": why},
-                      error=f"restore failed: {exc}")  # fmt: skip
-            return False
-        self.move(
-            h,
-            rollout_id,
-            S.RUNNING,
-            duration_ms=_ms(t0),
-            detail={"action": "restored", "restored_to": fallback_version, "how": how, "why": why},
-            version=fallback_version,
-        )
-        return True
-
-    def restart(
-        self, h: WorkerHandle, rollout_id: int | None, fallback: Target | None, why: str, avoid: str | None = None
-    ) -> bool:
-        """Run the restart command, then wait (bounded) until the worker is RUNNING on `fallback`.
-
-        Records UNHEALTHY -> UNHEALTHY (restart issued) and, once it is back,
-        UNHEALTHY -> RUNNING. False when it is not back in `restart_timeout_s`:
-        it stays UNHEALTHY and the health poll keeps watching it.
-        """
-        assert h.state == S.UNHEALTHY, h.state
-        t0 = time.perf_counter()
-        outcome = self.restarter.restart(h.spec, h.url, h.managed, fallback.checkpoint if fallback else None)
-        self.move(
-            h,
-            rollout_id,
-            S.UNHEALTHY,
-            duration_ms=_ms(t0),
-            detail={"action": "restart", "why": why, **outcome},
-            error=f"restarting: {why}",
-        )
-        if not outcome.get("issued"):
-            return False
-        t1 = time.perf_counter()
-        info = self.wait_answering(h, self.settings.restart_timeout_s)
-        if info is None:
-            exited = h.managed is not None and not h.managed.alive()
-            error = "the relaunched worker exited" if exited else f"not back {self.settings.restart_timeout_s:.0f} s after restart"
-            self.move(h, rollout_id, S.UNHEALTHY, duration_ms=_ms(t1),
-                      detail={"action": "restart_timeout", "waited_s": round(time.perf_counter() - t1, 1),
-                              **({"exited": True} if exited else {})},
-                      error=error)  # fmt: skip
-            return False
-        return self.restore(h, rollout_id, fallback, f"{why}; restarted", avoid)
-
-    def wait_answering(self, h: WorkerHandle, timeout_s: float, want: Callable[[WeightInfo], bool] | None = None) -> WeightInfo | None:
-        """Poll weight_info until the worker answers in RUNNING (and `want` holds), or time out;
-        None at once when a managed child exited (the supervisor reports why: daemon/supervise.py)."""
-        deadline = time.monotonic() + timeout_s
-        delay = 0.05
-        while time.monotonic() < deadline:
-            if h.managed is not None and h.managed.should_run and not h.managed.alive():
-                return None
-            try:
-                info = h.client.weight_info()
-                if parse_state(info.state) == S.RUNNING and (want is None or want(info)):
-                    return info
-            except WorkerError:
-                pass
-            time.sleep(delay)
-            delay = min(delay * 1.5, 1.0)
-        return None
-
-    def recover(
-        self, h: WorkerHandle, rollout_id: int | None, why: str, fallback: Target | None, avoid: str | None = None
-    ) -> bool:
-        """From UNHEALTHY or UNCERTAIN: restore, else restart. True once the worker is RUNNING again."""
-        if self.restore(h, rollout_id, fallback, why, avoid):
-            return True
-        return self.restart(h, rollout_id, fallback, why, avoid)
-
-
 def _in_worker_probe(worker: str, probe: dict[str, Any]) -> str:
     """The version a worker's own post-update probe ran under; raises as `client.probe()` would."""
     if probe.get("error"):

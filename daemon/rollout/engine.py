@@ -16,12 +16,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.adapters.base import PreparesUpdates, WorkerError
-from daemon.config import RolloutMode, RolloutSettings
-from daemon.logging import get_logger
+from daemon.common.logging import get_logger
+from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
 from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.outbox import unreachable
 from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger
 from daemon.rollout.driver import StepFailed, WorkerDriver
-from daemon.rollout.planner import Batch, modes_of, plan
+from daemon.rollout.failure import FailurePath
+from daemon.rollout.planner import Batch, modes_of, pauses_safely, plan
 from daemon.rollout.stage import StageError, Stager, Target
 from daemon.rollout.states import FAILED, Fleet, WorkerHandle, WorkerState, parse_state
 
@@ -44,7 +46,24 @@ class RolloutEngine:
         self.fleet = fleet
         self.settings = settings
         self.driver = driver
+        self.failure = FailurePath(driver)
         self.stager = stager
+        self._warned: set[str] = set()  # groups already warned about leaving rotation during updates
+
+    def plan(self, only: Collection[str] | None = None) -> list[Batch]:
+        """The planner's batches for this fleet, by what each worker's client can do (a lone
+        worker in drain mode is paused when it pauses safely; daemon.rollout.planner). A group
+        that will be out of rotation during updates is warned about once per process."""
+        def can_pause(spec: WorkerSpec) -> bool:
+            return pauses_safely(spec, self.fleet[spec.name].client.capabilities)
+
+        batches = plan(self.fleet.specs, self.settings, only, can_pause)
+        for b in batches:
+            if b.out_of_rotation and b.group not in self._warned:
+                self._warned.add(b.group)
+                log.warning("group_out_of_rotation_during_updates", group=b.group, workers=list(b.workers),
+                            reason=b.reason)  # fmt: skip
+        return batches
 
     def deploy(
         self,
@@ -56,7 +75,7 @@ class RolloutEngine:
         only: Collection[str] | None = None,
         detail: dict[str, Any] | None = None,
     ) -> RolloutResult:
-        batches = plan(self.fleet.specs, self.settings, only)
+        batches = self.plan(only)
         rid = self.journal.start_rollout(
             ckpt.id,
             trigger=trigger,
@@ -67,19 +86,32 @@ class RolloutEngine:
                 "fallback": fallback.version if fallback else None,
                 "workers": [w for b in batches for w in b.workers],
                 "update_mode": self.settings.update_mode,
+                # a batch whose mode is not its group's (a lone worker paused instead of drained),
+                # or that takes its whole group out of rotation, and why
+                **({"batch_modes": [{"group": b.group, "workers": list(b.workers), "mode": b.mode, "reason": b.reason}
+                                    for b in batches if b.reason]} if any(b.reason for b in batches) else {}),  # fmt: skip
                 **(detail or {}),
             },
         )
         log.info("rollout_started", rollout=rid, version=ckpt.version, trigger=trigger, fallback=str(fallback))
+        for b in batches:
+            if b.reason:
+                log.info("batch_mode", rollout=rid, group=b.group, workers=list(b.workers), mode=b.mode, reason=b.reason)
         try:
             target = self.stager.target(ckpt)
         except StageError as exc:
-            self.journal.finish_rollout(rid, RolloutOutcome.FAILED, {"reason": str(exc), "step": "stage"})
+            # the loader dying is not the checkpoint's fault: no worker was touched, retried later
+            kind = FailureKind.UNAVAILABLE if exc.infra else None
+            self.journal.finish_rollout(rid, RolloutOutcome.FAILED, {"reason": str(exc), "step": "stage",
+                                                                     **({"kind": kind.value} if kind else {})})  # fmt: skip
             log.warning("rollout_failed", rollout=rid, version=ckpt.version, reason=str(exc))
-            return RolloutResult(rid, RolloutOutcome.FAILED, str(exc))
+            return RolloutResult(rid, RolloutOutcome.FAILED, str(exc), kind=kind)
         if ckpt.status == CheckpointStatus.VERIFIED and target.staged:
             self.journal.move_status(ckpt.id, CheckpointStatus.STAGED, f"staged by {self.stager.transport} for rollout {rid}")
 
+        # Read now, while the database answers: a failure later must restore the workers even
+        # when the database has gone meanwhile (their transitions are then kept for later).
+        early = self._fallback_early(fallback)
         unavailable = self._preflight(rid, ckpt, fallback, [w for b in batches for w in b.workers])
         if unavailable:
             reason = f"worker {', '.join(unavailable)} not available before the rollout and could not be restored"
@@ -110,7 +142,7 @@ class RolloutEngine:
                 failures = [(h, f) for h, _, f in outcomes if f is not None]
                 if failures:
                     ahead.close()  # no preparation lands after the failure path has begun
-                    return self._fail(rid, ckpt, fallback, failures, moved)
+                    return self._fail(rid, ckpt, fallback, failures, moved, batch, early)
         names = [h.name for h, _ in moved]
         self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED, {"moved": names})
         log.info("rollout_succeeded", rollout=rid, version=ckpt.version, moved=names)
@@ -124,16 +156,21 @@ class RolloutEngine:
         unavailable: list[str] = []
         for name in names:
             h = self.fleet[name]
-            with h.busy:
+            with h.drive():
                 try:
                     info = h.client.weight_info()
                     reported = parse_state(info.state)
-                    if reported == WorkerState.RUNNING:
+                    if reported == WorkerState.RUNNING and h.state == WorkerState.UNCERTAIN:
+                        # it answers RUNNING, but what it serves is not vouched for (drift, a partial
+                        # write): it stays UNCERTAIN, whatever it reports, until re-installed here
+                        problem = "recorded UNCERTAIN: what it serves is not vouched for until re-installed"
+                    elif reported == WorkerState.RUNNING:
                         h.observed(WorkerState.RUNNING)
                         continue
-                    problem = f"worker reports state {info.state!r}"
-                    if reported is not None:
-                        h.observed(reported)
+                    else:
+                        problem = f"worker reports state {info.state!r}"
+                        if reported is not None:
+                            h.observed(reported)
                 except WorkerError as exc:
                     problem = str(exc)
                 fb = fb or self.fallback_target(fallback)
@@ -142,7 +179,7 @@ class RolloutEngine:
                     self.driver.move(h, rid, WorkerState.UNHEALTHY, duration_ms=None,
                                      detail={"step": "preflight", "error": problem}, error=problem)  # fmt: skip
                 why = f"not available before the rollout of {ckpt.version}: {problem}"
-                if not self.driver.recover(h, rid, why, fb, ckpt.version):
+                if not self.failure.recover(h, rid, why, fb, ckpt.version):
                     unavailable.append(name)
         return unavailable
 
@@ -152,9 +189,10 @@ class RolloutEngine:
         def one(name: str) -> tuple[WorkerHandle, bool, StepFailed | None]:
             h = self.fleet[name]
             prepared = ahead is not None and ahead.wait(name)
-            with h.busy:
+            with h.drive():
                 try:
-                    return h, self.driver.update(h, rid, target, batch.mode, prepare=not prepared), None
+                    changed = self.driver.update(h, rid, target, batch.mode, prepare=not prepared, why=batch.reason)
+                    return h, changed, None
                 except StepFailed as exc:
                     log.warning("worker_step_failed", rollout=rid, worker=name, step=exc.step, reason=exc.reason)
                     return h, False, exc
@@ -185,6 +223,13 @@ class RolloutEngine:
             return target
         return None
 
+    def _fallback_early(self, fallback: CheckpointRef | None) -> Target | None:
+        try:
+            return self.fallback_target(fallback)
+        except Exception as exc:  # noqa: BLE001 - only a backup for _fail; it asks again itself
+            log.warning("fallback_not_resolved_early", error=str(exc))
+            return None
+
     def _fail(
         self,
         rid: int,
@@ -192,27 +237,45 @@ class RolloutEngine:
         fallback: CheckpointRef | None,
         failures: list[tuple[WorkerHandle, StepFailed]],
         moved: list[tuple[WorkerHandle, RolloutMode]],
+        batch: Batch,
+        early: Target | None = None,
     ) -> RolloutResult:
+        """`batch`: the one that failed; its mode moves its workers (a group's only worker pauses).
+        `early`: the fallback as resolved when the rollout began, used when the database is out now."""
         first = failures[0][1]
         why = f"rollout of {ckpt.version} failed: {first}"
-        fb = self.fallback_target(fallback)
+        try:
+            fb = self.fallback_target(fallback)
+        except Exception as exc:
+            if not unreachable(exc):
+                raise
+            log.warning("fallback_from_rollout_start", version=early.version if early else None, error=str(exc))
+            fb = early
         unrecovered: list[str] = []
-        # 1. The failed workers: restore over the admin API, else restart.
-        for h, _ in failures:
-            with h.busy:
-                if not self.driver.recover(h, rid, why, fb, ckpt.version):
+        # 1. The failed workers: restore over the admin API, else restart. One that refused the
+        #    update and kept serving is RUNNING already: it only needs to be on the fallback.
+        for h, failed in failures:
+            with h.drive():
+                if failed.kept_serving and h.state == WorkerState.RUNNING:
+                    try:
+                        if fb is not None:
+                            self.driver.update(h, rid, fb, batch.mode, back=True, why=batch.reason)
+                    except StepFailed as exc:
+                        if not self.failure.recover(h, rid, f"{why}; to the fallback: {exc}", fb, ckpt.version):
+                            unrecovered.append(h.name)
+                elif not self.failure.recover(h, rid, why, fb, ckpt.version):
                     unrecovered.append(h.name)
         # 2. Everyone this rollout already moved goes back too: no mixed versions.
-        for h, mode in reversed(moved):
-            with h.busy:
+        for h, moved_in in reversed(moved):
+            with h.drive():
                 try:
                     if fb is not None:
-                        self.driver.update(h, rid, fb, mode, back=True)
+                        self.driver.update(h, rid, fb, moved_in, back=True)
                     else:
-                        self.driver.revert(h, rid, mode)
+                        self.driver.revert(h, rid, moved_in)
                 except StepFailed as exc:
                     log.warning("rollback_step_failed", rollout=rid, worker=h.name, reason=exc.reason)
-                    if not self.driver.recover(h, rid, f"{why}; rolling back: {exc}", fb, ckpt.version):
+                    if not self.failure.recover(h, rid, f"{why}; rolling back: {exc}", fb, ckpt.version):
                         unrecovered.append(h.name)
         detail = {
             "reason": str(first),
@@ -245,7 +308,7 @@ class PreparedAhead:
 
     def _prepare(self, name: str) -> bool:
         h = self.fleet[name]
-        with h.busy:  # the health poll never sees a worker the engine is driving
+        with h.drive():  # the health poll never sees a worker the engine is driving
             try:
                 info = h.client.weight_info()
             except WorkerError:

@@ -3,11 +3,12 @@
 `launch = "managed"`: the daemon runs a reference worker itself as a supervised child.
 
 The child is `hotswap worker --model DIR --version V --host 127.0.0.1 --port P
---token-file F --admin-uds S --device D`, with its log in `<state_dir>/logs/worker-NAME.log`.
+--token-file F --admin-uds S --device D`, with its log in `<state_dir>/logs/worker-NAME.log` (the
+folder 0700, the log 0600).
 Its pid, port and admin socket are kept in `<state_dir>/worker-NAME.json`, so a daemon that
 was killed adopts the still-running child on its next start instead of starting a second one.
 
-Identity (issue 10, finding 4; daemon/identity.py): the admin API is on the Unix socket S in a
+Identity (issue 10, finding 4; daemon/common/identity.py): the admin API is on the Unix socket S in a
 private directory (`<state_dir>/run`, 0700; socket 0600), never on the TCP port, which carries
 only serving; with `admin = "tcp"` it stays on the port and the daemon checks the peer's proof
 before every token it sends. The token F is a fresh secret at every launch (0600 under the
@@ -41,11 +42,13 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from daemon.common.identity import socket_dir, write_secret
+from daemon.common.logging import get_logger
+from daemon.common.private import DIR_MODE, FILE_MODE, open_private, private_dir, tighten, write_private
+from daemon.common.tcplisten import tcp_listener
 from daemon.config import WorkerSpec
 from daemon.formats.checkpoint import MANIFEST_NAME, tensor_table
 from daemon.hashing import hash_files
-from daemon.identity import socket_dir, write_secret
-from daemon.logging import get_logger
 from daemon.manifest import load_manifest, publish
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.tinymodel import make_tiny_checkpoint
@@ -70,20 +73,13 @@ class PortTaken(RuntimeError):
     """The managed worker's TCP port is held by another process: not launched (it would exit)."""
 
 
-def port_free(port: int, host: str = "127.0.0.1") -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind((host, port))
-        except OSError:
-            return False
-    return True
+LISTEN_BACKLOG = 1024  # connections that arrive while the worker is relaunched wait here, never refused
 
 
 def ensure_token_file(path: Path) -> Path:
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        fd = open_private(path, os.O_WRONLY | os.O_EXCL)
         with os.fdopen(fd, "w") as f:
             f.write(secrets.token_urlsafe(32) + "\n")
     return path
@@ -132,9 +128,16 @@ class ManagedWorker:
         self.model: str | None = None
         self.version: str | None = None
         self.expect: Expect | None = None
-        self.launches = 0  # launches by this daemon (the supervisor watches each one: daemon/supervise.py)
+        self.launches = 0  # launches by this daemon (the supervisor watches each one: daemon/controller/supervise.py)
+        # The serving port, bound and listening in the daemon and inherited by every child it
+        # launches: between a worker's death and its relaunch no other process can bind it
+        # (another local user's server would answer clients under our version label).
+        self._listener: socket.socket | None = None
         self.log_offset = 0  # where this launch's lines start in the log file
         ensure_token_file(self.token_file)
+        for path, mode in ((self.log_file.parent, DIR_MODE), (self.log_file, FILE_MODE)):  # an install from before
+            if (was := tighten(path, mode)) is not None:
+                log.warning("worker log was open to other users; tightened", path=str(path), mode=f"{was:04o}")
 
     @property
     def url(self) -> str:
@@ -181,12 +184,33 @@ class ManagedWorker:
     def expect_file(self) -> Path:
         return self.state_dir / f"worker-{self.spec.name}.expect.json"
 
-    def command(self, model: str, version: str | None) -> list[str]:
+    def hold_port(self) -> socket.socket:
+        """The serving port's listening socket, bound once and kept for this daemon's life.
+        Raises PortTaken when another process holds the port."""
+        if self._listener is None:
+            try:
+                sock = tcp_listener("127.0.0.1", self.port)
+                sock.listen(LISTEN_BACKLOG)
+            except OSError as exc:
+                log.error("managed_worker_port_taken", worker=self.spec.name, port=self.port, error=str(exc))
+                raise PortTaken(f"managed worker {self.spec.name}: port {self.port} is held by another process; "
+                                "not launching (free the port or set another `port`)") from None
+            self._listener = sock
+        return self._listener
+
+    def release_port(self) -> None:
+        """Close the daemon's copy of the serving port (a running child keeps its own)."""
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+    def command(self, model: str, version: str | None, listen_fd: int | None = None) -> list[str]:
         argv = [
-            sys.executable, "-m", "daemon.cli", "worker",
+            sys.executable, "-m", "daemon.cli.main", "worker",
             "--model", model,
             "--host", "127.0.0.1",
             "--port", str(self.port),
+            *(["--listen-fd", str(listen_fd)] if listen_fd is not None else []),
             "--token-file", str(self.token_file),
             "--device", self.spec.device,
         ]  # fmt: skip
@@ -205,31 +229,25 @@ class ManagedWorker:
         clients reach there: an alert, never a RUNNING worker)."""
         self.should_run = True
         self.model, self.version = model, version  # what a later relaunch starts from
-        if not port_free(self.port):
-            log.error("managed_worker_port_taken", worker=self.spec.name, port=self.port)
-            raise PortTaken(f"managed worker {self.spec.name}: port {self.port} is held by another process; "
-                            "not launching (free the port or set another `port`)")
-        self.log_file.parent.mkdir(parents=True, exist_ok=True)
+        listener = self.hold_port()
+        private_dir(self.log_file.parent)  # <state_dir>/logs: 0700, each log 0600
         write_secret(self.token_file)  # a fresh secret for every launch
         self.expect = expect
         if expect is not None and expect.files:
-            tmp = self.expect_file().with_suffix(".tmp")
-            tmp.write_text(json.dumps(expect.to_json()))
-            os.replace(tmp, self.expect_file())
-        argv = self.command(model, version)
-        with open(self.log_file, "ab") as logf:
+            write_private(self.expect_file(), json.dumps(expect.to_json()).encode())
+        argv = self.command(model, version, listener.fileno())
+        with os.fdopen(open_private(self.log_file, os.O_WRONLY | os.O_APPEND), "ab") as logf:
             self.log_offset = logf.tell()
             # Own session: a Ctrl-C in the daemon's terminal does not hit the worker first;
             # the daemon stops it itself on shutdown.
             self._proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          start_new_session=True)  # fmt: skip
+                                          start_new_session=True, pass_fds=(listener.fileno(),))  # fmt: skip
         self.pid = self._proc.pid
         self.launches += 1
         self.model, self.version = model, version
-        tmp = self.runtime_file.with_suffix(".tmp")
-        tmp.write_text(json.dumps({"pid": self.pid, "port": self.port, "model": model, "version": version,
-                                   "admin_socket": str(self.admin_socket) if self.admin_socket else None}))
-        os.replace(tmp, self.runtime_file)
+        doc = {"pid": self.pid, "port": self.port, "model": model, "version": version,
+               "admin_socket": str(self.admin_socket) if self.admin_socket else None}
+        write_private(self.runtime_file, json.dumps(doc).encode())
         log.info("managed_worker_launched", worker=self.spec.name, pid=self.pid, port=self.port, version=version)
         return self.pid
 

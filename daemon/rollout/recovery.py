@@ -25,12 +25,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.adapters.base import WeightInfo, WorkerError
+from daemon.common.logging import get_logger
 from daemon.config import RolloutMode
-from daemon.logging import get_logger
 from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
 from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.engine import RolloutEngine
-from daemon.rollout.planner import plan
+from daemon.rollout.failure import FailurePath
 from daemon.rollout.stage import Target
 from daemon.rollout.states import ALLOWED, FAILED, WorkerHandle, WorkerState, parse_state
 
@@ -66,6 +66,7 @@ class Recovery:
         self.journal = journal
         self.engine = engine
         self.driver = driver
+        self.failure = FailurePath(driver)
 
     def run(self, rollout: RolloutRef, fallback: CheckpointRef | None) -> Recovered:
         failed_before = self.journal.rollout_had_failure(rollout.id)
@@ -85,11 +86,9 @@ class Recovery:
         fb = self.engine.fallback_target(fallback) if fallback else None
         why = f"daemon restarted during rollout {rollout.id} ({'finishing' if finish else 'undoing'} it)"
         unrecovered: list[str] = []
-        modes: dict[str, RolloutMode] = {
-            name: b.mode for b in plan(self.engine.fleet.specs, self.engine.settings) for name in b.workers
-        }
+        modes: dict[str, RolloutMode] = {name: b.mode for b in self.engine.plan() for name in b.workers}
         for h in self.engine.fleet:
-            with h.busy:
+            with h.drive():
                 if not self._bring(h, rollout.id, goal, fb, modes.get(h.name, "drain"), why):
                     unrecovered.append(h.name)
         return Recovered(rollout.id, goal_ckpt.version, finish, unrecovered)
@@ -113,9 +112,12 @@ class Recovery:
                         h, rid, S.UNHEALTHY, duration_ms=None, detail={"observed": True, "why": why, "answer": None if info is None else info.state},
                         error="no usable answer from the worker after the daemon restarted",
                     )
-                return self.driver.recover(h, rid, why, goal or fallback)
+                return self.failure.recover(h, rid, why, goal or fallback)
             if h.state is None:
-                h.observed(observed)  # nothing recorded that we could contradict
+                # nothing recorded that we could contradict: record what it reports now, so the
+                # registry shows the worker from the first pass, not from the next health poll
+                self.journal.observe(h.name, state=observed.value, weight_version=info.version, error=None, device=info.device)
+                h.observed(observed)
             elif observed != h.state:
                 if observed in ALLOWED[h.state]:
                     self.driver.move(h, rid, observed, duration_ms=None, detail={"observed": True, "why": why},
@@ -126,7 +128,7 @@ class Recovery:
                         detail={"observed": observed.value, "recorded": h.state.value, "why": why},
                         error=f"worker reports {observed.value}, the daemon last recorded {h.state.value}",
                     )  # fmt: skip
-                    return self.driver.recover(h, rid, why, goal or fallback)
+                    return self.failure.recover(h, rid, why, goal or fallback)
             if goal is None:
                 raise StepFailed(h.name, "recover", "the version to recover to has no local copy")
             if h.state == S.RUNNING:
@@ -143,10 +145,10 @@ class Recovery:
                     return True
                 self.driver.move(h, rid, S.UNHEALTHY, duration_ms=None,
                                  detail={"why": f"{why}: undoing the update to {info.version}"})  # fmt: skip
-            return self.driver.recover(h, rid, why, goal)
+            return self.failure.recover(h, rid, why, goal)
         except StepFailed as exc:
             # The driver already recorded -> UNHEALTHY for the failed step.
-            return self.driver.recover(h, rid, f"{why}: {exc}", fallback or goal)
+            return self.failure.recover(h, rid, f"{why}: {exc}", fallback or goal)
 
 
 # -- drift: what a worker reports against the registry ---------------------------------------
@@ -197,10 +199,10 @@ def recover_uncertain(driver: WorkerDriver, handles: Iterable[WorkerHandle], tar
     """Re-install `target` (the serving version) on every UNCERTAIN worker; the names done."""
     done = []
     for h in handles:
-        with h.busy:
+        with h.drive():
             if h.state != S.UNCERTAIN:
                 continue
             why = "reconcile: its report did not match the registry"
-            if driver.recover(h, None, why, target, None):
+            if FailurePath(driver).recover(h, None, why, target, None):
                 done.append(h.name)
     return done

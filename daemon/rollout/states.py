@@ -4,6 +4,7 @@ that carry each worker's position in it.
 ```
 RUNNING ──begin──▶ DRAINING (drain mode) | PAUSED (pause mode)
 DRAINING/PAUSED ──transfer ok──▶ UPDATED
+DRAINING/PAUSED ──update refused before any write (weights untouched)──▶ RUNNING (kept serving)
 UPDATED ──post-check ok──▶ RUNNING
 any ──failure──▶ UNHEALTHY ──restore last good──▶ RUNNING
 UNHEALTHY ──restart command issued──▶ UNHEALTHY (stays until the worker is back)
@@ -22,7 +23,9 @@ recovery), through `observed()`.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -44,8 +47,9 @@ S = WorkerState
 
 ALLOWED: dict[WorkerState, frozenset[WorkerState]] = {
     S.RUNNING: frozenset({S.DRAINING, S.PAUSED, S.UNHEALTHY, S.UNCERTAIN}),
-    S.DRAINING: frozenset({S.UPDATED, S.UNHEALTHY, S.UNCERTAIN}),
-    S.PAUSED: frozenset({S.UPDATED, S.UNHEALTHY, S.UNCERTAIN}),
+    # -> RUNNING: the worker refused the update before touching a parameter and resumed on what it served
+    S.DRAINING: frozenset({S.UPDATED, S.RUNNING, S.UNHEALTHY, S.UNCERTAIN}),
+    S.PAUSED: frozenset({S.UPDATED, S.RUNNING, S.UNHEALTHY, S.UNCERTAIN}),
     S.UPDATED: frozenset({S.RUNNING, S.UNHEALTHY, S.UNCERTAIN}),
     # The self-loop records "restart command issued, still not back"; it is the only one.
     S.UNHEALTHY: frozenset({S.RUNNING, S.UNHEALTHY}),
@@ -98,7 +102,9 @@ class WorkerHandle:
     """One `[[workers]]` entry: its config, its client, its position in the state machine as the
     daemon last recorded it, and (for `launch = "managed"`) the child process the daemon runs.
     `busy` is held while the engine drives the worker, so the health poll never reports a state
-    the engine is in the middle of changing."""
+    the engine is in the middle of changing. The poll and the supervisor take it only to look;
+    `driven` says that whoever holds it moves the worker (`drive()`: a rollout, its failure path,
+    a broadcast session), which is what the problem probe must know."""
 
     spec: WorkerSpec
     client: WorkerClient
@@ -106,6 +112,21 @@ class WorkerHandle:
     managed: ManagedWorker | None = None
     _state: WorkerState | None = None  # None = not known yet
     busy: threading.Lock = field(default_factory=threading.Lock)
+    driven: bool = False
+    # monotonic times: its state last changed, and it last left RUNNING (how long a pause has held
+    # its requests, how long a step has taken: daemon.controller.problems)
+    changed_at: float = field(default_factory=time.monotonic)
+    left_running_at: float = field(default_factory=time.monotonic)
+
+    @contextmanager
+    def drive(self) -> Iterator[None]:
+        """Hold `busy` to move the worker (not only to look at it)."""
+        with self.busy:
+            self.driven = True
+            try:
+                yield
+            finally:
+                self.driven = False
 
     @property
     def name(self) -> str:
@@ -117,10 +138,18 @@ class WorkerHandle:
 
     def moved(self, to: WorkerState) -> None:
         """Only `WorkerDriver.move` calls this, after the transition was checked and recorded."""
-        self._state = to
+        self._set(to)
 
     def observed(self, state: WorkerState | None) -> None:
         """The daemon learned where the worker is (its own report) without moving it."""
+        self._set(state)
+
+    def _set(self, state: WorkerState | None) -> None:
+        if state != self._state:
+            now = time.monotonic()
+            if self._state is WorkerState.RUNNING:
+                self.left_running_at = now
+            self.changed_at = now
         self._state = state
 
 

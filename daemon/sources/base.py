@@ -71,6 +71,10 @@ class Source(Protocol):
     def fetch(self, item: FetchItem, progress: Progress) -> Path: ...
     def prune(self, protected: frozenset[Path]) -> list[Path]: ...
 
+    # Optional, read with getattr by the daemon's health monitor (daemon.process.health):
+    #   health_problem() -> str | None   why it cannot see new checkpoints now (a `source_failing` problem)
+    #   errors_total: int                failed polls since start (hotswap_source_errors_total)
+
 
 class SourceType(Protocol):
     """A source class as the registry names it: its config dataclass and its constructor."""

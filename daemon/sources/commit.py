@@ -14,6 +14,10 @@ than listed the directory is "pending". It waits for the files, up to the commit
 it with the exact file named. A listed file that is longer than listed (being rewritten,
 or not the file the manifest describes) waits for the quiet period, then is handed on.
 
+A committed Decision's `version` is the manifest's `version`, else the directory's name; the
+source refuses one that cannot be a label (daemon.formats.names.version_problem: a newline, a
+control character, a slash, ...) with that reason, before anything is registered.
+
 Nothing here follows a symlink out of the watched folder: `escapes(directory, root)` names
 the first link (the checkpoint directory itself, or a file or folder in it) that resolves
 outside, and the source refuses such a checkpoint with that reason. Files are read only when they are

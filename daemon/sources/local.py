@@ -12,7 +12,9 @@ An emitted directory is looked at again when its files change (size or mtime of 
 compared with what was emitted): it is emitted again, and the coordinator decides (a
 rejected checkpoint is verified again; a change under a known label is recorded). A
 checkpoint directory that is, or holds, a symlink leading outside the watched folder is
-refused (logged once with the link named) and never emitted.
+refused (logged once with the link named) and never emitted, as is one whose version label (its
+manifest's `version`, else the directory's name) cannot be a label (daemon.formats.names: a
+newline, a control character, a slash, ...); both are shown under `refused` in /status.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from daemon.logging import get_logger
+from daemon.common.logging import get_logger
+from daemon.manifest import version_problem
 from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.commit import COMMIT_SIGNALS, CommitDetector, Snapshot, discovered, escapes, snapshot
 
@@ -47,12 +50,12 @@ class LocalSourceConfig:
     """`[[sources]]` with `type = "local"` (the default)."""
 
     path: str  # required: folder whose subdirectories are checkpoints
-    type: Literal["local"] = "local"
+    type: Literal["local"] = "local"  # which kind of source this table is (daemon.sources.SOURCE_TYPES)
     name: str = ""  # label stored in checkpoints.source; "" = "local:<path>"
     commit_signals: list[str] = field(default_factory=lambda: list(COMMIT_SIGNALS))  # checked in this order
     quiet_period_s: float = 2.0  # index signal: shard sizes unchanged this long
     commit_timeout_s: float = 600.0  # a manifest listing missing/short files waits this long after the last change
-    marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])
+    marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])  # "marker" signal: any of these files in the folder commits it
     rescan_interval_s: float = 10.0  # safety net for missed filesystem events
     create: bool = True  # create the folder if it does not exist
     # with create = false: a folder missing at start stops the daemon (exit 2) instead of being
@@ -81,7 +84,7 @@ class LocalSourceConfig:
         return self.name or f"{self.type}:{self.path}"
 
     def preflight_problem(self) -> str | None:
-        """Why the daemon must not start (daemon.preflight), or None."""
+        """Why the daemon must not start (daemon.process.preflight), or None."""
         root = Path(self.path).expanduser().absolute()
         if self.required and not self.create and not root.is_dir():
             what = "is not a directory" if root.exists() else "does not exist"
@@ -128,6 +131,7 @@ class LocalSource:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._missing_logged = False
+        self._looks: dict[str, int] = {}  # directory name -> checks finished (what "nothing happened" waits on)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -182,7 +186,7 @@ class LocalSource:
         if self.root.is_dir():
             return None
         what = "is not a directory" if self.root.exists() else "does not exist"
-        return f"source {self.label}: watched folder {self.root} {what}"
+        return f"watched folder {self.root} {what}"
 
     def fetch(self, item: FetchItem, progress: Progress) -> Path:
         """Nothing to fetch: the checkpoint was registered with its directory in the folder."""
@@ -269,7 +273,17 @@ class LocalSource:
                     self._cv.wait(timeout=(self._due[0][0] - now) if self._due else None)
                 else:
                     return
-            self._look(name)
+            try:
+                self._look(name)
+            finally:
+                with self._cv:
+                    self._looks[name] = self._looks.get(name, 0) + 1
+
+    def looks(self, name: str) -> int:
+        """How many checks of directory `name` have finished (emitted or not): a caller that must
+        show nothing was emitted waits for the next check instead of sleeping."""
+        with self._cv:
+            return self._looks.get(name, 0)
 
     def _look(self, name: str) -> None:
         directory = self.root / name
@@ -279,15 +293,16 @@ class LocalSource:
                 return  # emitted, and nothing changed since
             why = escapes(directory, self.root)
             if why is not None:
-                if self._refused.get(directory) != why:
-                    self._refused[directory] = why
-                    log.warning("checkpoint refused", source=self.label, directory=str(directory), reason=why)
+                self._refuse(directory, why)
                 return
-            self._refused.pop(directory, None)
             decision = self.detector.check(directory)
         except Exception:  # a broken directory must not stop the source
             log.exception("commit check failed", source=self.label, directory=str(directory))
             return
+        if decision.committed and (why := version_problem(decision.version)) is not None:
+            self._refuse(directory, f"{name!r}: its version label cannot be used: {why}")
+            return  # looked at again when its files change (a fixed manifest)
+        self._refused.pop(directory, None)
         if decision.committed:
             again = directory in self._emitted
             self._emitted[directory] = now
@@ -313,6 +328,12 @@ class LocalSource:
             log.debug("not committed yet", directory=str(directory), reason=decision.reason)
         if decision.recheck_after_s is not None:
             self.mark_dirty(name, decision.recheck_after_s)
+
+    def _refuse(self, directory: Path, why: str) -> None:
+        """Never emitted; logged once per reason; shown by `describe`."""
+        if self._refused.get(directory) != why:
+            self._refused[directory] = why
+            log.warning("checkpoint refused", source=self.label, directory=str(directory), reason=why)
 
 
 # What daemon.sources.SOURCE_TYPES["local"] names; mypy checks it against the protocol.

@@ -28,15 +28,17 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 from fastapi import FastAPI
 
-from daemon.apiconfig import is_loopback
-from daemon.auth import read_token_file
+from daemon.common.apiconfig import is_loopback
+from daemon.common.auth import read_token_file
+from daemon.common.httpguard import ListenerLimits, guarded_protocol
+from daemon.common.logging import get_logger
+from daemon.common.tcplisten import tcp_listener
 from daemon.formats.checkpoint import MANIFEST_NAME
-from daemon.logging import get_logger
-from daemon.manifest import ManifestError, load_manifest
+from daemon.manifest import ManifestError, load_manifest, version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache
-from daemon.sources.push_routes import Limits, PushState, clear_incoming, push_router
-from daemon.tcplisten import tcp_listener
+from daemon.sources.push_gate import Limits
+from daemon.sources.push_routes import PushState, clear_incoming, push_router
 
 log = get_logger(__name__)
 GIB = 1024**3
@@ -48,18 +50,20 @@ class PushSourceConfig:
 
     path: str  # required: the registry folder; a committed push becomes <path>/<version>/
     token_file: str  # required: the bearer token clients send (one line; keep it 0600)
-    type: Literal["push"] = "push"
+    type: Literal["push"] = "push"  # which kind of source this table is (daemon.sources.SOURCE_TYPES)
     name: str = ""  # label stored in checkpoints.source; "" = "push:<listen>"
     listen: str = "127.0.0.1:8781"  # host:port of the push listener ("0.0.0.0:8781" for other hosts)
     hmac_keys: dict[str, str] = field(default_factory=dict)  # key_id -> shared key file (as [checks])
     ed25519_keys: dict[str, str] = field(default_factory=dict)  # key_id -> public key file (as [checks])
     tls_cert_file: str = ""  # with tls_key_file: serve HTTPS
-    tls_key_file: str = ""
+    tls_key_file: str = ""  # the private key of tls_cert_file
     tls_client_ca_file: str = ""  # clients must present a certificate signed by this CA (mTLS)
-    max_checkpoint_bytes: int = 1024 * GIB
+    max_checkpoint_bytes: int = 1024 * GIB  # a checkpoint larger than this is refused (413)
     max_concurrent_uploads: int = 8  # per client address
-    rate_per_s: float = 50.0  # requests per second per client address (token bucket)
-    burst: int = 100
+    rate_per_s: float = 50.0  # requests per second with the valid token, per credential and per client address
+    burst: int = 100  # requests allowed at once above rate_per_s
+    auth_failures_per_s: float = 1.0  # wrong or missing tokens per client address; never limits the valid token
+    auth_failure_burst: int = 20  # wrong or missing tokens allowed at once above auth_failures_per_s (then 429)
     upload_timeout_s: float = 600.0  # an upload folder idle this long is removed
     max_bytes: int = 0  # retention: keep <path> under this many bytes; 0 = no limit
     allow_insecure_remote: bool = False  # plain HTTP on a non-loopback listen (the token in clear text)
@@ -85,10 +89,15 @@ class PushSourceConfig:
             raise ValueError(f"{key}: max_checkpoint_bytes, max_concurrent_uploads and burst must be positive")
         if self.rate_per_s <= 0 or self.upload_timeout_s <= 0 or self.max_bytes < 0:
             raise ValueError(f"{key}: rate_per_s and upload_timeout_s must be > 0, max_bytes >= 0")
+        if self.auth_failures_per_s <= 0 or self.auth_failure_burst < 1:
+            raise ValueError(f"{key}: auth_failures_per_s must be > 0 and auth_failure_burst >= 1")
 
     @property
     def label(self) -> str:
         return self.name or f"push:{self.listen}"
+
+
+PUSH_LIMITS = ListenerLimits(max_connections=64, header_timeout_s=5.0)  # a few trainers, each one upload at a time
 
 
 class PushServer:
@@ -105,7 +114,10 @@ class PushServer:
             tls = {"ssl_certfile": config.tls_cert_file, "ssl_keyfile": config.tls_key_file}
             if config.tls_client_ca_file:
                 tls |= {"ssl_ca_certs": config.tls_client_ca_file, "ssl_cert_reqs": ssl.CERT_REQUIRED}
-        cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off", **tls)
+        # the internet-facing listener: a flood of idle or half-sent connections churns itself
+        # (daemon.common.httpguard) and never takes file descriptors from the control API or workers
+        cfg = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
+                             backlog=PUSH_LIMITS.backlog, http=guarded_protocol(PUSH_LIMITS, "push listener"), **tls)
         self.server = uvicorn.Server(cfg)
         self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, name="push",
                                         daemon=True)  # fmt: skip
@@ -138,7 +150,8 @@ class PushSource:
         self.emit = emit
         self.root = Path(config.path).expanduser().absolute()
         limits = Limits(config.max_checkpoint_bytes, config.max_concurrent_uploads, config.rate_per_s,
-                        config.burst, config.upload_timeout_s)  # fmt: skip
+                        config.burst, config.upload_timeout_s, config.auth_failures_per_s,
+                        config.auth_failure_burst)  # fmt: skip
         self.state = PushState(self.root, limits, {k: Path(v).expanduser() for k, v in config.hmac_keys.items()},
                                {k: Path(v).expanduser() for k, v in config.ed25519_keys.items()}, self._committed)  # fmt: skip
         self._scheduler = scheduler
@@ -146,13 +159,17 @@ class PushSource:
         self._job_id = f"push-sweep:{self.root}"
         self.server: PushServer | None = None
 
+    def app(self, token: str) -> FastAPI:
+        """The push listener's ASGI app: the push routes behind `token` (served by `start`)."""
+        app = FastAPI(title="hotswap push", docs_url=None, redoc_url=None, openapi_url=None)
+        app.include_router(push_router(self.state, token))
+        return app
+
     def start(self) -> None:
         token = read_token_file(Path(self.config.token_file).expanduser())  # a clear error when unusable
         self.root.mkdir(parents=True, exist_ok=True)
         clear_incoming(self.root)
-        app = FastAPI(title="hotswap push", docs_url=None, redoc_url=None, openapi_url=None)
-        app.include_router(push_router(self.state, token))
-        self.server = PushServer(app, self.config.listen, self.config)
+        self.server = PushServer(self.app(token), self.config.listen, self.config)
         if self._scheduler is None:
             self._scheduler = BackgroundScheduler(daemon=True)
         every = max(0.2, min(60.0, self.config.upload_timeout_s / 4))
@@ -162,7 +179,7 @@ class PushSource:
             self._scheduler.start()
         for child in sorted(self.root.iterdir()):
             if child.is_dir() and not child.name.startswith(".") and (child / MANIFEST_NAME).is_file():
-                self._committed(child.name, child)
+                self._committed(child.name, child)  # refused (logged) when its name is no label
         self.server.start()
         log.info("push source listening", source=self.label, url=self.server.url, path=str(self.root),
                  mtls=bool(self.config.tls_client_ca_file))  # fmt: skip
@@ -181,11 +198,20 @@ class PushSource:
                 "url": self.server.url if self.server else None, "mtls": bool(self.config.tls_client_ca_file)}  # fmt: skip
 
     def _committed(self, version: str, directory: Path) -> None:
-        try:
-            label = load_manifest(directory).version or version
-        except ManifestError:
-            label = version
-        self.emit(DiscoveredCheckpoint(source=self.label, directory=directory, version=label, signal="push",
+        """Emit a committed push: its label is its folder's name, which the commit checked against the
+        signed manifest (a folder put into `path` by other means is refused, with the reason, when not)."""
+        why = version_problem(version)
+        if why is None:
+            try:
+                listed = load_manifest(directory).version
+            except ManifestError:
+                listed = None  # the checks reject it with the parse error
+            if listed is not None and listed != version:
+                why = f"its manifest's version {listed!r} is not the folder's name {version!r}"
+        if why is not None:
+            log.warning("checkpoint refused", source=self.label, directory=str(directory), reason=why)
+            return
+        self.emit(DiscoveredCheckpoint(source=self.label, directory=directory, version=version, signal="push",
                                        uri=directory.as_uri(), detected_at=datetime.now(UTC)))  # fmt: skip
 
     def fetch(self, item: FetchItem, progress: Progress) -> Path:

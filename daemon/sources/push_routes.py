@@ -4,8 +4,12 @@
     POST   /v1/push/{version}/commit                    body: the signed hotswap-manifest.json
     DELETE /v1/push/{version}                           drop what was uploaded for it
 
-Every route needs `Authorization: Bearer <token>` (401; requests with an `Origin` are 403). Each
-file is streamed into `<path>/.incoming/<version>/` (a `.part` file renamed when complete), hashed
+Every route needs `Authorization: Bearer <token>` (401; requests with an `Origin` are 403), checked
+before any limit (daemon.sources.push_gate). Names are checked before anything touches the
+filesystem (daemon.formats.names): a bad version or path (NUL, a control character or newline in a
+version, a component over 255 bytes, too deep, `..`, absolute, a file where a folder is) is 400
+naming the problem. Each file is streamed into `<path>/.incoming/<version>/` (a `.part` file
+renamed when complete), hashed
 (CRC32C + the strong hash) as it arrives: never held whole in memory. The commit checks the
 manifest's HMAC-SHA256 (or Ed25519) signature against the configured keys (403), then that every
 listed file was uploaded and hashed to the listed bytes, CRC32C and strong hash (digests computed
@@ -14,7 +18,8 @@ here, from the bytes, never taken from the sender), and only then renames the fo
 
 Limits: a checkpoint over `max_checkpoint_bytes` is 413 (by Content-Length before any byte, else
 as soon as the count passes it); per client (its address) more than `max_concurrent_uploads`
-uploads at once or more requests than the token bucket allows is 429 with Retry-After. Committing
+uploads at once is 429 with Retry-After, as are requests past the rate limits (push_gate). An
+upload's slot is given back however the request ends (done, refused, failed, cut off). Committing
 a version that exists with the same content digest answers 200 and registers nothing new (one
 checkpoint); with other content 409. A client that disconnects mid-file leaves no `.part`; an
 upload folder idle for `upload_timeout_s` is removed by the janitor (`PushState.sweep`).
@@ -24,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import secrets
 import shutil
 import threading
 import time
@@ -32,30 +38,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from anyio import to_thread
-from fastapi import APIRouter, Depends, HTTPException, Request
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from daemon.auth import ControlGuard
 from daemon.checks.signatures import SignatureError, verify_manifest_signature
+from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES
 from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, FileHasher
-from daemon.logging import get_logger
-from daemon.manifest import ManifestError, check_relative_path, load_manifest, parse_manifest
+from daemon.manifest import ManifestError, check_relative_path, load_manifest, parse_manifest, version_problem
+from daemon.sources.push_gate import Limits, PushGate, client_address
 
 log = get_logger(__name__)
 WRITE_BYTES = 4 * 1024 * 1024  # body bytes gathered before one write (+ hash) off the event loop
 INCOMING = ".incoming"
-
-
-@dataclass
-class Limits:
-    max_checkpoint_bytes: int
-    max_concurrent_uploads: int
-    rate_per_s: float
-    burst: int
-    upload_timeout_s: float
 
 
 @dataclass
@@ -72,27 +69,11 @@ class _Session:
         return sum(d.bytes for d in self.files.values())
 
 
-class _Bucket:
-    def __init__(self, rate: float, burst: int) -> None:
-        self.rate, self.burst = rate, float(burst)
-        self.tokens, self.at = float(burst), time.monotonic()
-
-    def take(self) -> float:
-        """0 when a request may go, else seconds until one may."""
-        now = time.monotonic()
-        self.tokens = min(self.burst, self.tokens + (now - self.at) * self.rate)
-        self.at = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return 0.0
-        return (1 - self.tokens) / self.rate if self.rate > 0 else 3600.0
-
-
 class PushState:
     """Everything the routes share; thread-safe (handlers run on the event loop and in threads)."""
 
     def __init__(self, root: Path, limits: Limits, hmac_keys: dict[str, Path], ed25519_keys: dict[str, Path],
-                 on_commit: Callable[[str, Path], None]) -> None:  # fmt: skip
+                 on_commit: Callable[[str, Path], None], gate: PushGate | None = None) -> None:  # fmt: skip
         self.root = root
         self.incoming = root / INCOMING
         self.limits = limits
@@ -101,7 +82,40 @@ class PushState:
         self.lock = threading.Lock()
         self.sessions: dict[str, _Session] = {}
         self.uploads: dict[str, int] = {}  # client -> uploads in flight
-        self.buckets: dict[str, _Bucket] = {}
+        self.gate = gate  # the routes' token check and rate limits (push_router sets it)
+
+    def take_slot(self, client: str, session: _Session) -> bool:
+        """One of the client's `max_concurrent_uploads`; False when all are in use."""
+        with self.lock:
+            if self.uploads.get(client, 0) >= self.limits.max_concurrent_uploads:
+                return False
+            self.uploads[client] = self.uploads.get(client, 0) + 1
+            session.active += 1
+            return True
+
+    def give_slot(self, client: str, session: _Session) -> None:
+        """Give back what `take_slot` took (called from a `finally` nothing can skip)."""
+        with self.lock:
+            left = self.uploads.get(client, 0) - 1
+            if left > 0:
+                self.uploads[client] = left
+            else:
+                self.uploads.pop(client, None)
+            session.active = max(0, session.active - 1)
+            session.touched = time.monotonic()
+
+    def path_conflict(self, version: str, path: str) -> str | None:
+        """A file uploaded where `path` needs a folder, or the other way round."""
+        with self.lock:
+            s = self.sessions.get(version)
+            files = set(s.files) if s is not None else set()
+        parts = path.split("/")
+        for i in range(1, len(parts)):
+            if "/".join(parts[:i]) in files:
+                return f"{path}: {'/'.join(parts[:i])} is an uploaded file, not a folder"
+        if any(f.startswith(path + "/") for f in files):
+            return f"{path}: is a folder of uploaded files, not a file"
+        return None
 
     def session(self, version: str) -> _Session:
         with self.lock:
@@ -129,6 +143,8 @@ class PushState:
                     removed.append(child)
         if removed:
             log.info("removed abandoned uploads", folders=[str(p) for p in removed])
+        if self.gate is not None:
+            self.gate.prune()
         return removed
 
 
@@ -136,103 +152,50 @@ def _error(status: int, message: str, **headers: str) -> JSONResponse:
     return JSONResponse({"error": message}, status_code=status, headers=headers or None)
 
 
-def _client(request: Request) -> str:
-    return request.client.host if request.client else "?"
-
-
-def _check_version(version: str) -> str | None:
-    if not version or "/" in version or version.startswith(".") or len(version) > 200:
-        return f"version {version!r} is not a usable label"
-    return None
+def _file_problem(state: PushState, version: str, path: str, alg: str) -> str | None:
+    """Why this PUT's names cannot be used (400), checked before anything touches the filesystem."""
+    problem = version_problem(version)
+    if problem is not None:
+        return problem
+    try:
+        check_relative_path(path)
+    except ManifestError as exc:
+        return str(exc)
+    if path == MANIFEST_NAME or path.startswith(INCOMING):
+        return f"{path}: the manifest comes with the commit, not as a file"
+    if alg not in HASH_ALGORITHMS:
+        return f"alg {alg!r} unknown; known: {list(HASH_ALGORITHMS)}"
+    return state.path_conflict(version, path)
 
 
 def push_router(state: PushState, token: str) -> APIRouter:
-    guard = ControlGuard(token, allow_remote_host=True)
-
-    def limited(request: Request) -> None:
-        with state.lock:
-            wait = state.buckets.setdefault(_client(request), _Bucket(state.limits.rate_per_s,
-                                                                      state.limits.burst)).take()  # fmt: skip
-        if wait > 0:
-            raise HTTPException(429, "too many requests from this client", headers={"Retry-After": f"{wait:.0f}"})
-
-    router = APIRouter(prefix="/v1/push", dependencies=[Depends(limited), Depends(guard)])
+    if state.gate is None:
+        state.gate = PushGate(token, state.limits)
+    router = APIRouter(prefix="/v1/push", dependencies=[Depends(state.gate)])
 
     @router.put("/{version}/files/{path:path}")
     async def put_file(version: str, path: str, request: Request, alg: str = "blake3") -> JSONResponse:
-        problem = _check_version(version)
-        try:
-            check_relative_path(path)
-        except ManifestError as exc:
-            problem = problem or str(exc)
-        if path == MANIFEST_NAME or path.startswith(INCOMING):
-            problem = problem or f"{path}: the manifest comes with the commit, not as a file"
-        if alg not in HASH_ALGORITHMS:
-            problem = problem or f"alg {alg!r} unknown; known: {list(HASH_ALGORITHMS)}"
+        problem = _file_problem(state, version, path, alg)
         if problem:
             return _error(400, problem)
-        client = _client(request)
+        client = client_address(request)
         session = state.session(version)
         limit = state.limits.max_checkpoint_bytes
         length = request.headers.get("content-length")
         already = session.bytes - (session.files[path].bytes if path in session.files else 0)
         if length is not None and length.isdigit() and limit and already + int(length) > limit:
             return _error(413, f"{version}: {already + int(length)} bytes would pass the {limit}-byte limit")
-        with state.lock:
-            if state.uploads.get(client, 0) >= state.limits.max_concurrent_uploads:
-                return _error(429, f"at most {state.limits.max_concurrent_uploads} uploads at once per client",
-                              **{"Retry-After": "1"})  # fmt: skip
-            state.uploads[client] = state.uploads.get(client, 0) + 1
-            session.active += 1
-        target = session.folder / path
-        part = target.with_name(f".{target.name}.part-{os.getpid()}-{threading.get_ident()}-{id(request)}")
-        fd = -1
+        if not state.take_slot(client, session):
+            return _error(429, f"at most {state.limits.max_concurrent_uploads} uploads at once per client",
+                          **{"Retry-After": "1"})  # fmt: skip
         try:
-            await to_thread.run_sync(lambda: target.parent.mkdir(parents=True, exist_ok=True))
-            fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            hasher = FileHasher(alg)
-            buf = bytearray()
-
-            def flush(data: bytes) -> None:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                hasher.update(data)
-
-            async for chunk in request.stream():
-                buf += chunk
-                if limit and already + hasher.bytes_fed + len(buf) > limit:
-                    return _error(413, f"{version}: passed the {limit}-byte limit")
-                if len(buf) >= WRITE_BYTES:
-                    data, buf = bytes(buf), bytearray()
-                    await to_thread.run_sync(flush, data)
-                    session.touched = time.monotonic()
-            if buf:
-                await to_thread.run_sync(flush, bytes(buf))
-            os.close(fd)
-            fd = -1
-            os.replace(part, target)
-            digest = hasher.result()
-            with state.lock:
-                session.files[path] = digest
-                session.touched = time.monotonic()
-            return JSONResponse({"path": path, "bytes": digest.bytes, "crc32c": digest.crc32c, alg: digest.hash})
-        except ClientDisconnect:
-            log.info("client went away mid-upload", version=version, path=path, client=client)
-            return _error(400, "client disconnected")
+            return await _receive(state, session, version, path, alg, request, already)
         finally:
-            if fd >= 0:
-                os.close(fd)
-            with contextlib.suppress(FileNotFoundError):
-                part.unlink()
-            with state.lock:
-                state.uploads[client] -= 1
-                session.active -= 1
-                session.touched = time.monotonic()
+            state.give_slot(client, session)
 
     @router.post("/{version}/commit")
     async def commit(version: str, request: Request) -> JSONResponse:
-        problem = _check_version(version)
+        problem = version_problem(version)
         if problem:
             return _error(400, problem)
         raw = bytearray()
@@ -240,20 +203,73 @@ def push_router(state: PushState, token: str) -> APIRouter:
             raw += chunk
             if len(raw) > MANIFEST_CAP_BYTES:
                 return _error(413, f"manifest over {MANIFEST_CAP_BYTES} bytes")
-        return await to_thread.run_sync(_commit, state, version, bytes(raw), _client(request))
+        return await to_thread.run_sync(_commit, state, version, bytes(raw), client_address(request))
 
     @router.delete("/{version}")
     def abort(version: str) -> JSONResponse:
+        problem = version_problem(version)
+        if problem:
+            return _error(400, problem)
         with state.lock:
             s = state.sessions.get(version)
             if s is not None and s.active:
                 return _error(409, f"{version}: {s.active} upload(s) in flight")
             state.sessions.pop(version, None)
-        if _check_version(version) is None:
-            shutil.rmtree(state.incoming / version, ignore_errors=True)
+        shutil.rmtree(state.incoming / version, ignore_errors=True)
         return JSONResponse({"version": version, "dropped": True})
 
     return router
+
+
+async def _receive(state: PushState, session: _Session, version: str, path: str, alg: str, request: Request,
+                   already: int) -> JSONResponse:  # fmt: skip
+    """Stream one file into the session's folder, hashing it; the caller holds the upload slot."""
+    limit = state.limits.max_checkpoint_bytes
+    target = session.folder / path
+    part = target.with_name(f".part-{secrets.token_hex(8)}")  # short: any valid name leaves room for it
+    fd = -1
+    try:
+        await to_thread.run_sync(lambda: target.parent.mkdir(parents=True, exist_ok=True))
+        fd = os.open(part, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        hasher = FileHasher(alg)
+        buf = bytearray()
+
+        def flush(data: bytes) -> None:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            hasher.update(data)
+
+        async for chunk in request.stream():
+            buf += chunk
+            if limit and already + hasher.bytes_fed + len(buf) > limit:
+                return _error(413, f"{version}: passed the {limit}-byte limit")
+            if len(buf) >= WRITE_BYTES:
+                data, buf = bytes(buf), bytearray()
+                await to_thread.run_sync(flush, data)
+                session.touched = time.monotonic()
+        if buf:
+            await to_thread.run_sync(flush, bytes(buf))
+        os.close(fd)
+        fd = -1
+        os.replace(part, target)
+        digest = hasher.result()
+        with state.lock:
+            session.files[path] = digest
+            session.touched = time.monotonic()
+        return JSONResponse({"path": path, "bytes": digest.bytes, "crc32c": digest.crc32c, alg: digest.hash})
+    except ClientDisconnect:
+        log.info("client went away mid-upload", version=version, path=path, client=client_address(request))
+        return _error(400, "client disconnected")
+    except OSError as exc:  # the names were checked: the disk (full, not writable) or a racing upload
+        log.warning("writing an upload failed", version=version, path=path, error=str(exc))
+        return _error(500, f"{path}: cannot be written here ({exc.strerror or exc})")
+    finally:
+        if fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        with contextlib.suppress(OSError, ValueError):
+            part.unlink()
 
 
 def _commit(state: PushState, version: str, raw: bytes, client: str) -> JSONResponse:

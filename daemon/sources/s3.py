@@ -7,12 +7,20 @@ unordered and may lag, so nothing is decided from them.
 A checkpoint is committed once its manifest object exists AND every object the manifest lists
 exists with the listed size: uploaders put objects in any order (sync tools do not put the
 manifest last), and multipart objects' ETags are not MD5s, so sizes from the listing decide and
-the bytes are judged after download. A manifest that does not parse is handed on as well, so the
-fetch step rejects it with the parse error instead of the source waiting forever.
+the bytes are judged after download. A manifest that does not parse is handed on as well (its
+parse error logged), so the fetch step rejects it with that error instead of the source waiting.
+
+A checkpoint's version is its folder's name, and a manifest that names a version must name that
+one: folders are listed in name order, so a folder `aaa/` whose manifest claimed `legit` would
+otherwise be registered, and fetched into `cache_dir/legit/`, before the real `legit/`. A
+mismatch, or a folder name that cannot be a label (daemon.formats.names), is refused: logged once
+with both names, shown under `refused` in /status, never emitted, looked at again only when its
+manifest object changes.
 
 The fetch step downloads into `cache_dir/<version>/` (daemon.sources.s3fetch: parallel ranged GETs,
-resumable, verified against the manifest and S3's FULL_OBJECT CRC32C); the retention hook keeps
-that folder under `cache_max_bytes`, never deleting a protected version.
+resumable, verified against the manifest and S3's FULL_OBJECT CRC32C, renamed into place only
+where nothing complete is; never deleting another copy); the retention hook keeps that folder under
+`cache_max_bytes`, never deleting a protected version.
 
 Credentials come from boto3's standard chain (environment, shared config/`profile`, instance or
 task role); none are stored here and none are logged.
@@ -32,9 +40,9 @@ from apscheduler.schedulers.base import BaseScheduler
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
+from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import MANIFEST_NAME
-from daemon.logging import get_logger
-from daemon.manifest import ManifestError, parse_manifest
+from daemon.manifest import version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache
 from daemon.sources.s3fetch import FetchStats, fetch_checkpoint, read_manifest
@@ -48,13 +56,13 @@ class S3SourceConfig:
     """`[[sources]]` with `type = "s3"`."""
 
     bucket: str  # required
-    type: Literal["s3"] = "s3"
+    type: Literal["s3"] = "s3"  # which kind of source this table is (daemon.sources.SOURCE_TYPES)
     prefix: str = ""  # checkpoints are <prefix><name>/...; a trailing "/" is added when missing
     name: str = ""  # label stored in checkpoints.source; "" = "s3://<bucket>/<prefix>"
     endpoint_url: str = ""  # any S3-compatible store (MinIO, Ceph, R2, moto); "" = AWS
     region: str = ""  # "" = from the credential chain's config
     profile: str = ""  # a shared-config profile; "" = the default chain
-    poll_interval_s: float = 30.0
+    poll_interval_s: float = 30.0  # how often the prefix is listed (the listing is the truth)
     sqs_queue_url: str = ""  # optional: S3 event notifications, used as hints only
     concurrency: int = 8  # parallel ranged GETs per fetch
     part_bytes: int = 64 * 1024 * 1024  # bytes per ranged GET
@@ -62,8 +70,8 @@ class S3SourceConfig:
     cache_max_bytes: int = 0  # retention keeps the cache under this; 0 = no limit
     retry_after_s: float = 10.0  # store unreachable during a fetch: try again this much later
     max_attempts: int = 4  # botocore's retries per request (standard mode)
-    connect_timeout_s: float = 10.0
-    read_timeout_s: float = 60.0
+    connect_timeout_s: float = 10.0  # botocore connect timeout per request
+    read_timeout_s: float = 60.0  # botocore read timeout per request
 
     def validate(self, key: str) -> None:
         if not self.bucket or "/" in self.bucket:
@@ -119,10 +127,13 @@ class S3Source:
         self._job_id = f"s3-list:{self.label}"
         self._emitted: set[str] = set()
         self._waiting: dict[str, str] = {}  # name -> why not committed yet (logged when it changes)
+        self._refused: dict[str, tuple[str, str]] = {}  # name -> (its manifest's ETag, why): logged once
         self._scan_lock = threading.Lock()
         self._stop = threading.Event()
         self._sqs_thread: threading.Thread | None = None
         self.last_fetch: dict[str, FetchStats] = {}  # version -> what the last fetch did (status, tests)
+        self.errors_total = 0  # failed listings since start (hotswap_source_errors_total)
+        self._failing: tuple[int, str] | None = None  # (failed listings in a row, the last error)
 
     # -- lifecycle ------------------------------------------------------------------------
 
@@ -152,8 +163,20 @@ class S3Source:
             self._sqs_thread.join(timeout=SQS_WAIT_S + 5)
 
     def describe(self) -> dict[str, Any]:
-        return {"name": self.label, "type": "s3", "bucket": self.bucket, "prefix": self.prefix,
-                "endpoint_url": self.config.endpoint_url or None, "cache_dir": str(self.cache)}  # fmt: skip
+        out: dict[str, Any] = {"name": self.label, "type": "s3", "bucket": self.bucket, "prefix": self.prefix,
+                               "endpoint_url": self.config.endpoint_url or None,
+                               "cache_dir": str(self.cache)}  # fmt: skip
+        if self._refused:  # folders never emitted, with the reason (also logged once)
+            out["refused"] = {name: why for name, (_etag, why) in sorted(dict(self._refused).items())}
+        return out
+
+    def health_problem(self) -> str | None:
+        """Why this source cannot see new checkpoints now (the daemon's /health), or None."""
+        if self._failing is None:
+            return None
+        n, error = self._failing
+        return (f"listing s3://{self.bucket}/{self.prefix} failed {n} time{'s' if n > 1 else ''} in a row: "
+                f"{error[:300]}")  # fmt: skip
 
     def list_now(self) -> None:
         """Run the listing as soon as possible (an SQS hint)."""
@@ -168,12 +191,21 @@ class S3Source:
             try:
                 groups = self._list()
             except (BotoCoreError, ClientError) as exc:
-                log.warning("listing the bucket failed", source=self.label, error=str(exc))
+                self.errors_total += 1
+                self._failing = ((self._failing[0] if self._failing else 0) + 1, " ".join(str(exc).split()))
+                log.warning("listing the bucket failed", source=self.label, error=str(exc), in_a_row=self._failing[0])
                 return []
+            if self._failing is not None:
+                log.info("listing the bucket works again", source=self.label, after_failures=self._failing[0])
+                self._failing = None
             out: list[DiscoveredCheckpoint] = []
+            for name in [n for n in self._refused if MANIFEST_NAME not in groups.get(n, {})]:
+                del self._refused[name]  # its manifest is gone: a new one is judged afresh
             for name, objects in sorted(groups.items()):
                 if name in self._emitted or MANIFEST_NAME not in objects:
                     continue
+                if self._refused.get(name, ("", ""))[0] == objects[MANIFEST_NAME][1]:
+                    continue  # refused, and its manifest has not changed since
                 item = self._committed(name, objects)
                 if item is None:
                     continue
@@ -184,6 +216,7 @@ class S3Source:
                     continue
                 self._emitted.add(name)
                 self._waiting.pop(name, None)
+                self._refused.pop(name, None)
                 out.append(item)
             return out
 
@@ -199,20 +232,23 @@ class S3Source:
 
     def _committed(self, name: str, objects: dict[str, tuple[int, str]]) -> DiscoveredCheckpoint | None:
         key = f"{self.prefix}{name}/{MANIFEST_NAME}"
+        where = f"s3://{self.bucket}/{self.prefix}{name}/"
+        why = version_problem(name)
+        if why is not None:
+            self._refuse(name, objects, f"{where}: the folder's name is no version label: {why}")
+            return None
         try:
-            raw, _ = read_manifest(self.client, self.bucket, key, self.config.retry_after_s)
+            _raw, manifest = read_manifest(self.client, self.bucket, key, self.config.retry_after_s)
         except FetchError as exc:
             if exc.retry_after_s is not None:
                 return None  # the store is down: the next listing asks again
-            raw = b""
-        version = name
-        try:
-            manifest = parse_manifest(raw, None, f"s3://{self.bucket}/{key}")
-        except ManifestError as exc:
             log.warning("manifest does not parse; handing it on to be rejected", source=self.label,
-                        name=name, error=str(exc))  # fmt: skip
+                        name=name, error=exc.reason)  # fmt: skip
         else:
-            version = manifest.version or name
+            if manifest.version is not None and manifest.version != name:
+                self._refuse(name, objects, f"{where} holds a manifest for version {manifest.version!r}: "
+                             f"a version is taken only from the folder of its name ({name!r})")  # fmt: skip
+                return None
             for f in manifest.files:
                 have = objects.get(f.path)
                 why = (f"{f.path} not uploaded yet" if have is None else
@@ -222,8 +258,14 @@ class S3Source:
                         self._waiting[name] = why
                         log.debug("not committed yet", source=self.label, name=name, reason=why)
                     return None
-        return DiscoveredCheckpoint(source=self.label, directory=None, version=version, signal="manifest",
-                                    uri=f"s3://{self.bucket}/{self.prefix}{name}/", detected_at=datetime.now(UTC))  # fmt: skip
+        return DiscoveredCheckpoint(source=self.label, directory=None, version=name, signal="manifest",
+                                    uri=where, detected_at=datetime.now(UTC))  # fmt: skip
+
+    def _refuse(self, name: str, objects: dict[str, tuple[int, str]], why: str) -> None:
+        """Never emitted; logged once (again only when its manifest object changes)."""
+        self._refused[name] = (objects[MANIFEST_NAME][1], why)
+        self._waiting.pop(name, None)
+        log.warning("checkpoint refused", source=self.label, folder=name, reason=why)
 
     def _hints(self) -> None:
         sqs = make_client(self.config, "sqs")
@@ -248,11 +290,12 @@ class S3Source:
         name = key_prefix.rstrip("/").rsplit("/", 1)[-1]
         if bucket != self.bucket or not key_prefix.startswith(self.prefix) or not name:
             raise FetchError(f"{item.uri}: not under this source's s3://{self.bucket}/{self.prefix}")
-        # by version, not by folder name: a folder re-used for another version never overwrites the
-        # directory an earlier (maybe serving) version was verified in; versions are unique labels
-        # without "/" (the manifest's rules), so this is one directory inside the cache
-        label = item.version if item.version not in ("", ".", "..") and "/" not in item.version else name
-        dest = self.cache / label
+        # a version comes only from the folder of its name (see the module docstring), and lands in
+        # the cache folder of its name: never into, or over, another version's
+        if name != item.version or version_problem(name) is not None:
+            raise FetchError(f"{item.uri}: version {item.version!r} is fetched only from a folder of that name, "
+                             f"not from {name!r}")  # fmt: skip
+        dest = self.cache / name
         stats = fetch_checkpoint(self.client, self.bucket, key_prefix, dest, progress,
                                  concurrency=self.config.concurrency, part_bytes=self.config.part_bytes,
                                  retry_after_s=self.config.retry_after_s)  # fmt: skip

@@ -14,6 +14,12 @@ reports a FULL_OBJECT CRC32C for it, to that too. A resumed file that does not m
 once more from scratch before the checkpoint is rejected (a crash may have lost written ranges);
 a fresh one that does not match rejects it with the file named. Only then is the manifest
 written and the folder renamed to `<cache>/<name>`.
+
+`<cache>/<name>` is the cache folder of the version `name` (the manifest must name no other). A
+fetch never deletes a complete copy there: the same manifest is reused as it is, another one
+(other content under the same label) refuses the fetch and stays. Only a folder without a manifest
+(this version's incomplete remnant: the manifest is written last) is replaced, and only after the
+new download is complete: it is moved aside, the download renamed into place, then it is removed.
 """
 
 from __future__ import annotations
@@ -22,6 +28,7 @@ import base64
 import contextlib
 import hashlib
 import os
+import secrets
 import shutil
 import sys
 import threading
@@ -32,10 +39,10 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES
 from daemon.hashing import DigestMismatch, hash_files
-from daemon.logging import get_logger
 from daemon.manifest import Manifest, ManifestError, ManifestFile, parse_manifest
 from daemon.sources.base import FetchError, Progress
 
@@ -155,15 +162,16 @@ def fetch_checkpoint(
 ) -> FetchStats:
     """Download and verify one checkpoint into `dest` (see the module docstring)."""
     raw, manifest = read_manifest(client, bucket, key_prefix + MANIFEST_NAME, retry_after_s)
-    if dest.is_dir():
-        with contextlib.suppress(OSError):
-            if (dest / MANIFEST_NAME).read_bytes() == raw:
-                return FetchStats(len(manifest.files), manifest.total_bytes, 0, manifest.total_bytes)
+    if manifest.version is not None and manifest.version != dest.name:
+        raise FetchError(f"s3://{bucket}/{key_prefix}: its manifest is for version {manifest.version!r}, "
+                         f"not {dest.name!r}: not fetched into {dest}")  # fmt: skip
+    if _occupied(dest, raw, manifest):
+        return FetchStats(len(manifest.files), manifest.total_bytes, 0, manifest.total_bytes)
     partial = dest.with_name(f".partial-{dest.name}")
     identity = hashlib.sha256(raw).hexdigest() + "\n"
     state = partial / STATE_FILE
     if partial.is_dir() and (not state.is_file() or state.read_text() != identity):
-        shutil.rmtree(partial)  # left by another manifest under the same name
+        shutil.rmtree(partial)  # this version's download of another manifest (its content changed)
     partial.mkdir(parents=True, exist_ok=True)
     state.write_text(identity)
     stats = FetchStats(files=len(manifest.files), total_bytes=manifest.total_bytes)
@@ -178,10 +186,52 @@ def fetch_checkpoint(
     (partial / MANIFEST_NAME).write_bytes(raw)
     (partial / DONE_FILE).unlink(missing_ok=True)
     state.unlink(missing_ok=True)
-    if dest.exists():
-        shutil.rmtree(dest)
-    os.replace(partial, dest)
+    if _occupied(dest, raw, manifest):  # asked again: another fetch of the same manifest finished first
+        shutil.rmtree(partial, ignore_errors=True)
+        return stats
+    _install(partial, dest)
     return stats
+
+
+def _occupied(dest: Path, raw: bytes, manifest: Manifest) -> bool:
+    """True when `dest` already holds this manifest's download; False when it may be made (absent,
+    or a remnant without a manifest); FetchError when it holds anything else, which stays."""
+    if not os.path.lexists(dest):
+        return False
+    if dest.is_symlink() or not dest.is_dir():
+        raise FetchError(f"{dest}: is not a folder of the cache; not replaced")
+    try:
+        held = (dest / MANIFEST_NAME).read_bytes()
+    except FileNotFoundError:
+        return False  # the manifest is written last: an incomplete copy of this version
+    except OSError as exc:
+        raise FetchError(f"{dest}: cannot be read ({exc.strerror}); not replaced") from None
+    if held == raw:
+        return True
+    try:
+        other = parse_manifest(held, None, str(dest / MANIFEST_NAME)).digest
+    except ManifestError:
+        other = "unreadable"
+    raise FetchError(f"{dest}: the cache holds another copy of {dest.name} ({other}); the store's is "
+                     f"{manifest.digest}: not replaced (a version's content does not change; remove it to "
+                     "fetch this one)")  # fmt: skip
+
+
+def _install(partial: Path, dest: Path) -> None:
+    """Rename the finished download into place; a remnant there is moved aside first, then removed."""
+    aside = None
+    if os.path.lexists(dest):
+        aside = dest.with_name(f".replaced-{dest.name}-{secrets.token_hex(4)}")
+        os.rename(dest, aside)
+    try:
+        os.rename(partial, dest)
+    except OSError as exc:
+        if aside is not None:
+            with contextlib.suppress(OSError):
+                os.rename(aside, dest)
+        raise FetchError(f"{dest}: cannot be put in place ({exc.strerror}); the download stays in {partial}") from None
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
 
 
 def _done_set(partial: Path) -> set[str]:

@@ -4,9 +4,10 @@
     daemon_transport(name, options) -> DaemonTransport   (the rollout's Stager holds one)
     worker_transport(request, store) -> WorkerTransport  (the worker's update path builds one per update)
 
-Interfaces: `daemon.transport.base`. Today: disk (`disk.py`: in-place reader threads, the
-directory is the request) and ipc (`ipc_stage.py` stages in the loader and hands out its
-descriptor; `ipc.py` opens it in the worker and copies or swaps).
+Interfaces: `daemon.transport.base`. Today: disk (`disk.py`: the directory is the request,
+written in place by the reader threads of `disk_read.py`) and ipc (`ipc_stage.py` stages in the
+loader and hands out its descriptor; `ipc.py` opens it in the worker, through the buffer cache of
+`ipc_open.py`, and copies or swaps).
 
 How to add a transport (e.g. `broadcast`): write `daemon/transport/broadcast.py` with a daemon
 side (a class taking `SenderOptions`, with `name`, `prepare`, `retain`, `close`) and a worker

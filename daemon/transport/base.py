@@ -68,8 +68,21 @@ class TransportError(RuntimeError):
     """The transport failed while writing; the caller must restore the previous weights."""
 
 
+class SourceChanged(TransportError):
+    """The bytes read do not match their verified digests (the source changed since verify).
+    The caller restores the previous weights; once it has, the update is refused for its data,
+    which is not a failure of the worker (daemon.worker.updates.SourceRefused)."""
+
+
 class StageError(RuntimeError):
-    """The daemon side cannot offer a checkpoint to workers (no local copy, the loader refused)."""
+    """The daemon side cannot offer a checkpoint to workers (no local copy, the loader refused).
+
+    `infra`: the cause is not the checkpoint (the loader died or does not answer): its rollout
+    fails without rejecting it, and is tried again (daemon.rollout.attribution)."""
+
+    def __init__(self, message: str, *, infra: bool = False) -> None:
+        super().__init__(message)
+        self.infra = infra
 
 
 class BadUpdateRequest(ValueError):

@@ -13,10 +13,12 @@ Wire protocol of one session (rank 0 = the trainer, workers `rank_offset .. worl
 3. every worker checks the received floating tensors are finite, then one MIN all-reduce of a
    "done" flag tells the trainer whether all of them took it.
 Then everyone aborts the group (never a half-open communicator). The worker's digest of the
-received bytes (`stream_digest`) is what the daemon records; the trainer's claim is never asked.
+received bytes (`stream_digest`) is what the daemon records. With signing keys configured the
+trainer also signs `session_message` (version, table, the digest it computed before sending) and
+the daemon holds the workers' digest to that; the unsigned claim alone is never trusted.
 
 Daemon side (`BroadcastSender`, the registry's daemon entry): a broadcast version never comes from
-the rollout's own stager (the trainer drives it through `daemon.broadcast_api`), so when
+the rollout's own stager (the trainer drives it through `daemon.api.broadcast`), so when
 `[rollout] transport = "broadcast"` the ordinary rollouts (a checkpoint from a folder, a rollback
 to a version a worker saved to disk) go as disk updates.
 """
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import Any, TypeGuard
 
 from daemon.hashing import new_strong_hash
+from daemon.manifest import canonical_bytes
 from daemon.transport.base import (
     ST_TO_TORCH,
     BadUpdateRequest,
@@ -143,6 +146,14 @@ def stream_hasher(table: Mapping[str, TensorSpec]) -> Any:
 
 def stream_digest(hasher: Any) -> str:
     return f"broadcast-{DIGEST_ALG}:{hasher.hexdigest()}"
+
+
+def session_message(version: str, table: Mapping[str, TensorSpec], digest: str) -> bytes:
+    """What a signed session's signature covers: the canonical JSON of the version, the table
+    (names, dtypes, shapes, in stream order) and the content digest the workers will compute
+    (`stream_digest`); signed and verified by daemon.checks.signatures, as manifests are."""
+    return canonical_bytes({"kind": "hotswap-broadcast", "version": version, "table": table_to_json(table),
+                            "digest": digest})  # fmt: skip
 
 
 # ------------------------------------------------------------------------------ group parameters

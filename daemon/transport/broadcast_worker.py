@@ -171,8 +171,8 @@ def vote(pg: Any, value: int, device: torch.device, timeout: timedelta) -> int:
     return int(flag.item())
 
 
-def _vote(group: Group, value: int) -> int:
-    return vote(group.pg, value, group.comm_device, timedelta(seconds=group.spec.timeout_s))
+def _vote(group: Group, value: int, timeout_s: float | None = None) -> int:
+    return vote(group.pg, value, group.comm_device, timedelta(seconds=timeout_s or group.spec.timeout_s))
 
 
 class BroadcastReceiver:
@@ -192,6 +192,11 @@ class BroadcastReceiver:
         if keep_at is not None and (not isinstance(keep_at, str) or not keep_at):
             raise BadUpdateRequest("'keep_at' must be a directory path")
         self.keep_at = keep_at
+        deadline_s = src.get("deadline_s")  # the daemon's bound on the session's pause: time left
+        if deadline_s is not None and (not isinstance(deadline_s, int | float) or isinstance(deadline_s, bool)
+                                       or not 0 < deadline_s <= 3600):  # fmt: skip
+            raise BadUpdateRequest("'deadline_s' must be a number in (0, 3600]")
+        self._deadline = time.monotonic() + float(deadline_s or group.spec.timeout_s * 1e6)
         self._voted = False
         self._digest: str | None = None
         self._stats: dict[str, Any] = {"group": group.spec.group_name, "backend": group.spec.backend}
@@ -210,7 +215,7 @@ class BroadcastReceiver:
         self._voted = True
         t0 = time.perf_counter()
         try:
-            agreed = _vote(self.group, mine)
+            agreed = _vote(self.group, mine, self._left())
             self._stats["ready_vote_ms"] = (time.perf_counter() - t0) * 1e3
         except Exception as exc:
             raise TransportError(f"weight group {self.group.spec.group_name!r}: ready vote failed: {exc}") from None
@@ -226,7 +231,6 @@ class BroadcastReceiver:
         if not self._voted:
             self.open()
         g, t0 = self.group, time.perf_counter()
-        timeout = timedelta(seconds=g.spec.timeout_s)
         flat = {n: params[n].detach().view(-1).view(torch.uint8) for n in self._table}
         size = min(self.bucket_bytes, max(1, total_bytes(self._table)))
         buf = torch.empty(size, dtype=torch.uint8, device=g.comm_device)
@@ -235,14 +239,16 @@ class BroadcastReceiver:
         try:
             for used, pieces in buckets(self._table, self.bucket_bytes):
                 view = buf[:used]
-                bucket_broadcast(g.pg, view, timeout)
+                bucket_broadcast(g.pg, view, timedelta(seconds=self._left()))
                 host = view if view.device.type == "cpu" else view.cpu()
                 hasher.update(memoryview(host.numpy()))
                 for p in pieces:
                     flat[p.name][p.start : p.start + p.size].copy_(view[p.offset : p.offset + p.size])
                 n += 1
         except Exception as exc:
-            raise TransportError(f"broadcast interrupted after {n} bucket(s): {exc}") from None
+            past = " (the session ran past the daemon's bound on its pause, [rollout] broadcast_max_pause_s)"
+            raise TransportError(f"broadcast interrupted after {n} bucket(s): {exc}"
+                                 + (past if time.monotonic() >= self._deadline - 0.5 else "")) from None  # fmt: skip
         finally:
             del buf
         recv_ms = (time.perf_counter() - t0) * 1e3
@@ -261,7 +267,7 @@ class BroadcastReceiver:
         checked_ms = (time.perf_counter() - t1) * 1e3
         t2 = time.perf_counter()
         try:
-            _vote(g, 1)
+            _vote(g, 1, self._left())
         except Exception as exc:
             raise TransportError(f"broadcast did not finish (done vote): {exc}") from None
         self._digest = stream_digest(hasher)
@@ -282,6 +288,14 @@ class BroadcastReceiver:
         self.group.abort()
 
     # -- details ----------------------------------------------------------------------------
+    def _left(self) -> float:
+        """The group's timeout, or less: what is left of the session's bound (raises once it is spent)."""
+        left = self._deadline - time.monotonic()
+        if left <= 0:
+            raise TransportError("the broadcast session ran past the daemon's bound on its pause "
+                                 "([rollout] broadcast_max_pause_s)")  # fmt: skip
+        return min(self.group.spec.timeout_s, left)
+
     def _try_vote(self, value: int) -> None:
         with contextlib.suppress(Exception):
             _vote(self.group, value)
@@ -324,6 +338,16 @@ def _finite(t: torch.Tensor, dtype: str) -> bool:
         return True
     view, mask, bad = bits
     return not bool((t.detach().reshape(-1).view(view) & mask).eq_(bad).any())
+
+
+def tensors_digest(table: dict[str, TensorSpec], tensors: dict[str, torch.Tensor]) -> str:
+    """The digest a worker computes of the stream (`write_into`), from the sender's tensors: the
+    table, then every tensor's bytes in table order (the bucket cut does not change the hash)."""
+    hasher = stream_hasher(table)
+    for name in table:
+        t = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+        hasher.update(memoryview((t if t.device.type == "cpu" else t.cpu()).numpy()))
+    return stream_digest(hasher)
 
 
 def bucket_broadcast(pg: Any, tensor: torch.Tensor, timeout: timedelta) -> None:

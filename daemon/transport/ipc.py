@@ -13,9 +13,9 @@ maps only segment files owned by that user and sealed read-only.
 
 `open_update(request, store)` builds an `IpcTransport`: it parses the descriptor strictly;
 `table()` reports the tensor table without mapping anything; `open()` acquires the version at
-the loader (when the descriptor names one) and opens the buffer once per version (`IpcOpener`
-caches and reference-counts open buffers), so a dead loader or a bad buffer is a refusal
-before anything is written; `write_into(params)` copies (mode `copy`: graph-safe, the
+the loader (when the descriptor names one) and opens the buffer once per version (`IpcOpener`,
+in `ipc_open.py`, caches and reference-counts open buffers), so a dead loader or a bad buffer is
+a refusal before anything is written; `write_into(params)` copies (mode `copy`: graph-safe, the
 parameters keep their own storage); `lease(params)` gives validated pairs of parameters and
 tensors in the shared buffer (mode `swap`: the worker's store points the parameters at them and
 keeps a pointer flip back); `close()` drops this transport's reference and releases the version
@@ -32,14 +32,12 @@ import os
 import queue
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from daemon.loader.client import LoaderClient, LoaderError
 from daemon.transport.base import (
-    ST_TO_TORCH,
     BadUpdateRequest,
     Expect,
     SwapLease,
@@ -53,18 +51,14 @@ from daemon.transport.check import reference_for, wants_check
 from daemon.transport.copyplan import plan_copies, run_copies
 from daemon.transport.ipc_descriptor import (
     HOST_DEVICE,
-    BufferRef,
     Descriptor,
     DescriptorError,
     IpcRefused,
     parse_descriptor,
 )
+from daemon.transport.ipc_open import OPENER, TRUSTED_UIDS, IpcOpener, OpenedVersion
 
 log = logging.getLogger("hotswap.transport.ipc")
-
-TORCH_DTYPES: dict[str, torch.dtype] = {
-    st: getattr(torch, name) for st, name in ST_TO_TORCH.items() if hasattr(torch, name)
-}
 
 
 class LoaderRefused(IpcRefused):
@@ -79,34 +73,6 @@ def _device_uuid_of(device: torch.device) -> str:
 
         return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
     raise DescriptorError(f"the ipc transport does not support device {device}")
-
-
-@dataclass(eq=False)
-class OpenedVersion:
-    """One open buffer of one staged version in this process, shared by every transport that uses it."""
-
-    key: tuple[str, str]
-    version: str
-    mapping: Any  # ShmMapping | ImportedBuffer
-    payload: torch.Tensor  # uint8 view of the descriptor's payload
-    descriptor: Descriptor
-    refs: int = 0
-    _views: dict[str, torch.Tensor] | None = field(default=None, repr=False)
-
-    def views(self) -> dict[str, torch.Tensor]:
-        if self._views is None:
-            views: dict[str, torch.Tensor] = {}
-            for t in self.descriptor.tensors:
-                dtype = TORCH_DTYPES.get(t.dtype)
-                if dtype is None:
-                    raise DescriptorError(f"tensor {t.name!r}: dtype {t.dtype} is not supported by this torch")
-                raw = self.payload[t.offset : t.offset + t.nbytes]
-                views[t.name] = raw.view(dtype).view(t.shape)
-            self._views = views
-        return self._views
-
-
-TRUSTED_UIDS = frozenset({os.getuid(), 0})  # the loader must run as this worker's user (or root)
 
 
 def tie_to_loader(loader_desc: Descriptor, sent: Descriptor, expect: Expect) -> dict[str, Any]:
@@ -140,62 +106,6 @@ def tie_to_loader(loader_desc: Descriptor, sent: Descriptor, expect: Expect) -> 
     algs = sorted({alg for _p, _n, alg, _v in loader_desc.files})
     return {"checked_files": len(loader_desc.files), "check_alg": ",".join(algs), "check_by": "loader",
             "check_weak": any(a == "crc32c" for a in algs)}  # fmt: skip
-
-
-class IpcOpener:
-    """Process-wide cache of open buffers: each version's buffer is opened once and closed once."""
-
-    def __init__(self) -> None:
-        self._open: dict[tuple[str, str], OpenedVersion] = {}
-        self._lock = threading.Lock()
-
-    def open(self, desc: Descriptor, buf: BufferRef) -> OpenedVersion:
-        key = (desc.version, buf.path or (buf.handle or b"").hex())
-        with self._lock:
-            opened = self._open.get(key)
-            if opened is None:
-                mapping = _map_buffer(desc, buf)
-                payload = mapping.tensor()[buf.offset : buf.offset + desc.size]
-                opened = OpenedVersion(key, desc.version, mapping, payload, desc)
-                self._open[key] = opened
-            opened.refs += 1
-            return opened
-
-    def release(self, opened: OpenedVersion) -> bool:
-        """Drop one reference; at zero, drop our views and the mapping. True when unmapped now."""
-        with self._lock:
-            opened.refs -= 1
-            if opened.refs > 0:
-                return False
-            self._open.pop(opened.key, None)
-            opened._views = None
-            opened.payload = torch.empty(0, dtype=torch.uint8)
-            closed = bool(opened.mapping.close())
-        if not closed:
-            log.info("ipc buffer of %s stays mapped until its last view is gone", opened.version)
-        return closed
-
-    def open_versions(self) -> dict[str, int]:
-        with self._lock:
-            return {o.version: o.refs for o in self._open.values()}
-
-
-OPENER = IpcOpener()
-
-
-def _map_buffer(desc: Descriptor, buf: BufferRef) -> Any:
-    if desc.kind == "shm":
-        from daemon.transport.ipc_shm import ShmMapping
-
-        assert buf.path is not None
-        return ShmMapping(buf.path, buf.buffer_bytes, trusted_uids=TRUSTED_UIDS)
-    from daemon.transport.ipc_cuda import CudaIpcError, ImportedBuffer
-
-    assert buf.handle is not None
-    try:
-        return ImportedBuffer(buf.device_uuid, buf.handle, buf.buffer_bytes)
-    except CudaIpcError as exc:
-        raise IpcRefused(f"version {desc.version!r}: cannot open the CUDA IPC handle ({exc})") from None
 
 
 class IpcTransport:

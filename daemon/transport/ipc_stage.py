@@ -9,8 +9,8 @@ worker can need any more (everything but serving and last good) are dropped from
 from __future__ import annotations
 
 from daemon.checks.base import Stager
-from daemon.loader.client import LoaderClient, LoaderError
-from daemon.logging import get_logger
+from daemon.common.logging import get_logger
+from daemon.loader.client import LoaderClient, LoaderError, LoaderUnavailable
 from daemon.transport.base import (
     DaemonTransportFactory,
     Outgoing,
@@ -57,7 +57,9 @@ class IpcSender:
                 descriptor = self.loader.descriptor(item.version)
         except LoaderError as exc:
             self._staged.discard(item.version)
-            raise StageError(f"{item.version}: staging in the loader failed: {exc}") from exc
+            # a loader that died or stopped answering mid-stage says nothing about the checkpoint
+            raise StageError(f"{item.version}: staging in the loader failed: {exc}",
+                             infra=isinstance(exc, LoaderUnavailable)) from exc  # fmt: skip
         request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
 

@@ -6,11 +6,12 @@ token the admin routes answer 403):
     GET  /health, /ready                          (no auth)
     POST /admin/identify {nonce}   -> {proof}     (no auth: the worker proves it holds the launch
                                                    secret before the daemon sends its token;
-                                                   daemon/identity.py)
+                                                   daemon/common/identity.py)
     GET  /weight_info
     POST /admin/drain|pause|resume|prepare|update|rollback|probe
                                                   (prepare: the update body, opened and validated
                                                    while serving; the next update of it only writes)
+    POST /admin/adapters/load|unload              LoRA adapters by name, nothing paused (lora_admin.py)
 
 With `--admin-uds PATH` these routes are served by `AdminServer`: its own uvicorn server, event
 loop and thread, on a Unix socket (0600, in a directory that must be 0700 and ours), so no
@@ -38,8 +39,10 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from daemon.identity import check_private_socket_dir, proof, valid_nonce
-from daemon.jsonbody import JsonBodyError, parse_object
+from daemon.common.httpguard import ListenerLimits, guarded_protocol
+from daemon.common.identity import check_private_socket_dir, proof, valid_nonce
+from daemon.common.jsonbody import JsonBodyError, parse_object
+from daemon.worker import lora_admin
 from daemon.worker.limits import ADMIN_MAX_BODY_BYTES, BodyLimit
 from daemon.worker.updates import UpdateError
 from daemon.worker.weight_group import weight_group_route
@@ -159,7 +162,20 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
         n = body.get("max_tokens", 4)
         if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= 64:
             raise BadBody("'max_tokens' must be an integer in [1, 64]")
+        adapter = body.get("adapter")
+        if adapter is not None:
+            if not isinstance(adapter, str):
+                raise BadBody("'adapter' must be a string")
+            return await run_in_threadpool(lora_admin.adapter_probe, ctl, adapter, n)
         return await run_in_threadpool(ctl.probe, n)
+
+    async def adapter_load(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        return await run_in_threadpool(lora_admin.load_adapter, ctl, body)
+
+    async def adapter_unload(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        return await run_in_threadpool(lora_admin.unload_adapter, ctl, body)
 
     router.add_api_route("/admin/identify", identify, methods=["POST"])
     router.add_api_route("/weight_info", admin(weight_info), methods=["GET"])
@@ -167,6 +183,8 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
                      ("prepare", prepare), ("rollback", rollback), ("probe", probe_route)):
         router.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
     router.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
+    router.add_api_route("/admin/adapters/load", admin(adapter_load), methods=["POST"])  # LoRA: lora_admin.py
+    router.add_api_route("/admin/adapters/unload", admin(adapter_unload), methods=["POST"])
     return router
 
 
@@ -205,7 +223,9 @@ class AdminServer:
     def __init__(self, app: Any, sock: socket.socket, path: Path) -> None:
         self.path = path
         self._sock = sock
-        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off")
+        config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
+                                backlog=64,
+                                http=guarded_protocol(ListenerLimits(max_connections=64), "worker admin"))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="hotswap-admin", daemon=True)  # fmt: skip

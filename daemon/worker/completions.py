@@ -7,7 +7,8 @@ SSE chunks, or wait for the whole text. A client that disconnects cancels its se
 or running. Text is detokenized incrementally (detokenize.py), the same way for both forms,
 so a streamed text equals the non-streamed one. Every response carries `weight_version`
 (and `weight_versions` when an update during a pause changed the weights mid-request), and
-`model` is the served model name, the one `/v1/models` lists.
+`model` is the served model name, the one `/v1/models` lists. A `model` naming a LoRA adapter
+(lora.py) runs on the base with that adapter; its response also carries `adapter_version`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from daemon.worker.control import Controller
 from daemon.worker.detokenize import IncrementalDetokenizer, detokenize
 from daemon.worker.engine import Sequence
 from daemon.worker.limits import Admission, Offload, ServingLimits, most_request_bytes, read_json
+from daemon.worker.lora import LoadedAdapter
 from daemon.worker.metrics import WorkerMetrics
 from daemon.worker.model import longest_token_chars
 from daemon.worker.openai_errors import ApiError, bad_request, error_body
@@ -62,11 +64,30 @@ class Serving:
                 "metadata": {"weight_version": cur.version, "weight_digest": cur.digest,
                              "state": self.ctl.state.value}}  # fmt: skip
 
+    def adapter_cards(self) -> list[dict[str, Any]]:
+        """The LoRA adapters served by name, as vLLM lists them (parent: the base, root: its folder)."""
+        return [{"id": n, "object": "model", "created": int(a.loaded_at), "owned_by": "hotswap", "parent": self.name,
+                 "root": a.path, "metadata": {"adapter_version": a.version, "adapter_digest": a.digest}}
+                for n in self.ctl.engine.adapters.names() if (a := self.ctl.engine.adapters.get(n)) is not None]  # fmt: skip
+
+    def adapter_for(self, body: dict[str, Any]) -> LoadedAdapter | None:
+        """The adapter version a request's `model` names now (None: the base); 404 for neither."""
+        model = body.get("model")
+        if isinstance(model, str) and model != self.name and (a := self.ctl.engine.adapters.get(model)) is not None:
+            return a
+        P.check_model(body, self.name)
+        return None
+
+    def count(self, adapter: LoadedAdapter | None, *, failed: bool = False) -> None:
+        self.ctl.count(failed=failed)
+        if adapter is not None:
+            self.ctl.engine.adapters.count(adapter.name, failed=failed)
+
 
 def install_serving_routes(app: FastAPI, sv: Serving) -> None:
     @app.get("/v1/models")
     async def models() -> Response:
-        return JSONResponse({"object": "list", "data": [sv.model_card()]})
+        return JSONResponse({"object": "list", "data": [sv.model_card(), *sv.adapter_cards()]})
 
     @app.get("/v1/models/{model:path}")
     async def model(model: str) -> Response:
@@ -86,7 +107,7 @@ def install_serving_routes(app: FastAPI, sv: Serving) -> None:
 async def _generate(request: Request, sv: Serving, *, chat: bool) -> Response:
     ctl, m = sv.ctl, sv.ctl.loaded
     body = await read_json(request.body, sv.offload, most_request_bytes(sv.max_chars, m.max_positions))
-    P.check_model(body, sv.name)
+    adapter = sv.adapter_for(body)  # taken now: the request keeps this version to its last token
     if chat:
         if m.tokenizer is None or not getattr(m.tokenizer, "chat_template", None):
             why = "has no tokenizer" if m.tokenizer is None else "has a tokenizer without a chat template"
@@ -100,15 +121,15 @@ async def _generate(request: Request, sv: Serving, *, chat: bool) -> Response:
                               "token ids", "prompt", "no_tokenizer")
     refused = ctl.accepting()
     if refused:
-        ctl.count()
-        ctl.count(failed=True)
+        sv.count(adapter)
+        sv.count(adapter, failed=True)
         raise ApiError(503, refused, code="unavailable")
     sv.admission.enter()
     handed_over = False
     try:
         prompt = await sv.offload.run(_tokenize, ctl, req)
         sampling = P.parse_sampling(body, len(prompt), m.max_positions, chat=chat)
-        ctl.count()
+        sv.count(adapter)
         loop = asyncio.get_running_loop()
         events: asyncio.Queue[tuple[str, int | None]] = asyncio.Queue()
 
@@ -120,7 +141,7 @@ async def _generate(request: Request, sv: Serving, *, chat: bool) -> Response:
             loop.call_soon_threadsafe(events.put_nowait, ("done", None))
 
         # a whole answer needs only the end; a stream every token
-        seq = Sequence(prompt, sampling, on_token=on_token if req.stream else None, on_done=on_done)
+        seq = Sequence(prompt, sampling, on_token=on_token if req.stream else None, on_done=on_done, adapter=adapter)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{seq.id}-{int(time.time() * 1000)}"
         ctl.engine.submit(seq)
         if req.stream:
@@ -195,7 +216,7 @@ async def _whole(request: Request, sv: Serving, seq: Sequence, events: asyncio.Q
         return Response(status_code=499)  # nobody is listening
     out = _Output(sv, seq, rid, chat, False)
     if seq.finish_reason == "error":
-        sv.ctl.count(failed=True)
+        sv.count(seq.adapter, failed=True)
         raise ApiError(500, seq.error or "generation failed", code="generation_failed",
                        extra={"weight_version": out.version()})
     text = await sv.offload.run(detokenize, sv.ctl.loaded.tokenizer, seq.prompt, seq.generated) \
@@ -232,7 +253,8 @@ class _Output:
         return self.seq.versions[-1] if self.seq.versions else self.sv.ctl.store.current.version
 
     def _head(self) -> dict[str, Any]:
-        return {"id": self.rid, "object": self._object(), "created": self.created, "model": self.sv.name}
+        model = self.seq.adapter.name if self.seq.adapter is not None else self.sv.name
+        return {"id": self.rid, "object": self._object(), "created": self.created, "model": model}
 
     def _object(self, chunk: bool = False) -> str:
         if self.chat:
@@ -245,6 +267,8 @@ class _Output:
 
     def _tail(self, doc: dict[str, Any]) -> dict[str, Any]:
         doc["weight_version"] = self.version()
+        if self.seq.adapter is not None:
+            doc["adapter_version"] = self.seq.adapter.version
         if len(self.seq.versions) > 1:
             doc["weight_versions"] = list(self.seq.versions)
         return doc
@@ -270,8 +294,8 @@ class _Output:
             choice = {"index": 0, "text": text or "", "token_ids": token_ids, "finish_reason": finish,
                       "logprobs": None}
         doc = self._head() | {"object": self._object(chunk=True), "choices": [choice]}
-        if finish is not None:
-            doc["usage"] = self._usage()
+        if self.include_usage:  # OpenAI: null on every chunk but the last, which has no choices
+            doc["usage"] = None
         return _sse(self._tail(doc))
 
     async def sse(self, events: asyncio.Queue[tuple[str, int | None]]) -> AsyncIterator[bytes]:
@@ -289,7 +313,7 @@ class _Output:
                 yield self._chunk(text, [token], None)
         rest = det.flush() if det is not None else ""  # an unfinished character at the end
         if self.seq.finish_reason == "error":
-            self.sv.ctl.count(failed=True)
+            self.sv.count(self.seq.adapter, failed=True)
             err = error_body(500, self.seq.error or "generation failed", code="generation_failed")
             yield _sse(self._tail(err))
         else:

@@ -83,6 +83,7 @@ class Controller:
         prepared_ttl_s: float = PREPARED_TTL_S,
     ) -> None:
         self.loaded = loaded
+        self.served_name = ""  # what clients send as `model` for the base (set by server.build_worker)
         self.before_write = tuple(before_write)  # test seam (tests/hooked_worker.py); empty in production
         self.store = store
         self.engine = engine
@@ -152,6 +153,8 @@ class Controller:
             "last_update": self.store.last_update,
             "prepared_version": self._prepared_version(),
             "events": self.recent_events(),
+            "adapters": self.engine.adapters.info(),  # LoRA adapters served by name (lora.py)
+            "adapter_requests": self.engine.adapters.counters(),
         }
 
     def _prepared_version(self) -> str | None:

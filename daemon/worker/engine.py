@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from daemon.worker.lora import Adapters, LoadedAdapter
 from daemon.worker.model import LoadedModel
 from daemon.worker.store import WeightStore
 
@@ -68,6 +69,7 @@ class Sequence:
     prefills: int = 0
     cancelled: bool = False
     created: float = field(default_factory=time.monotonic)
+    adapter: LoadedAdapter | None = None  # the LoRA adapter version it runs with, taken at admission (lora.py)
 
     @property
     def done(self) -> bool:
@@ -91,6 +93,7 @@ class Engine:
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="hotswap-scheduler", daemon=True)
         self.steps = 0
+        self.adapters = Adapters(loaded.model)  # LoRA adapters served by `model` name, applied per sequence
         store.invalidators.append(self.invalidate_caches)
 
     # -- control -------------------------------------------------------------------------------
@@ -224,7 +227,8 @@ class Engine:
                         self._finish(seq, "cancelled")
                         continue
                     try:
-                        token = self._next_token(seq)
+                        with self.adapters.applied(seq.adapter):
+                            token = self._next_token(seq)
                     except Exception as exc:  # one bad sequence must not stop the others
                         log.exception("generation failed for sequence %s", seq.id)
                         self._finish(seq, "error", f"{type(exc).__name__}: {exc}")
@@ -291,15 +295,16 @@ def sample(logits: torch.Tensor, seq: Sequence) -> int:
     return int(torch.multinomial(probs, 1, generator=seq.generator).item())
 
 
-def probe(engine: Engine, max_tokens: int = 4) -> dict[str, Any]:
+def probe(engine: Engine, max_tokens: int = 4, adapter: LoadedAdapter | None = None) -> dict[str, Any]:
     """One short greedy generation outside the scheduler (under the store lock), for post-update
-    checks: works while the scheduler is parked. Reports the version and whether logits were finite."""
+    checks: works while the scheduler is parked. Reports the version and whether logits were finite.
+    With `adapter`, the generation runs with that LoRA adapter applied (and reports its version)."""
     m = engine.loaded
     bos = m.bos_token_id if isinstance(m.bos_token_id, int) else 1
     prompt = [t % m.vocab_size for t in (bos, 3, 5, 7, 11)]
     seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
     finite = True
-    with engine.store.lock, torch.inference_mode():
+    with engine.store.lock, torch.inference_mode(), engine.adapters.applied(adapter):
         if engine.store.unhealthy:
             raise RuntimeError(f"worker unhealthy: {engine.store.unhealthy}")
         version = engine.store.current.version
@@ -314,4 +319,7 @@ def probe(engine: Engine, max_tokens: int = 4) -> dict[str, Any]:
             logits = out.logits[0, -1].float()
             finite = finite and bool(torch.isfinite(logits).all().item())
             seq.generated.append(int(torch.argmax(logits).item()))
-    return {"weight_version": version, "prompt_token_ids": prompt, "token_ids": seq.generated, "finite": finite}
+    out = {"weight_version": version, "prompt_token_ids": prompt, "token_ids": seq.generated, "finite": finite}
+    if adapter is not None:
+        out.update(adapter=adapter.name, adapter_version=adapter.version)
+    return out

@@ -20,9 +20,11 @@ compared in constant time; without --token-file the admin routes answer 403):
     POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors, files}}
                           answers with `probe`: one greedy forward under the new weights (post-check)
     POST /admin/prepare   the same body, while serving: opened and validated before the pause
-    POST /admin/probe     {max_tokens}: one greedy generation even while paused (post-update check)
+    POST /admin/probe     {max_tokens, adapter?}: one greedy generation even while paused (post-update check)
+    POST /admin/adapters/load|unload  LoRA adapters by name beside the base, nothing paused (lora_admin.py);
+                          a request's `model` naming one runs with it
     POST /admin/identify  {nonce} -> {proof}: HMAC of the nonce under the token (no auth;
-                          the daemon checks it before it sends the token: daemon/identity.py)
+                          the daemon checks it before it sends the token: daemon/common/identity.py)
 
 With --admin-uds PATH, /health, /ready and the admin routes are served on that Unix socket by a
 server, event loop and thread of their own (admin.py), and the TCP port has no admin routes: the
@@ -31,8 +33,9 @@ daemon's managed workers run this way.
 Serving errors are OpenAI error objects {"error": {message, type, param, code}}: 400 invalid
 request, 404 unknown model or route, 413 body over --max-body-bytes, 429 at capacity
 (--max-batch running + --max-queue waiting), 500 generation failed, 503 draining/unhealthy.
-Admin errors are {"error": "..."}: 401 bad token, 409 refused in this state or table mismatch,
-422 bad request / unreadable source, 500 write failed (weights restored), 503 unhealthy.
+Admin errors are {"error": "..."}: 401 bad token, 409 refused (in this state, a table mismatch, or
+bytes that did not match their verified digests, the previous weights restored), 422 bad request /
+unreadable source, 500 write failed (detail "restored" says whether), 503 unhealthy.
 Nothing a serving client sends runs on the event loop for long (limits.py), so /health and the
 admin routes answer while the serving side is saturated.
 Prints one line `hotswap worker ready: url=... [admin=unix:PATH] ...` once it accepts connections.
@@ -56,10 +59,11 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
+from daemon.common.httpguard import ListenerLimits, guarded_protocol
+from daemon.common.identity import PrivateDirError
+from daemon.common.tcplisten import tcp_listener
 from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
 from daemon.formats.safetensors import HeaderError
-from daemon.identity import PrivateDirError
-from daemon.tcplisten import tcp_listener
 from daemon.transport.base import TableMismatch, TransportError, check_table
 from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
@@ -160,6 +164,7 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
                      **({} if args.prepared_ttl_s is None else {"prepared_ttl_s": args.prepared_ttl_s}))
     log.info("loaded %s (%d tensors, %d bytes) on %s in %.2f s", version, store.tensors, store.bytes, device, load_s)
     name = args.served_model_name or served_name_default(model_dir, loaded.config)
+    ctl.served_name = name
     if args.max_body_bytes < 1024 or args.max_queue < 0:
         raise ValueError("--max-body-bytes must be >= 1024 and --max-queue >= 0")
     limits = ServingLimits(max_body_bytes=args.max_body_bytes, max_queue=args.max_queue)
@@ -170,8 +175,11 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="hotswap worker", description="Reference serving worker with in-place weight updates.")
     p.add_argument("--model", required=True, help="checkpoint directory (config.json + safetensors)")
     p.add_argument("--port", type=int, default=8100, help="TCP port (0: pick a free one, printed when ready)")
-    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--host", default="127.0.0.1", help="serving address (default 127.0.0.1)")
     p.add_argument("--uds", default=None, help="listen on this Unix socket instead of TCP")
+    p.add_argument("--listen-fd", type=int, default=None,
+                   help="serve on this inherited, listening TCP socket (bound by whoever launched the worker, "
+                        "so the port is never free while it restarts); --port must name its port")
     p.add_argument("--token-file", default=None, help="file holding the admin bearer token (also the key of "
                    "the identity proof, POST /admin/identify)")
     p.add_argument("--admin-uds", default=None,
@@ -201,7 +209,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="requests waiting beyond --max-batch; more get 429 at once (default %(default)s)")
     p.add_argument("--step-delay-ms", type=float, default=0.0,
                    help="sleep between scheduler steps (demos and tests: makes requests last long enough to watch)")
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", help="debug | info | warning | error")
     args = p.parse_args(argv)
     ttl = args.prepared_ttl_s
     if ttl is not None and not (math.isfinite(ttl) and ttl > 0):
@@ -212,7 +220,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ()) -> int:
     args = parse_args(argv)
     try:
-        from daemon.logging import configure_logging
+        from daemon.common.logging import configure_logging
 
         configure_logging(args.log_level)
     except Exception:  # logging is a convenience; never the reason a worker fails to start
@@ -220,7 +228,8 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
     try:
         # The port first, before the model loads: a worker that cannot have its port exits at
         # once, and never serves its admin API while another process answers on that port.
-        tcp = None if args.uds else bind_tcp(args.host, args.port)
+        tcp = None if args.uds else inherited_tcp(args.listen_fd, args.port) if args.listen_fd is not None \
+            else bind_tcp(args.host, args.port)
         token = read_token(args.token_file) if args.token_file else None
         ctl, serving = build_worker(args, before_write=before_write)
     except (ValueError, LayoutError, HeaderError, TableMismatch, TransportError, OSError) as exc:
@@ -253,6 +262,28 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
     return 0
 
 
+# serving: 200 concurrent completions and more; each held connection is one file descriptor
+SERVING_LIMITS = ListenerLimits(max_connections=1024, header_timeout_s=5.0)
+
+
+def inherited_tcp(fd: int, port: int) -> socket.socket:
+    """The launcher's listening socket: it must be a listening TCP socket on `port`."""
+    try:
+        sock = socket.socket(fileno=fd)
+    except OSError as exc:
+        raise OSError(f"--listen-fd {fd}: not an open socket ({exc.strerror})") from None
+    try:
+        listening = sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN)
+        bound = sock.getsockname()[1] if sock.family in (socket.AF_INET, socket.AF_INET6) else None
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"--listen-fd {fd}: cannot inspect it ({exc.strerror})") from None
+    if sock.type != socket.SOCK_STREAM or not listening or bound != port:
+        sock.close()
+        raise OSError(f"--listen-fd {fd}: not a listening TCP socket on port {port}")
+    return sock
+
+
 def bind_tcp(host: str, port: int) -> socket.socket:
     try:
         sock = tcp_listener(host, port)
@@ -280,7 +311,7 @@ async def _serve(app: Any, args: argparse.Namespace, ctl: Any, tcp: socket.socke
                   f"pid={os.getpid()}", flush=True)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, uds=args.uds, log_level="warning",
-                            access_log=False, lifespan="off")
+                            access_log=False, lifespan="off", backlog=SERVING_LIMITS.backlog, http=guarded_protocol(SERVING_LIMITS, "worker"))
     await Server(config).serve(sockets=[tcp] if tcp is not None else None)
 
 

@@ -37,6 +37,7 @@ from daemon.transport import TRANSPORTS, worker_transport
 from daemon.transport.base import (
     BadUpdateRequest,
     OpensBeforePause,
+    SourceChanged,
     SwapCapable,
     SwapLease,
     TableMismatch,
@@ -71,6 +72,13 @@ class Refused(UpdateError):
     """Validation failed before any parameter changed."""
 
     status = 409
+
+
+class SourceRefused(Refused):
+    """The source's bytes did not match their verified digests while they were written, and the
+    previous weights are back whole (re-read against their own digests, or a zero-copy restore):
+    the worker holds what it served, so this is a refusal of the data, not a failure of the
+    worker (the daemon resumes it where it was instead of marking it UNHEALTHY)."""
 
 
 class WriteFailed(UpdateError):
@@ -202,6 +210,9 @@ def apply_update(
             except Exception as exc:
                 log.error("write of %s failed: %s; restoring %s", request.version, exc, previous)
                 restored = restore_current(store)
+                if restored and isinstance(exc, SourceChanged):
+                    raise SourceRefused(f"version {request.version} refused: {exc}; restored {previous}",
+                                        restored=True) from None  # fmt: skip
                 raise WriteFailed(
                     f"writing version {request.version} failed: {exc}; "
                     + (f"restored {previous}" if restored else f"restoring {previous} failed too: {store.unhealthy}"),
@@ -307,6 +318,9 @@ def rollback(store: WeightStore) -> dict[str, Any]:
             _write_record(prev, transport, store)
         except Exception as exc:
             restored = restore_current(store)
+            if restored and isinstance(exc, SourceChanged):
+                raise SourceRefused(f"rollback to {prev.version} refused: {exc}; restored {came_from}",
+                                    restored=True) from None  # fmt: skip
             raise WriteFailed(
                 f"rollback to {prev.version} failed: {exc}; "
                 + (f"restored {came_from}" if restored else f"restoring {came_from} failed too"),

@@ -1,0 +1,107 @@
+"""`hotswap fleet target [VERSION | --clear]`: read or set the version a fleet converges to.
+
+The fleet target is one row of the shared PostgreSQL registry (`fleet_target`), read by every
+fleet daemon each `[fleet] poll_s`; this command writes it directly (no daemon needed, any host
+with the config). Without an explicit row the target is the newest verified, not rejected
+version that was some host's `last_good` (now or before: `--clear` after an older target goes
+back to the newer one; printed as "newest last_good"). Refused in one line, exit 2: a config
+without fleet mode (nothing reads the row). Refused, exit 1: a version the registry does not
+know, one never verified, or a rejected one (a single host can still be pinned to it with
+`hotswap pin --force`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import getpass
+import json
+import socket
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from daemon.cli.read import open_existing_registry, read_config, safe
+from daemon.config import CONFIG_ENV, Config, ConfigError
+from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
+from daemon.registry.db import RegistryError
+from daemon.registry.journal import Journal
+
+EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="hotswap fleet", description="Fleet-wide settings in the shared registry.")
+    sub = p.add_subparsers(title="fleet commands", metavar="FLEETCOMMAND", help="what to do")
+    t = sub.add_parser("target", help="print, set (VERSION) or clear (--clear) the version every host converges to")
+    t.add_argument("version", metavar="VERSION", nargs="?", default=None, help="a verified version to hold the fleet on")
+    t.add_argument("--clear", action="store_true", help="back to the newest good version (some host's last_good, now or before)")
+    t.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV})")
+    t.add_argument("--json", action="store_true", help="print the target as JSON")
+    t.set_defaults(func=_cmd_target)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return EXIT_CONFIG
+    if args.version is not None and args.clear:
+        return _fail("give VERSION or --clear, not both", EXIT_CONFIG)
+    try:
+        config = read_config(args)
+        _require_fleet(config)
+        return int(args.func(args, config))
+    except ConfigError as exc:
+        return _fail(str(exc), EXIT_CONFIG)
+    except (RegistryError, TargetRefused) as exc:
+        return _fail(str(exc), EXIT_RUNTIME)
+
+
+def _require_fleet(config: Config) -> None:
+    if not config.fleet.enabled:
+        source = config.source_file or "the embedded default"
+        raise ConfigError(
+            f"{source}: [fleet] enabled is false: only fleet daemons (PostgreSQL, [fleet] enabled = true) "
+            "read a fleet target; a single host is held on a version with `hotswap pin VERSION`"
+        )
+
+
+def _cmd_target(args: argparse.Namespace, config: Config) -> int:
+    registry = open_existing_registry(config)
+    try:
+        if args.clear or args.version is not None:
+            set_fleet_target(registry, None if args.clear else args.version, by=_operator())
+        doc = _describe(Journal(registry))
+    finally:
+        registry.close()
+    if args.json:
+        print(json.dumps(doc))
+    elif doc["version"] is None:
+        print("fleet target: none (no explicit target, and no host has a last_good version yet)")
+    else:
+        how = f"explicit, set by {doc['set_by']} at {doc['set_at']}" if doc["explicit"] else "newest last_good"
+        print(safe(f"fleet target: {doc['version']} ({how})"))
+    return EXIT_OK
+
+
+def _describe(journal: Journal) -> dict[str, Any]:
+    target = fleet_target(journal)
+    if target is None:
+        return {"version": None, "explicit": False, "set_by": None, "set_at": None}
+    return {"version": target.checkpoint.version, "explicit": target.explicit,
+            "set_by": target.set_by, "set_at": target.set_at.isoformat() if target.set_at else None}  # fmt: skip
+
+
+def _operator() -> str:
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
+        user = "unknown"
+    return f"cli:{user}@{socket.gethostname()}"
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"hotswap fleet: error: {' '.join(message.split())}", file=sys.stderr)
+    return code

@@ -1,0 +1,105 @@
+"""`hotswap publish DIR`: write hotswap-manifest.json for a checkpoint directory (last).
+
+With `--to s3://bucket/prefix/version` the manifest is written and the checkpoint uploaded
+(daemon.client.publish.publish_s3: files first, the manifest last). Heavy imports (boto3, the
+hashing) stay inside the functions: `hotswap` starts fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def publish_parser() -> argparse.ArgumentParser:
+    """Every option of `hotswap publish`, the upload ones in a group of their own."""
+    from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS  # here: `hotswap` stays quick to start
+
+    ap = argparse.ArgumentParser(
+        prog="hotswap publish",
+        description="Write hotswap-manifest.json (sizes and hashes of every file, optionally signed) into "
+        "DIR, last, so a watching daemon sees the checkpoint as committed. With --to, upload it too.",
+    )
+    ap.add_argument("directory", metavar="DIR", type=Path, help="the checkpoint directory (Hugging Face layout)")
+    ap.add_argument("--version", help="version label (default: the directory name, or the last part of --to)")
+    ap.add_argument("--step", type=int, help="training step: orders versions (newest = highest step, then arrival)")
+    ap.add_argument("--parent", help="the version this one was trained from (recorded, informational)")
+    ap.add_argument("--adapter", metavar="NAME",
+                    help="a LoRA adapter (PEFT layout): the name clients send as 'model', the same for all its versions")
+    ap.add_argument("--base-model", metavar="NAME",
+                    help="the base the adapter was trained for (default: adapter_config.json base_model_name_or_path)")
+    ap.add_argument("--key-file", type=Path, help="HMAC shared key or Ed25519 private key (PEM or raw 32 bytes)")
+    ap.add_argument("--key-id", help="the key's id, as the daemon's [checks] hmac_keys / ed25519_keys name it")
+    ap.add_argument("--alg", choices=["hmac-sha256", "ed25519"], default="hmac-sha256",
+                    help="signature algorithm of --key-file (default hmac-sha256)")  # fmt: skip
+    ap.add_argument("--hash", choices=list(HASH_ALGORITHMS), default=DEFAULT_HASH_ALG,
+                    help=f"per-file strong hash (default {DEFAULT_HASH_ALG}: fastest, uses every core)")  # fmt: skip
+    ap.add_argument("--threads", type=int, help="hashing threads (default: one per CPU core)")
+    up = ap.add_argument_group("upload (after writing the manifest)")
+    up.add_argument("--to", metavar="s3://BUCKET/PREFIX/VERSION", help="upload: the files first, the manifest last")
+    up.add_argument("--endpoint-url", metavar="URL", help="an S3-compatible store (default: AWS)")
+    up.add_argument("--concurrency", type=int, default=8, help="parallel uploads (default 8)")
+    return ap
+
+
+def publish_main(argv: Sequence[str] | None = None) -> int:
+    """`hotswap publish DIR [--version V] [--step N] [--parent P] [--adapter NAME [--base-model B]] [--hash blake3|sha256]
+    [--key-file F --key-id ID [--alg A]] [--to s3://BUCKET/PREFIX/VERSION]`."""
+    args = publish_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.to is None:
+        return write_manifest(args)
+    return upload_s3(args)
+
+
+def write_manifest(args: argparse.Namespace) -> int:
+    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
+    from daemon.manifest import ManifestError, publish
+
+    signer = None
+    if (args.key_file is None) != (args.key_id is None):
+        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
+        return 2
+    try:
+        if args.key_file is not None:
+            try:
+                signer = load_signer(args.alg, args.key_id, args.key_file)
+            except SignatureError as exc:
+                print(f"hotswap publish: {exc}", file=sys.stderr)
+                return 2
+        extra = {k: v for k, v in (("adapter", args.adapter), ("base_model", args.base_model)) if v}
+        m = publish(args.directory, args.version, args.step, args.parent, signer, hash_alg=args.hash,
+                    threads=args.threads, extra=extra)  # fmt: skip
+    except (ManifestError, OSError) as exc:
+        print(f"hotswap publish: {exc}", file=sys.stderr)
+        return 1
+    signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
+    print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
+    return 0
+
+
+def upload_s3(args: argparse.Namespace) -> int:
+    """`hotswap publish DIR --to s3://...`: the manifest (version: the URL's last part), then the upload."""
+    from botocore.exceptions import BotoCoreError, ClientError  # boto3: only when uploading
+
+    from daemon.client.publish import parse_s3_url, publish_s3
+    from daemon.manifest import ManifestError
+
+    try:
+        parse_s3_url(args.to)
+    except ValueError as exc:
+        print(f"hotswap publish: --to: {exc}", file=sys.stderr)
+        return 2
+    if args.version is None:  # the folder in the URL is the version
+        args.version = args.to.rstrip("/").rsplit("/", 1)[-1]
+    code = write_manifest(args)
+    if code != 0:
+        return code
+    try:
+        m = publish_s3(args.directory, args.to, endpoint_url=args.endpoint_url, concurrency=args.concurrency)
+    except (ManifestError, OSError, ValueError, BotoCoreError, ClientError) as exc:
+        print(f"hotswap publish: upload to {args.to} failed: {exc}", file=sys.stderr)
+        return 1
+    print(f"uploaded {m.version} to {args.to}: {len(m.files)} files and the manifest (last)")
+    return 0

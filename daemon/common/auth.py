@@ -1,0 +1,139 @@
+"""The daemon's control token: who may change what the daemon serves.
+
+Every state-changing route of the daemon's API (rollback, pin, unpin, broadcast rendezvous, ...)
+depends on `ControlGuard`: the request must carry `Authorization: Bearer <token>`, where the
+token is the content of `<state_dir>/control.token` (created 0600 with 32 random bytes at the
+daemon's first start, read by the CLI). Requests with an `Origin` header (a browser page, even a
+CORS "simple request") or a `Host` that is not loopback are refused before the token is looked
+at: the API is for local operators and the CLI, never for web pages.
+"""
+
+from __future__ import annotations
+
+import hmac
+import os
+import secrets
+import stat
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+
+from daemon.common.private import open_private, private_dir
+
+CONTROL_TOKEN_FILE = "control.token"
+_LOOPBACK_HOSTS = {"127.0.0.1", "localhost", "::1", "[::1]"}
+
+
+class TokenFileError(RuntimeError):
+    """A token file that is missing, unreadable, empty or readable by others (one-line message)."""
+
+
+def control_token_path(state_dir: Path) -> Path:
+    return Path(state_dir) / CONTROL_TOKEN_FILE
+
+
+def ensure_control_token(state_dir: Path) -> str:
+    """Read the control token, creating it (0600, O_EXCL: two starting daemons agree) if absent.
+
+    An existing file must be a regular file owned by this user and closed to group and others:
+    a token another local user planted, or can read, would hand them the control API."""
+    path = control_token_path(state_dir)
+    if not path.parent.is_dir():
+        private_dir(path.parent)
+    try:
+        fd = open_private(path, os.O_WRONLY | os.O_EXCL)
+    except FileExistsError:
+        _check_private(path)
+        return read_token_file(path)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_urlsafe(32) + "\n")
+    return read_token_file(path)
+
+
+def read_token_file(path: Path) -> str:
+    """A bearer token from a file, stripped; a clear one-line error when it cannot be used."""
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except FileNotFoundError:
+        raise TokenFileError(f"token file {path} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise TokenFileError(f"token file {path} cannot be read: {exc}") from None
+    if not token:
+        raise TokenFileError(f"token file {path} is empty")
+    return token
+
+
+def _check_private(path: Path) -> None:
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise TokenFileError(f"token file {path} cannot be read: {exc.strerror}") from None
+    if not stat.S_ISREG(st.st_mode):
+        raise TokenFileError(f"token file {path} is not a regular file: remove it, the daemon makes a new one")
+    if st.st_uid != os.getuid():
+        raise TokenFileError(f"token file {path} is owned by uid {st.st_uid}, not this user ({os.getuid()}): "
+                             "remove it, the daemon makes a new one")  # fmt: skip
+    if st.st_mode & 0o077:
+        raise TokenFileError(f"token file {path} is open to other users (mode {stat.S_IMODE(st.st_mode):o}): "
+                             "chmod 600 it, or remove it and the daemon makes a new one")  # fmt: skip
+
+
+def host_is_loopback(host_header: str | None) -> bool:
+    if not host_header:
+        return False
+    host = host_header.strip().lower()
+    if host.startswith("["):  # [::1]:8780
+        host = host.split("]", 1)[0] + "]"
+    elif host.count(":") == 1:  # 127.0.0.1:8780
+        host = host.split(":", 1)[0]
+    return host in _LOOPBACK_HOSTS
+
+
+class ControlGuard:
+    """FastAPI dependency: 403 for browsers and non-loopback Host, 401 without the right token."""
+
+    def __init__(self, token: str, *, allow_remote_host: bool = False, hosts: Iterable[str] = ()) -> None:
+        self._token = token.encode()
+        self._allow_remote_host = allow_remote_host
+        self._hosts = {h.strip().lower() for h in hosts if h.strip()}  # [api] allowed_hosts
+
+    def _host_allowed(self, host_header: str | None) -> bool:
+        if self._allow_remote_host or host_is_loopback(host_header):
+            return True
+        return host_header is not None and _host_name(host_header) in self._hosts
+
+    def __call__(self, request: Request) -> None:
+        if request.headers.get("origin") is not None:
+            raise HTTPException(403, "cross-origin requests are refused")
+        if not self._host_allowed(request.headers.get("host")):
+            raise HTTPException(403, "the control API answers only loopback Host names (and [api] allowed_hosts)")
+        auth = request.headers.get("authorization", "")
+        scheme, _, given = auth.partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self._token):
+            raise HTTPException(401, "missing or wrong control token (see <state_dir>/control.token)",
+                                headers={"WWW-Authenticate": "Bearer"})
+
+
+def _host_name(host_header: str) -> str:
+    host = host_header.strip().lower()
+    if host.startswith("["):
+        return host.split("]", 1)[0] + "]"
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+
+
+def control_dependency(guard: ControlGuard) -> Any:
+    """`Depends(guard)`, for a route's or router's `dependencies=[...]`."""
+    return Depends(guard)
+
+
+def control_router(guard: ControlGuard, **kwargs: Any) -> APIRouter:
+    """An APIRouter whose every route needs the control token: where state-changing routes go.
+
+    `guard` is the daemon's (`app.state.control_guard`, `ApiState.guard`). Read the body with
+    `daemon.jsonbody.json_object` (a dependency, solved after the guard), never `Body(...)`:
+    FastAPI parses a `Body` before any dependency runs, so an unauthenticated client's body
+    would be read and parsed before it is refused."""
+    deps = [*kwargs.pop("dependencies", ()), control_dependency(guard)]
+    return APIRouter(dependencies=deps, **kwargs)

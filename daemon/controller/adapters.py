@@ -1,0 +1,241 @@
+"""The runner's jobs for LoRA adapters, per adapter name, and what their results mean.
+
+Each adapter name has its own serving / last_good / pinned (daemon.registry.adapters); its jobs
+never touch the base's. They run on the service's runner thread like every job (queued as
+commands, so a base rollout is not held up by them for long: an adapter load pauses nothing):
+
+    deploy      a newly verified version: superseded when a newer one of the same name waits
+                or serves; left waiting while the name is pinned; else rolled onto every worker
+                that serves adapters (daemon.controller.adapter_rollout), then the health
+                window of that adapter's requests; a failure rolls the name back
+    rollback    the name back to its last_good (or the version deployed before, or --to V)
+    pin/unpin   hold the name on one version; unpin lets the newest waiting one deploy
+    reconcile   every worker serves each name's serving version (after a relaunch, a restart,
+                a crash: level-triggered, from what the workers report)
+
+A version refused by a worker (or failing its post-check or health window) is rejected with the
+reason and the workers keep (or get back) the previous version; a worker that did not answer
+leaves the version verified, tried again by the next reconcile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from daemon.common.logging import get_logger
+from daemon.config import RolloutSettings
+from daemon.controller.adapter_rollout import AdapterRollout
+from daemon.controller.queue import CommandError
+from daemon.registry.adapters import AdapterJournal, AdapterVersion
+from daemon.registry.journal import Journal
+from daemon.registry.status import (
+    DEPLOYABLE,
+    WAITING,
+    CheckpointStatus,
+    FailureKind,
+    RolloutOutcome,
+    RolloutTrigger,
+)
+from daemon.rollout.planner import newer
+
+log = get_logger(__name__)
+C, T = CheckpointStatus, RolloutTrigger
+
+
+class AdapterDecisions:
+    def __init__(self, journal: Journal, adapters: AdapterJournal, rollout: AdapterRollout, settings: RolloutSettings,
+                 interrupted: Callable[[], bool]) -> None:  # fmt: skip
+        self.journal = journal
+        self.adapters = adapters
+        self.rollout = rollout
+        self.settings = settings
+        self.interrupted = interrupted  # shutdown: a health window decides nothing
+
+    # -- jobs ------------------------------------------------------------------------------
+    def deploy_new(self, checkpoint_id: int) -> dict[str, Any]:
+        av = self.adapters.adapter_of(checkpoint_id)
+        if av is None:
+            return {"outcome": "skipped", "reason": "not an adapter with a name"}
+        if av.checkpoint.status not in WAITING:
+            return {"version": av.version, "outcome": "skipped", "status": av.checkpoint.status}
+        newest = self.adapters.newest_waiting(av.name)
+        serving = self.adapters.alias(av.name, "serving")
+        for other in (newest, serving):
+            if other is not None and other.checkpoint.id != av.checkpoint.id and newer(other.checkpoint, av.checkpoint):
+                self.journal.move_status(av.checkpoint.id, C.SUPERSEDED, f"superseded by {other.version} (adapter {av.name})")
+                return {"version": av.version, "outcome": "superseded", "by": other.version}
+        pinned = self.adapters.alias(av.name, "pinned")
+        if pinned is not None and pinned.checkpoint.id != av.checkpoint.id:
+            self.journal.note(av.checkpoint.id, f"adapter {av.name} is pinned to {pinned.version}: waits for "
+                                                f"`hotswap unpin --adapter {av.name}`")  # fmt: skip
+            return {"version": av.version, "outcome": "waiting", "pinned": pinned.version}
+        result = self.rollout.deploy(av, trigger=T.NEW, previous=serving)
+        out: dict[str, Any] = {"rollout_id": result.rollout_id, "adapter": av.name, "version": av.version,
+                               "outcome": result.outcome.value, "reason": result.reason}  # fmt: skip
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            self.mark_serving(av, serving, f"adapter {av.name}: serving on every worker (rollout {result.rollout_id})")
+            out.update(self._window(av, result.rollout_id, serving))
+        elif result.kind == FailureKind.UNREACHABLE:
+            self.journal.note(av.checkpoint.id, f"rollout {result.rollout_id}: {result.reason}; tried again when the "
+                                                "worker is back")  # fmt: skip
+        else:
+            where = serving.version if serving else "no version of it"
+            self.journal.move_status(av.checkpoint.id, C.REJECTED,
+                                     f"rollout {result.rollout_id} failed: {result.reason}; workers serve {where}")  # fmt: skip
+        return out
+
+    def _window(self, av: AdapterVersion, rid: int, previous: AdapterVersion | None) -> dict[str, Any]:
+        if self.settings.health_window_s <= 0:
+            self.adapters.set_alias(av.name, "last_good", av.checkpoint.id)
+            return {}
+        verdict = self.rollout.watch(av, self.settings, self.interrupted)
+        window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
+        if verdict.aborted:
+            self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
+            return {"health_window": "aborted"}
+        if verdict.ok:
+            self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
+            self.adapters.set_alias(av.name, "last_good", av.checkpoint.id)
+            return {"health_window": "ok"}
+        log.warning("adapter_health_window_failed", adapter=av.name, version=av.version, reason=verdict.reason)
+        self.journal.amend_rollout(rid, outcome=RolloutOutcome.ROLLED_BACK,
+                                   detail={"health_window": {**window, "ok": False, "reason": verdict.reason}})  # fmt: skip
+        self.journal.move_status(av.checkpoint.id, C.REJECTED, f"adapter {av.name}: rolled back to "
+                                 f"{previous.version if previous else 'none'} after deploy: {verdict.reason}")  # fmt: skip
+        self.journal.checkpoint_event(av.checkpoint.id, "rolled_back", {"to": previous.version if previous else None,
+                                      "by": "health_window", "reason": verdict.reason}, rid)  # fmt: skip
+        rb = self._back_to(av.name, previous, by="health_window")
+        return {"health_window": "failed", "reason": verdict.reason, "rolled_back": previous.version if previous else None,
+                "rollback_outcome": rb}  # fmt: skip
+
+    def _back_to(self, name: str, target: AdapterVersion | None, *, by: str) -> str:
+        """Every worker onto `target` (None: the name unloaded); serving follows what succeeded."""
+        if target is None:
+            for h in self.rollout.workers():
+                with h.busy:
+                    self.rollout.restore(h, None, name, None)
+            self.adapters.set_alias(name, "serving", None)
+            return "unloaded"
+        result = self.rollout.deploy(target, trigger=T.ROLLBACK, previous=target, detail={"by": by})
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            self.mark_serving(target, None, f"adapter {name}: restored by {by} (rollout {result.rollout_id})")
+            self.adapters.set_alias(name, "last_good", target.checkpoint.id)
+        return result.outcome.value
+
+    def _deployable(self, version: str) -> AdapterVersion:
+        av = self.adapters.by_version(version)
+        if av is None:
+            raise CommandError(f"unknown adapter version {version!r} (see `hotswap history --adapter NAME`)", 404)
+        if not av.checkpoint.verified or av.checkpoint.status not in DEPLOYABLE:
+            raise CommandError(f"adapter version {version!r} is {av.checkpoint.status}: only verified versions can be deployed")
+        if not av.checkpoint.local_path:
+            raise CommandError(f"adapter version {version!r} has no local copy on this host")
+        return av
+
+    def rollback(self, name: str | None, to: str | None) -> dict[str, Any]:
+        if to is not None:
+            target = self._deployable(to)
+            name = target.name
+        if name is None:
+            raise CommandError("an adapter rollback needs the adapter's name or --to VERSION", 422)
+        serving = self.adapters.alias(name, "serving")
+        if to is None:
+            last_good = self.adapters.alias(name, "last_good")
+            candidate = last_good if last_good is not None and serving is not None and last_good.checkpoint.id != \
+                serving.checkpoint.id else self.adapters.previous_deployed(name, serving.checkpoint.id if serving else -1)
+            if candidate is None:
+                raise CommandError(f"adapter {name}: nothing to roll back to (no earlier version was deployed)")
+            target = self._deployable(candidate.version)
+        pinned = self.adapters.alias(name, "pinned")
+        if pinned is not None and pinned.checkpoint.id != target.checkpoint.id:
+            raise CommandError(f"adapter {name} is pinned to {pinned.version}: run `hotswap unpin --adapter {name}` first")
+        result = self.rollout.deploy(target, trigger=T.ROLLBACK, previous=serving,
+                                     detail={"by": "operator", "from": serving.version if serving else None})  # fmt: skip
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            if serving is not None and serving.checkpoint.id != target.checkpoint.id:
+                self.journal.checkpoint_event(serving.checkpoint.id, "rolled_back",
+                                              {"to": target.version, "by": "operator"}, result.rollout_id)  # fmt: skip
+            self.mark_serving(target, serving, f"adapter {name}: restored by operator rollback (rollout {result.rollout_id})")
+            self.adapters.set_alias(name, "last_good", target.checkpoint.id)
+        return {"rollout_id": result.rollout_id, "adapter": name, "version": target.version,
+                "outcome": result.outcome.value, "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
+
+    def pin(self, version: str, force: bool = False) -> dict[str, Any]:
+        target = self._deployable(version)
+        if target.checkpoint.status == C.REJECTED and not force:
+            raise CommandError(f"adapter version {version!r} was rejected: pin it anyway with --force")
+        serving = self.adapters.alias(target.name, "serving")
+        self.adapters.set_alias(target.name, "pinned", target.checkpoint.id)
+        result = self.rollout.deploy(target, trigger=T.MANUAL, previous=serving, detail={"by": "operator", "pin": True})
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            self.mark_serving(target, serving, f"adapter {target.name}: pinned by operator (rollout {result.rollout_id})")
+            self.adapters.set_alias(target.name, "last_good", target.checkpoint.id)
+        else:
+            self.adapters.set_alias(target.name, "pinned", None)
+        return {"rollout_id": result.rollout_id, "adapter": target.name, "outcome": result.outcome.value,
+                "pinned": target.version if result.outcome == RolloutOutcome.SUCCEEDED else None, "reason": result.reason}  # fmt: skip
+
+    def unpin(self, name: str) -> dict[str, Any]:
+        was = self.adapters.alias(name, "pinned")
+        self.adapters.set_alias(name, "pinned", None)
+        waiting = self.adapters.newest_waiting(name)
+        serving = self.adapters.alias(name, "serving")
+        nxt = waiting if waiting is not None and (serving is None or newer(waiting.checkpoint, serving.checkpoint)) else None
+        out: dict[str, Any] = {"adapter": name, "unpinned": was.version if was else None, "outcome": "unpinned",
+                               "next": nxt.version if nxt else None}  # fmt: skip
+        if nxt is not None:
+            out["deployed"] = self.deploy_new(nxt.checkpoint.id)
+        return out
+
+    def reconcile(self) -> dict[str, Any]:
+        """Every adapter-serving worker onto each name's serving version; newer waiting versions
+        (held back by an unreachable worker) are deployed."""
+        loaded: dict[str, list[str]] = {}
+        for name in self.adapters.names():
+            serving = self.adapters.alias(name, "serving")
+            if serving is None:
+                continue
+            drifted = []
+            for h in self.rollout.workers():
+                try:
+                    if not self.rollout.serves(h, serving):
+                        drifted.append(h.name)
+                except Exception as exc:  # noqa: BLE001 - an unreachable worker is reconciled when it is back
+                    log.info("adapter_reconcile_skipped", worker=h.name, adapter=name, error=str(exc))
+            if drifted:
+                result = self.rollout.deploy(serving, trigger=T.ROLLBACK, previous=serving, only=drifted,
+                                             detail={"by": "reconcile"})  # fmt: skip
+                loaded[name] = drifted if result.outcome == RolloutOutcome.SUCCEEDED else []
+        for name in sorted(set(self.adapters.names()) | set(self.adapters.waiting_names())):
+            waiting = self.adapters.newest_waiting(name)
+            serving = self.adapters.alias(name, "serving")
+            if waiting is not None and self.adapters.alias(name, "pinned") is None and (
+                    serving is None or newer(waiting.checkpoint, serving.checkpoint)):
+                self.deploy_new(waiting.checkpoint.id)
+        return {"outcome": "reconciled" if loaded else "in sync", "loaded": loaded}
+
+    def drifted(self) -> bool:
+        """Some adapter-serving worker does not serve a name's serving version (for the health poll)."""
+        for name in self.adapters.names():
+            serving = self.adapters.alias(name, "serving")
+            if serving is None:
+                continue
+            for h in self.rollout.workers():
+                try:
+                    if not self.rollout.serves(h, serving):
+                        return True
+                except Exception:  # noqa: BLE001 - not answering: the base's poll reports it
+                    continue
+        return False
+
+    # -- registry ----------------------------------------------------------------------------
+    def mark_serving(self, av: AdapterVersion, previous: AdapterVersion | None, message: str) -> None:
+        self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
+        fresh = self.journal.checkpoint(av.checkpoint.id)
+        if fresh is not None and fresh.status != C.DEPLOYED:
+            self.journal.move_status(av.checkpoint.id, C.DEPLOYED, message)
+        if previous is not None and previous.checkpoint.id != av.checkpoint.id:
+            old = self.journal.checkpoint(previous.checkpoint.id)
+            if old is not None and old.status == C.DEPLOYED:
+                self.journal.move_status(previous.checkpoint.id, C.RETIRED, f"replaced by {av.version}")

@@ -1,0 +1,358 @@
+"""The runner's jobs and what their results mean for the registry.
+
+A new checkpoint deployed (after waiting for newer ones still being verified; superseded or
+skipped when its turn is gone), an operator's rollback, pin and unpin, the fleet target converged
+to, a reconcile of drifted workers (and of a managed worker's fallback); then `conclude`: which
+version is serving, last_good, rejected, retried or held back for unavailable workers.
+
+    decisions = RolloutDecisions(journal, fleet, settings, engine, driver, stager, state, queue,
+                                 stopping, submit=service.submit)
+    decisions.deploy_new(ckpt)
+
+Called only on the service's runner thread (daemon.controller.service), which owns the queue and
+the state; a new version's health window is daemon.controller.health_window.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+from daemon.adapters.base import WorkerError
+from daemon.common.logging import get_logger
+from daemon.config import RolloutSettings
+from daemon.controller.health_window import HealthWindow
+from daemon.controller.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.outbox import unreachable
+from daemon.registry.status import (
+    DEPLOYABLE,
+    WAITING,
+    CheckpointStatus,
+    FailureKind,
+    RolloutOutcome,
+    RolloutTrigger,
+)
+from daemon.rollout.attribution import attribute
+from daemon.rollout.driver import WorkerDriver
+from daemon.rollout.engine import RolloutEngine, RolloutResult
+from daemon.rollout.planner import newer
+from daemon.rollout.recovery import recover_uncertain
+from daemon.rollout.stage import Stager
+from daemon.rollout.states import Fleet, WorkerState
+
+log = get_logger(__name__)
+C, T = CheckpointStatus, RolloutTrigger
+R = TypeVar("R")
+
+LOOKAHEAD_MAX_S = 600.0  # longest wait for newer checkpoints still being verified
+MOVES_FLEET: tuple[JobKind, ...] = ("rollback", "pin")  # operator commands that redeploy every worker
+
+
+class RolloutDecisions:
+    """Each job of the runner, run to the end, and the registry rows its result leaves."""
+
+    def __init__(
+        self,
+        journal: Journal,
+        fleet: Fleet,
+        settings: RolloutSettings,
+        engine: RolloutEngine,
+        driver: WorkerDriver,
+        stager: Stager,
+        state: RolloutState,
+        queue: RolloutQueue,
+        stopping: threading.Event,
+        *,
+        submit: Callable[[int], None],
+    ) -> None:
+        self.journal = journal
+        self.fleet = fleet
+        self.settings = settings
+        self.engine = engine
+        self.driver = driver
+        self.stager = stager
+        self.state = state
+        self.queue = queue
+        self.stopping = stopping
+        self.submit = submit  # the service's: a version to roll out (again)
+        self.health_window = HealthWindow(
+            journal, fleet, settings, engine, state,
+            interrupted=lambda: queue.has_command(MOVES_FLEET) or stopping.is_set(),
+            mark_serving=self.mark_serving, submit=submit,
+        )  # fmt: skip
+        self._fallback_to: str | None = None  # a managed worker fell back to it; made serving by reconcile
+
+    def _yield_wanted(self, ckpt: CheckpointRef) -> bool:
+        """Stop a rollout at the next batch boundary: something that moves every worker anyway is waiting."""
+        return self.queue.newer_than(ckpt) or self.queue.has_command(MOVES_FLEET) or self.stopping.is_set()
+
+    # -- jobs ------------------------------------------------------------------------------
+    def deploy_new(self, ckpt: CheckpointRef) -> dict[str, Any]:
+        # Newer checkpoints still being verified would supersede this one: wait for them.
+        deadline = time.monotonic() + LOOKAHEAD_MAX_S
+        while (
+            not self.queue.newer_than(ckpt)
+            and not self.stopping.is_set()
+            and time.monotonic() < deadline
+            and self.journal.newer_in_verification(ckpt.id)
+        ):
+            time.sleep(0.1)
+        if self.queue.newer_than(ckpt):
+            self.supersede(ckpt, by=self.queue.pending)
+            return {"version": ckpt.version, "outcome": "superseded"}
+        fresh = self.journal.checkpoint(ckpt.id)
+        if fresh is None or fresh.status not in WAITING:
+            return {"version": ckpt.version, "outcome": "skipped", "status": fresh.status if fresh else None}
+        serving = self.journal.alias("serving")
+        if serving is not None and serving.id != fresh.id and newer(serving, fresh):
+            # e.g. step-999 verified after step-1000 is serving: newer is the step, not arrival
+            self.supersede(fresh, by=serving)
+            return {"version": fresh.version, "outcome": "superseded", "by": serving.version}
+        fallback = self.fallback()
+        result = self.engine.deploy(
+            fresh, trigger=T.NEW, fallback=fallback, should_yield=lambda: self._yield_wanted(fresh)
+        )
+        return self.recorded(lambda: self.conclude(fresh, result, serving, fallback, trigger=T.NEW))
+
+    def _deployable(self, version: str) -> CheckpointRef:
+        ckpt = self.journal.checkpoint_by_version(version)
+        if ckpt is None:
+            raise CommandError(f"unknown version {version!r} (see `hotswap history`)", 404)
+        if not ckpt.verified or ckpt.status not in DEPLOYABLE:
+            raise CommandError(f"version {version!r} is {ckpt.status}: only verified versions can be deployed")
+        if not ckpt.local_path or not Path(ckpt.local_path).is_dir():
+            raise CommandError(f"version {version!r} has no local copy (was {ckpt.local_path!r})")
+        return ckpt
+
+    def rollback(self, to: str | None) -> dict[str, Any]:
+        serving = self.journal.alias("serving")
+        if to is not None:
+            target = self._deployable(to)
+        else:
+            last_good = self.journal.alias("last_good")
+            if last_good is not None and serving is not None and last_good.id != serving.id:
+                candidate: CheckpointRef | None = last_good
+            else:
+                candidate = self.journal.previous_deployed(serving.id if serving else -1)
+            if candidate is None:
+                raise CommandError("nothing to roll back to: no earlier version was ever deployed")
+            target = self._deployable(candidate.version)
+        pinned = self.state.pinned
+        if pinned is not None and pinned != target.version:
+            raise CommandError(f"pinned to {pinned}: run `hotswap unpin` first")
+        # If the target cannot be installed (its files changed since verify), the workers go back
+        # to what they serve now, never to the target again.
+        fallback = serving if serving is not None and serving.id != target.id else target
+        result = self.engine.deploy(
+            target, trigger=T.ROLLBACK, fallback=fallback,
+            detail={"by": "operator", "from": serving.version if serving else None},
+        )  # fmt: skip
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            self.recorded(lambda: self._rolled_back(target, serving, result.rollout_id))
+        return {"rollout_id": result.rollout_id, "version": target.version, "outcome": result.outcome.value,
+                "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
+
+    def _rolled_back(self, target: CheckpointRef, serving: CheckpointRef | None, rid: int) -> None:
+        if serving is not None and serving.id != target.id:
+            old = self.journal.checkpoint(serving.id)
+            if old is not None and old.status != C.RETIRED:
+                self.journal.checkpoint_event(serving.id, "rolled_back", {"to": target.version, "by": "operator"}, rid)
+                self.journal.move_status(serving.id, C.RETIRED, f"rolled back by operator to {target.version}")
+        self.mark_serving(target, None, f"restored by operator rollback (rollout {rid})")
+        self.journal.set_alias("last_good", target.id)
+
+    def pin(self, version: str, force: bool = False) -> dict[str, Any]:
+        target = self._deployable(version)
+        if target.status == C.REJECTED and not force:
+            raise CommandError(f"version {version!r} was rejected (see `hotswap history`): "
+                               "pin it anyway with --force")  # fmt: skip
+        serving = self.journal.alias("serving")
+        self.journal.set_alias("pinned", target.id)
+        self.state.set_pinned(target.version)
+        out: dict[str, Any] = {"pinned": target.version, "outcome": "pinned", "rollout_id": None}
+        fallback = self.fallback()
+        result = self.engine.deploy(
+            target, trigger=T.MANUAL, fallback=fallback if fallback and fallback.id != target.id else serving,
+            detail={"by": "operator", "pin": True},
+        )  # fmt: skip
+        out.update(rollout_id=result.rollout_id, outcome=result.outcome.value, reason=result.reason)
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            def pinned() -> None:
+                self.mark_serving(target, serving, f"pinned by operator (rollout {result.rollout_id})")
+                self.journal.set_alias("last_good", target.id)
+
+            self.recorded(pinned)
+        else:
+            self.journal.set_alias("pinned", None)
+            self.state.set_pinned(None)
+            out["pinned"] = None
+        return out
+
+    def converge(self, version: str) -> dict[str, Any]:
+        target = self._deployable(version)
+        serving = self.journal.alias("serving")
+        if self.state.pinned is not None or (serving is not None and serving.id == target.id):
+            return {"version": version, "outcome": "skipped", "pinned": self.state.pinned}
+        fallback = self.fallback()
+        result = self.engine.deploy(target, trigger=T.FLEET, fallback=fallback, detail={"by": "fleet"},
+                                    should_yield=lambda: self.queue.has_command(MOVES_FLEET) or self.stopping.is_set())  # fmt: skip
+        return self.recorded(lambda: self.conclude(target, result, serving, fallback, trigger=T.FLEET))
+
+    def unpin(self) -> dict[str, Any]:
+        was = self.state.pinned
+        self.journal.set_alias("pinned", None)
+        self.state.set_pinned(None)
+        pending = self.queue.pending
+        self.queue.wake()
+        return {"unpinned": was, "outcome": "unpinned", "next": pending.version if pending else None}
+
+    def fell_back(self, version: str) -> None:
+        """The supervisor's `on_fallback`: a managed worker serves `version` because serving's
+        files cannot be launched here; the runner makes it serving (and brings the rest to it)."""
+        self._fallback_to = version
+        self.queue.command(Job("reconcile"))
+
+    def _take_fallback(self, serving: CheckpointRef | None) -> CheckpointRef | None:
+        version, self._fallback_to = self._fallback_to, None
+        ckpt = self.journal.checkpoint_by_version(version) if version else None
+        if ckpt is None or serving is None or ckpt.id == serving.id:
+            return serving
+        why = f"{serving.version} cannot be launched on this host; a managed worker fell back to {ckpt.version}"
+        self.journal.checkpoint_event(ckpt.id, "fallback", {"from": serving.version, "by": "supervisor"}, None)
+        last_good = self.journal.alias("last_good")
+        if last_good is None or last_good.id == serving.id:
+            # before serving moves: whoever sees the new serving version sees its last_good too
+            self.journal.set_alias("last_good", ckpt.id)
+        self.mark_serving(ckpt, serving, why)
+        log.warning("serving_fell_back", version=ckpt.version, was=serving.version)
+        return ckpt
+
+    def reconcile(self) -> dict[str, Any]:
+        """Bring workers that run something other than the serving version back to it."""
+        serving = self._take_fallback(self.journal.alias("serving"))
+        if serving is None:
+            return {"outcome": "nothing to reconcile"}
+        target = self.engine.fallback_target(serving)
+        restored = recover_uncertain(self.driver, self.fleet, target)
+        drifted = []
+        for h in self.fleet:
+            try:
+                info = h.client.weight_info()
+            except WorkerError:
+                continue
+            if info.state == WorkerState.RUNNING and target is not None and not target.matches(info):
+                drifted.append(h.name)
+        if not drifted:
+            return {"outcome": "in sync", "restored": restored}
+        log.warning("reconciling", workers=drifted, version=serving.version)
+        result = self.engine.deploy(
+            serving, trigger=T.ROLLBACK, fallback=serving, only=drifted, detail={"by": "reconcile"}
+        )
+        return {"rollout_id": result.rollout_id, "outcome": result.outcome.value, "workers": drifted}
+
+    # -- what a rollout's result means for the registry ------------------------------------
+    def recorded(self, step: Callable[[], R]) -> R:
+        """Run a step that records a finished rollout's result. While the database is out (the
+        engine kept the workers' transitions for later: daemon.registry.outbox) wait for it,
+        then run the step again: each of its writes looks at what is recorded first, so a second
+        run completes the first. The workers serve meanwhile; /health says what is wrong."""
+        while True:
+            try:
+                return step()
+            except Exception as exc:
+                if not unreachable(exc) or self.stopping.is_set():
+                    raise
+                log.warning("rollout_result_waits_for_database", error=" ".join(str(exc).split())[:300],
+                            serving=self.state.serving)  # fmt: skip
+                self.journal.registry.wait_until_writable(self.stopping)
+
+    def conclude(
+        self,
+        ckpt: CheckpointRef,
+        result: RolloutResult,
+        previous: CheckpointRef | None,
+        fallback: CheckpointRef | None,
+        *,
+        trigger: RolloutTrigger,
+    ) -> dict[str, Any]:
+        out = {"rollout_id": result.rollout_id, "version": ckpt.version, "outcome": result.outcome.value,
+               "reason": result.reason}  # fmt: skip
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            self.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
+            if trigger == T.NEW and self.settings.health_window_s > 0:
+                out.update(self.health_window.watch(ckpt, result.rollout_id, fallback))
+            else:
+                self.journal.set_alias("last_good", ckpt.id)
+        elif result.outcome == RolloutOutcome.FAILED and trigger == T.NEW:
+            verdict = attribute(self.journal.registry, ckpt.id, result.kind, result.unrecovered, result.reason,
+                                self.settings.max_infra_retries)  # fmt: skip
+            out["attribution"] = verdict.verdict
+            where = fallback.version if fallback else "their previous version"
+            if verdict.verdict == "reject":
+                self.journal.move_status(
+                    ckpt.id, C.REJECTED, f"rollout {result.rollout_id} failed: {result.reason}; workers restored to {where}"
+                    + (f" ({verdict.message})" if verdict.attempts else ""),
+                )  # fmt: skip
+            else:
+                # Not the version's fault: it stays verified and is rolled out again (bounded).
+                self.journal.note(ckpt.id, f"rollout {result.rollout_id}: {verdict.message}")
+                log.warning("rollout_failed_not_the_checkpoint", version=ckpt.version, kind=result.kind,
+                            attempts=verdict.attempts, retry=verdict.verdict)  # fmt: skip
+                if verdict.verdict == "retry_when_back":
+                    self.state.set_blocked(ckpt)  # see the service's poll
+                else:
+                    self.submit(ckpt.id)
+        elif result.outcome == RolloutOutcome.FAILED and result.kind == FailureKind.UNAVAILABLE:
+            self.state.set_blocked(ckpt)  # an operator's target: retried when every worker is back
+            self.journal.note(ckpt.id, f"not deployed yet (rollout {result.rollout_id}): {result.reason}")
+        elif result.outcome == RolloutOutcome.SUPERSEDED:
+            pending = self.queue.pending
+            if pending is not None and newer(pending, ckpt):
+                self.supersede(ckpt, by=pending, rollout_id=result.rollout_id)
+            else:
+                why = "the daemon shutting down (resumed on its next start)" if self.stopping.is_set() else "an operator command"
+                self.journal.note(ckpt.id, f"rollout {result.rollout_id} stopped for {why}")
+        return out
+
+    def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
+        self.journal.set_alias("serving", ckpt.id)
+        self.state.set_serving(ckpt.version)
+        fresh = self.journal.checkpoint(ckpt.id)
+        if fresh is not None and fresh.status != C.DEPLOYED:
+            self.journal.move_status(ckpt.id, C.DEPLOYED, message)
+        if previous is not None and previous.id != ckpt.id:
+            old = self.journal.checkpoint(previous.id)
+            if old is not None and old.status == C.DEPLOYED:
+                self.journal.move_status(previous.id, C.RETIRED, f"replaced by {ckpt.version}")
+        last_good = self.journal.alias("last_good")
+        self.stager.retain({ckpt.version} | ({last_good.version} if last_good else set()))
+
+    def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
+        fresh = self.journal.checkpoint(ckpt.id)
+        if fresh is None or fresh.status not in WAITING:
+            return
+        where = f" during rollout {rollout_id}" if rollout_id else " before it was deployed"
+        self.journal.move_status(
+            ckpt.id, C.SUPERSEDED, f"superseded by {by.version if by else 'a newer version'}{where}",
+            detail={"by": by.version if by else None, "rollout_id": rollout_id},
+        )  # fmt: skip
+        log.info("superseded", version=ckpt.version, by=by.version if by else None)
+
+    def fallback(self) -> CheckpointRef | None:
+        """The version a failed rollout returns to: last_good, else serving, else what workers run now."""
+        fb = self.journal.alias("last_good") or self.journal.alias("serving")
+        if fb is not None:
+            return fb
+        for h in self.fleet:
+            try:
+                info = h.client.weight_info()
+            except WorkerError:
+                continue
+            known = self.journal.checkpoint_by_version(info.version) if info.version else None
+            if known is not None and known.local_path:
+                return known
+        return None

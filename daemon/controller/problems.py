@@ -1,0 +1,156 @@
+"""What the controller sees wrong with this host's workers and rollouts, as problems (daemon.common.problems).
+
+Read from the controller's own observation on every pass, never from a memory of events:
+
+    no_worker_serving       critical  a group none of whose workers serves: none RUNNING, and none
+                                      held PAUSED by an update for less than PAUSE_SERVES_S (a
+                                      paused worker keeps its requests; one hung inside its update,
+                                      SIGSTOPped say, keeps them forever); a managed worker whose
+                                      process is gone serves nobody, whatever it last reported
+    worker_launch_failed    critical  a managed worker that failed to launch and is not healthy again
+    worker_out_of_rotation  warning   a worker not RUNNING that no rollout is driving
+    worker_stuck            warning   a worker a rollout has held in one state for longer than the
+                                      steps that state can take allow (STEP_BOUNDS)
+    rollout_failed          warning   the host's last finished rollout failed or was rolled back
+                                      (clears when a later one succeeds)
+
+The times come from the worker handles (when each last changed state and left RUNNING): that is
+observation (a worker's position over time), not an event the probe must not miss.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Protocol
+
+from sqlalchemy import select
+
+from daemon.common.problems import WARNING, Problem
+from daemon.config import RolloutSettings
+from daemon.registry import Registry
+from daemon.registry.journal import Journal
+from daemon.registry.models import Checkpoint, Rollout
+from daemon.rollout.stage import registry_expect
+from daemon.rollout.states import Fleet, WorkerHandle, WorkerState
+from daemon.transport.check import files_problem
+
+HELD_BY_UPDATE = (WorkerState.PAUSED, WorkerState.UPDATED)  # paused requests wait; none is refused
+# A pause longer than this is an outage to its clients (requests wait, unanswered): the reference
+# worker's pause is milliseconds (ipc) to under a second (disk, 8B); a hung worker's is forever.
+PAUSE_SERVES_S = 1.0
+FAILED_OUTCOMES = ("failed", "rolled_back")
+
+
+class Launches(Protocol):
+    def launch_problems(self) -> list[tuple[str, str]]: ...
+
+
+class Controlled(Protocol):
+    """What the probe reads of the controller (daemon.controller.service.RolloutService)."""
+
+    @property
+    def fleet(self) -> Fleet: ...
+    @property
+    def journal(self) -> Journal: ...
+    @property
+    def settings(self) -> RolloutSettings: ...
+    @property
+    def supervisor(self) -> Launches: ...
+
+    def wait_ready(self, timeout: float | None = None) -> bool: ...
+
+
+class WorkerProbe:
+    def __init__(self, service: Controlled) -> None:
+        self.service = service
+
+    def problems(self) -> list[Problem]:
+        s = self.service
+        groups: dict[str, list[WorkerHandle]] = {}
+        for h in s.fleet:
+            groups.setdefault(h.spec.group, []).append(h)
+        out = []
+        for group, handles in sorted(groups.items()):
+            if not any(self._serves(h) for h in handles):
+                states = ", ".join(f"{h.name} {_state(h)}" for h in handles)
+                out.append(Problem("no_worker_serving", group, f"no worker of group {group!r} serves ({states})"))
+        if not s.wait_ready(0):
+            return out  # start-up: where its workers are is being found out; only "serving" is known
+        launch = dict(s.supervisor.launch_problems())
+        out += [Problem("worker_launch_failed", name, why) for name, why in launch.items()]
+        now = time.monotonic()
+        for h in s.fleet:
+            if h.state is WorkerState.RUNNING or h.name in launch:
+                continue  # a launch failure is said above, with its cause
+            if not h.driven:
+                out.append(Problem("worker_out_of_rotation", h.name,
+                                   f"{_state(h)} and no rollout is moving it", WARNING))  # fmt: skip
+                continue
+            bound = step_bound(s.settings, h.state)
+            if now - h.changed_at > bound:
+                out.append(Problem("worker_stuck", h.name,
+                                   f"held {_state(h)} by a rollout for {now - h.changed_at:.0f} s "
+                                   f"(the steps of that state allow {bound:.0f} s)", WARNING))  # fmt: skip
+        return out
+
+    @staticmethod
+    def _serves(h: WorkerHandle) -> bool:
+        if _gone(h):
+            return False  # killed inside an update, say: the engine and the supervisor learn it later
+        if h.state is WorkerState.RUNNING:
+            return True
+        return h.state in HELD_BY_UPDATE and h.driven and time.monotonic() - h.left_running_at <= PAUSE_SERVES_S
+
+
+def step_bound(st: RolloutSettings, state: WorkerState | None) -> float:
+    """How long a rollout may hold a worker in `state`: the timeouts of the steps taken in it
+    (each admin call is bounded by request_timeout_s), not the sum of every step's."""
+    call = st.request_timeout_s
+    if state is WorkerState.DRAINING:  # the drain, then (drain mode) the transfer in it
+        return st.drain_timeout_s + st.update_timeout_s + 2 * call
+    if state is WorkerState.PAUSED:  # the transfer
+        return st.update_timeout_s + 2 * call
+    if state is WorkerState.UPDATED:  # the post-check: weight_info, a probe, resume
+        return 3 * call
+    return st.restart_timeout_s + 2 * call  # failed: restore, else restart and wait for it
+
+
+def _gone(h: WorkerHandle) -> bool:
+    """A managed worker launched (or adopted) whose process is no longer there (a poll of the child)."""
+    return h.managed is not None and h.managed.pid is not None and not h.managed.alive()
+
+
+def _state(h: WorkerHandle) -> str:
+    said = h.state.value if h.state is not None else "no answer"
+    return f"{said}, its process gone" if _gone(h) else said
+
+
+def last_rollout_problem(journal: Journal) -> Problem | None:
+    """The host's newest finished rollout, when it failed (rolled back, or left workers restored)."""
+    reg = journal.registry
+    with reg.session() as s:
+        row = s.execute(
+            select(Rollout.id, Rollout.outcome, Rollout.detail, Checkpoint.version)
+            .join(Checkpoint, Checkpoint.id == Rollout.checkpoint_id)
+            .where(Rollout.host == reg.host, Rollout.outcome.is_not(None), Rollout.outcome != "superseded")
+            .order_by(Rollout.id.desc()).limit(1)
+        ).first()  # fmt: skip
+    if row is None or row.outcome not in FAILED_OUTCOMES:
+        return None
+    detail = row.detail or {}
+    why = str(detail.get("reason") or detail.get("error") or row.outcome)
+    return Problem("rollout_failed", reg.host,
+                   f"rollout {row.id} of {row.version} {row.outcome}: {' '.join(why.split())[:300]}", WARNING)  # fmt: skip
+
+
+def alias_problems(registry: Registry, names: tuple[str, ...] = ("serving", "last_good", "pinned")) -> dict[str, str]:
+    """Why an alias's version could not be deployed on this host now (a stat of its verified
+    files): e.g. a pinned version whose directory was deleted, which no rollout can reach."""
+    journal = Journal(registry)
+    out: dict[str, str] = {}
+    for name in names:
+        ref = journal.alias(name)
+        problem = files_problem(ref.local_path, registry_expect(journal, ref)) if ref is not None else None
+        if problem:
+            out[name] = problem
+    return out

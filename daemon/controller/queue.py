@@ -1,0 +1,158 @@
+"""The rollout runner's bookkeeping: what it does next (`RolloutQueue`) and what it decided (`RolloutState`).
+
+Operator commands go first, then the newest waiting checkpoint. Checkpoints that arrive while a
+rollout runs wait in a single slot: a newer arrival replaces the waiting one, which the caller
+records as `superseded`. Operator commands (rollback, pin, unpin) queue in order and carry a
+Future the API waits on; a refused one fails it with `CommandError`.
+
+`RolloutState` (pinned, serving, the job in progress, a version held back for unavailable
+workers) is written by the runner thread and read by the API and the health poll: every access
+takes its lock, and the one compound step (take the held-back version) is one call.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from daemon.registry.journal import CheckpointRef
+from daemon.rollout.planner import newer
+
+JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile", "converge",  # converge: daemon.fleet.agent
+                  # LoRA adapters, per name (daemon.controller.adapters): queued as commands
+                  "adapter", "adapter_rollback", "adapter_pin", "adapter_unpin", "adapter_reconcile"]
+
+
+@dataclass(eq=False)
+class Job:
+    kind: JobKind
+    checkpoint: CheckpointRef | None = None  # deploy
+    version: str | None = None  # rollback --to / pin / converge
+    force: bool = False  # pin: a rejected version too
+    adapter: str | None = None  # adapter jobs: the adapter name
+    future: Future[dict[str, Any]] = field(default_factory=Future)
+
+    def describe(self) -> str:
+        what = self.checkpoint.version if self.checkpoint else self.version or self.adapter
+        return f"{self.kind} {what}" if what else self.kind
+
+
+class RolloutQueue:
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._pending: CheckpointRef | None = None
+        self._commands: deque[Job] = deque()
+
+    def offer(self, ckpt: CheckpointRef) -> CheckpointRef | None:
+        """Make `ckpt` the waiting checkpoint; returns the one it replaced (now superseded), if any."""
+        with self._cond:
+            old = self._pending
+            if old is not None and old.id != ckpt.id and newer(old, ckpt):
+                return ckpt  # an older version (by step, then arrival) is superseded by the waiting one
+            self._pending = ckpt
+            self._cond.notify_all()
+            return old if old is not None and old.id != ckpt.id else None
+
+    def command(self, job: Job) -> Future[dict[str, Any]]:
+        with self._cond:
+            if job.kind in ("reconcile", "adapter_reconcile") and any(j.kind == job.kind for j in self._commands):
+                return next(j.future for j in self._commands if j.kind == job.kind)
+            self._commands.append(job)
+            self._cond.notify_all()
+        return job.future
+
+    def take(self, timeout: float, deploy_allowed: bool) -> Job | None:
+        """The next job (commands first; the waiting checkpoint only when deploys are allowed)."""
+        with self._cond:
+            if not self._commands and not (deploy_allowed and self._pending):
+                self._cond.wait(timeout)
+            if self._commands:
+                return self._commands.popleft()
+            if deploy_allowed and self._pending is not None:
+                ckpt, self._pending = self._pending, None
+                return Job("deploy", checkpoint=ckpt)
+            return None
+
+    def wake(self) -> None:
+        with self._cond:
+            self._cond.notify_all()
+
+    def newer_than(self, ckpt: CheckpointRef) -> bool:
+        with self._cond:
+            return self._pending is not None and self._pending.id != ckpt.id and newer(self._pending, ckpt)
+
+    def has_command(self, kinds: tuple[JobKind, ...] | None = None) -> bool:
+        with self._cond:
+            return any(kinds is None or j.kind in kinds for j in self._commands)
+
+    @property
+    def pending(self) -> CheckpointRef | None:
+        with self._cond:
+            return self._pending
+
+
+class CommandError(ValueError):
+    """An operator command that cannot be done; `http_status` is what the API answers with."""
+
+    def __init__(self, message: str, http_status: int = 409) -> None:
+        super().__init__(message)
+        self.http_status = http_status
+
+
+@dataclass
+class RolloutState:
+    """What the runner decided, shared with the API and poll threads; every access takes the lock."""
+
+    _pinned: str | None = None
+    _serving: str | None = None
+    _current_job: str | None = None
+    _blocked: CheckpointRef | None = None  # waiting for unavailable workers to come back
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    @property
+    def pinned(self) -> str | None:
+        with self._lock:
+            return self._pinned
+
+    @property
+    def serving(self) -> str | None:
+        with self._lock:
+            return self._serving
+
+    @property
+    def current_job(self) -> str | None:
+        with self._lock:
+            return self._current_job
+
+    @property
+    def blocked(self) -> CheckpointRef | None:
+        with self._lock:
+            return self._blocked
+
+    def set_pinned(self, version: str | None) -> None:
+        with self._lock:
+            self._pinned = version
+
+    def set_serving(self, version: str | None) -> None:
+        with self._lock:
+            self._serving = version
+
+    def set_current_job(self, job: str | None) -> None:
+        with self._lock:
+            self._current_job = job
+
+    def set_blocked(self, ckpt: CheckpointRef | None) -> None:
+        with self._lock:
+            self._blocked = ckpt
+
+    def take_blocked(self, older_than: CheckpointRef | None = None) -> CheckpointRef | None:
+        """Clear and return the held-back version (only if it is older than `older_than`, when given)."""
+        with self._lock:
+            b = self._blocked
+            if b is None or (older_than is not None and (b.id == older_than.id or newer(b, older_than))):
+                return None
+            self._blocked = None
+            return b

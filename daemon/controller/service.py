@@ -1,0 +1,402 @@
+"""The rollout service: the one object the daemon talks to for "roll this out" and manual control.
+
+One runner thread does everything that moves workers, in order: start-up (launch managed
+workers, then crash recovery), then jobs from the queue: operator commands first (rollback,
+pin, unpin, reconcile), then the newest waiting checkpoint. A periodic health poll (on the
+daemon's scheduler) keeps `workers` current. What the runner decided (serving, pinned, the job
+in progress, a version held back for unavailable workers) is one `RolloutState`, guarded by a
+lock, read by the API and the poll threads.
+
+    service = RolloutService.from_config(config, registry)
+    service.start(scheduler)
+    coordinator.on_verified = service.submit
+
+This module is the runner: its inputs, its thread, the job dispatch, status and the poll. What
+each job does and what its result means for the registry is daemon.controller.decisions (the
+health window after a new version: daemon.controller.health_window), start-up and crash
+recovery is daemon.controller.startup. Each is handed what it needs here, and none imports this
+module back.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterable
+from concurrent.futures import Future
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+from apscheduler.schedulers.base import BaseScheduler
+
+from daemon.adapters import make_client
+from daemon.adapters.base import Timeouts, WeightInfo, WorkerError
+from daemon.common.logging import get_logger
+from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
+from daemon.controller.adapter_rollout import AdapterRollout
+from daemon.controller.adapters import AdapterDecisions
+from daemon.controller.decisions import RolloutDecisions
+from daemon.controller.queue import CommandError, Job, RolloutQueue, RolloutState
+from daemon.controller.startup import Startup
+from daemon.controller.supervise import Supervisor
+from daemon.fleet.agent import FleetAgent, leased
+from daemon.fleet.lease import FleetLeases
+from daemon.fleet.settings import FleetSettings
+from daemon.registry.adapters import AdapterJournal
+from daemon.registry.db import Registry
+from daemon.registry.journal import Journal
+from daemon.registry.models import WORKER_STATES
+from daemon.registry.outbox import unreachable
+from daemon.rollout.driver import WorkerDriver
+from daemon.rollout.engine import RolloutEngine
+from daemon.rollout.managed import ManagedWorker, Restarter
+from daemon.rollout.recovery import check_worker
+from daemon.rollout.stage import Stager, registry_expect
+from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
+from daemon.transport.base import SenderOptions
+
+log = get_logger(__name__)
+
+
+class RolloutService:
+    def __init__(
+        self,
+        registry: Registry,
+        settings: RolloutSettings,
+        workers: list[WorkerSpec],
+        state_dir: Path,
+        loader: LoaderSettings | None = None,
+        observers: Iterable[TransitionObserver] = (),
+        restarter: Restarter | None = None,
+        fleet: FleetSettings | None = None,
+    ) -> None:
+        self.settings = settings
+        self.state_dir = state_dir
+        self.journal = Journal(registry)
+        timeouts = Timeouts(settings.request_timeout_s, settings.update_timeout_s, settings.drain_timeout_s)
+        handles = []
+        for spec in workers:
+            managed = ManagedWorker(spec, state_dir) if spec.launch == "managed" else None
+            url = managed.url if managed else spec.url.rstrip("/")
+            token_file = str(managed.token_file) if managed else spec.token_file
+            client = make_client(spec.kind, spec.name, managed.admin_url if managed else url,
+                                 token_file=token_file or None, timeouts=timeouts, options=spec.engine_options())
+            if settings.transport not in client.capabilities.transports:
+                raise ConfigError(f"[[workers]] {spec.name}: kind {spec.kind!r} takes transport "
+                                  f"{' or '.join(map(repr, client.capabilities.transports))}, not "
+                                  f"[rollout].transport = {settings.transport!r}")  # fmt: skip
+            handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
+        self.fleet = Fleet(handles)
+        self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(partial(registry_expect, self.journal)), observers)
+        options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
+                                loader.socket if loader else "")  # fmt: skip
+        self.stager = Stager(settings.transport, options, journal=self.journal)
+        self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
+        # fleet mode: every rollout under a fleet-wide lease; an agent converges to the fleet target
+        self.leases = FleetLeases(registry, fleet) if fleet is not None and fleet.enabled else None
+        self.fleet_agent: FleetAgent | None = None
+        if fleet is not None and self.leases is not None:
+            self.engine = leased(self.engine, self.leases, lambda: self.stopping)
+            self.fleet_agent = FleetAgent(self.journal, fleet, idle=self._idle, pinned=lambda: self.state.pinned,
+                                          converge=self.converge, submit=self.submit)  # fmt: skip
+        self.queue = RolloutQueue()
+        self.state = RolloutState()
+        self._stopping = threading.Event()
+        self.decisions = RolloutDecisions(self.journal, self.fleet, settings, self.engine, self.driver, self.stager,
+                                          self.state, self.queue, self._stopping, submit=self.submit)  # fmt: skip
+        # managed children: watched from launch, relaunched with backoff (daemon/controller/supervise.py)
+        self.supervisor = Supervisor(self.journal, self.fleet, self.driver, settings, self.decisions.fell_back)
+        # LoRA adapters: their own jobs, per name, on the same runner (daemon/controller/adapters.py)
+        self.adapter_journal = AdapterJournal(registry)
+        self.adapters = AdapterDecisions(self.journal, self.adapter_journal,
+                                         AdapterRollout(self.journal, self.adapter_journal, self.fleet), settings,
+                                         interrupted=self._stopping.is_set)  # fmt: skip
+        self.startup = Startup(self.journal, self.fleet, settings, state_dir, self.state, self.queue, self.supervisor,
+                               self.leases, self._stopping, self.engine, self.driver, self.decisions,
+                               submit=self.submit, observe=self._observe_all)  # fmt: skip
+        self._ready = threading.Event()
+        self.polls = 0  # health poll passes finished (GET /v1/rollout shows them)
+        self._thread: threading.Thread | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: Config, registry: Registry, observers: Iterable[TransitionObserver] = ()
+    ) -> RolloutService:
+        try:
+            return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers,
+                       fleet=config.fleet)  # fmt: skip
+        except ConfigError as exc:
+            raise ConfigError(f"{config.source_file}: {exc}") from None
+
+    # -- lifecycle -------------------------------------------------------------------------
+    def start(self, scheduler: BaseScheduler | None = None) -> None:
+        self.journal.register_workers((h.name, h.spec.kind, h.url, h.spec.device) for h in self.fleet)
+        # On the caller's thread, before the coordinator starts: making the seed imports
+        # transformers, and two threads importing it at once can fail.
+        self.startup.seed_if_empty()
+        if self.leases is not None and (stale := self.leases.release_stale()):
+            log.warning("fleet_lease_stale_released", slots=stale)  # this host's previous run died holding it
+        self.supervisor.start()
+        self._thread = threading.Thread(target=self._run, name="rollout", daemon=True)
+        self._thread.start()
+        if scheduler is not None and self.fleet_agent is not None:
+            scheduler.add_job(self.fleet_agent.tick, "interval", seconds=self.fleet_agent.settings.poll_s,
+                              id="fleet-converge", max_instances=1, coalesce=True)  # fmt: skip
+        if scheduler is not None:
+            scheduler.add_job(self.poll, "interval", seconds=self.settings.health_poll_s, id="worker-health",
+                              max_instances=1, coalesce=True)  # fmt: skip
+
+    def stop(self, stop_managed: bool = True, timeout: float = 30.0) -> None:
+        self._stopping.set()
+        self.queue.wake()
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.supervisor.stop()
+        if stop_managed:
+            for h in self.fleet:
+                if h.managed is not None:
+                    h.managed.stop()
+        self.stager.close()
+        self.fleet.close()
+
+    @property
+    def stopping(self) -> bool:
+        return self._stopping.is_set()
+
+    def wait_ready(self, timeout: float | None = None) -> bool:
+        """True once start-up and crash recovery are done."""
+        return self._ready.wait(timeout)
+
+    # -- inputs ----------------------------------------------------------------------------
+    def submit(self, checkpoint_id: int) -> None:
+        """A verified checkpoint to roll out (the coordinator's `on_verified`). Returns at once."""
+        ckpt = self.journal.checkpoint(checkpoint_id)
+        if ckpt is None:
+            return
+        if self.adapter_journal.is_adapter(checkpoint_id):  # a LoRA adapter: its own job, nothing is paused
+            self.queue.command(Job("adapter", checkpoint=ckpt))
+            return
+        replaced = self.queue.offer(ckpt)
+        if replaced is not None:
+            self.decisions.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
+        blocked = self.state.take_blocked(older_than=ckpt)  # a newer version takes its turn
+        if blocked is not None:
+            self.decisions.supersede(blocked, by=ckpt)
+        log.info("rollout_queued", version=ckpt.version, pinned=self.state.pinned, busy=self.state.current_job)
+
+    def rollback(self, to: str | None = None, adapter: str | None = None) -> Future[dict[str, Any]]:
+        """Back to the version before (or `to`); `adapter`, or a `to` that is an adapter version:
+        that adapter name only."""
+        if adapter is not None or (to is not None and self.adapter_journal.by_version(to) is not None):
+            return self.queue.command(Job("adapter_rollback", version=to, adapter=adapter))
+        return self.queue.command(Job("rollback", version=to))
+
+    def pin(self, version: str, force: bool = False) -> Future[dict[str, Any]]:
+        """Deploy `version` and hold it; a `rejected` one only with `force`. An adapter version
+        pins its adapter name only."""
+        adapter = self.adapter_journal.by_version(version) is not None
+        return self.queue.command(Job("adapter_pin" if adapter else "pin", version=version, force=force))
+
+    def unpin(self, adapter: str | None = None) -> Future[dict[str, Any]]:
+        return self.queue.command(Job("adapter_unpin", adapter=adapter) if adapter else Job("unpin"))
+
+    def converge(self, version: str) -> Future[dict[str, Any]]:
+        """Fleet mode: move this host to the fleet target `version` (daemon.fleet.FleetAgent)."""
+        return self.queue.command(Job("converge", version=version))
+
+    def _idle(self) -> bool:
+        return (self._ready.is_set() and self.state.current_job is None and self.queue.pending is None
+                and not self.queue.has_command(("converge", "rollback", "pin", "reconcile")))  # fmt: skip
+
+    def status(self) -> dict[str, Any]:
+        pending = self.queue.pending
+        last_good = self.journal.alias("last_good")
+        return {
+            "ready": self._ready.is_set(),
+            "current": self.state.current_job,
+            "pending": pending.version if pending else None,
+            "pinned": self.state.pinned,
+            "serving": self.state.serving,
+            "last_good": last_good.version if last_good else None,
+            "transport": self.settings.transport,
+            "adapters": self.adapter_journal.aliases(),  # adapter name -> serving, last_good, pinned
+            "passes": {"health_poll": self.polls, "supervisor": self.supervisor.passes},  # the loops are alive
+            "workers": [
+                {"name": h.name, "url": h.url, "group": h.spec.group, "launch": h.spec.launch,
+                 "state": h.state.value if h.state else None}
+                for h in self.fleet
+            ],  # fmt: skip
+        }
+
+    # -- the runner ------------------------------------------------------------------------
+    def _run(self) -> None:
+        try:
+            self.startup.run()
+        except Exception:
+            log.exception("rollout_bootstrap_failed")
+        finally:
+            self._ready.set()
+        while not self._stopping.is_set():
+            job = self.queue.take(0.5, deploy_allowed=self.state.pinned is None)
+            if job is None:
+                continue
+            self.state.set_current_job(job.describe())
+            try:
+                job.future.set_result(self._execute_through_outage(job))
+            except CommandError as exc:
+                log.warning("command_refused", job=job.describe(), reason=str(exc))
+                job.future.set_exception(exc)
+            except Exception as exc:
+                log.exception("rollout_job_failed", job=job.describe())
+                job.future.set_exception(exc)
+            finally:
+                self.state.set_current_job(None)
+
+    def _execute_through_outage(self, job: Job) -> dict[str, Any]:
+        """A job the database cut short (a read it needed failed) runs again once the database
+        answers and what was kept meanwhile is recorded (daemon.registry.outbox); until then no
+        worker is left drained or paused by it."""
+        while True:
+            try:
+                return self._execute(job)
+            except Exception as exc:
+                if not unreachable(exc) or self.stopping:
+                    raise
+                log.warning("rollout_job_waits_for_database", job=job.describe(), error=" ".join(str(exc).split())[:300])
+                self._all_back_in_rotation()
+                if not self.journal.registry.wait_until_writable(self._stopping):
+                    raise
+
+    def _all_back_in_rotation(self) -> None:
+        for h in self.fleet:
+            if h.busy.acquire(blocking=False):
+                try:
+                    self._back_in_rotation(h)
+                finally:
+                    h.busy.release()
+
+    def _back_in_rotation(self, h: WorkerHandle, info: WeightInfo | None = None) -> WeightInfo | None:
+        """A worker that reports DRAINING or PAUSED while nothing moves it (a rollout that died on
+        an error, a daemon restarted mid-step) is resumed: its weights are whole (an update that
+        fails mid-write reports UNHEALTHY), and out of rotation it serves nobody."""
+        try:
+            info = info or h.client.weight_info()
+            if parse_state(info.state) not in (WorkerState.DRAINING, WorkerState.PAUSED):
+                return info
+            log.warning("worker_resumed", worker=h.name, was=info.state, version=info.version,
+                        reason="left out of rotation with no rollout moving it")  # fmt: skip
+            h.client.resume()
+            info = h.client.weight_info()
+        except WorkerError as exc:
+            log.warning("worker_resume_failed", worker=h.name, error=str(exc))
+            return None
+        h.observed(parse_state(info.state))
+        return info
+
+    def _execute(self, job: Job) -> dict[str, Any]:
+        if job.kind.startswith("adapter"):
+            return self._execute_adapter(job)
+        if job.kind == "deploy":
+            assert job.checkpoint is not None
+            return self.decisions.deploy_new(job.checkpoint)
+        if job.kind == "rollback":
+            return self.decisions.rollback(job.version)
+        if job.kind == "pin":
+            assert job.version is not None
+            return self.decisions.pin(job.version, job.force)
+        if job.kind == "unpin":
+            return self.decisions.unpin()
+        if job.kind == "converge":
+            assert job.version is not None
+            return self.decisions.converge(job.version)
+        return self.decisions.reconcile()
+
+    def _execute_adapter(self, job: Job) -> dict[str, Any]:
+        if job.kind == "adapter":
+            assert job.checkpoint is not None
+            return self.adapters.deploy_new(job.checkpoint.id)
+        if job.kind == "adapter_rollback":
+            return self.adapters.rollback(job.adapter, job.version)
+        if job.kind == "adapter_pin":
+            assert job.version is not None
+            return self.adapters.pin(job.version, job.force)
+        if job.kind == "adapter_unpin":
+            assert job.adapter is not None
+            return self.adapters.unpin(job.adapter)
+        return self.adapters.reconcile()
+
+    # -- the health poll (an APScheduler job on the daemon's scheduler) ---------------------
+    def poll(self) -> None:
+        """Keep each idle worker's `workers` row current from its /weight_info: one that stops
+        answering is UNREACHABLE (an `events` row when the state changes), a managed worker whose
+        process died is relaunched, a worker on another version than serving asks for a reconcile,
+        and a version held back for an unavailable worker is retried once all are back."""
+        try:
+            self._poll()
+        finally:
+            self.polls += 1  # a pass finished (or had nothing to do): what "the next poll" waits on
+
+    def _poll(self) -> None:
+        if not self.wait_ready(0) or self.stopping or self._busy():
+            return  # during a job the engine itself records every state change
+        box = self.journal.registry.outbox
+        if box.pending() and not box.flush():
+            # The registry lags what happened (writes kept through an outage): judged against it,
+            # a worker on the version it was just moved to would look drifted and be moved back.
+            self._all_back_in_rotation()
+            return
+        drift = False
+        running = 0
+        for h in self.fleet:
+            if not h.busy.acquire(blocking=False):
+                continue
+            try:
+                drift |= self._poll_one(h)
+                running += h.state == WorkerState.RUNNING
+            except Exception:
+                log.exception("health_poll_failed", worker=h.name)
+            finally:
+                h.busy.release()
+        if self._busy():
+            return
+        if drift:
+            self.queue.command(Job("reconcile"))
+        elif running == len(self.fleet) and self.adapters.drifted():  # e.g. a relaunched worker lost its adapters
+            self.queue.command(Job("adapter_reconcile"))
+        if running == len(self.fleet):
+            blocked = self.state.take_blocked()
+            if blocked is not None:
+                log.info("fleet_back", retrying=blocked.version)
+                self.submit(blocked.id)
+
+    def _observe_all(self) -> None:
+        """Start-up, before the first job: what the health poll does for each worker, once."""
+        for h in self.fleet:
+            with h.busy:
+                try:
+                    self._poll_one(h)
+                except Exception:
+                    log.exception("health_poll_failed", worker=h.name)
+
+    def _busy(self) -> bool:
+        return self.state.current_job is not None
+
+    def _poll_one(self, h: WorkerHandle) -> bool:
+        if h.managed is not None and (self.supervisor.owns(h) or h.managed.needs_relaunch()):
+            return False  # launching, failed or just died: the supervisor reports it (daemon/controller/supervise.py)
+        try:
+            info = h.client.weight_info()
+        except WorkerError as exc:
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
+            h.observed(None)
+            return False
+        info = self._back_in_rotation(h, info) or info
+        if check_worker(self.journal, self.driver, h, info) is not None:  # reports what the registry does not
+            self.journal.observe(h.name, state=WorkerState.UNCERTAIN.value, weight_version=info.version,
+                                 error="its report does not match the registry", device=info.device)  # fmt: skip
+            return True
+        state = info.state if info.state in WORKER_STATES else "UNKNOWN"
+        self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
+        h.observed(parse_state(info.state))
+        serving_version = self.state.serving
+        return info.state == WorkerState.RUNNING.value and serving_version is not None and info.version != serving_version

@@ -1,0 +1,131 @@
+"""Start-up, before the runner takes its first job: the seed, managed workers, crash recovery.
+
+`seed_if_empty` (on the caller's thread, in `RolloutService.start`): a fleet of managed workers
+only, with nothing deployed yet, serves the tiny seed. `run` (first on the runner's thread):
+managed workers adopted or launched, unfinished rollouts finished or undone, an interrupted health
+window watched again, a reconcile queued and a waiting version resumed.
+
+    startup = Startup(journal, fleet, settings, state_dir, state, queue, supervisor, leases,
+                      stopping, engine, driver, decisions, submit=service.submit)
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import KW_ONLY, dataclass
+from pathlib import Path
+
+from daemon.common.logging import get_logger
+from daemon.config import RolloutSettings
+from daemon.controller.decisions import RolloutDecisions
+from daemon.controller.queue import Job, RolloutQueue, RolloutState
+from daemon.controller.supervise import Supervisor
+from daemon.fleet.agent import holding
+from daemon.fleet.lease import FleetLeases
+from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
+from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
+from daemon.rollout.driver import WorkerDriver
+from daemon.rollout.engine import RolloutEngine, RolloutResult
+from daemon.rollout.managed import ensure_seed
+from daemon.rollout.planner import newer, newest
+from daemon.rollout.recovery import Recovery
+from daemon.rollout.states import Fleet
+
+log = get_logger(__name__)
+C, T = CheckpointStatus, RolloutTrigger
+
+
+@dataclass
+class Startup:
+    """What the service does once, at start, before any queued checkpoint."""
+
+    journal: Journal
+    fleet: Fleet
+    settings: RolloutSettings
+    state_dir: Path
+    state: RolloutState
+    queue: RolloutQueue
+    supervisor: Supervisor
+    leases: FleetLeases | None
+    stopping: threading.Event
+    engine: RolloutEngine
+    driver: WorkerDriver
+    decisions: RolloutDecisions
+    _: KW_ONLY
+    submit: Callable[[int], None]
+    observe: Callable[[], None]  # one health-poll pass: each worker's row from its own answer
+
+    def run(self) -> None:
+        """First on the runner's thread, before any queued checkpoint: unfinished rollouts are
+        finished or undone, an interrupted health window is watched again, drifted workers are
+        reconciled and a waiting version is resumed."""
+        pinned = self.journal.alias("pinned")
+        self.state.set_pinned(pinned.version if pinned else None)
+        serving = self._launch_managed()
+        self.state.set_serving(serving.version if serving else None)
+        open_rollouts = self.journal.unfinished_rollouts()
+        for r in open_rollouts[:-1]:
+            self.journal.finish_rollout(r.id, RolloutOutcome.FAILED, {"reason": "left unfinished; a later rollout replaced it"})
+        if open_rollouts:
+            with holding(self.leases, open_rollouts[-1].checkpoint, self.stopping.is_set):
+                self._recover_unfinished(open_rollouts[-1])
+        else:
+            # Nothing to recover: record where each worker is now, from its own answer, before
+            # the first job (the registry would otherwise say UNKNOWN until the first poll).
+            self.observe()
+            serving = self.journal.alias("serving")
+            last_good = self.journal.alias("last_good")
+            rid = self.journal.last_rollout_of(serving.id) if serving else None
+            if serving is not None and rid is not None and (last_good is None or last_good.id != serving.id):
+                # The daemon stopped inside a health window: watch again before trusting the version.
+                log.info("health_window_resumed", version=serving.version)
+                self.decisions.health_window.watch(serving, rid, last_good)
+        self.queue.command(Job("reconcile"))
+        self.queue.command(Job("adapter_reconcile"))  # every worker onto each adapter's serving version
+        serving = self.journal.alias("serving")
+        waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
+        if waiting is not None:
+            log.info("resuming_waiting_checkpoint", version=waiting.version)
+            self.submit(waiting.id)
+
+    def seed_if_empty(self) -> None:
+        """A fleet of managed workers only, with nothing deployed yet: serve the tiny seed."""
+        managed = [h for h in self.fleet if h.managed is not None]
+        if not managed or len(managed) != len(self.fleet) or any(h.spec.model for h in managed):
+            return
+        if self.journal.alias("serving") is None:
+            seed = ensure_seed(self.journal, self.state_dir)
+            self.journal.set_alias("serving", seed.id)
+            self.journal.set_alias("last_good", seed.id)
+
+    def _launch_managed(self) -> CheckpointRef | None:
+        managed = [h for h in self.fleet if h.managed is not None]
+        for h in managed:
+            assert h.managed is not None
+            if not h.managed.adopt():
+                self.supervisor.launch(h)  # on serving, else the newest good version present here
+        for h in managed:  # healthy, or failed (recorded with its log's last lines, relaunched with backoff)
+            if not self.supervisor.wait_settled(h, self.settings.restart_timeout_s + 5):
+                log.error("managed_worker_not_ready", worker=h.name,
+                          log_file=str(h.managed.log_file if h.managed else ""))  # fmt: skip
+        return self.journal.alias("serving")
+
+    def _recover_unfinished(self, rollout: RolloutRef) -> None:
+        fb_version = rollout.detail.get("fallback")
+        fallback = self.journal.checkpoint_by_version(fb_version) if fb_version else None
+        serving = self.journal.alias("serving")
+        rec = Recovery(self.journal, self.engine, self.driver).run(rollout, fallback)
+        detail = {"recovered": True, "recovered_to": rec.version, "unrecovered": rec.unrecovered}
+        ckpt = rollout.checkpoint
+        if rec.finished and not rec.unrecovered:
+            self.journal.finish_rollout(rollout.id, RolloutOutcome.SUCCEEDED, detail)
+            self.decisions.conclude(ckpt, RolloutResult(rollout.id, RolloutOutcome.SUCCEEDED), serving, fallback,
+                                    trigger=rollout.trigger)  # fmt: skip
+            if rollout.trigger != T.NEW:
+                self.journal.set_alias("last_good", ckpt.id)
+        else:
+            reason = "daemon restarted after the rollout had failed; undone" if not rec.finished else "not every worker recovered"
+            self.journal.finish_rollout(rollout.id, RolloutOutcome.FAILED, {**detail, "reason": reason})
+            if rollout.trigger == T.NEW:
+                self.journal.move_status(ckpt.id, C.REJECTED, f"rollout {rollout.id}: {reason}")

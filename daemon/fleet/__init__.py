@@ -1,0 +1,12 @@
+"""Many hosts on one PostgreSQL registry: the bound on hosts updating at once, the target a
+fleet converges to, and each host's copy of a version.
+
+    settings  `[fleet]`: typed and validated (a section of daemon.config)
+    lease     `fleet_leases` slots taken with SELECT ... FOR UPDATE SKIP LOCKED, renewed, released
+    target    the fleet target: an operator's, else the newest version some host had as last_good
+    agent     per host: converge to the target under a lease (the controller's fleet job)
+    behind    why this host is not on the target: its host_behind warning, its fleet_host_reasons row
+    fetch     a version registered by another host: this host's copy through its own source
+
+Above rollout (an agent drives daemon.rollout.engine); below the controller, which runs the agent.
+"""

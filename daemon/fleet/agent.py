@@ -1,0 +1,190 @@
+"""Fleet mode: many hosts on one PostgreSQL registry, each rolling out under a fleet-wide lease.
+
+- `LeasedEngine`: the rollout engine with every rollout inside a lease slot
+  (`daemon.fleet.lease`): at most `[fleet] max_updating_hosts` hosts move workers at once.
+- the fleet target (`daemon.fleet.target`): what late joiners converge to.
+- `FleetAgent.tick` (every `[fleet] poll_s`): when this host serves something older than the
+  target, has the target's bytes here, is not pinned and is idle, it asks the rollout service to
+  converge (a rollout with trigger `fleet`, under the lease like any other). A version some host
+  verified but no host finished deploying (its registering host may have died mid-rollout) is
+  deployed here as a new version (with its health window), once this host has its own copy.
+- `FleetAgent.behind` (every tick): why this host is not on the target, if it is not
+  (`daemon.fleet.behind`): the daemon's `host_behind` warning (`FleetAgent.problems`, a probe
+  of its health monitor) and this host's row of `fleet_host_reasons`, written when it changes.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+from daemon.common.logging import get_logger
+from daemon.common.problems import Problem
+from daemon.fleet import behind as why
+from daemon.fleet.lease import FleetLeases, holders
+from daemon.fleet.settings import FleetSettings
+from daemon.fleet.target import fleet_target
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import RolloutOutcome, RolloutTrigger
+from daemon.rollout.engine import RolloutEngine, RolloutResult
+from daemon.rollout.planner import newer, newest
+
+log = get_logger(__name__)
+RETRY_S = 30.0  # a converge that did not reach the target is tried again after this long
+
+
+class LeasedEngine(RolloutEngine):
+    """Every rollout waits for a fleet lease slot, renews it while it runs and releases it after."""
+
+    leases: FleetLeases
+    stopping: Callable[[], bool]
+
+    def deploy(
+        self,
+        ckpt: CheckpointRef,
+        *,
+        trigger: RolloutTrigger,
+        fallback: CheckpointRef | None,
+        should_yield: Callable[[], bool] = lambda: False,
+        only: Collection[str] | None = None,
+        detail: dict[str, Any] | None = None,
+    ) -> RolloutResult:
+        if self.leases.acquire(ckpt.version, ckpt.id, self.stopping) is None:
+            rid = self.journal.start_rollout(ckpt.id, trigger=trigger, transport=self.stager.transport, mode="-",
+                                             detail={"version": ckpt.version, **(detail or {})})  # fmt: skip
+            reason = "the daemon stopped while waiting for a fleet lease"
+            self.journal.finish_rollout(rid, RolloutOutcome.SUPERSEDED, {"reason": reason})
+            return RolloutResult(rid, RolloutOutcome.SUPERSEDED, reason)
+        try:
+            with self.leases.renewing():
+                # a lost slot (another host took it after an expiry) stops at the next batch boundary
+                return super().deploy(ckpt, trigger=trigger, fallback=fallback, only=only, detail=detail,
+                                      should_yield=lambda: should_yield() or self.leases.lost)  # fmt: skip
+        finally:
+            self.leases.release(ckpt.id)
+
+
+@contextmanager
+def holding(leases: FleetLeases | None, ckpt: CheckpointRef, stop: Callable[[], bool]) -> Iterator[None]:
+    """A block that moves workers outside a rollout (crash recovery at start) under a lease too."""
+    if leases is None or leases.acquire(ckpt.version, ckpt.id, stop) is None:
+        yield
+        return
+    try:
+        with leases.renewing():
+            yield
+    finally:
+        leases.release(ckpt.id)
+
+
+def leased(engine: RolloutEngine, leases: FleetLeases, stopping: Callable[[], bool]) -> LeasedEngine:
+    """`engine` as a LeasedEngine (same journal, fleet, driver and stager)."""
+    out = LeasedEngine(engine.journal, engine.fleet, engine.settings, engine.driver, engine.stager)
+    out.leases, out.stopping = leases, stopping
+    return out
+
+
+class FleetAgent:
+    """Moves this host to the fleet target when it is behind (see the module docstring)."""
+
+    def __init__(self, journal: Journal, settings: FleetSettings, *, idle: Callable[[], bool],
+                 pinned: Callable[[], str | None], converge: Callable[[str], object],
+                 submit: Callable[[int], object]) -> None:  # fmt: skip
+        self.journal = journal
+        self.settings = settings
+        self.idle, self.pinned, self.converge, self.submit = idle, pinned, converge, submit
+        self._tried: dict[str, float] = {}
+        self._fetched: dict[str, float] = {}
+        # set by the daemon (Coordinator.fetch_here): fetch this host's copy of a checkpoint id
+        self.fetch: Callable[[int], bool] | None = None
+        # set by the daemon: the job this host's rollout service runs now ("deploy v3"), if any
+        self.doing: Callable[[], str | None] = lambda: None
+        self._missing_logged: set[str] = set()
+        self._attempt: why.Attempt | None = None  # the last converge asked for, and its Future
+        self.behind: why.Behind | None = None  # why this host is not on the fleet target (last tick)
+        self._recorded: object = ()  # what fleet_host_reasons holds for this host (() = not written yet)
+
+    def wanted(self) -> tuple[CheckpointRef, bool] | None:
+        """What this host should do now: (version, True) converge to the fleet target, (version,
+        False) deploy a version the fleet verified that no host has finished yet; else None."""
+        if self.pinned() is not None:
+            return None
+        serving = self.journal.alias("serving")
+        target = fleet_target(self.journal)
+        if target is not None:
+            ckpt = target.checkpoint
+            if serving is None or (serving.id != ckpt.id and (target.explicit or newer(ckpt, serving))):
+                return (ckpt, True) if self._here(ckpt) else None
+            if target.explicit:
+                return None  # an operator's target holds the fleet there
+        # verified by some host (maybe one that died rolling it out) and not deployed anywhere yet
+        waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
+        return (waiting, False) if waiting is not None and self._here(waiting) else None
+
+    def _here(self, ckpt: CheckpointRef) -> bool:
+        if ckpt.local_path and Path(ckpt.local_path).is_dir():
+            return True
+        now = time.monotonic()
+        if self.fetch is not None and now - self._fetched.get(ckpt.version, -RETRY_S) >= RETRY_S:
+            self._fetched[ckpt.version] = now
+            if self.fetch(ckpt.id):  # its source brings this host's own copy (S3, a shared folder)
+                return True
+        if ckpt.version not in self._missing_logged:
+            self._missing_logged.add(ckpt.version)
+            log.warning("fleet_version_not_on_this_host", version=ckpt.version, host=self.journal.registry.host)
+        return False
+
+    def tick(self) -> str | None:
+        """One look: converge (or deploy) when wanted, then note why this host is behind, if it
+        is. The version asked for, if any."""
+        asked = self._act() if self.idle() else None
+        try:
+            self.observe()
+        except Exception as exc:  # noqa: BLE001 - a database blip: the next tick looks again
+            log.warning("fleet_observe_failed", error=str(exc))
+        return asked
+
+    def observe(self) -> why.Behind | None:
+        """Why this host is not on the fleet target now (None: it is, or it is ahead of it)."""
+        target = fleet_target(self.journal)
+        serving = self.journal.alias("serving")
+        behind = None
+        if why.is_behind(target, serving):
+            assert target is not None
+            t = target.checkpoint
+            running = self._attempt is not None and self._attempt.running()
+            behind = why.explain(target, serving, pinned=self.pinned(), doing=self.doing(), attempt=self._attempt,
+                                 here=bool(t.local_path and Path(t.local_path).is_dir()),
+                                 leases=holders(self.journal.registry) if running else [],
+                                 host=self.journal.registry.host, slots=self.settings.max_updating_hosts)  # fmt: skip
+        self.behind = behind
+        if behind != self._recorded:
+            why.record(self.journal.registry, behind)
+            self._recorded = behind
+            if behind is not None:
+                log.info("fleet_behind", target=behind.target, cause=behind.cause, reason=behind.reason)
+        return behind
+
+    def problems(self) -> list[Problem]:
+        """The daemon's `host_behind` warning (a probe of daemon.process.health.HealthMonitor)."""
+        return why.problem(self.journal.registry.host, self.behind)
+
+    def _act(self) -> str | None:
+        wanted = self.wanted()
+        if wanted is None:
+            return None
+        ckpt, converge = wanted
+        now = time.monotonic()
+        if now - self._tried.get(ckpt.version, -RETRY_S) < RETRY_S:
+            return None
+        self._tried[ckpt.version] = now
+        log.info("fleet_converge" if converge else "fleet_deploy_verified", version=ckpt.version,
+                 host=self.journal.registry.host)  # fmt: skip
+        if converge:
+            self._attempt = why.Attempt(ckpt.version, self.converge(ckpt.version))
+        else:
+            self.submit(ckpt.id)
+        return ckpt.version

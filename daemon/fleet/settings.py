@@ -1,0 +1,59 @@
+"""`[fleet]`: this daemon's host name, and fleet mode (many hosts on one PostgreSQL registry).
+
+    [fleet]
+    host = "gpu-07"            # default: this machine's hostname
+    enabled = true             # fleet mode: PostgreSQL only
+    max_updating_hosts = 1     # hosts rolling out at once, fleet-wide
+    lease_s = 60               # a lease not renewed for this long is free again (its daemon died)
+    poll_s = 5                 # how often a host looks at the fleet target
+
+`host` alone is fine on SQLite (it names the single host); any fleet-mode setting there is
+refused at start (`fleet_problem`), since SQLite is one machine's file.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from sqlalchemy.engine import make_url
+
+
+@dataclass
+class FleetSettings:
+    host: str = ""  # "" = socket.gethostname()
+    enabled: bool = False  # fleet mode: many hosts on one PostgreSQL registry (refused on SQLite)
+    max_updating_hosts: int = 1  # hosts rolling out at once, fleet-wide (lease rows)
+    lease_s: float = 60.0  # a lease its daemon stopped renewing is free again after this long
+    poll_s: float = 5.0  # how often a host checks the fleet target version
+
+    def validate(self, key: str) -> None:
+        # ConfigError lives in daemon.config, which imports this module: plain ValueError here is
+        # turned into one by the loader (see daemon.common.typedtoml.build_dataclass)
+        if self.max_updating_hosts < 1:
+            raise ValueError(f"{key}.max_updating_hosts: must be >= 1")
+        if self.lease_s <= 0:
+            raise ValueError(f"{key}.lease_s: must be > 0")
+        if self.poll_s <= 0:
+            raise ValueError(f"{key}.poll_s: must be > 0")
+        if len(self.host) > 255 or any(c.isspace() for c in self.host):
+            raise ValueError(f"{key}.host: {self.host!r} must be a name without spaces (at most 255 characters)")
+
+    @property
+    def host_name(self) -> str:
+        return self.host or socket.gethostname()
+
+    @property
+    def renew_s(self) -> float:
+        """How often a held lease is renewed: well inside its lifetime."""
+        return max(0.2, self.lease_s / 4)
+
+
+def fleet_problem(fleet: FleetSettings, database_url: str) -> str | None:
+    """Why fleet mode cannot run on this database (one line), else None."""
+    if not fleet.enabled:
+        return None
+    if make_url(database_url).get_backend_name() != "postgresql":
+        return ("fleet.enabled: fleet mode needs a PostgreSQL registry ([database] url = "
+                "\"postgresql+psycopg://...\"); SQLite is a single host's file")  # fmt: skip
+    return None

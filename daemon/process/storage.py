@@ -1,0 +1,75 @@
+"""Where the daemon writes, as problems: the registry refusing writes, and the state directory's disk.
+
+    database_unwritable   critical  writes kept in memory because the database refused them
+                                    (daemon.registry.outbox: read-only, disk full, gone), or
+                                    the SQLite file cannot be opened for writing now
+    state_disk_full       critical  the state directory's filesystem has under MIN_FREE_BYTES free
+                                    (the SQLite registry, worker logs and runtime files live there)
+
+`SELECT 1` (daemon.process.health, database_unreachable) answers on a read-only or full
+database, so a registry that reads but cannot write was green while every transition and
+every new checkpoint failed to be recorded. These probes are a stat and an open each: they run
+on every `/health`.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
+from sqlalchemy.engine import make_url
+
+from daemon.common.problems import Problem
+from daemon.registry import Registry
+
+MIN_FREE_BYTES = 1 << 20  # under this, SQLite cannot grow its WAL by a page batch: writes fail
+
+
+def storage_problems(registry: Registry, state_dir: Path | None) -> list[Problem]:
+    out: list[Problem] = []
+    box = registry.outbox
+    if box.pending():
+        out.append(Problem("database_unwritable", "registry",
+                           f"{box.pending()} writes kept in memory until the database takes them: {box.last_error}"))  # fmt: skip
+    elif (why := _sqlite_unwritable(registry)) is not None:
+        out.append(Problem("database_unwritable", "registry", why))
+    for where in {p for p in (state_dir, _sqlite_dir(registry)) if p is not None}:
+        try:
+            st = os.statvfs(where)
+        except OSError:
+            continue  # a missing folder is another probe's to say (preflight refuses it at start)
+        free = st.f_bavail * st.f_frsize
+        if free < MIN_FREE_BYTES:
+            out.append(Problem("state_disk_full", str(where),
+                               f"{free} bytes free on the filesystem of {where}: nothing more can be recorded"))  # fmt: skip
+    return out
+
+
+def _sqlite_path(registry: Registry) -> Path | None:
+    url = make_url(registry.url)
+    if url.get_backend_name() != "sqlite" or not url.database or url.database == ":memory:":
+        return None
+    if url.database.startswith("file:"):
+        return None
+    return Path(url.database).expanduser()
+
+
+def _sqlite_dir(registry: Registry) -> Path | None:
+    path = _sqlite_path(registry)
+    return path.parent if path is not None else None
+
+
+def _sqlite_unwritable(registry: Registry) -> str | None:
+    path = _sqlite_path(registry)
+    if path is None:
+        return None
+    for p in (path, path.with_name(path.name + "-wal")):
+        try:
+            os.close(os.open(p, os.O_RDWR))
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+                return f"{p} cannot be opened for writing ({exc.strerror}): no transition or checkpoint can be recorded"
+    return None

@@ -1,0 +1,1 @@
+"""Alembic migrations of the registry (shipped as the package daemon.migrations)."""
