@@ -22,6 +22,7 @@ Running the real daemon
         d.history()                                      # version_history rows (dicts), oldest first
         d.get("/status").json()                          # httpx call to the daemon's API
         d.kill() / d.stop(); d.restart(); d.log()        # SIGKILL / SIGTERM; same config again
+        d = daemon_factory(db_url, wait=False); d.launch(); ...; d.wait_started()   # start several at once
 
     `hooked=True` starts it from tests/hooked_daemon.py instead (the same daemon, with the test
     observers its HOTSWAP_TEST_* environment variables ask for; production reads none of them).
@@ -53,6 +54,103 @@ POSTGRES_ENV = "HOTSWAP_TEST_POSTGRES_URL"
 BACKENDS = ["sqlite"] + (["postgres"] if os.environ.get(POSTGRES_ENV) else [])
 
 T = TypeVar("T")
+
+
+# --------------------------------------------------------------------------- parallel runs
+
+# Under pytest-xdist (`./scripts/test.sh` runs the suite with `-n`), every test module is one unit of
+# work (its module-scoped fixtures start once, in one worker process), and modules that must share a
+# process share a unit: the real vLLM tests reuse one server per process (support_vllm), and two
+# vLLM servers at once would each starve on a 2-core machine.
+XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_adapter.py": "vllm", "test_adapters_vllm.py": "vllm"}
+# The longest units go first, so no worker is left with a long one at the end (measured with
+# `--durations=0`: the duration table in tests/README.md).
+LONGEST_FIRST = ("vllm", "test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",
+                 "test_supervise_daemon.py", "test_ops_daemon.py", "test_migration_lock.py",
+                 "test_fleet_converge_daemons.py", "test_sglang_adapter.py", "test_worker_identity.py",
+                 "test_broadcast.py", "test_restart_rollout.py", "test_adapters_daemon.py")  # fmt: skip
+
+# The quick tier (`./scripts/test.sh -m quick`, CONTRIBUTING.md): pure logic, fakes, files and
+# single short-lived processes; no daemon, no vLLM, no load. About a minute on two cores.
+QUICK = frozenset({
+    "test_adapter_checks", "test_adapters_fake",
+    "test_backoff", "test_broadcast_protocol", "test_check_dependencies", "test_check_while_load",
+    "test_check_while_load_async", "test_check_while_load_ipc", "test_checks", "test_checks_cli",
+    "test_checks_signatures", "test_client_publish", "test_config", "test_config_check",
+    "test_control_routes_guarded", "test_copyplan", "test_deferred_retry", "test_deployed_times",
+    "test_detokenize", "test_disk_ahead", "test_docs_config_reference", "test_docs_readme",
+    "test_e2e_versions", "test_engine_adapters", "test_engine_clients", "test_engine_files",
+    "test_engine_routes", "test_fleet_agent", "test_fleet_behind", "test_fleet_cmd", "test_fleet_lag",
+    "test_fleet_lease", "test_fleet_migration", "test_forgery", "test_forward_build", "test_hashing",
+    "test_ipc_descriptor", "test_ipc_transport", "test_json_bodies", "test_layout", "test_listener_limits",
+    "test_loader", "test_manifest", "test_migration_file_hashes", "test_migration_schema",
+    "test_pipeline_fake", "test_probe_in_worker", "test_problems", "test_push_errors", "test_rediscovery",
+    "test_registries", "test_rollout_fake", "test_rollout_units", "test_smallfile", "test_sources_config",
+    "test_sources_local", "test_sources_push", "test_sources_retention", "test_stage_verify_loader",
+    "test_supervise_units", "test_systemd_units", "test_tcplisten", "test_worker_engine",
+})
+
+
+
+def _unit(nodeid: str) -> str:
+    name = nodeid.split("::", 1)[0].rsplit("/", 1)[-1]
+    return XDIST_GROUPS.get(name, name)
+
+
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    # a scheduler of our own rather than `--dist loadgroup`, whose xdist_group marks pytest 9.2
+    # no longer carries into the node ids xdist schedules by
+    from xdist.scheduler import LoadScopeScheduling
+
+    class ModuleUnits(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _unit(nodeid)
+
+    return ModuleUnits(config, log)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        u = _unit(item.nodeid)
+        return LONGEST_FIRST.index(u) if u in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    for item in items:
+        if item.path.stem in QUICK:
+            item.add_marker(pytest.mark.quick)
+    items.sort(key=rank)  # stable: a module's tests keep their order and stay together
+
+
+# --------------------------------------------------------------------------- skips under CI
+
+# CI (`.ci/run` sets HOTSWAP_CI=1) lists every skip at the end (-rs) and fails the run on any skip
+# but these: CI has no GPU. A behaviour under test is never skipped for being hard to observe.
+EXPECTED_CI_SKIPS = ("needs a CUDA device",)
+_unexpected_skips: list[str] = []
+
+
+def _skip_reason(report: pytest.TestReport) -> str:
+    longrepr = report.longrepr
+    return str(longrepr[2]) if isinstance(longrepr, tuple) else str(longrepr)
+
+
+def pytest_runtest_logreport(report: pytest.TestReport) -> None:
+    if not report.skipped or not os.environ.get("HOTSWAP_CI") or hasattr(report, "wasxfail"):
+        return
+    reason = _skip_reason(report)
+    if not any(expected in reason for expected in EXPECTED_CI_SKIPS):
+        _unexpected_skips.append(f"{report.nodeid}: {reason}")
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if _unexpected_skips:
+        terminalreporter.section("skips CI does not allow (tests/conftest.py EXPECTED_CI_SKIPS)", red=True)
+        for line in _unexpected_skips:
+            terminalreporter.line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    if _unexpected_skips and not hasattr(session.config, "workerinput") and exitstatus == 0:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
 
 # --------------------------------------------------------------------------- databases
@@ -152,7 +250,7 @@ def hotswap_cli(
     full_env = {k: v for k, v in os.environ.items() if k != "HOTSWAP_CONFIG"}
     full_env.update({"PYTHONPATH": str(REPO), **(env or {})})
     return subprocess.run(
-        [sys.executable, "-m", "daemon.cli", *args],
+        [sys.executable, "-m", "daemon.cli.main", *args],
         cwd=cwd,
         env=full_env,
         capture_output=True,
@@ -195,13 +293,17 @@ class DaemonProcess:
         self._log_path = workdir / "daemon.log"
         self._registry: Any = None
 
-    def start(self, timeout: float = 30.0) -> DaemonProcess:
-        runtime = self.state_dir / "daemon.json"
-        runtime.unlink(missing_ok=True)
+    def start(self, timeout: float = 90.0) -> DaemonProcess:
+        self.launch()
+        return self.wait_started(timeout)
+
+    def launch(self) -> None:
+        """Start the process and return at once (`wait_started` waits for its daemon.json)."""
+        (self.state_dir / "daemon.json").unlink(missing_ok=True)
         log = open(self._log_path, "ab")  # noqa: SIM115 - lives as long as the process
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **self.env}
         env.pop("HOTSWAP_CONFIG", None)
-        entry = "tests.hooked_daemon" if self.hooked else "daemon.cli"
+        entry = "tests.hooked_daemon" if self.hooked else "daemon.cli.main"
         self.proc = subprocess.Popen(
             [sys.executable, "-m", entry, "daemon", "-c", str(self.config_path)],
             cwd=self.workdir,
@@ -210,6 +312,9 @@ class DaemonProcess:
             stderr=subprocess.STDOUT,
         )
         log.close()
+
+    def wait_started(self, timeout: float = 90.0) -> DaemonProcess:
+        runtime = self.state_dir / "daemon.json"
 
         def ready() -> dict[str, Any] | None:
             if self.proc is not None and self.proc.poll() is not None:
@@ -284,7 +389,7 @@ class DaemonProcess:
         return next((r for r in self.history() if r["version"] == version), None)
 
     def wait_status(
-        self, version: str, status: str | tuple[str, ...], timeout: float = 30.0
+        self, version: str, status: str | tuple[str, ...], timeout: float = 90.0
     ) -> dict[str, Any]:
         wanted = (status,) if isinstance(status, str) else status
 

@@ -12,6 +12,9 @@ read here (never by the daemon):
   HOTSWAP_TEST_HOLD_VERSION     ... only while moving to this version (optional); "v4,v5": once
                                 for each, each ended by its own file RELEASE.v4, RELEASE.v5
   HOTSWAP_TEST_HOLD_RELEASE     file whose creation ends the hold (optional; else after 600 s)
+  HOTSWAP_TEST_START_GATE       a file path: the process (its imports done) creates GATE.<pid>.waiting,
+                                then starts the daemon only once GATE exists, so a test can start
+                                several daemons at the same instant (at most 600 s)
 
 The hold fires once per daemon process (per listed version) and changes no state; it only waits.
 """
@@ -84,10 +87,20 @@ def observers_from_env() -> Observers:
     return seen
 
 
+def wait_at_gate(gate: Path) -> None:
+    Path(f"{gate}.{os.getpid()}.waiting").touch()
+    deadline = time.monotonic() + MAX_HOLD_S
+    while not gate.exists() and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 3 or argv[0] != "daemon" or argv[1] not in ("-c", "--config"):
         print("usage: python -m tests.hooked_daemon daemon -c CONFIG", file=sys.stderr)
         return 2
+    gate = os.environ.get("HOTSWAP_TEST_START_GATE")
+    if gate:
+        wait_at_gate(Path(gate))
     return run_daemon(load_config(argv[2]), observers_from_env())
 
 

@@ -17,9 +17,15 @@ and in-place weight updates change the served tokens as they would in SGLang. Wh
 - disk update: model_path switched before loading, "Weights were updated, but the cache was not
   flushed" with success=false, the rollback that reloads the NEW path, and a scheduler that
   dies (the whole server exits) when that rollback fails too (scheduler.py:6370-6378);
-- auth: ADMIN_OPTIONAL admin routes, NORMAL /generate, open /health, /ready, /metrics.
+- auth: ADMIN_OPTIONAL admin routes, NORMAL /generate, open /health, /ready, /metrics;
+- LoRA (with --enable-lora; tokenizer_control_mixin.py:634-860, lora/lora_registry.py): load
+  refused for a name already loaded (no in-place replacement), unload unregisters the name at
+  once and waits for the requests using that adapter to finish, /generate's `lora_path` names
+  one (refused when not loaded), /v1/models lists them with parent and root. The adapter math is
+  this file's own (unmerged x @ A.T @ B.T * alpha / r on the targeted linear layers), not
+  hotswap's.
 
-Not copied: tokenizers and text, batching limits, CUDA graphs, TP, LoRA, multimodal.
+Not copied: tokenizers and text, batching limits, CUDA graphs, TP, multimodal, LoRA eviction.
 """
 
 from __future__ import annotations
@@ -54,13 +60,15 @@ NOT_FLUSHED = (
 
 # Routes marked @auth_level(AuthLevel.ADMIN_OPTIONAL) in http_server.py; all others are NORMAL.
 ADMIN_OPTIONAL_ROUTES = ("/pause_generation", "/continue_generation", "/update_weights_from_disk",
-                         "/flush_cache", "/update_weight_version")
+                         "/flush_cache", "/update_weight_version", "/load_lora_adapter", "/unload_lora_adapter")
 ROUTES = {  # path -> methods, as registered by http_server.py
     "/health": ("GET",), "/ready": ("GET",), "/model_info": ("GET",),
     "/pause_generation": ("POST",), "/continue_generation": ("POST",),
     "/update_weights_from_disk": ("POST",), "/flush_cache": ("GET", "POST"),
     "/update_weight_version": ("POST",), "/generate": ("POST", "PUT"),
+    "/load_lora_adapter": ("POST",), "/unload_lora_adapter": ("POST",), "/v1/models": ("GET",),
 }
+LORA_DISABLED = "LoRA is not enabled. Please set `--enable-lora` to enable LoRA."
 
 
 # --------------------------------------------------------------------------- request bodies
@@ -101,12 +109,25 @@ class UpdateWeightVersionReqInput(_Body):  # io_struct.py:2155
     abort_all_requests: bool = True
 
 
+class LoadLoRAAdapterReqInput(_Body):  # io_struct.py:2516
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+    lora_id: str | None = None
+
+
+class UnloadLoRAAdapterReqInput(_Body):  # io_struct.py:2535
+    lora_name: str
+    lora_id: str | None = None
+
+
 class GenerateReqInput(BaseModel):  # the subset of io_struct.GenerateReqInput we serve
     model_config = ConfigDict(extra="ignore")
     input_ids: list[int]
     sampling_params: dict[str, Any] | None = None
     rid: str | None = None
     stream: bool = False
+    lora_path: str | None = None  # an adapter's name (io_struct.py:277)
 
 
 # --------------------------------------------------------------------------- locks and requests
@@ -164,6 +185,7 @@ class Req:
     finish_reason: dict[str, Any] | None = None
     done: threading.Event = field(default_factory=threading.Event)
     retractions: int = 0
+    lora_id: str | None = None
 
 
 # --------------------------------------------------------------------------- the scheduler
@@ -189,7 +211,12 @@ class Scheduler:
         self.waiting: deque[Req] = deque()
         self.running: list[Req] = []
         self.engine_paused = False
-        self.prefix_cache: dict[tuple[int, ...], tuple[Any, Any]] = {}
+        self.prefix_cache: dict[tuple[Any, ...], tuple[Any, Any]] = {}
+        self.loras: dict[str, dict[str, tuple[Any, Any, float]]] = {}  # lora_id -> module -> (A, B, scale)
+        self._linear = {n: m for n, m in self.model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self._active: dict[str, tuple[Any, Any, float]] | None = None
+        for n, m in self._linear.items():
+            m.register_forward_hook(self._lora_hook(n))
         self.load_weights(self.model_path)
         threading.Thread(target=self._loop, name="scheduler", daemon=True).start()
 
@@ -246,6 +273,35 @@ class Scheduler:
             if req.flush_cache and not self._flush_locked():
                 return False, NOT_FLUSHED
             return True, "Succeeded to update model weights."
+
+    # -- LoRA ---------------------------------------------------------------------------------
+    def read_lora(self, path: str) -> dict[str, tuple[Any, Any, float]]:
+        """An adapter's pairs by module, checked against the model (ValueError naming the problem)."""
+        from safetensors.torch import load_file
+
+        cfg = json.loads((Path(path) / "adapter_config.json").read_text())
+        scale = float(cfg["lora_alpha"]) / int(cfg["r"])
+        state = load_file(str(Path(path) / "adapter_model.safetensors"))
+        out: dict[str, tuple[Any, Any, float]] = {}
+        for key, a in state.items():
+            if ".lora_A." not in key:
+                continue
+            module = key.removeprefix("base_model.model.").split(".lora_A.")[0]
+            b, lin = state[key.replace(".lora_A.", ".lora_B.")], self._linear.get(module)
+            if lin is None or tuple(a.shape) != (int(cfg["r"]), lin.in_features) or tuple(b.shape) != (lin.out_features, int(cfg["r"])):
+                raise ValueError(f"LoRA weights of {module} do not fit the model")
+            out[module] = (a.float(), b.float(), scale)
+        return out
+
+    def _lora_hook(self, module: str) -> Any:
+        def hook(_m: Any, args: Any, output: Any) -> Any:
+            pair = self._active.get(module) if self._active is not None else None
+            if pair is None:
+                return None
+            a, b, scale = pair
+            return output + (args[0] @ a.t()) @ b.t() * scale
+
+        return hook
 
     # -- control ------------------------------------------------------------------------------
     def _idle(self) -> bool:  # scheduler.py:5337-5370, ignore_waiting while paused
@@ -320,11 +376,18 @@ class Scheduler:
 
     @torch.no_grad()
     def _step(self, r: Req) -> None:
-        if r.cache is None:  # prefill, through the prefix cache
-            key = tuple(r.input_ids + r.output_ids)
+        self._active = self.loras.get(r.lora_id) if r.lora_id else None
+        try:
+            self._step_with(r)
+        finally:
+            self._active = None
+
+    def _step_with(self, r: Req) -> None:
+        if r.cache is None:  # prefill, through the prefix cache (one per adapter, as SGLang's radix cache)
+            key = (r.lora_id, *r.input_ids, *r.output_ids)
             hit = self.prefix_cache.get(key)
             if hit is None:
-                out = self.model(torch.tensor([list(key)]), use_cache=True)
+                out = self.model(torch.tensor([list(key[1:])]), use_cache=True)
                 r.cache, r.logits = self._kv(out), out.logits[0, -1]
                 self.prefix_cache[key] = (copy.deepcopy(r.cache), r.logits.clone())
             else:
@@ -355,6 +418,10 @@ class TokenizerManager:
         self.is_pause = False
         self.pause_cond = threading.Condition()
         self.update_lock = RWLock()
+        self.enable_lora = False
+        self.loras: dict[str, tuple[str, str]] = {}  # lora_name -> (lora_id, lora_path): the LoRARegistry
+        self.lora_users: dict[str, int] = {}  # lora_id -> requests using it (its ConcurrentCounter)
+        self.lora_cond = threading.Condition()
 
 
 def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | None) -> FastAPI:
@@ -452,6 +519,48 @@ def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | No
         return {"success": True, "message": f"Weight version updated to {obj.new_version}",
                 "new_version": obj.new_version}
 
+    @app.post("/load_lora_adapter")
+    def load_lora_adapter(obj: LoadLoRAAdapterReqInput) -> JSONResponse:
+        def reply(ok: bool, error: str | None = None) -> JSONResponse:
+            loaded = {n: p for n, (_i, p) in tm.loras.items()}
+            return JSONResponse({"success": ok, "error_message": error, "loaded_adapters": loaded},
+                                status_code=200 if ok else 400)
+
+        if not tm.enable_lora:
+            return reply(False, LORA_DISABLED)
+        try:
+            weights = tm.sched.read_lora(obj.lora_path)
+        except Exception as exc:  # noqa: BLE001 - the backend's load failure
+            return reply(False, f"Failed to load LoRA adapter {obj.lora_name}: {exc}")
+        with tm.lora_cond:
+            if obj.lora_name in tm.loras:
+                return reply(False, f"LoRA with name {obj.lora_name} already exists. Loaded LoRAs: {tm.loras.keys()}")
+            lora_id = secrets.token_hex(8)
+            with tm.sched.mu:
+                tm.sched.loras[lora_id] = weights
+            tm.loras[obj.lora_name] = (lora_id, obj.lora_path)
+        return reply(True)
+
+    @app.post("/unload_lora_adapter")
+    def unload_lora_adapter(obj: UnloadLoRAAdapterReqInput) -> JSONResponse:
+        with tm.lora_cond:
+            if not tm.enable_lora or obj.lora_name not in tm.loras:
+                why = LORA_DISABLED if not tm.enable_lora else \
+                    f"LoRA with name {obj.lora_name} does not exist. Loaded LoRAs: {tm.loras.keys()}"
+                return JSONResponse({"success": False, "error_message": why, "loaded_adapters": None}, status_code=400)
+            lora_id, _ = tm.loras.pop(obj.lora_name)  # new requests cannot take it from now on
+            tm.lora_cond.wait_for(lambda: tm.lora_users.get(lora_id, 0) == 0)  # wait_for_unload
+        with tm.sched.mu:
+            tm.sched.loras.pop(lora_id, None)
+        return JSONResponse({"success": True, "error_message": None,
+                             "loaded_adapters": {n: p for n, (_i, p) in tm.loras.items()}})
+
+    @app.get("/v1/models")
+    def models() -> dict[str, Any]:
+        cards = [{"id": tm.model_path, "object": "model", "root": tm.model_path, "parent": None}]
+        cards += [{"id": n, "object": "model", "root": p, "parent": tm.model_path} for n, (_i, p) in tm.loras.items()]
+        return {"object": "list", "data": cards}
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     def generate(obj: GenerateReqInput) -> JSONResponse:
         sp = obj.sampling_params or {}
@@ -459,9 +568,24 @@ def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | No
                 max_new_tokens=int(sp.get("max_new_tokens", 128)), ignore_eos=bool(sp.get("ignore_eos", False)))
         with tm.pause_cond:  # tokenizer_manager.py:938-939: wait while paused
             tm.pause_cond.wait_for(lambda: not tm.is_pause)
-        with tm.update_lock.reader():
-            tm.sched.submit(r)
-            r.done.wait()
+        if obj.lora_path is not None:
+            with tm.lora_cond:  # LoRARegistry.acquire
+                ref = tm.loras.get(obj.lora_path)
+                if ref is None:
+                    message = (f"The following requested LoRA adapters are not loaded: {obj.lora_path}\n"
+                               f"Loaded adapters: {tm.loras.keys()}.")
+                    return JSONResponse({"error": {"message": message}}, status_code=400)
+                r.lora_id = ref[0]
+                tm.lora_users[r.lora_id] = tm.lora_users.get(r.lora_id, 0) + 1
+        try:
+            with tm.update_lock.reader():
+                tm.sched.submit(r)
+                r.done.wait()
+        finally:
+            if r.lora_id is not None:
+                with tm.lora_cond:
+                    tm.lora_users[r.lora_id] -= 1
+                    tm.lora_cond.notify_all()
         with tm.sched.mu:
             version = tm.sched.weight_version
         meta = {"id": r.rid, "finish_reason": r.finish_reason, "prompt_tokens": len(r.input_ids),
@@ -481,11 +605,13 @@ def main() -> None:
     ap.add_argument("--admin-api-key")
     ap.add_argument("--weight-version", default="default")
     ap.add_argument("--step-delay-s", type=float, default=0.0, help="sleep between decode steps (tests)")
+    ap.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters (load/unload at runtime)")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     torch.set_num_threads(1)
     sched = Scheduler(args.model, args.weight_version, args.step_delay_s)
     tm = TokenizerManager(sched, str(args.model), args.weight_version)
+    tm.enable_lora = args.enable_lora
     uvicorn.run(build_app(tm, args.api_key, args.admin_api_key), host=args.host, port=args.port,
                 log_level="warning")
 

@@ -114,7 +114,8 @@ def _relaunch(argv: list[str]) -> int:
     sys.path.insert(0, str(TESTS))
     from support_vllm import vllm_env
 
-    env = vllm_env() if "vllm.entrypoints.openai.api_server" in cmd else {**os.environ, "PYTHONUNBUFFERED": "1"}
+    lora = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"} if "--enable-lora" in cmd else None  # runtime LoRA routes
+    env = vllm_env(lora) if "vllm.entrypoints.openai.api_server" in cmd else {**os.environ, "PYTHONUNBUFFERED": "1"}
     with open(args.log, "ab") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
                                 cwd=str(args.log.parent), start_new_session=True)  # fmt: skip

@@ -40,7 +40,7 @@ def spawn_worker(worker_args: list[str], pidfile: Path, log: Path) -> int:
     env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1"}
     with open(log, "ab") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "daemon.cli", "worker", *worker_args],
+            [sys.executable, "-m", "daemon.cli.main", "worker", *worker_args],
             stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env, cwd=str(REPO),
             start_new_session=True,
         )  # fmt: skip
@@ -223,7 +223,10 @@ def reset_worker(w: WorkerProc, model: Path, version: str) -> None:
         spawn_worker(w.worker_args(str(model), version), w.pidfile, w.log_file)
         return
     headers = {"Authorization": f"Bearer {w.token}"}
-    if info["version"] != version:
+    # the same label from another test's folder would be drift to the next daemon (UNCERTAIN, then
+    # re-installed by its first rollout): install this folder's copy
+    same_copy = info.get("path") and Path(str(info["path"])).resolve() == Path(model).resolve()
+    if info["version"] != version or not same_copy:
         r = httpx.post(f"{w.url}/admin/update", headers=headers, timeout=60,
                        json={"version": version, "transport": "disk", "path": str(model)})  # fmt: skip
         r.raise_for_status()
@@ -365,6 +368,17 @@ def worker_events(registry: Any, rollout_id: int | None = None) -> list[dict[str
              "ms": e.duration_ms, "detail": e.detail or {}}
             for e in s.scalars(q)
         ]  # fmt: skip
+
+
+def wait_passes(d: Any, loop: str, n: int, timeout: float = 120) -> None:
+    """Until the daemon's `loop` ("health_poll" or "supervisor") has finished `n` more passes:
+    what a test that must show "nothing happened" waits for, instead of a fixed sleep."""
+
+    def passes() -> int:
+        return int(d.get("/v1/rollout").json()["passes"][loop])
+
+    start = passes()
+    wait_until(lambda: passes() >= start + n, timeout, f"{n} more {loop} passes (from {start})", interval=0.1)
 
 
 def worker_row(registry: Any, name: str) -> dict[str, Any]:

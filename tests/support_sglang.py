@@ -26,11 +26,13 @@ STANDIN = Path(__file__).resolve().parent / "sglang_standin.py"
 
 def standin_command(
     model_dir: Path | str, port: int, *, api_key: str | None = None, admin_api_key: str | None = None,
-    weight_version: str = "default", step_delay_s: float = 0.0,
+    weight_version: str = "default", step_delay_s: float = 0.0, enable_lora: bool = False,
 ) -> list[str]:
     """The stand-in's argv (also used by restart commands: tests/support_engines.py)."""
     cmd = [sys.executable, str(STANDIN), "--model", str(model_dir), "--port", str(port),
            "--weight-version", weight_version, "--step-delay-s", str(step_delay_s)]
+    if enable_lora:
+        cmd += ["--enable-lora"]
     if api_key:
         cmd += ["--api-key", api_key]
     if admin_api_key:
@@ -57,10 +59,11 @@ class SGLangStandIn:
         step_delay_s: float = 0.0,
         timeout_s: float = 120.0,
         port: int | None = None,
+        enable_lora: bool = False,
     ) -> SGLangStandIn:
         port = port or free_port()
         cmd = standin_command(model_dir, port, api_key=api_key, admin_api_key=admin_api_key,
-                              weight_version=weight_version, step_delay_s=step_delay_s)
+                              weight_version=weight_version, step_delay_s=step_delay_s, enable_lora=enable_lora)
         log_path.parent.mkdir(parents=True, exist_ok=True)
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,

@@ -1,4 +1,4 @@
-"""The relaunch backoff schedule (daemon/backoff.py), the log tail a launch failure carries, and
+"""The relaunch backoff schedule (daemon/common/backoff.py), the log tail a launch failure carries, and
 the supervision keys of `[rollout]`: fast unit tests, no processes."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from daemon.backoff import Backoff, backoff_delay
+from daemon.common.backoff import Backoff, backoff_delay
 from daemon.config import ConfigError, RolloutSettings, load_config
-from daemon.supervise import log_tail
+from daemon.controller.supervise import log_tail
 
 
 def test_delays_double_from_the_base_up_to_the_cap() -> None:

@@ -12,8 +12,8 @@ import torch
 from fastapi import FastAPI
 from fastapi.testclient import TestClient
 
-from daemon.auth import ControlGuard, ensure_control_token
-from daemon.broadcast_api import broadcast_router
+from daemon.api.broadcast import broadcast_router
+from daemon.common.auth import ControlGuard, ensure_control_token
 from daemon.transport.base import BadUpdateRequest
 from daemon.transport.broadcast import GroupSpec, buckets, parse_table, total_bytes
 from daemon.transport.broadcast_worker import _finite
@@ -156,7 +156,7 @@ def test_the_trainer_asks_again_after_a_transient_refusal_and_not_after_a_final_
 
 
 def test_only_transient_refusals_tell_the_trainer_when_to_ask_again() -> None:
-    from daemon.broadcast_api import Refusal
+    from daemon.api.broadcast import Refusal
 
     assert Refusal(409, "worker w0 is busy with a rollout; try again", retry_after_s=1).response().headers["Retry-After"] == "1"
     assert "Retry-After" not in Refusal(409, "version 'v1' is already recorded").response().headers
@@ -168,7 +168,7 @@ def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(
     from types import SimpleNamespace
 
     from daemon.adapters.builtin import BuiltinWorkerClient
-    from daemon.broadcast_api import Broadcasts, Refusal
+    from daemon.api.broadcast import Broadcasts, Refusal
     from daemon.config import WorkerSpec
     from daemon.rollout.states import WorkerHandle, WorkerState
 
@@ -177,7 +177,8 @@ def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(
     handles[0].observed(WorkerState.UNCERTAIN)
     recorded: list[str] = []
     journal = SimpleNamespace(checkpoint_by_version=lambda v: recorded.append(v) and None)
-    service = SimpleNamespace(wait_ready=lambda t: True, fleet=handles, journal=journal)
+    service = SimpleNamespace(wait_ready=lambda t: True, fleet=handles, journal=journal,
+                              settings=SimpleNamespace(broadcast_max_pause_s=60.0))
     sessions = Broadcasts(service, tmp_path)  # type: ignore[arg-type]
     body = {"version": "v9", "table": [{"name": "a", "dtype": "F32", "shape": [2]}], "master_address": "127.0.0.1",
             "master_port": 29500}  # fmt: skip

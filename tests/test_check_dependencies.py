@@ -16,7 +16,7 @@ from conftest import hotswap_cli, make_config_file
 from support_checks import flip_bit_in_data, published
 
 from daemon.checks import CheckSettings, run_checks
-from daemon.checks.cli import main as verify_main
+from daemon.cli.verify import main as verify_main
 from daemon.config import ConfigError, load_config
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.tinymodel import make_tiny_checkpoint

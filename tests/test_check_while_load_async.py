@@ -16,7 +16,7 @@ from support_check import expect_of, flip_byte
 
 from daemon.formats.checkpoint import tensor_table, weight_files
 from daemon.tinymodel import make_tiny_checkpoint
-from daemon.transport import check, disk
+from daemon.transport import check, disk_read
 from daemon.transport.base import TransportError
 from daemon.transport.disk import DiskTransport
 
@@ -77,7 +77,7 @@ def test_a_reader_error_stops_the_hashing_threads_without_hanging(
     d = make_tiny_checkpoint(tmp_path / "c", seed=13, shards=2)
     tr = DiskTransport(d, staged=True, chunk_bytes=4096, readers=3, expect=expect_of(d))
     params = params_like(d)
-    real = disk._read_exact
+    real = disk_read._read_exact
     calls = [0]
 
     def failing(fd: int, buf: memoryview, offset: int, file: Path, what: str) -> None:
@@ -86,7 +86,7 @@ def test_a_reader_error_stops_the_hashing_threads_without_hanging(
             raise TransportError(f"{file}: {what}: injected read failure")
         real(fd, buf, offset, file, what)
 
-    monkeypatch.setattr(disk, "_read_exact", failing)
+    monkeypatch.setattr(disk_read, "_read_exact", failing)
     done: list[BaseException] = []
 
     def run() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import struct
@@ -271,11 +272,14 @@ def test_tensor_in_two_shards_is_rejected(tmp_path: Path):
 # ---------------------------------------------------------------- compatibility
 
 
+NO_RESTART = dataclasses.replace(FAST, restart_rollouts=False)  # [rollout] restart_rollouts = false
+
+
 def test_renamed_tensor_is_incompatible_and_named(tmp_path: Path):
     ref = published(tmp_path / "serving", seed=0)
     new = published(tmp_path / "new", seed=1)
     rewrite_tensors(new, lambda s: s.__setitem__("model.norm.renamed", s.pop("model.norm.weight")))
-    name, reason = reject(new, reference=ref)
+    name, reason = reject(new, NO_RESTART, reference=ref)
     assert name == "compat"
     assert "'model.norm.weight' missing" in reason and "'model.norm.renamed' not in the serving" in reason
     assert "needs a restart rollout" in reason
@@ -285,7 +289,7 @@ def test_changed_shape_is_incompatible_and_named(tmp_path: Path):
     ref = published(tmp_path / "serving", seed=0)
     new = published(tmp_path / "new", seed=1)
     rewrite_tensors(new, lambda s: s.__setitem__("model.norm.weight", torch.ones(65)))
-    name, reason = reject(new, reference=ref)
+    name, reason = reject(new, NO_RESTART, reference=ref)
     assert name == "compat" and "'model.norm.weight' shape [65] != serving [64]" in reason
 
 
@@ -293,14 +297,14 @@ def test_changed_dtype_is_incompatible_and_named(tmp_path: Path):
     ref = published(tmp_path / "serving", seed=0)
     new = published(tmp_path / "new", seed=1)
     rewrite_tensors(new, lambda s: s.__setitem__("lm_head.weight", s["lm_head.weight"].to(torch.bfloat16)))
-    name, reason = reject(new, reference=ref)
+    name, reason = reject(new, NO_RESTART, reference=ref)
     assert name == "compat" and "'lm_head.weight' dtype BF16 != serving F32" in reason
 
 
 def test_configured_reference_dir_is_used_when_no_serving_version_is_passed(tmp_path: Path):
     ref = published(tmp_path / "ref", seed=0, dtype="bfloat16")
     new = published(tmp_path / "new", seed=1)
-    name, reason = reject(new, CheckSettings(enabled=("compat",), reference_dir=ref))
+    name, reason = reject(new, CheckSettings(enabled=("compat",), reference_dir=ref, restart_rollouts=False))
     assert name == "compat" and "dtype F32 != serving BF16" in reason
     report = run_checks(new, CheckSettings(enabled=("compat",)))
     assert report.ok and "skipped" in report.results[0].detail

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 from support_checks import flip_bit_in_data, published, shard_paths
 
-from daemon.checks.cli import main
+from daemon.cli.verify import main
 
 NO_FORWARD = ["--skip", "forward", "--no-progress"]
 
@@ -54,8 +54,11 @@ def test_incompatible_reference_and_deferred_headroom_exit_codes(
 ):
     ref = published(tmp_path / "serving", dtype="bfloat16")
     new = published(tmp_path / "new")
-    assert main([str(new), "--reference", str(ref), *NO_FORWARD]) == 1
+    assert main([str(new), "--reference", str(ref), "--no-restart", *NO_FORWARD]) == 1
     assert "needs a restart rollout" in capsys.readouterr().out
+    assert main([str(new), "--reference", str(ref), "--json", *NO_FORWARD]) == 0  # by default: a restart rollout
+    compat = next(r for r in json.loads(capsys.readouterr().out)["results"] if r["name"] == "compat")
+    assert compat["status"] == "pass" and compat["detail"]["restart_rollout"] is True
     assert main([str(new), "--headroom-factor", "1e9", *NO_FORWARD]) == 3
     assert "deferred" in capsys.readouterr().out
 
@@ -100,7 +103,7 @@ def test_hotswap_verify_and_publish_through_the_entry_point(tmp_path: Path):
 
     d = make_tiny_checkpoint(tmp_path / "step-3")
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
-    run = [sys.executable, "-m", "daemon.cli"]
+    run = [sys.executable, "-m", "daemon.cli.main"]
     pub = subprocess.run([*run, "publish", str(d), "--step", "3"], capture_output=True, text=True, env=env)
     assert pub.returncode == 0, pub.stderr
     assert "published step-3" in pub.stdout

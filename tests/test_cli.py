@@ -10,7 +10,7 @@ import sys
 import pytest
 from conftest import hotswap_cli, make_config_file, publish_tiny
 
-from daemon.cli import DELEGATED, main
+from daemon.cli.main import DELEGATED, main
 
 
 def test_help_lists_every_command():
@@ -41,7 +41,7 @@ LIGHT_COMMANDS = ("publish", "push", "rollback", "pin", "unpin", "reverify", "fl
 @pytest.mark.parametrize("command", LIGHT_COMMANDS)
 def test_operator_commands_do_not_import_torch(command):
     module = DELEGATED[command][0].split(":")[0]
-    code = f"import sys, daemon.cli, {module}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
+    code = f"import sys, daemon.cli.main, {module}; print(sorted(m for m in ('torch', 'numpy') if m in sys.modules))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == "[]", f"hotswap {command} ({module}) imports {out.stdout.strip()}"
 
@@ -85,7 +85,7 @@ def test_history_before_any_daemon_ran_refuses_to_create_a_database(tmp_path):
 def test_status_says_when_an_alias_names_a_version_whose_files_are_gone(tmp_path, capsys):
     """A pinned version whose directory was deleted holds every new checkpoint back, and no
     rollout can reach it: `hotswap status` says so beside the alias (and /status in alias_problems)."""
-    from test_fleet_agent import _versions
+    from support_fleet import seed_versions
 
     from daemon.registry import Registry
     from daemon.registry.journal import Journal
@@ -95,7 +95,7 @@ def test_status_says_when_an_alias_names_a_version_whose_files_are_gone(tmp_path
     state.mkdir()
     reg = Registry(f"sqlite:///{state / 'hotswap.db'}")
     reg.upgrade()
-    ids = _versions(reg, tmp_path / "ckpts", {"v1": S.DEPLOYED, "v2": S.VERIFIED})
+    ids = seed_versions(reg, tmp_path / "ckpts", {"v1": S.DEPLOYED, "v2": S.VERIFIED})
     journal = Journal(reg)
     for alias in ("serving", "last_good"):
         journal.set_alias(alias, ids["v1"])

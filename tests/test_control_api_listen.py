@@ -28,8 +28,8 @@ from conftest import (
     wait_until,
 )
 
+from daemon.common.redact import redact_doc, redact_url
 from daemon.config import ConfigError, parse_config
-from daemon.redact import redact_doc, redact_url
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -97,8 +97,11 @@ def test_a_remote_listen_without_tls_is_refused_unless_allowed(tmp_path: Path, s
     started.append(d)
     d.start()
     assert d.api_url and d.api_url.startswith("http://127.0.0.1:")  # the CLI dials loopback
-    assert d.get("/health").status_code == 200
+    assert d.get("/livez").status_code == 200
     wait_until(lambda: d.get("/v1/rollout").json().get("ready"), 120, 0.2, "the rollout service")
+    # its one worker was never started: the host does not serve, and /health says so
+    health = d.get("/health")
+    assert health.status_code == 503 and "no worker of group 'default' serves" in health.json()["error"], health.text
     out = hotswap_cli("unpin", "-c", str(d.config_path))
     assert out.returncode == 0, out.stderr
 
@@ -143,7 +146,7 @@ def test_tls_api_on_a_remote_listen_and_the_cli_trusts_exactly_its_certificate(
         httpx.get(d.api_url + "/health", timeout=10)
     pinned = ssl.create_default_context(cafile=str(cert))
     pinned.check_hostname = False
-    assert httpx.get(d.api_url + "/health", timeout=10, verify=pinned).status_code == 200
+    assert httpx.get(d.api_url + "/livez", timeout=10, verify=pinned).status_code == 200
     wait_until(lambda: httpx.get(d.api_url + "/v1/rollout", timeout=10, verify=pinned).json().get("ready"), 120, 0.2,
                "the rollout service")  # fmt: skip
 
@@ -151,7 +154,9 @@ def test_tls_api_on_a_remote_listen_and_the_cli_trusts_exactly_its_certificate(
     assert out.returncode == 0, out.stderr
     status = hotswap_cli("status", "--json", "-c", str(d.config_path))
     assert status.returncode == 0, status.stderr
-    assert json.loads(status.stdout)["health"]["ok"] is True  # asked the HTTPS daemon itself
+    # asked the HTTPS daemon itself: its own problem (the worker nothing listens for), not "no answer"
+    health = json.loads(status.stdout)["health"]
+    assert health["ok"] is False and "no worker of group 'default' serves" in health["error"], health
     token = (d.state_dir / "control.token").read_text().strip()
     auth = {"Authorization": f"Bearer {token}"}
     named = httpx.post(d.api_url + "/v1/rollout/unpin", json={}, timeout=30, verify=pinned,

@@ -13,7 +13,7 @@ from typing import Any
 
 from fastapi.routing import APIRoute
 
-from daemon.auth import ControlGuard
+from daemon.common.auth import ControlGuard
 from daemon.config import parse_config
 from daemon.service import build_daemon
 
@@ -72,8 +72,8 @@ def test_control_router_guards_its_routes_and_never_parses_an_unauthenticated_bo
     from fastapi import Depends, FastAPI
     from fastapi.testclient import TestClient
 
-    from daemon.auth import control_router
-    from daemon.jsonbody import json_object
+    from daemon.common.auth import control_router
+    from daemon.common.jsonbody import json_object
 
     guard = ControlGuard("t" * 43)
     router = control_router(guard, prefix="/v1/push")

@@ -8,7 +8,7 @@ from pathlib import Path
 from conftest import publish_tiny
 
 from daemon.checks import CheckSettings
-from daemon.coordinator import Coordinator
+from daemon.pipeline.coordinator import Coordinator
 from daemon.registry import queries as q
 from daemon.sources.commit import DiscoveredCheckpoint
 

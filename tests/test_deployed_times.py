@@ -8,7 +8,7 @@ from datetime import UTC, datetime, timedelta
 
 from sqlalchemy import text
 
-from daemon.cli_read import history_cells, ts_full
+from daemon.cli.read import history_cells, ts_full
 from daemon.registry import Registry, status
 from daemon.registry import queries as q
 from daemon.registry.journal import Journal

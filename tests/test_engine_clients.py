@@ -59,8 +59,10 @@ VLLM_REPLIES: dict[tuple[str, str], Any] = {
         {"checksums": {"dp0:pp0:pcp0:tp0:w": "ab"}} if body["action"] == "checksum" else {"match": True, "mismatches": []}
     ),
     ("GET", "/metrics"): 'vllm:num_requests_running{engine="0"} 2.0\nvllm:num_requests_waiting{engine="0"} 1.0\n',
-    ("GET", "/v1/models"): {"data": [{"id": "/models/a"}]},
+    ("GET", "/v1/models"): {"data": [{"id": "/models/a"}, {"id": "sql", "root": "/adapters/sql@2", "parent": "/models/a"}]},
     ("POST", "/v1/completions"): {"choices": [{"token_ids": [4, 5, 6], "text": ""}]},
+    ("POST", "/v1/load_lora_adapter"): "Success: LoRA adapter 'sql' added successfully.",
+    ("POST", "/v1/unload_lora_adapter"): "Success: LoRA adapter 'sql' removed successfully.",
 }
 
 
@@ -83,6 +85,9 @@ def exercise_vllm(api: VLLMAPI) -> None:
     assert api.weight_compare({"dp0:pp0:pcp0:tp0:w": "ab"}) == []
     assert api.requests_in_engine() == (2, 1)
     assert api.greedy([1, 2, 3], 3) == [4, 5, 6]
+    api.load_lora_adapter("sql", "/adapters/sql@2", load_inplace=True)
+    assert api.lora_adapters() == {"sql": "/adapters/sql@2"}
+    api.unload_lora_adapter("sql")
 
 
 def assert_only_declared(calls: list[dict[str, Any]], table: dict[tuple[str, str], Any]) -> None:
@@ -209,6 +214,9 @@ SGLANG_REPLIES: dict[tuple[str, str], Any] = {
     ("POST", "/flush_cache"): "Cache flushed.\n",
     ("POST", "/update_weight_version"): lambda r, b: {"success": True, "message": "ok", "new_version": b["new_version"]},
     ("POST", "/generate"): {"text": "", "output_ids": [7, 8], "meta_info": {"weight_version": "v1"}},
+    ("POST", "/load_lora_adapter"): {"success": True, "error_message": None, "loaded_adapters": {"sql": "/a/sql@1"}},
+    ("POST", "/unload_lora_adapter"): {"success": True, "error_message": None, "loaded_adapters": {}},
+    ("GET", "/v1/models"): {"data": [{"id": "/m/a"}, {"id": "sql", "root": "/a/sql@1", "parent": "/m/a"}]},
 }
 
 
@@ -228,6 +236,10 @@ def exercise_sglang(api: SGLangAPI) -> None:
     api.update_weight_version("v2")
     api.continue_generation()
     assert api.greedy([1, 2], 2) == ([7, 8], "v1")
+    api.load_lora_adapter("sql", "/a/sql@1")
+    assert api.lora_adapters() == {"sql": "/a/sql@1"}
+    assert api.greedy([1, 2], 2, lora="sql") == ([7, 8], "v1")
+    api.unload_lora_adapter("sql")
 
 
 def test_sglang_client_sends_only_declared_routes_and_fields() -> None:

@@ -62,6 +62,12 @@ def test_vllm_has_every_route_and_field_the_client_sends(method: str, path: str)
         assert params.get("request") == "CompletionRequest", route.where
         missing = set(use.body) - set(fields)
         assert not missing, f"CompletionRequest has no field(s) {sorted(missing)}"
+    elif path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):  # runtime LoRA: a pydantic body
+        cls = "LoadLoRAAdapterRequest" if "/load_" in path else "UnloadLoRAAdapterRequest"
+        assert params.get("request") == cls, route.where
+        fields = class_fields(vllm_source("entrypoints/serve/lora/protocol.py"), cls)
+        missing = set(use.body) - set(fields)
+        assert not missing, f"{cls} has no field(s) {sorted(missing)}"
     else:
         for b in use.body:  # Body(embed=True) parameters are top-level JSON keys
             assert b in params and "Body(embed=True)" in params[b], f"{route.where}: no body field {b!r}"
@@ -128,7 +134,8 @@ def test_sglang_wheel_is_the_version_the_client_was_written_for() -> None:
 def _sglang_body_class(route) -> str | None:  # noqa: ANN001
     for ann in route.params().values():
         for cls in ("UpdateWeightFromDiskReqInput", "PauseGenerationReqInput", "ContinueGenerationReqInput",
-                    "UpdateWeightVersionReqInput", "GenerateReqInput"):
+                    "UpdateWeightVersionReqInput", "GenerateReqInput", "LoadLoRAAdapterReqInput",
+                    "UnloadLoRAAdapterReqInput"):
             if ann == cls or ann.startswith(f"Annotated[{cls},"):
                 return cls
     return None
@@ -192,6 +199,22 @@ def test_sglang_disk_rollback_still_reloads_the_new_path() -> None:
     assert "self.model_config.model_path = model_path" in body
     rollback = body[body.index("Rolling back to original weights"):]
     assert "get_weight_iter(self.model_config)" in rollback
+
+
+def test_runtime_lora_routes_exist_only_with_runtime_updating_and_are_behind_the_api_key() -> None:
+    """What docs/how-to/adapters.md tells operators: vLLM needs VLLM_ALLOW_RUNTIME_LORA_UPDATING for
+    the load/unload routes, which sit under /v1 (guarded by --api-key); SGLang refuses a load of a
+    name already loaded (no in-place replacement: the client unloads first)."""
+    src = vllm_source("entrypoints/serve/lora/api_router.py")
+    gate = src[src.index("def attach_router"):src.index("def _attach_router")]
+    assert "if not envs.VLLM_ALLOW_RUNTIME_LORA_UPDATING:" in gate and "return" in gate
+    assert all(p.startswith("/v1/") for (_m, p) in vllm_api.ROUTES_USED if "lora" in p)
+    serving = vllm_source("entrypoints/openai/models/serving.py")
+    assert "if not request.load_inplace and request.lora_name in self.lora_requests:" in serving
+    registry = sglang_source("srt/lora/lora_registry.py")
+    assert "already exists" in registry[registry.index("def _register_adapter"):]
+    assert {"/load_lora_adapter", "/unload_lora_adapter"} <= sglang_api.ADMIN_ROUTES
+    assert "lora_path" in sglang_fields("GenerateReqInput")
 
 
 def test_vllm_http_request_counter_the_adapter_reads_exists() -> None:

@@ -8,41 +8,25 @@ from pathlib import Path
 
 from conftest import publish_tiny
 from fake_source import FakeSource, FakeSourceConfig
+from support_fleet import seed_versions
 
 from daemon.checks import CheckSettings
-from daemon.coordinator import Coordinator
-from daemon.fleet import FleetAgent
-from daemon.fleet_config import FleetSettings
-from daemon.fleet_fetch import fetch_here
-from daemon.fleet_target import fleet_target, set_fleet_target
+from daemon.fleet.agent import FleetAgent
+from daemon.fleet.fetch import fetch_here
+from daemon.fleet.settings import FleetSettings
+from daemon.fleet.target import fleet_target, set_fleet_target
+from daemon.pipeline.coordinator import Coordinator
 from daemon.registry import Registry, hosts
 from daemon.registry.journal import Journal
-from daemon.registry.models import Checkpoint
 from daemon.registry.status import CheckpointStatus
 
 CHEAP = CheckSettings(enabled=("manifest", "headers", "crc32c"))
 
 
-def _versions(reg: Registry, root: Path, statuses: dict[str, CheckpointStatus]) -> dict[str, int]:
-    ids = {}
-    with reg.session() as s:
-        for step, (v, st) in enumerate(statuses.items()):
-            (root / v).mkdir(parents=True)
-            c = Checkpoint(version=v, source="local:/x", uri=f"file:///x/{v}", local_path=str(root / v), step=step,
-                           status=st.value)  # fmt: skip
-            s.add(c)
-            s.flush()
-            ids[v] = c.id
-    with reg.session() as s:  # verified_at set: they passed their checks on the registering host
-        for c in s.query(Checkpoint):
-            c.verified_at = c.discovered_at
-    return ids
-
-
 def test_what_a_host_converges_to(db_url: str, tmp_path: Path) -> None:
     ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
     ra.upgrade()
-    ids = _versions(ra, tmp_path / "a", {"v0": CheckpointStatus.RETIRED, "v1": CheckpointStatus.DEPLOYED,
+    ids = seed_versions(ra, tmp_path / "a", {"v0": CheckpointStatus.RETIRED, "v1": CheckpointStatus.DEPLOYED,
                                          "v2": CheckpointStatus.VERIFIED})  # fmt: skip
     ja, jb = Journal(ra), Journal(rb)
     ja.set_alias("serving", ids["v1"])
@@ -102,5 +86,42 @@ def test_a_version_registered_by_another_host_is_fetched_from_its_source_here(db
     assert wanted is not None and wanted[0].version == "f1"
     assert src_b.fetched == ["f1"] and jb.checkpoint(f1.id).local_path == str(tmp_path / "b-cache" / "f1")  # type: ignore[union-attr]
     assert ja.checkpoint(f1.id).local_path == str(tmp_path / "a-cache" / "f1")  # type: ignore[union-attr]
+    ra.close()
+    rb.close()
+
+
+def test_clearing_an_older_target_brings_the_fleet_back_to_the_newest_good_version(db_url: str, tmp_path: Path) -> None:
+    """Every host served v2; an operator held the fleet on the older v1, so every host's
+    last_good became v1. Cleared, the target is v2 again (it was good on a host), never v3 (good
+    once, rejected since), v4 (verified, never good anywhere) or v5 (being verified again)."""
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    ids = seed_versions(ra, tmp_path / "a", {"v1": CheckpointStatus.RETIRED, "v2": CheckpointStatus.DEPLOYED,
+                                         "v3": CheckpointStatus.REJECTED, "v4": CheckpointStatus.VERIFIED,
+                                         "v5": CheckpointStatus.VERIFYING})  # fmt: skip
+    ja, jb = Journal(ra), Journal(rb)
+    with rb.session() as s:  # host b has its own copy of every version
+        for v, i in ids.items():
+            (tmp_path / "b" / v).mkdir(parents=True)
+            hosts.set_location(s, i, str(tmp_path / "b" / v))
+    for j in (ja, jb):
+        for v in ("v3", "v5", "v2"):  # v3 and v5 were some host's last_good once, as v2 is now
+            j.set_alias("serving", ids[v])
+            j.set_alias("last_good", ids[v])
+    assert [t.checkpoint.version if (t := fleet_target(j)) else None for j in (ja, jb)] == ["v2", "v2"]
+    set_fleet_target(ra, "v1", by="operator")
+    for j in (ja, jb):  # what converging to the operator's target leaves on every host
+        j.set_alias("serving", ids["v1"])
+        j.set_alias("last_good", ids["v1"])
+    target = fleet_target(jb)
+    assert target is not None and (target.checkpoint.version, target.explicit) == ("v1", True)
+    set_fleet_target(ra, None, by="operator")
+    target = fleet_target(jb)
+    seen = (target.checkpoint.version, target.explicit) if target else None
+    assert seen == ("v2", False), f"after the clear the target is {seen}, not the newest good v2"
+    agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: None,
+                       converge=lambda v: None, submit=lambda i: None)  # fmt: skip
+    wanted = agent.wanted()
+    assert wanted is not None and (wanted[0].version, wanted[1]) == ("v2", True), wanted
     ra.close()
     rb.close()

@@ -11,10 +11,10 @@ from pathlib import Path
 
 import pytest
 from conftest import POSTGRES_ENV, _postgres_database, make_config_file
-from test_fleet_agent import _versions
+from support_fleet import seed_versions
 
-from daemon.cli import main
-from daemon.fleet_target import fleet_target
+from daemon.cli.main import main
+from daemon.fleet.target import fleet_target
 from daemon.registry import Registry
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint
@@ -28,7 +28,7 @@ def fleet(tmp_path: Path) -> Iterator[tuple[Path, Registry]]:
     for url in _postgres_database(os.environ[POSTGRES_ENV]):
         reg = Registry(url, "host-a")
         reg.upgrade()
-        ids = _versions(reg, tmp_path / "ckpts", {"v0": S.DEPLOYED, "v1": S.VERIFIED, "v2": S.REJECTED,
+        ids = seed_versions(reg, tmp_path / "ckpts", {"v0": S.DEPLOYED, "v1": S.VERIFIED, "v2": S.REJECTED,
                                                   "v3": S.VERIFYING})  # fmt: skip
         with reg.session() as s:
             s.get_one(Checkpoint, ids["v2"]).status_message = "finite: NaN in model.layers.0.mlp.up_proj.weight"

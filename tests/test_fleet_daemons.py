@@ -30,15 +30,14 @@ from conftest import (
     wait_until,
 )
 from sqlalchemy import select, text
-from support_rollout import WorkerPool, WorkerProc, publish_into, reset_worker
+from support_fleet_daemons import LEASE_S, aliases_of, host_daemon
+from support_rollout import WorkerPool, publish_into
 
 from daemon.registry import Registry
-from daemon.registry.journal import Journal
 from daemon.registry.models import Event
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip
-LEASE_S = 4.0
 
 
 @pytest.fixture
@@ -51,27 +50,6 @@ def pool(tmp_path: Path) -> Iterator[WorkerPool]:
     p = WorkerPool(tmp_path / "pool", n=4)
     yield p
     p.close()
-
-
-def host_daemon(factory: Callable[..., DaemonProcess], url: str, i: int, w: WorkerProc, env: dict[str, str]) -> DaemonProcess:
-    d = factory(url, checks={"enabled": ["manifest", "headers", "crc32c"]}, hooked=True, env=env, wait=False,
-                extra={"rollout": {"mode": "pause", "health_window_s": 0.3, "health_poll_s": 0.5},
-                       "workers": [w.spec()],
-                       "fleet": {"host": f"host-{i}", "enabled": True, "max_updating_hosts": 1,
-                                 "lease_s": LEASE_S, "poll_s": 0.5}})  # fmt: skip
-    d.watch_dir.mkdir(parents=True)
-    reset_worker(w, publish_into(d.watch_dir, "v0", seed=0), "v0")  # its own copy of v0
-    w.wait_running(240, version="v0")
-    return d
-
-
-def aliases_of(url: str, host: str) -> dict[str, str | None]:
-    reg = Registry(url, host)
-    try:
-        j = Journal(reg)
-        return {n: (a.version if (a := j.alias(n)) else None) for n in ("serving", "last_good")}
-    finally:
-        reg.close()
 
 
 def db_now(url: str) -> datetime:
@@ -123,17 +101,23 @@ def test_three_hosts_bound_one_kill_mid_rollout_and_a_late_joiner(
         publish_into(d[i].watch_dir, "v1", seed=1)
     killed_at = db_now(pg_url)
     d[1].kill()  # SIGKILL: its lease is not released, only no longer renewed
+    reg = Registry(pg_url, "host-0")
+    with reg.engine.connect() as c:  # what it held at the kill: nothing renews it any more
+        dead = c.execute(text("SELECT slot, expires_at FROM fleet_leases WHERE host = 'host-1'")).one()
+    # the dead host's slot expires within lease_s of the kill
+    assert dead.expires_at <= killed_at + timedelta(seconds=LEASE_S), (dead, killed_at)
     for i in (0, 2):  # the others go on
         wait_until(lambda i=i: aliases_of(pg_url, f"host-{i}")["last_good"] == "v1", 300, 0.2, f"host-{i} on v1")
-    reg = Registry(pg_url, "host-0")
     with reg.engine.connect() as c:
-        row = c.execute(text("SELECT host, expires_at FROM fleet_leases WHERE host = 'host-1'")).one_or_none()
-        first_after = c.execute(text(
-            "SELECT MIN(at) FROM events WHERE to_state = 'fleet_lease_acquired' AND host <> 'host-1' AND at > :k"),
-            {"k": killed_at}).scalar_one()  # fmt: skip
-    # the dead host's slot expired within lease_s of the kill (and was then taken by another)
-    assert row is None or row.expires_at <= killed_at + timedelta(seconds=LEASE_S), row
-    assert first_after is not None
+        taken = [json.loads(r.detail) if isinstance(r.detail, str) else r.detail for r in c.execute(text(
+            "SELECT detail FROM events WHERE to_state = 'fleet_lease_acquired' AND at > :k ORDER BY at, id"),
+            {"k": killed_at})]  # fmt: skip
+        took_slot = c.execute(text(
+            "SELECT MIN(at) FROM events WHERE to_state = 'fleet_lease_acquired' AND at > :k"), {"k": killed_at},
+        ).scalar_one()  # fmt: skip
+    # ... and no other host took a slot before the dead host's slot expired (the bound is 1)
+    assert taken and all(t["host"] != "host-1" and t["slot"] == dead.slot for t in taken[:1]), taken
+    assert took_slot >= dead.expires_at, (took_slot, dead.expires_at)
 
     d[1].env = {}  # restarted without the hold: recovery, then it converges like any host
     d[1].start(timeout=120)
@@ -157,7 +141,8 @@ def test_three_hosts_bound_one_kill_mid_rollout_and_a_late_joiner(
     assert hosts == {f"host-{i}" for i in range(4)}  # each host's aliases are its own rows
     assert status == "deployed"
 
-    periods = lease_periods([e for e in events if e.to_state.startswith("fleet_lease_")], {"host-1": killed_at})
+    # the killed host's lease ends when its slot expired, not at the kill: a slot taken in between overlaps
+    periods = lease_periods([e for e in events if e.to_state.startswith("fleet_lease_")], {"host-1": dead.expires_at})
     assert {p[0] for p in periods} == {f"host-{i}" for i in range(4)}
     for (h1, _, end1), (h2, start2, _) in zip(periods, periods[1:], strict=False):
         assert start2 >= end1, f"{h2} took a lease at {start2} while {h1} held one until {end1}"

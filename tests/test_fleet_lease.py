@@ -15,14 +15,14 @@ from pathlib import Path
 import pytest
 from conftest import POSTGRES_ENV, _postgres_database, wait_until
 
-from daemon.fleet_config import FleetSettings
-from daemon.fleet_lease import FleetLeases, holders
+from daemon.controller.supervise import choose_launch
+from daemon.fleet.lease import FleetLeases, holders
+from daemon.fleet.settings import FleetSettings
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus
-from daemon.supervise import choose_launch
 
 pytestmark = pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")
 
@@ -95,12 +95,14 @@ def test_a_holder_that_stops_renewing_loses_its_slot(pg_url: str) -> None:
 
 
 def test_a_renewed_slot_is_never_taken(pg_url: str) -> None:
-    a, b = leases(pg_url, "host-a", lease_s=0.8), leases(pg_url, "host-b", lease_s=0.8)
+    # lease_s long enough that a renewal thread starved for a moment on two loaded cores does not
+    # let it lapse (then b taking it would be right); the loop spans 2.5 lease periods
+    a, b = leases(pg_url, "host-a", lease_s=3.0), leases(pg_url, "host-b", lease_s=3.0)
     assert a.try_acquire("v1") == 0
     with a.renewing():  # renewed every lease_s / 4
-        for _ in range(15):
+        for _ in range(25):
             assert b.try_acquire("v2") is None
-            threading.Event().wait(0.2)
+            threading.Event().wait(0.3)
     assert not a.lost
     a.release()
     assert b.try_acquire("v2") == 0

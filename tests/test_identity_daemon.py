@@ -12,7 +12,6 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -47,6 +46,14 @@ def squatter(port: int, log: Path, free_the_port: Callable[[], None] | None = No
     finally:
         proc.kill()
         proc.wait(10)
+
+
+def free_port_number() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
 
 
 def seen_by(log: Path) -> list[dict[str, Any]]:
@@ -130,46 +137,86 @@ def test_tcp_worker_drift_goes_uncertain_and_a_squatter_never_gets_the_token(
     assert_no_secret(requests, [w.token])
 
 
-def test_managed_worker_port_squatter_gets_nothing_and_is_not_shown_running(tmp_path: Path) -> None:
-    """The managed worker's admin API is on its private socket: the daemon never talks to its TCP
-    port, so a squatter there learns nothing; the daemon does not launch onto a taken port and says so."""
+def _squatter_cmd(port: int, log: Path) -> list[str]:
+    """Another local user's squatter: `nobody`, when this test runs as root (as CI does)."""
+    script = [str(REPO / "tests" / "support_squatter.py"), str(port), str(log), "--armed"]
+    if os.geteuid() == 0 and shutil.which("runuser"):
+        return ["runuser", "-u", "nobody", "--", "/usr/bin/python3", *script]
+    return [sys.executable, *script]
+
+
+def test_the_serving_port_is_never_free_while_the_daemon_manages_its_worker(tmp_path: Path) -> None:
+    """The daemon binds the managed worker's serving port once and hands the listening socket to
+    every child it launches: a squatter of another user, lying in wait and binding the moment the
+    worker dies, never gets the port; clients that connect meanwhile are answered by the relaunch."""
     watch, state = tmp_path / "checkpoints", tmp_path / "state"
     cfg = make_config_file(
         tmp_path / "config.toml",
         daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "log_level": "debug"},
         sources=[{"path": str(watch)}],
-        rollout={"health_window_s": 0.3, "health_poll_s": 0.3},
+        rollout={"health_window_s": 0.3, "health_poll_s": 0.3, "relaunch_backoff_s": 0.2},
         workers=[{"name": "local", "launch": "managed", "device": "cpu"}],
     )
     d = DaemonProcess(tmp_path, cfg, f"sqlite:///{state / 'hotswap.db'}", watch, state, {})
     runtime_file = state / "worker-local.json"
+    spool = tmp_path / "spool"
+    spool.mkdir()
+    spool.chmod(0o777)  # where the other user's squatter may write what it saw
     try:
         d.start(timeout=90)
         wait_until(lambda: worker_row(d.registry, "local")["state"] == "RUNNING", 240, what="the managed worker RUNNING")
         runtime = json.loads(runtime_file.read_text())
-        first_token = (state / "worker-local.token").read_text().strip()
-        assert str(runtime["port"]) not in runtime["admin_socket"]
-        log = tmp_path / "squatter.jsonl"
-        with squatter(runtime["port"], log, lambda: os.kill(runtime["pid"], signal.SIGKILL)):
-            row = wait_until(lambda: (r := worker_row(d.registry, "local"))["state"] != "RUNNING"
-                             and "held by another process" in (r["last_error"] or "") and r, 60,
-                             what="the daemon to notice the taken port")  # fmt: skip
-            assert row["state"] == "UNREACHABLE"
-            pid = json.loads(runtime_file.read_text())["pid"]
-            for _ in range(5):  # poll after poll (every 0.3 s): never RUNNING, never launched onto the port
-                time.sleep(0.6)
-                assert worker_row(d.registry, "local")["state"] != "RUNNING"
-                assert "held by another process" in (worker_row(d.registry, "local")["last_error"] or "")
-            # (a relaunch may have raced the squatter and lost: that child exited on the taken port)
-            assert json.loads(runtime_file.read_text())["pid"] == pid
-            requests = seen_by(log)
-        assert_no_secret(requests, [first_token, (state / "worker-local.token").read_text().strip()])
-        assert requests == []  # the daemon never speaks to a managed worker's TCP port
-        # the squatter gone, the daemon launches the worker again, with a fresh secret
+        port, first_pid = runtime["port"], runtime["pid"]
+        log = spool / "squatter.jsonl"
+        proc = subprocess.Popen(_squatter_cmd(port, log), stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, text=True)  # fmt: skip
+        try:
+            assert proc.stdout is not None and proc.stdin is not None
+            line = proc.stdout.readline()
+            assert line.startswith("armed"), line + proc.stdout.read()
+            os.kill(first_pid, signal.SIGKILL)
+            proc.stdin.write("go\n")
+            proc.stdin.flush()
+            out = proc.stdout.read()  # it retries its bind for 5 s, then gives up
+            assert proc.wait(30) != 0 and "squatting" not in out and "Address already in use" in out, out
+        finally:
+            proc.kill()
+        # a client connecting while the worker is gone waits in the port's backlog for the relaunch
+        r = httpx.get(f"http://127.0.0.1:{port}/v1/models", timeout=120)
+        assert r.status_code == 200 and r.json()["data"], r.text
         wait_until(lambda: worker_row(d.registry, "local")["state"] == "RUNNING", 240, what="RUNNING again")
-        assert (state / "worker-local.token").read_text().strip() != first_token
+        again = json.loads(runtime_file.read_text())
+        assert again["port"] == port and again["pid"] != first_pid
+        assert seen_by(log) == []
         assert d.stop() == 0
     finally:
         d.close()
         with contextlib.suppress(OSError, ValueError, TypeError, KeyError):
             os.kill(json.loads(runtime_file.read_text())["pid"], signal.SIGKILL)
+
+
+def test_a_managed_worker_whose_port_is_taken_before_launch_is_not_launched_and_says_so(tmp_path: Path) -> None:
+    """A `port` already held by another process when the daemon starts: the worker is never
+    launched there, is never shown RUNNING, and the daemon never speaks to the squatter."""
+    watch, state = tmp_path / "checkpoints", tmp_path / "state"
+    log = tmp_path / "squatter.jsonl"
+    port = free_port_number()
+    with squatter(port, log):
+        cfg = make_config_file(
+            tmp_path / "config.toml",
+            daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "log_level": "debug"},
+            sources=[{"path": str(watch)}],
+            rollout={"health_window_s": 0.3, "health_poll_s": 0.3},
+            workers=[{"name": "local", "launch": "managed", "device": "cpu", "port": port}],
+        )
+        d = DaemonProcess(tmp_path, cfg, f"sqlite:///{state / 'hotswap.db'}", watch, state, {})
+        try:
+            d.start(timeout=90)
+            row = wait_until(lambda: "held by another process" in ((r := worker_row(d.registry, "local"))["last_error"]
+                                                                   or "") and r, 60, what="the taken port reported")  # fmt: skip
+            assert row["state"] != "RUNNING"
+            health = d.get("/health")
+            assert health.status_code == 503 and "held by another process" in health.json()["error"], health.text
+            assert seen_by(log) == []  # the daemon never speaks to a managed worker's TCP port
+        finally:
+            d.close()

@@ -13,8 +13,9 @@ from support_ipc import LoaderProcess, load_checkpoint, open_fds, segment_maps, 
 
 from daemon.tinymodel import make_tiny_checkpoint
 from daemon.transport.base import TableMismatch, check_table
-from daemon.transport.ipc import OPENER, IpcTransport, LoaderRefused, point_params_at
+from daemon.transport.ipc import IpcTransport, LoaderRefused, point_params_at
 from daemon.transport.ipc_descriptor import DescriptorError
+from daemon.transport.ipc_open import OPENER
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from support_worker import WorkerProcess, start_worker, write_token
 
-from daemon.jsonbody import MAX_DEPTH, JsonBodyError, depth, parse_object
+from daemon.common.jsonbody import MAX_DEPTH, JsonBodyError, depth, parse_object
 from daemon.tinymodel import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)

@@ -1,4 +1,5 @@
-"""The package's shape, checked from its source: no import cycles, one writer of checkpoint status,
+"""The package's shape, checked from its source: the layers (ARCHITECTURE.md), no import cycles,
+one writer of checkpoint status, small modules, a short root, packages that say what they own,
 a rollout package of at most 12 modules, and no test hook read by production code.
 
 Import edges are every `import` in a module (top level, inside functions, under TYPE_CHECKING) plus
@@ -94,6 +95,76 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
     return out
 
 
+# The layers, bottom up, written down once (ARCHITECTURE.md "Layers" says why): a module imports
+# modules of its own layer or below, never above. The longest matching prefix gives the layer.
+LAYERS: dict[str, int] = {
+    # 0 leaves: import nothing of the daemon's but other leaves
+    "daemon": 0, "daemon.common": 0, "daemon.formats": 0, "daemon.crc": 0, "daemon.hashing": 0,
+    "daemon.manifest": 0, "daemon.tinymodel": 0, "daemon.loadgen": 0,
+    # 1 parts: the registry, what moves and checks bytes, the processes beside the daemon
+    "daemon.registry": 1, "daemon.transport": 1, "daemon.checks": 1, "daemon.loader": 1,
+    "daemon.adapters": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1,
+    # 2 the config, which reads the parts' tables (sources, worker kinds, transports)
+    "daemon.config": 2, "daemon.fleet.settings": 2,
+    # 3-5 the mechanism, the fleet on top of it, the policy that drives both; the pipeline
+    "daemon.rollout": 3, "daemon.fleet": 4, "daemon.controller": 5, "daemon.pipeline": 5,
+    # 6-8 the faces: HTTP API and process plumbing, the daemon process, the command line
+    "daemon.api": 6, "daemon.process": 6, "daemon.service": 7, "daemon.cli": 8,
+}
+
+
+def layer(module: str) -> int:
+    name = module
+    while name not in LAYERS:
+        name = name.rpartition(".")[0]
+        assert name, f"{module} has no layer: add its package to LAYERS (and ARCHITECTURE.md)"
+    return LAYERS[name]
+
+
+def upward_imports(modules: dict[str, Path]) -> list[str]:
+    return [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+            for m, p in sorted(modules.items()) for d in sorted(_imports(m, p)) if layer(d) > layer(m)]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    assert upward_imports(MODULES) == []
+
+
+def test_the_layer_check_fails_on_an_upward_import(tmp_path: Path) -> None:
+    leaf = tmp_path / "hashing.py"
+    leaf.write_text("def f():\n    from daemon.rollout.engine import RolloutEngine\n")
+    assert upward_imports({"daemon.hashing": leaf}) == [
+        "daemon.hashing (layer 0) imports daemon.rollout.engine (layer 3)"]
+
+
+def test_nothing_imports_the_cli() -> None:
+    assert [f"{m} -> {d}" for m, p in MODULES.items() if not m.startswith("daemon.cli")
+            for d in _imports(m, p) if d.startswith("daemon.cli")] == []
+
+
+def test_transports_and_checks_never_import_rollout_fleet_api_or_cli() -> None:
+    above = ("daemon.rollout", "daemon.fleet", "daemon.controller", "daemon.pipeline", "daemon.api", "daemon.cli")
+    assert [f"{m} -> {d}" for m, p in MODULES.items() if m.startswith(("daemon.transport", "daemon.checks"))
+            for d in _imports(m, p) if d.startswith(above)] == []
+
+
+def test_the_root_of_the_package_holds_at_most_ten_modules() -> None:
+    assert len([p.name for p in PACKAGE.glob("*.py")]) <= 10, sorted(p.name for p in PACKAGE.glob("*.py"))
+
+
+def test_no_module_is_over_450_lines() -> None:
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}
+
+
+def test_every_package_says_what_it_owns_and_architecture_md_names_it() -> None:
+    arch = (REPO / "ARCHITECTURE.md").read_text()
+    packages = sorted(p.parent for p in PACKAGE.rglob("__init__.py"))
+    assert [p for p in packages if not ast.get_docstring(ast.parse((p / "__init__.py").read_text()))] == []
+    named = [p.relative_to(REPO).as_posix() + "/" for p in packages if p.parent == PACKAGE]
+    assert [n for n in named if n not in arch] == []
+
+
 def test_no_import_cycle_inside_the_package() -> None:
     graph = {m: _imports(m, p) for m, p in MODULES.items()}
     assert _cycles(graph) == []
@@ -106,8 +177,8 @@ def test_the_cycle_finder_finds_cycles() -> None:
 
 def test_a_lazy_import_and_a_registry_string_are_edges(tmp_path: Path) -> None:
     src = tmp_path / "m.py"
-    src.write_text("def f():\n    from daemon.config import Config\nX = {'a': 'daemon.rollout.service:RolloutService'}\n")
-    assert _imports("daemon.m", src) == {"daemon.config", "daemon.rollout.service"}
+    src.write_text("def f():\n    from daemon.config import Config\nX = {'a': 'daemon.controller.service:RolloutService'}\n")
+    assert _imports("daemon.m", src) == {"daemon.config", "daemon.controller.service"}
 
 
 def _status_writes(path: Path) -> list[str]:

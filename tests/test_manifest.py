@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.cli import publish_main  # `hotswap publish` is a CLI command
+from daemon.cli.main import publish_main  # `hotswap publish` is a CLI command
 from daemon.crc import crc32c_combine
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.hashing import content_digest, crc32c_files
@@ -204,6 +204,9 @@ def _doc(files: list, **top: object) -> dict:
     [
         ([{**GOOD_FILE, "path": "../x"}], "'..'"),
         ([{**GOOD_FILE, "path": "/abs"}], "absolute"),
+        ([{**GOOD_FILE, "path": "a" * 256}], "a component is 256 bytes, over 255"),
+        ([{**GOOD_FILE, "path": "/".join(["d"] * 2000)}], "2000 levels deep, over 32"),
+        ([{**GOOD_FILE, "path": "/".join(["d" * 200] * 6)}], "1205 bytes, over 1024"),
         ([{**GOOD_FILE, "path": "a/./b"}], "not normalised"),
         ([{**GOOD_FILE, "path": "a/"}], "not normalised"),
         ([{**GOOD_FILE, "path": "a\\..\\b"}], "backslash"),
@@ -237,7 +240,13 @@ def test_load_manifest_rejects_bad_entries(tmp_path: Path, files: list, message:
         ({"format": FORMAT, "hash_alg": "blake3", "files": []}, "digest None does not match"),
         (_doc([], step=-3), "step"),
         (_doc([], version=5), "version must be a str"),
-        (_doc([], version="a/b"), "not a usable label"),
+        (_doc([], version="a/b"), "version 'a/b' contains a slash"),
+        (_doc([], version="v1\nlevel=info msg=forged"), "contains a newline"),
+        (_doc([], version="v\x1b[2J"), "contains a control character"),
+        (_doc([], version="v\x00"), "contains a NUL byte"),
+        (_doc([], version=".."), "starts with '.'"),
+        (_doc([], version="x" * 201), "201 bytes, over 200"),
+        (_doc([], version=""), "must be a non-empty string"),
         (_doc([], signature={"alg": "hmac-sha256"}), "signature"),
         ([], "not a JSON object"),
     ],

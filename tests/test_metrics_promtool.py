@@ -6,6 +6,7 @@ are skipped, never passed.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -50,6 +51,13 @@ def test_daemon_scrape_passes_promtool(daemon_factory, tmp_path: Path) -> None:
     out = _check(url)
     assert out.returncode == 0, out.stdout + out.stderr
     assert f"metrics  {url}: ok" in out.stdout
+    # every series the shipped alert rules read is one this daemon exports (the rules cannot
+    # drift from the names: prometheus/hotswap-alerts.yml, tested by scripts/check-alerts.sh)
+    rules = (REPO / "prometheus" / "hotswap-alerts.yml").read_text()
+    exported = set(re.findall(r"^# TYPE (\w+) ", scrape, flags=re.M))
+    exported |= {n + "_total" for n in exported}
+    read = set(re.findall(r"\b(hotswap_\w+)\b", rules))
+    assert read and read <= exported, sorted(read - exported)
 
 
 def test_promtool_check_fails_on_bad_names(tmp_path: Path) -> None:

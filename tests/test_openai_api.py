@@ -108,6 +108,30 @@ def test_chat_completion_and_its_stream_agree(w: WorkerProcess) -> None:
     assert r.usage.prompt_tokens == chunks[-1].usage.prompt_tokens > 10
 
 
+@pytest.mark.parametrize("chat", [False, True])
+def test_include_usage_sends_usage_exactly_once_on_a_last_chunk_without_choices(w: WorkerProcess, chat: bool) -> None:
+    # OpenAI's protocol: with include_usage every chunk carries `usage: null` except one extra last chunk,
+    # whose `choices` is empty; without it no chunk carries usage (the finish chunk included).
+    c = client(w)
+
+    def stream(**kw: Any) -> list[Any]:
+        if chat:
+            return list(c.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "Hi"}],
+                                                  max_tokens=7, temperature=0, stream=True, **kw))
+        return list(c.completions.create(model=NAME, prompt="H", max_tokens=7, temperature=0, stream=True, **kw))
+
+    chunks = stream(stream_options={"include_usage": True})
+    with_usage = [i for i, ch in enumerate(chunks) if ch.usage is not None]
+    assert with_usage == [len(chunks) - 1]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 7
+    assert chunks[-1].usage.total_tokens == chunks[-1].usage.prompt_tokens + 7
+    finish = [ch for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert len(finish) == 1 and finish[0].usage is None
+    assert all("usage" in (ch.model_fields_set | set(ch.model_extra or {})) for ch in chunks)  # null, not absent
+    plain = stream()
+    assert all(ch.usage is None for ch in plain) and all(ch.choices for ch in plain)
+
+
 def test_penalties_change_the_output_and_are_range_checked(w: WorkerProcess) -> None:
     c = client(w)
     plain = c.completions.create(model=NAME, prompt="H", max_tokens=60, temperature=0).choices[0].text

@@ -85,7 +85,7 @@ def test_second_daemon_on_a_held_state_dir_exits_2_with_one_line(
     first = daemon_factory(sqlite_url)
     runtime = (first.state_dir / "daemon.json").read_text()
     second = subprocess.run(
-        [sys.executable, "-m", "daemon.cli", "daemon", "-c", str(first.config_path)],
+        [sys.executable, "-m", "daemon.cli.main", "daemon", "-c", str(first.config_path)],
         cwd=first.workdir, env={**os.environ, "PYTHONPATH": str(REPO)},
         capture_output=True, text=True, timeout=60,
     )  # fmt: skip

@@ -14,7 +14,7 @@ from fake_source import FakeSource, FakeSourceConfig
 from daemon import sources
 from daemon.checks import CheckSettings
 from daemon.config import ConfigError, parse_config
-from daemon.coordinator import Coordinator
+from daemon.pipeline.coordinator import Coordinator
 from daemon.registry import Registry, status
 from daemon.registry import queries as q
 from daemon.registry.journal import Journal

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -18,8 +17,8 @@ import pytest
 from conftest import publish_tiny, wait_until
 
 from daemon.checks import CheckSettings
-from daemon.coordinator import Coordinator
 from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.pipeline.coordinator import Coordinator
 from daemon.registry import Registry, status
 from daemon.registry import queries as q
 from daemon.registry.models import Event
@@ -78,6 +77,15 @@ def wait_status(reg: Registry, version: str, want: str, timeout: float = 60) -> 
                       what=f"{version} {want} (is {row(reg, version)})")  # fmt: skip
 
 
+def settle(coord: Coordinator, src: LocalSource, name: str) -> None:
+    """A rescan, then until the source has checked `name` again (registering what it emits, in
+    the same call) and the coordinator has nothing left to do: then nothing more will happen."""
+    before = src.looks(name)
+    src.rescan()
+    wait_until(lambda: src.looks(name) > before, 30, what=f"the source to check {name!r} again")
+    wait_until(coord.idle, 60, what="the coordinator idle")
+
+
 def corrupt(path: Path) -> bytes:
     data = path.read_bytes()
     bad = bytearray(data)
@@ -120,9 +128,8 @@ def test_republishing_the_same_name_is_noticed_and_a_restart_changes_nothing(
     n = len(events(reg, "again"))
     src.stop()
     coord.stop()
-    _, src2 = pipeline()
-    src2.rescan()
-    time.sleep(1.0)
+    coord2, src2 = pipeline()
+    settle(coord2, src2, "again")
     assert len(events(reg, "again")) == n and row(reg, "again")["status"] == "verified"  # type: ignore[index]
 
 
@@ -154,7 +161,7 @@ def test_another_directory_claiming_a_label_first_is_a_recorded_conflict(
     tmp_path: Path, reg: Registry, pipeline: Callable[..., tuple[Coordinator, LocalSource]]
 ) -> None:
     """Point 11: `squatter/` names itself step-100 first; the real step-100 is not dropped silently."""
-    _, src = pipeline()
+    coord, src = pipeline()
     publish_tiny(tmp_path / "s", seed=5, version="step-100")
     os.replace(tmp_path / "s", src.root / "squatter")
     wait_status(reg, "step-100", "verified")
@@ -170,8 +177,7 @@ def test_another_directory_claiming_a_label_first_is_a_recorded_conflict(
     assert c["uri"] == real_uri and c["directory"] == str(src.root / "step-100")
     r = row(reg, "step-100")
     assert r is not None and r["uri"].endswith("/squatter") and "also claimed by" in r["message"]
-    src.rescan()  # seen again: recorded once
-    time.sleep(0.5)
+    settle(coord, src, "step-100")  # seen again: recorded once
     assert len(conflicts()) == 1
 
 

@@ -19,11 +19,12 @@ from typing import Any
 
 import pytest
 from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
-from support_rollout import rollouts, wait_until, worker_events
+from support_rollout import rollouts, wait_until, worker_events, worker_row
 
 from daemon import adapters
 from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
+from daemon.controller.service import RolloutService
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import Checkpoint, Event
@@ -33,7 +34,6 @@ from daemon.rollout import health
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine
 from daemon.rollout.recovery import Recovery
-from daemon.rollout.service import RolloutService
 from daemon.rollout.stage import Stager
 from daemon.rollout.states import Fleet, Transition, WorkerHandle, WorkerState
 from daemon.transport.base import SenderOptions
@@ -93,10 +93,13 @@ class Rig:
         return {(f.state, f.version) for f in self.fakes.values()}
 
 
-def rig(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, mode: str = "drain", **settings: Any) -> Rig:
+def rig(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, mode: str = "drain",
+        groups: dict[str, str] | None = None, **settings: Any) -> Rig:  # fmt: skip
+    """`groups`: worker name -> group (default: every worker in the one "default" group)."""
     cfg = RolloutSettings(mode=mode, **{**FAST, **settings})  # type: ignore[arg-type]
     journal = Journal(reg)
-    handles = [WorkerHandle(WorkerSpec(name=f.name, url=f"http://fake/{f.name}"), f, f"http://fake/{f.name}")
+    handles = [WorkerHandle(WorkerSpec(name=f.name, url=f"http://fake/{f.name}",
+                                       group=(groups or {}).get(f.name, "default")), f, f"http://fake/{f.name}")
                for f in fakes]  # fmt: skip
     fleet = Fleet(handles)
     journal.register_workers((h.name, "builtin", h.url, "cpu") for h in fleet)
@@ -109,6 +112,7 @@ def rig(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, mode: str = "dr
 
 
 FORWARD = [("RUNNING", "DRAINING", ""), ("DRAINING", "UPDATED", ""), ("UPDATED", "RUNNING", "")]
+PAUSED_FORWARD = [("RUNNING", "PAUSED", ""), ("PAUSED", "UPDATED", ""), ("UPDATED", "RUNNING", "")]
 
 
 def test_a_rollout_moves_every_worker_through_the_state_machine_in_order(reg: Registry, tmp_path: Path) -> None:
@@ -146,6 +150,62 @@ def test_in_drain_mode_the_next_batch_drains_only_after_the_last_one_had_time_to
         assert gap < rejoin_s, gap
 
 
+def test_a_lone_worker_in_drain_mode_is_paused_and_the_rollout_says_why(reg: Registry, tmp_path: Path) -> None:
+    """Draining the only worker of a group turns every request away until it is back (seen: 99 of
+    1,462 requests got 503 in three rollouts of the embedded default); pausing it holds them."""
+    w0 = FakeWorkerClient("w0")
+    r = rig(reg, tmp_path, w0, mode="drain")
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and r.on() == {("RUNNING", "v1")}
+    assert r.path(res.rollout_id, "w0") == [("RUNNING", "PAUSED", ""), ("PAUSED", "UPDATED", ""), ("UPDATED", "RUNNING", "")]
+    assert "pause" in w0.calls and "drain" not in w0.calls
+    why = "only worker of group default: paused instead of drained"
+    row = rollouts(reg)[-1]
+    assert row["mode"] == "pause", row
+    assert row["detail"]["batch_modes"] == [{"group": "default", "workers": ["w0"], "mode": "pause", "reason": why}]
+    begin = [e for e in worker_events(reg, res.rollout_id) if e["to"] == "PAUSED"]
+    assert [e["detail"] for e in begin] == [{"mode": "pause", "reason": why}]
+
+
+def test_a_group_of_two_still_drains_one_at_a_time_beside_a_lone_worker_that_is_paused(
+    reg: Registry, tmp_path: Path
+) -> None:
+    w0, w1, w2 = FakeWorkerClient("w0"), FakeWorkerClient("w1"), FakeWorkerClient("w2")
+    r = rig(reg, tmp_path, w0, w1, w2, mode="drain", groups={"w0": "pair", "w1": "pair", "w2": "solo"})
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and r.on() == {("RUNNING", "v1")}
+    # one of the pair out of rotation at a time: w1 drains only once w0 is back RUNNING
+    order = [(t.worker, t.to_state) for t in r.seen]
+    assert order == [("w0", S.DRAINING), ("w0", S.UPDATED), ("w0", S.RUNNING),
+                     ("w1", S.DRAINING), ("w1", S.UPDATED), ("w1", S.RUNNING),
+                     ("w2", S.PAUSED), ("w2", S.UPDATED), ("w2", S.RUNNING)], order  # fmt: skip
+    assert "drain" in w0.calls and "drain" in w1.calls and "pause" not in w0.calls + w1.calls
+    row = rollouts(reg)[-1]
+    assert row["mode"] == "mixed"
+    assert [(b["group"], b["mode"]) for b in row["detail"]["batch_modes"]] == [("solo", "pause")]
+    assert all("reason" not in e["detail"] for e in worker_events(reg, res.rollout_id) if e["to"] == "DRAINING")
+
+
+def test_a_lone_worker_that_cannot_pause_is_drained_with_a_warning_once(reg: Registry, tmp_path: Path) -> None:
+    import structlog
+
+    w0 = FakeWorkerClient("w0", pause_modes=())
+    r = rig(reg, tmp_path, w0, mode="drain")
+    v0, v1, v2 = verified(reg, "v0"), verified(reg, "v1"), verified(reg, "v2")
+    with structlog.testing.capture_logs() as logs:
+        assert r.deploy(v1, v0).outcome == RolloutOutcome.SUCCEEDED
+        res = r.deploy(v2, v1)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and r.on() == {("RUNNING", "v2")}
+    assert r.path(res.rollout_id, "w0")[0] == ("RUNNING", "DRAINING", "")
+    warned = [e for e in logs if e["event"] == "group_out_of_rotation_during_updates"]
+    assert len(warned) == 1 and warned[0]["log_level"] == "warning" and warned[0]["group"] == "default", logs
+    assert "w0 cannot pause without losing requests" in warned[0]["reason"]
+    assert rollouts(reg)[-1]["mode"] == "drain"
+    assert "out of rotation" in rollouts(reg)[-1]["detail"]["batch_modes"][0]["reason"]
+
+
 def test_no_rejoin_wait_after_a_batch_that_drained_nobody(reg: Registry, tmp_path: Path) -> None:
     """w0 is already on the target (nothing left rotation): w1 is drained without the wait."""
     r = rig(reg, tmp_path, FakeWorkerClient("w0", version="v1"), FakeWorkerClient("w1"), rejoin_s=30.0)
@@ -164,12 +224,26 @@ def test_a_refused_update_rolls_back_the_workers_already_moved(reg: Registry, tm
     res = r.deploy(v1, v0)
     assert (res.outcome, res.kind, res.unrecovered) == (RolloutOutcome.FAILED, FailureKind.REFUSED, [])
     assert r.on() == {("RUNNING", "v0")}  # no mixed versions
-    assert r.path(res.rollout_id, "w1") == [("RUNNING", "DRAINING", ""), ("DRAINING", "UNHEALTHY", "update"),
-                                            ("UNHEALTHY", "RUNNING", "restored")]  # fmt: skip
+    # a refusal is not a failure of the worker: it kept serving v0, never UNHEALTHY (issue 21)
+    assert r.path(res.rollout_id, "w1") == [("RUNNING", "DRAINING", ""), ("DRAINING", "RUNNING", "refused")]
     assert r.path(res.rollout_id, "w0") == FORWARD + FORWARD  # to v1, then back to v0
     assert "rollback" in w0.calls  # going back installs the fallback's request
     (row,) = [x for x in rollouts(reg) if x["id"] == res.rollout_id]
     assert row["detail"]["rolled_back"] == ["w0"] and row["detail"]["kind"] == "refused"
+
+
+def test_a_lone_worker_that_refused_goes_to_the_fallback_paused_not_drained(reg: Registry, tmp_path: Path) -> None:
+    """It kept serving a version other than the fallback; moving it there must not drain the
+    group's only worker either."""
+    w0 = FakeWorkerClient("w0", version="vx")
+    r = rig(reg, tmp_path, w0, mode="drain")
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    w0.fail("update", UpdateRefused("worker w0: update: HTTP 409: tensor table does not match"))
+    res = r.deploy(v1, v0)
+    assert (res.outcome, res.kind, res.unrecovered) == (RolloutOutcome.FAILED, FailureKind.REFUSED, [])
+    assert r.on() == {("RUNNING", "v0")}
+    assert r.path(res.rollout_id, "w0") == [("RUNNING", "PAUSED", ""), ("PAUSED", "RUNNING", "refused"), *PAUSED_FORWARD]
+    assert "drain" not in w0.calls
 
 
 def test_a_worker_that_dies_mid_update_is_restarted_on_the_fallback(reg: Registry, tmp_path: Path) -> None:
@@ -207,9 +281,32 @@ def test_a_partial_write_on_an_engine_without_atomic_updates_is_uncertain_until_
     w0.fail("update", partial=True)
     res = r.deploy(v1, v0)
     assert res.outcome == RolloutOutcome.FAILED and res.unrecovered == []
-    assert r.path(res.rollout_id, "w0") == [("RUNNING", "DRAINING", ""), ("DRAINING", "UNCERTAIN", "update"),
+    # (a lone worker: paused rather than drained, see the planner)
+    assert r.path(res.rollout_id, "w0") == [("RUNNING", "PAUSED", ""), ("PAUSED", "UNCERTAIN", "update"),
                                             ("UNCERTAIN", "RUNNING", "restored")]  # fmt: skip
     assert (w0.state, w0.version) == ("RUNNING", "v0") and w0.calls.count("rollback") == 1  # v0 re-installed
+
+
+def test_a_worker_held_uncertain_is_reinstalled_even_when_it_answers_running_on_the_target(
+    reg: Registry, tmp_path: Path
+) -> None:
+    # drift seen at start-up (the same label from another folder), then the rollout of that very
+    # version: the worker's answer "RUNNING on v1" must not wave it through as already updated
+    w0, w1 = FakeWorkerClient("w0"), FakeWorkerClient("w1")
+    r = rig(reg, tmp_path, w0, w1)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    assert r.deploy(v1, v0).outcome == RolloutOutcome.SUCCEEDED
+    h = r.fleet["w0"]
+    r.driver.move(h, None, S.UNCERTAIN, duration_ms=None, error="drift: test")
+    before = w0.calls.count("rollback") + w0.calls.count("update")
+    res = r.deploy(v1, v0)
+    assert res.outcome == RolloutOutcome.SUCCEEDED
+    # back on the known-good fallback first (as any failed worker before a rollout), then its batch
+    assert r.path(res.rollout_id, "w0") == [("UNCERTAIN", "RUNNING", "restored"), *FORWARD]
+    assert w0.calls.count("rollback") + w0.calls.count("update") == before + 2
+    assert (w0.state, w0.version) == ("RUNNING", "v1") and h.state == S.RUNNING
+    assert worker_row(reg, "w0")["state"] == "RUNNING"
+    assert r.path(res.rollout_id, "w1") == []  # the other was on the target: untouched
 
 
 def test_an_uncertain_worker_whose_reinstall_fails_is_restarted(reg: Registry, tmp_path: Path) -> None:
@@ -221,7 +318,7 @@ def test_an_uncertain_worker_whose_reinstall_fails_is_restarted(reg: Registry, t
     res = r.deploy(v1, v0)
     assert res.outcome == RolloutOutcome.FAILED and res.unrecovered == []
     assert [(a, b, s) for a, b, s in r.path(res.rollout_id, "w0")][1:] == [
-        ("DRAINING", "UNCERTAIN", "update"), ("UNCERTAIN", "UNHEALTHY", "restore_failed"),
+        ("PAUSED", "UNCERTAIN", "update"), ("UNCERTAIN", "UNHEALTHY", "restore_failed"),
         ("UNHEALTHY", "UNHEALTHY", "restart"), ("UNHEALTHY", "RUNNING", "restored"),
     ]  # fmt: skip
     assert (w0.state, w0.version) == ("RUNNING", "v0") and w0.version != MIXED
@@ -426,7 +523,7 @@ def test_service_deploys_a_new_checkpoint_and_records_serving(reg: Registry, tmp
         svc.journal.set_alias("serving", v0.id)
         svc.journal.set_alias("last_good", v0.id)
         v1 = verified(reg, "v1")
-        out = svc._deploy_new(v1)
+        out = svc.decisions.deploy_new(v1)
         assert out["outcome"] == "succeeded"
         assert svc.journal.alias("serving") == svc.journal.checkpoint(v1.id)
         assert svc.journal.checkpoint(v1.id).status == C.DEPLOYED  # type: ignore[union-attr]
@@ -444,7 +541,7 @@ def test_service_rejects_a_version_whose_rollout_failed_and_keeps_serving(reg: R
         svc.journal.set_alias("last_good", v0.id)
         v1 = verified(reg, "v1")
         w1.fail("update", UpdateRefused("worker w1: update: HTTP 409: shape"))
-        out = svc._deploy_new(v1)
+        out = svc.decisions.deploy_new(v1)
         row = svc.journal.checkpoint(v1.id)
         assert out["outcome"] == "failed" and row is not None and row.status == C.REJECTED
         assert svc.journal.alias("serving") == svc.journal.checkpoint(v0.id)
@@ -643,7 +740,7 @@ def test_later_workers_are_prepared_while_the_first_updates_and_each_is_prepared
         v0 = verified(reg, "v0")
         svc.journal.set_alias("serving", v0.id)
         svc.journal.set_alias("last_good", v0.id)
-        out = svc._deploy_new(verified(reg, "v1"))
+        out = svc.decisions.deploy_new(verified(reg, "v1"))
         assert out["outcome"] == "succeeded", out
         assert log.index("w1.prepare v1") < log.index("w0.update v1 prepared=True"), log
         assert log.index("w1.prepare v1") < log.index("w1.pause"), log
@@ -662,7 +759,69 @@ def test_a_worker_already_on_the_target_is_not_prepared_ahead(reg: Registry, tmp
         v0 = verified(reg, "v0")
         svc.journal.set_alias("serving", v0.id)
         svc.journal.set_alias("last_good", v0.id)
-        assert svc._deploy_new(verified(reg, "v1"))["outcome"] == "succeeded"
+        assert svc.decisions.deploy_new(verified(reg, "v1"))["outcome"] == "succeeded"
         assert not [e for e in log if e.startswith("w1.")], log  # nothing opened that no update takes
     finally:
         svc.stop()
+
+
+# -- issue 21: nothing left out of rotation ------------------------------------------------------
+
+
+def test_a_rollback_to_a_version_the_worker_refuses_leaves_it_serving_what_it_had(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """The reported outage: the one worker refused the rollback target (a byte changed since
+    verify) and was left DRAINING. Now it resumes on what it served, the rollout fails with the
+    reason, and the fallback of an operator rollback is the serving version, not the target."""
+    w0 = FakeWorkerClient("w0", version="v1")
+    svc = _service(reg, tmp_path, w0)
+    try:
+        v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+        for v in (v0, v1):
+            svc.journal.move_status(v.id, C.DEPLOYED, "served once")
+        svc.journal.move_status(v0.id, C.RETIRED, "rolled forward")
+        svc.journal.set_alias("serving", v1.id)
+        svc.journal.set_alias("last_good", v1.id)
+        changed = "model.safetensors changed since it was verified (nothing was loaded)"
+        w0.fail("update", UpdateRefused(f"worker w0: update: {changed}"), times=5)
+        out = svc.decisions.rollback("v0")
+        assert out["outcome"] == "failed" and changed in out["reason"], out
+        assert (w0.state, w0.version) == ("RUNNING", "v1")
+        path = [(e["from"], e["to"], e["detail"].get("action") or "") for e in worker_events(reg, out["rollout_id"])]
+        assert path == [("RUNNING", "PAUSED", ""), ("PAUSED", "RUNNING", "refused")], path  # its group's only worker: paused
+        assert svc.journal.alias("serving") == svc.journal.checkpoint(v1.id)
+        assert svc.fleet["w0"].state == WorkerState.RUNNING
+    finally:
+        svc.stop()
+
+
+def test_a_worker_whose_fallback_cannot_be_installed_goes_back_on_its_intact_weights(
+    reg: Registry, tmp_path: Path
+) -> None:
+    w0 = FakeWorkerClient("w0", version="v1")
+    r = rig(reg, tmp_path, w0)
+    v0, v1, v2 = verified(reg, "v0"), verified(reg, "v1"), verified(reg, "v2")
+    del v1
+    w0.fail("update", WorkerError("worker w0: update: HTTP 500: boom"))  # nothing written, not a refusal
+    w0.fail("rollback", WorkerError("worker w0: update: v0's files changed since verify"))  # the fallback fails too
+    res = r.deploy(v2, v0)
+    assert res.outcome == RolloutOutcome.FAILED and res.unrecovered == []
+    assert (w0.state, w0.version) == ("RUNNING", "v1") and r.restarts.done == []
+    (last,) = [e for e in worker_events(reg, res.rollout_id)][-1:]
+    assert (last["to"], last["detail"]["how"], last["detail"]["restored_to"]) == ("RUNNING", "kept its intact weights", "v1")
+
+
+def test_a_worker_that_cannot_be_restarted_is_never_said_to_be_restarting(reg: Registry, tmp_path: Path) -> None:
+    w0 = FakeWorkerClient("w0", version="v1")
+    r = rig(reg, tmp_path, w0)
+    r.restarts.refuse.add("w0")
+    v0, v2 = verified(reg, "v0"), verified(reg, "v2")
+    w0.fail("update", WorkerError("worker w0: update: HTTP 500: write failed"), partial=True)  # weights a mix
+    w0.fail("rollback", WorkerError("worker w0: update: refused"), times=5)
+    res = r.deploy(v2, v0)
+    assert res.unrecovered == ["w0"]
+    events = worker_events(reg, res.rollout_id)
+    assert [e["detail"].get("action") for e in events][-1] == "not_restarted", events
+    row = worker_row(reg, "w0")
+    assert "restarting" not in (row["last_error"] or "") and "not restarted" in row["last_error"], row

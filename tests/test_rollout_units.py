@@ -6,11 +6,12 @@ import itertools
 
 import pytest
 
-from daemon.config import EMBEDDED, ConfigError, RolloutSettings, WorkerSpec, parse_config
+from daemon.adapters.base import Capabilities
+from daemon.config import EMBEDDED, ConfigError, GroupSettings, RolloutSettings, WorkerSpec, parse_config
+from daemon.controller.queue import Job, RolloutQueue
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus
-from daemon.rollout.planner import modes_of, newer, newest, plan
-from daemon.rollout.queue import Job, RolloutQueue
+from daemon.rollout.planner import modes_of, newer, newest, pauses_safely, plan
 from daemon.rollout.states import ALLOWED, IllegalTransition, WorkerState, check_transition
 
 S = WorkerState
@@ -21,6 +22,9 @@ DIAGRAM = {
     (S.RUNNING, S.PAUSED),
     (S.DRAINING, S.UPDATED),
     (S.PAUSED, S.UPDATED),
+    # the update refused before any write: back to serving what it had (issue 21: not a failure)
+    (S.DRAINING, S.RUNNING),
+    (S.PAUSED, S.RUNNING),
     (S.UPDATED, S.RUNNING),
     (S.UNHEALTHY, S.RUNNING),
     (S.UNHEALTHY, S.UNHEALTHY),  # restart issued, still down
@@ -50,6 +54,40 @@ def test_plan_batches_by_max_unavailable_in_config_order() -> None:
     batches = plan(workers, RolloutSettings(max_unavailable=2))
     assert [b.workers for b in batches] == [("w0", "w1"), ("w2", "w3"), ("w4",)]
     assert {b.mode for b in batches} == {"drain"}
+
+
+def test_plan_pauses_a_drain_batch_that_would_take_its_whole_group_out_of_rotation() -> None:
+    workers = _workers("solo", "pair", "pair", "trio", "trio", "trio")
+    cfg = RolloutSettings(mode="drain", groups={"trio": GroupSettings(max_unavailable=3)})
+    assert [(b.group, b.mode, b.workers, b.reason) for b in plan(workers, cfg)] == [
+        ("solo", "pause", ("w0",), "only worker of group solo: paused instead of drained"),
+        ("pair", "drain", ("w1",), None),  # the other one serves meanwhile: drain, one at a time
+        ("pair", "drain", ("w2",), None),
+        ("trio", "pause", ("w3", "w4", "w5"), "all 3 workers of group trio in one batch: paused instead of drained"),
+    ]
+    # a group of two rolled one at a time, restricted to one of them: the other still serves
+    assert [(b.mode, b.reason) for b in plan(workers, cfg, only={"w2"})] == [("drain", None)]
+    # pause mode needs no change, and says nothing
+    assert [(b.mode, b.reason) for b in plan(workers[:1], RolloutSettings(mode="pause"))] == [("pause", None)]
+
+
+def test_plan_drains_a_lone_worker_that_cannot_pause_and_says_the_group_is_out_of_rotation() -> None:
+    workers = _workers("solo", "trio", "trio", "trio")
+    cfg = RolloutSettings(mode="drain", groups={"trio": GroupSettings(max_unavailable=3)})
+    batches = plan(workers, cfg, can_pause=lambda w: w.name not in ("w0", "w2"))
+    assert [(b.mode, b.out_of_rotation) for b in batches] == [("drain", True), ("drain", True)]
+    assert batches[0].reason == ("only worker of group solo: drained, the group is out of rotation during the "
+                                 "update (w0 cannot pause without losing requests)")  # fmt: skip
+    assert batches[1].reason is not None and "(w2 cannot pause" in batches[1].reason
+
+
+def test_pauses_safely_needs_a_pause_that_keeps_requests() -> None:
+    spec = WorkerSpec(name="w", url="http://127.0.0.1:1")
+    assert pauses_safely(spec, Capabilities(pause_modes=("keep",)))
+    assert not pauses_safely(spec, Capabilities(pause_modes=(), can_drain=True))
+    # an engine told to abort what is in flight when paused loses requests too
+    assert not pauses_safely(WorkerSpec(name="w", url="http://x:1", kind="vllm", pause_mode="abort"),
+                             Capabilities(pause_modes=("keep", "wait")))  # fmt: skip
 
 
 def test_plan_groups_roll_one_after_another_with_their_own_mode() -> None:
@@ -157,7 +195,11 @@ def test_bad_rollout_config_names_file_and_key(doc: dict, message: str) -> None:
 def test_default_fleet_is_one_managed_worker_only_without_a_config_file() -> None:
     cfg = parse_config({}, EMBEDDED)
     assert [(w.name, w.launch, w.kind) for w in cfg.workers] == [("local", "managed", "builtin")]
-    assert cfg.rollout.mode == "pause"  # one worker: hold requests rather than turn them away
+    # one worker: its rollouts hold requests (pause) rather than turn them away (drain), by the
+    # planner's general rule, not a setting of its own
+    assert cfg.rollout.mode == "drain"
+    assert [(b.mode, b.reason) for b in plan(cfg.workers, cfg.rollout)] == [
+        ("pause", "only worker of group default: paused instead of drained")]
     assert parse_config({}, "daemon.toml").workers == []  # a file without [[workers]]: verify only
     cfg = parse_config({}, "daemon.toml")
     assert cfg.rollout.max_unavailable == 1 and cfg.rollout.transport == "disk" and cfg.rollout.mode == "drain"

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import json
+import select
+import socket
 import subprocess
 import sys
 import threading
@@ -62,6 +64,47 @@ def _in_flight(w: WorkerProcess) -> int:
     return int(w.info()["in_flight"])
 
 
+def _answer_while_sending(
+    w: WorkerProcess, path: str, headers: dict[str, str], chunks: Iterator[bytes]
+) -> tuple[int, bytes]:
+    """Send a request's head, then its body piece by piece, and return the status (and the bytes
+    read) of the answer the worker gives while the body is still coming: a refusal before the
+    body is read. Fails when the connection closes with no answer, or no answer came at all."""
+    host, port = w.url.removeprefix("http://").rsplit(":", 1)
+    head = "".join(f"{k}: {v}\r\n" for k, v in {"Host": host, "Content-Type": "application/json", **headers}.items())
+    with socket.create_connection((host, int(port)), timeout=30) as sock:
+        sock.sendall(f"POST {path} HTTP/1.1\r\n{head}\r\n".encode())
+        for piece in (b"", *chunks):
+            with contextlib.suppress(OSError):  # it answered and closed meanwhile: the answer is still to be read
+                sock.sendall(piece)
+            readable, _, _ = select.select([sock], [], [], 0.5 if piece else 2.0)
+            if readable:
+                answer = _read_answer(sock)
+                assert answer.startswith(b"HTTP/1.1 "), answer[:200]  # an answer, not a reset or a close
+                return int(answer.split()[1]), answer
+    raise AssertionError(f"{path}: the whole body was sent and no answer came while sending")
+
+
+def _read_answer(sock: socket.socket) -> bytes:
+    """The whole answer: its head, then as many body bytes as its Content-Length says. The head
+    and the body may arrive in separate segments, so one recv() is not the answer."""
+    answer = b""
+    while True:
+        head, sep, body = answer.partition(b"\r\n\r\n")
+        if sep:
+            length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")[1:]
+                           if line.lower().startswith(b"content-length:")), 0)  # fmt: skip
+            if len(body) >= length:
+                return answer
+        try:
+            piece = sock.recv(65536)
+        except OSError:  # reset after its answer: what came is the answer
+            return answer
+        if not piece:
+            return answer
+        answer += piece
+
+
 def test_oversized_bodies_get_413_before_they_are_read(w: WorkerProcess) -> None:
     r = _raw(w, "/v1/completions", b"x" * (2 << 20))
     assert r.status_code == 413 and _is_error_object(r) and r.json()["error"]["code"] == "request_too_large"
@@ -70,11 +113,15 @@ def test_oversized_bodies_get_413_before_they_are_read(w: WorkerProcess) -> None
         for _ in range(4):
             yield b" " * (1 << 20)
 
-    try:
-        r = _raw(w, "/v1/chat/completions", chunks())
-        assert r.status_code == 413 and _is_error_object(r)
-    except httpx.TransportError:
-        pass  # answered and closed while we were still sending: also refused
+    # refused while the body is still arriving, not after reading it: with Content-Length (from the
+    # header alone) and chunked (once the count passes the cap), 64 MiB offered, 1 MiB at a time
+    big = 64 << 20
+    status, _ = _answer_while_sending(w, "/v1/completions", {"Content-Length": str(big)},
+                                      (b" " * (1 << 20) for _ in range(64)))  # fmt: skip
+    assert status == 413
+    chunked = (b"%x\r\n%s\r\n" % (1 << 20, b" " * (1 << 20)) for _ in range(64))
+    status, answer = _answer_while_sending(w, "/v1/chat/completions", {"Transfer-Encoding": "chunked"}, chunked)
+    assert status == 413 and b"request_too_large" in answer, answer[:300]
     assert w.get("/health").status_code == 200
     ok = w.post("/v1/completions", {"prompt": "fine", "max_tokens": 2})
     assert ok.status_code == 200
@@ -86,8 +133,10 @@ def test_admin_routes_take_bodies_larger_than_the_serving_cap(w: WorkerProcess) 
     r = _raw(w, "/admin/update", big.encode(), headers=w.auth())
     assert r.status_code not in (413, 500) and "error" in r.json(), r.text[:300]
     assert _raw(w, "/admin/update", big.encode()).status_code == 401  # the token is checked first
-    with contextlib.suppress(httpx.TransportError):  # answered 413 and closed while we were still sending
-        assert _raw(w, "/admin/update", b"x" * (65 << 20), headers=w.auth()).status_code == 413
+    over = 65 << 20  # past the admin cap: refused from its Content-Length, before the body is read
+    status, _ = _answer_while_sending(w, "/admin/update", {"Content-Length": str(over), **w.auth()},
+                                      (b"x" * (1 << 20) for _ in range(65)))  # fmt: skip
+    assert status == 413
 
 
 HOSTILE_BODIES = [

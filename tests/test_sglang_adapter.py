@@ -237,9 +237,10 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
             sources=[{"path": str(watch), "rescan_interval_s": 1.0, "quiet_period_s": 0.3}],
             checks=FEW_CHECKS,
             # max_infra_retries = 0: a worker that dies mid-update rejects the version at once (by
-            # default it is retried as the fleet's fault; daemon/rollout/attribution.py)
+            # default it is retried as the fleet's fault; daemon/rollout/attribution.py);
+            # restart_rollouts = false: a checkpoint of other shapes is rejected, not relaunched on
             rollout={"mode": "pause", "health_window_s": 1.0, "health_poll_s": 1.0, "restart_timeout_s": 120.0,
-                     "max_infra_retries": 0},
+                     "max_infra_retries": 0, "restart_rollouts": False},
             workers=[worker],
         )
         env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4,v5",
@@ -320,11 +321,11 @@ def test_a_shard_changed_after_verify_is_refused_before_sglang_reads_it(fleet: F
     (rollout,) = [r for r in rollouts(fleet.daemon.registry) if r["version"] == "v4"]
     assert rollout["outcome"] == "failed"
     path = worker_paths(fleet.daemon.registry)[("s0", "v4")][-1]
-    assert path == ["RUNNING", "PAUSED", "UNHEALTHY", "RUNNING"], path  # refused, then resumed as it was
+    assert path == ["RUNNING", "PAUSED", "RUNNING"], path  # refused, resumed as it was: never UNHEALTHY
     events = worker_events(fleet.daemon.registry, rollout["id"])
     refused = events[1]["detail"]
     assert refused["kind"] == "refused" and shard.name in refused["error"] and "nothing was loaded" in refused["error"]
-    assert events[-1]["detail"]["restored_to"] == "v1" and events[-1]["detail"]["how"] == "unchanged", events
+    assert refused["action"] == "refused" and refused["kept"] == "v1", events
     assert "Scheduler hit an exception" not in (fleet.logs / "sglang.log").read_text()
 
 

@@ -40,7 +40,8 @@ STEP_DELAY_S = 0.02  # per decode step: a 100-token request lasts ~2 s, long eno
 # --------------------------------------------------------------------------- fidelity to 0.5.23
 
 BODY_MODELS = [standin.PauseGenerationReqInput, standin.ContinueGenerationReqInput,
-               standin.UpdateWeightFromDiskReqInput, standin.UpdateWeightVersionReqInput]
+               standin.UpdateWeightFromDiskReqInput, standin.UpdateWeightVersionReqInput,
+               standin.LoadLoRAAdapterReqInput, standin.UnloadLoRAAdapterReqInput]
 
 
 def test_standin_routes_and_methods_are_sglangs() -> None:

@@ -6,7 +6,7 @@ import json
 import os
 import queue
 import shutil
-import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -158,21 +158,26 @@ def source(tmp_path):
         s.stop()
 
 
+def next_look(src: LocalSource, name: str, action: Callable[[], object] | None = None) -> None:
+    """Run `action` (default: a rescan), then wait until the source has checked `name` once more:
+    after that, whatever the check would emit has been emitted (no fixed sleep)."""
+    before = src.looks(name)
+    (action or src.rescan)()
+    wait_until(lambda: src.looks(name) > before, 10, what=f"the source to check {name!r} again")
+
+
 def test_watched_folder_emits_once_on_publish(source, tmp_path):
     src, got = source()
     make_tiny_checkpoint(src.root / "step-1", seed=1)
-    time.sleep(0.3)
+    next_look(src, "step-1")
     assert got.all() == []  # no signal yet
     from daemon.manifest import publish
 
     publish(src.root / "step-1", version="v-1")
     item = got.items.get(timeout=5)
     assert (item.version, item.signal, item.directory) == ("v-1", "manifest", src.root / "step-1")
-    time.sleep(0.3)
-    assert got.all() == []  # events after the commit that change nothing: no re-emit
-    src.rescan()
-    time.sleep(0.3)
-    assert got.all() == []
+    next_look(src, "step-1")
+    assert got.all() == []  # checked again after the commit, nothing changed: no re-emit
     (src.root / "step-1" / "extra.txt").write_text("later")  # its files changed: handed on again
     again = got.items.get(timeout=5)  # (the coordinator decides what a change means)
     assert (again.version, again.directory) == ("v-1", src.root / "step-1")
@@ -181,8 +186,9 @@ def test_watched_folder_emits_once_on_publish(source, tmp_path):
 def test_hidden_build_dir_renamed_into_place(source, tmp_path):
     src, got = source()
     publish_tiny(src.root / ".tmp-step-2", seed=2, version="step-2")
-    time.sleep(0.3)
-    assert got.all() == []
+    publish_tiny(src.root / "beside", seed=3, version="beside")  # later events: emitted after the hidden one's
+    assert got.items.get(timeout=5).version == "beside"
+    assert got.all() == [] and src.looks(".tmp-step-2") == 0  # hidden: never even looked at
     os.rename(src.root / ".tmp-step-2", src.root / "step-2")
     assert got.items.get(timeout=5).version == "step-2"
 
@@ -243,7 +249,37 @@ def test_failed_emit_is_retried(source, tmp_path):
 def test_detection_is_not_fooled_by_a_plain_file(source, tmp_path):
     src, got = source()
     (src.root / "notes.txt").write_text("not a checkpoint")
+    publish_tiny(src.root / "real", seed=9)  # a checkpoint beside it: once emitted, the scan is done
     src.rescan()
-    time.sleep(0.3)
+    assert got.items.get(timeout=5).version == "real"
+    next_look(src, "notes.txt", lambda: src.mark_dirty("notes.txt"))  # looked at: still nothing
     assert got.all() == []
     assert Path(src.root / "notes.txt").exists()
+
+
+def test_a_checkpoint_whose_label_cannot_be_used_is_refused_and_the_source_goes_on(source, tmp_path):
+    """A manifest's version with a newline (a forged log line) and a folder named with a terminal
+    escape (committed by its marker, so the name is the label) are refused with the reason, never
+    emitted; a good checkpoint beside them is; a fixed manifest is emitted once it changes."""
+    src, got = source()
+    publish_tiny(tmp_path / "nl", seed=1)
+    manifest = tmp_path / "nl" / MANIFEST_NAME
+    good_doc = manifest.read_text()
+    manifest.write_text(good_doc.replace('"version": "nl"', '"version": "nl\\nlevel=error event=forged"'))
+    os.replace(tmp_path / "nl", src.root / "nl")
+    escape = "v\x1b[2J"
+    make_tiny_checkpoint(tmp_path / "esc", seed=2)
+    (tmp_path / "esc" / "_SUCCESS").write_text("")
+    os.replace(tmp_path / "esc", src.root / escape)
+    publish_tiny(tmp_path / "ok", seed=3)
+    os.replace(tmp_path / "ok", src.root / "ok")
+    assert got.items.get(timeout=10).version == "ok"
+    wait_until(lambda: len(src._refused) == 2, 10, what=f"both refused (refused so far: {src._refused})")
+    refused = src.describe()["refused"]
+    assert "contains a newline" in refused["nl"] and "'nl\\nlevel=error event=forged'" in refused["nl"], refused
+    assert "contains a control character" in refused[escape], refused
+    assert got.all() == []
+    manifest = src.root / "nl" / MANIFEST_NAME
+    manifest.write_text(good_doc)  # fixed: its files changed, looked at again
+    assert got.items.get(timeout=10).version == "nl"
+    wait_until(lambda: set(src.describe().get("refused", {})) == {escape}, 10, what="only the escape still refused")

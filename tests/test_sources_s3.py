@@ -231,11 +231,11 @@ def test_sqs_event_is_a_hint_that_lists_at_once(moto_server, tmp_path):
         scheduler.shutdown(wait=False)
 
 
-def test_a_folder_reused_for_another_version_never_overwrites_the_first(moto_server, tmp_path):
+def test_a_folder_reused_for_another_version_is_refused_and_the_first_copy_stays(moto_server, tmp_path):
     s3 = moto_server.client()
     s3.create_bucket(Bucket=BUCKET)
     first = tmp_path / "a" / "slot"
-    publish_tiny(first, seed=1, version="v1")
+    publish_tiny(first, seed=1)
     upload_dir(s3, BUCKET, "run-1/slot/", first)
     src, _ = make_source(moto_server, tmp_path)
     [item1] = src.scan()
@@ -244,8 +244,7 @@ def test_a_folder_reused_for_another_version_never_overwrites_the_first(moto_ser
     second = tmp_path / "b" / "slot"
     publish_tiny(second, seed=2, version="v2")
     upload_dir(s3, BUCKET, "run-1/slot/", second)  # the same folder, another version
-    src2, _ = make_source(moto_server, tmp_path)  # e.g. after a daemon restart
-    [item2] = src2.scan()
-    assert item2.version == "v2"
-    dir2 = fetch(src2, item2)
-    assert dir1 != dir2 and {p.name: p.read_bytes() for p in dir1.iterdir()} == before
+    src2, rec2 = make_source(moto_server, tmp_path)  # e.g. after a daemon restart
+    assert src2.scan() == [] and rec2.items == []  # v2 comes only from a folder named v2
+    assert "holds a manifest for version 'v2'" in src2.describe()["refused"]["slot"]
+    assert {p.name: p.read_bytes() for p in dir1.iterdir()} == before

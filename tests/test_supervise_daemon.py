@@ -16,24 +16,23 @@ import json
 import os
 import shutil
 import signal
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
+from conftest import DaemonProcess, hotswap_cli, wait_until
 from sqlalchemy import select
 from support_check import flip_byte
-from support_rollout import aliases, publish_into, worker_events, worker_row
+from support_managed import managed_daemon
+from support_rollout import aliases, publish_into, wait_passes, worker_events, worker_row
 
 from daemon.formats.checkpoint import tensor_table
 from daemon.registry.models import Event
 
 pytestmark = pytest.mark.timeout(600)
 
-FEW_CHECKS = {"enabled": ["manifest", "headers", "crc32c"]}
 REPORT_S = 10.0  # the bound: a launch failure is reported within 10 s
 
 
@@ -44,19 +43,7 @@ def managed(tmp_path: Path) -> Iterator[Any]:
     started: list[DaemonProcess] = []
 
     def start(rollout: dict[str, Any] | None = None, **worker: Any) -> DaemonProcess:
-        watch = tmp_path / "checkpoints"
-        watch.mkdir(exist_ok=True)
-        cfg = make_config_file(
-            tmp_path / "config.toml",
-            daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "keep_workers_on_stop": False},
-            sources=[{"path": str(watch)}],
-            checks=FEW_CHECKS,
-            rollout={"health_window_s": 0.3, "health_poll_s": 0.5, "relaunch_backoff_s": 1.0, **(rollout or {})},
-            workers=[{"name": "local", "launch": "managed", "device": "cpu", **worker}],
-        )
-        d = DaemonProcess(tmp_path, cfg, f"sqlite:///{state / 'hotswap.db'}", watch, state, {})
-        started.append(d)
-        return d.start(timeout=90)
+        return managed_daemon(tmp_path, started, rollout, **worker)
 
     yield start
     for d in started:
@@ -195,6 +182,6 @@ def test_worker_dying_at_launch_on_changed_files_falls_back_and_nothing_usable_i
     health = d.get("/health")
     assert health.status_code == 503 and "no version can be launched" in health.json()["error"], health.text
     pid, failed = runtime(d)["pid"], len(supervisor_events(d, "launch_failed"))
-    time.sleep(4)  # a relaunch loop, if any, would show by now
+    wait_passes(d, "supervisor", 24)  # 6 s of its ticks, past its 1 s relaunch back-off several times
     assert len(supervisor_events(d, "no_launch_target")) == 1, supervisor_events(d, "no_launch_target")
     assert runtime(d)["pid"] == pid and len(supervisor_events(d, "launch_failed")) == failed

@@ -1,4 +1,4 @@
-"""The supervisor on its own (daemon/supervise.py), with a real child process and a real registry
+"""The supervisor on its own (daemon/controller/supervise.py), with a real child process and a real registry
 but a worker that never answers: it is killed after `restart_timeout_s`, reported UNHEALTHY with
 its log's last lines, and not relaunched before its backoff delay."""
 
@@ -14,11 +14,11 @@ from support_rollout import worker_events, worker_row
 
 from daemon.adapters.base import WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
+from daemon.controller.supervise import Phase, Supervisor
 from daemon.registry.journal import Journal
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.managed import ManagedWorker, Restarter
 from daemon.rollout.states import Fleet, WorkerHandle, WorkerState
-from daemon.supervise import Phase, Supervisor
 
 
 class Silent:
@@ -64,7 +64,7 @@ def test_a_worker_never_healthy_is_killed_reported_and_backed_off(registry: Any,
         assert tail == [f"--- last lines of {m.log_file} ---", "loading..."], tail  # this launch's lines only
         (event,) = [e for e in worker_events(registry) if e["detail"].get("action") == "launch_failed"]
         assert event["to"] == "UNHEALTHY" and event["detail"]["retry_in_s"] == 30.0
-        assert sup.problems() == [f"worker m0: {first}"]
+        assert sup.launch_problems() == [("m0", first)]
         sup.tick()  # the delay has not passed: not relaunched
         assert m.launches == 1 and sup.watches["m0"].phase == Phase.WAITING
     finally:

@@ -96,6 +96,10 @@ def test_daemon_state_dir_is_its_state_directory_and_the_users_home(daemon_unit,
     assert one(daemon_unit, "Service", "WorkingDirectory") == state
     sysusers = (UNITS / "sysusers.d" / "hotswap.conf").read_text()
     assert re.search(rf"^u\s+hotswap\s.*\s{re.escape(state)}\s*$", sysusers, re.M)
+    # the modes the daemon sets itself (daemon.common.private): systemd makes the directory the same
+    # way, and the umask keeps everything else the daemon's own
+    assert one(daemon_unit, "Service", "StateDirectoryMode") == "0700"
+    assert one(daemon_unit, "Service", "UMask") == "0077"
 
 
 def test_loader_socket_is_the_configs_and_lives_in_the_shared_runtime_directory(

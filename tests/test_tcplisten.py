@@ -11,8 +11,8 @@ import socket
 import pytest
 from fastapi import FastAPI
 
-from daemon.api import ApiServer
-from daemon.tcplisten import tcp_listener
+from daemon.api.app import ApiServer
+from daemon.common.tcplisten import tcp_listener
 from daemon.worker.server import bind_tcp
 
 

@@ -121,8 +121,9 @@ def vfleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VFleet]:
             checks=FEW_CHECKS,
 # max_infra_retries = 0: the version whose rollout lost the worker is rejected at once
             # (by default it is retried as the fleet's fault: daemon/rollout/attribution.py)
+            # restart_rollouts = false: a checkpoint of other shapes is rejected, not relaunched on
             rollout={"mode": "pause", "health_window_s": 2.0, "health_poll_s": 2.0, "request_timeout_s": 30.0,
-                     "restart_timeout_s": START_S, "max_infra_retries": 0},  # fmt: skip
+                     "restart_timeout_s": START_S, "max_infra_retries": 0, "restart_rollouts": False},  # fmt: skip
             workers=[engine_worker("vllm0", "vllm", url, root / "vllm.key", restart)],
         )
         env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4",

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from support_worker import DEVICE, REPO, TOKEN, WorkerProcess, start_worker, write_token
 
-from daemon.identity import new_nonce, proof
+from daemon.common.identity import new_nonce, proof
 from daemon.tinymodel import make_tiny_checkpoint
 
 

@@ -1,0 +1,35 @@
+"""Helpers for tests with real fleet daemons: one host's daemon with its own worker, folder and
+copy of v0, and a host's aliases read from the shared registry."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from conftest import DaemonProcess
+from support_rollout import WorkerProc, publish_into, reset_worker
+
+from daemon.registry import Registry
+from daemon.registry.journal import Journal
+
+LEASE_S = 4.0
+
+
+def host_daemon(factory: Callable[..., DaemonProcess], url: str, i: int, w: WorkerProc, env: dict[str, str]) -> DaemonProcess:
+    d = factory(url, checks={"enabled": ["manifest", "headers", "crc32c"]}, hooked=True, env=env, wait=False,
+                extra={"rollout": {"mode": "pause", "health_window_s": 0.3, "health_poll_s": 0.5},
+                       "workers": [w.spec()],
+                       "fleet": {"host": f"host-{i}", "enabled": True, "max_updating_hosts": 1,
+                                 "lease_s": LEASE_S, "poll_s": 0.5}})  # fmt: skip
+    d.watch_dir.mkdir(parents=True)
+    reset_worker(w, publish_into(d.watch_dir, "v0", seed=0), "v0")  # its own copy of v0
+    w.wait_running(240, version="v0")
+    return d
+
+
+def aliases_of(url: str, host: str) -> dict[str, str | None]:
+    reg = Registry(url, host)
+    try:
+        j = Journal(reg)
+        return {n: (a.version if (a := j.alias(n)) else None) for n in ("serving", "last_good")}
+    finally:
+        reg.close()
