@@ -63,7 +63,7 @@ def main(argv: list[str] | None = None) -> int:
     env.pop("HOTSWAP_CONFIG", None)
     log = open(work / "daemon.log", "wb")  # noqa: SIM115
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "daemon", "-c", str(cfg)],
+        [sys.executable, "-m", "daemon.cli.main", "daemon", "-c", str(cfg)],
         cwd=work,
         env=env,
         stdout=log,

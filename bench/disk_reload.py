@@ -44,7 +44,8 @@ from bench.common import (
 from daemon.formats.checkpoint import weight_files
 from daemon.hashing import HASH_ALGORITHMS, hash_files
 from daemon.transport.base import Expect, ExpectedFile, check_table
-from daemon.transport.disk import DiskTransport, PinnedPool
+from daemon.transport.disk import DiskTransport
+from daemon.transport.disk_read import PinnedPool
 from daemon.worker.flat import checkpoint_order, pack_flat
 
 

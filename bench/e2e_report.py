@@ -57,7 +57,7 @@ def print_results(args: argparse.Namespace, layout: Layout, results: list[dict[s
     for r in results:
         s = r.get("summary")
         if not s:
-            rows.append([r["transport"], "ERROR", r.get("error", "")[:60]] + [""] * 8)
+            rows.append([r["transport"], "ERROR", r.get("error", "")[:60]] + [""] * 9)
             continue
 
         def m(key: str, sub: str = "median", s: dict[str, Any] = s) -> Any:
@@ -66,12 +66,13 @@ def print_results(args: argparse.Namespace, layout: Layout, results: list[dict[s
         rows.append([r["transport"], s["n"], m("commit_to_verified_s"), m("verified_to_fleet_s"), m("commit_to_fleet_s"),
                      m("commit_to_fleet_s", "max"), m("pause_window_ms"), m("pause_window_ms", "max"),
                      m("worker_update_ms"), f'{s["requests_failed_during_updates"]}/{s["requests_ok_during_updates"]}',
+                     _fmt(r.get("health", {}).get("p99_ms")),
                      " ".join(f"{k}={v:.0f}" for k, v in s["checks_ms_median"].items())])  # fmt: skip
     print_table(
         f"{layout.name} ({layout.total_bytes / 1e9:.2f} GB, {len(layout.tensors())} tensors), 2 workers on {args.device}, "
         "pause mode; medians (s / ms)",
         ["transport", "n", "commit->verified s", "verified->fleet s", "commit->fleet s", "max s",
-         "pause ms", "max pause ms", "worker update ms", "failed/ok", "checks ms (median)"],
+         "pause ms", "max pause ms", "worker update ms", "failed/ok", "/health p99 ms", "checks ms (median)"],
         rows,
     )  # fmt: skip
     ok = [r for r in results if r.get("summary")]

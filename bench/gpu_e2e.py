@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench.common import LAYOUTS, Layout, machine_description, write_checkpoint, write_json
+from bench.e2e_health import HealthProbe
 from bench.e2e_phases import phases
 from bench.e2e_reject import reject_one
 from bench.e2e_report import print_results, summarise
@@ -99,7 +100,7 @@ class Proc:
     @classmethod
     def start(cls, name: str, args: list[str], log: Path, cwd: Path) -> Proc:
         with open(log, "wb") as out:
-            popen = subprocess.Popen([sys.executable, "-m", "daemon.cli", *args], stdout=out,
+            popen = subprocess.Popen([sys.executable, "-m", "daemon.cli.main", *args], stdout=out,
                                      stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=child_env(), cwd=cwd)  # fmt: skip
         return cls(name, popen, log)
 
@@ -296,11 +297,13 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
     t_start = time.perf_counter()
     skipped = ""
     rejections: list[dict[str, Any]] = []
+    health: HealthProbe | None = None
     try:
         run.commit("v0", seed=args.seed, prev=base)
         run.start()
         print(f"[{transport}] fleet up in {time.perf_counter() - t_start:.1f}s", flush=True)
-        with LoadGen(run.worker_urls, concurrency=args.clients, max_tokens=args.max_tokens, max_seconds=3600) as load:
+        with LoadGen(run.worker_urls, concurrency=args.clients, max_tokens=args.max_tokens, max_seconds=3600) as load, \
+                HealthProbe(run.api) as health:
             load.wait_requests(5, 120)
             prev, prev2 = "v0", "v0"
             for i in range(1, args.warmup + args.updates + 1):
@@ -343,6 +346,8 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
                     run.prune([prev2, prev])
             totals = load.snapshot()
             errors = load.stats.errors[:20]
+        health_seen = health.summary()
+        print(f"[{transport}] daemon /health during the rollouts: {health_seen}", flush=True)
     except Exception as exc:
         tails = {p.name: p.tail(3000) for p in run.procs}
         for name, tail in tails.items():
@@ -352,6 +357,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
             "error": f"{type(exc).__name__}: {exc}",
             "samples": samples,
             "rejections": rejections,
+            "health": health.summary() if health else {},
             "logs": tails,
         }
     finally:
@@ -363,7 +369,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
                 shutil.copy(p.log, dst / p.log.name)
         shutil.rmtree(work, ignore_errors=True)
     return {"transport": transport, "samples": samples, "load": totals, "errors": errors, "skipped": skipped,
-            "rejections": rejections, "seconds": time.perf_counter() - t_start}  # fmt: skip
+            "rejections": rejections, "health": health_seen, "seconds": time.perf_counter() - t_start}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -148,7 +148,8 @@ class BenchWorker:
         return {"equal": not bad, "mismatched": bad}
 
     def mem(self) -> dict[str, Any]:
-        from daemon.transport.ipc import OPENER, wait_for_releases
+        from daemon.transport.ipc import wait_for_releases
+        from daemon.transport.ipc_open import OPENER
 
         wait_for_releases()
         out: dict[str, Any] = {"open_versions": OPENER.open_versions(), "fds": len(os.listdir("/proc/self/fd"))}

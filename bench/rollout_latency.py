@@ -60,7 +60,7 @@ def start_worker(work: Path, name: str, model: Path, token_file: Path) -> tuple[
     port = free_port()
     log = open(work / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
     proc = subprocess.Popen(
-        [sys.executable, "-m", "daemon.cli", "worker", "--model", str(model), "--port", str(port),
+        [sys.executable, "-m", "daemon.cli.main", "worker", "--model", str(model), "--port", str(port),
          "--token-file", str(token_file), "--device", "cpu", "--version", model.name],
         stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=REPO,
     )  # fmt: skip
@@ -100,7 +100,7 @@ def run_mode(mode: str, n: int, warmup: int, work: Path, seed0: int) -> dict[str
         f'[[sources]]\npath = "{watch}"\n[rollout]\nmode = "{mode}"\nhealth_window_s = 1.0\n{workers}'
     )
     log = open(work / "daemon.log", "wb")  # noqa: SIM115
-    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli", "daemon", "-c", str(cfg)],
+    daemon = subprocess.Popen([sys.executable, "-m", "daemon.cli.main", "daemon", "-c", str(cfg)],
                               cwd=work, env=ENV, stdout=log, stderr=subprocess.STDOUT)  # fmt: skip
     samples: list[dict[str, float]] = []
     try:
