@@ -8,6 +8,7 @@ descriptors opened before). The loader dying mid-stage is the fleet's fault, not
 from __future__ import annotations
 
 import shutil
+import sys
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -82,3 +83,30 @@ def test_a_loader_that_does_not_answer_fails_staging_as_the_fleets_fault(tmp_pat
     with pytest.raises(StageError) as info:
         sender.prepare(Outgoing("v1", str(ckpt), Expect(digest=None, tensors=None, files=())))
     assert info.value.infra, info.value
+
+
+_READER = """
+import sqlite3, sys
+c = sqlite3.connect(sys.argv[1])
+print(c.execute("SELECT count(*) FROM workers").fetchone()[0])
+c.close()
+"""
+
+
+def test_the_writability_probe_never_drops_the_daemons_sqlite_locks(reg: Registry, tmp_path: Path) -> None:
+    """/health's probe once opened and closed the database file in the daemon's process, which drops
+    every POSIX lock its SQLite connections hold on it: the next CLI to close its connection took
+    itself for the last one and deleted the WAL, and the daemon's later writes went nowhere (CI:
+    a checkpoint logged verified, never seen by `hotswap status` or the tests)."""
+    db = tmp_path / "r.db"
+    j = Journal(reg)
+    with reg.engine.connect() as held:  # the daemon's connections stay open across the probe
+        held.exec_driver_sql("SELECT count(*) FROM workers").all()
+        for _ in range(3):
+            assert storage_problems(reg, tmp_path) == []
+        seen = subprocess.run([sys.executable, "-c", _READER, str(db)], capture_output=True, text=True, check=True)
+        assert seen.stdout.split() == ["1"]
+        assert db.with_name("r.db-wal").exists(), "another process's close deleted the WAL under a live connection"
+        j.register_workers([("w0", "builtin", "http://w0", "cpu"), ("w1", "builtin", "http://w1", "cpu")])
+        seen = subprocess.run([sys.executable, "-c", _READER, str(db)], capture_output=True, text=True, check=True)
+        assert seen.stdout.split() == ["2"], "a write after the probe is not visible to another process"

@@ -8,13 +8,12 @@
 
 `SELECT 1` (daemon.process.health, database_unreachable) answers on a read-only or full
 database, so a registry that reads but cannot write was green while every transition and
-every new checkpoint failed to be recorded. These probes are a stat and an open each: they run
-on every `/health`.
+every new checkpoint failed to be recorded. These probes are a stat and an access(2) each, never an
+open of the database file: they run on every `/health`.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 from pathlib import Path
 
@@ -61,15 +60,25 @@ def _sqlite_dir(registry: Registry) -> Path | None:
 
 
 def _sqlite_unwritable(registry: Registry) -> str | None:
+    """Asks the kernel (access(2)) whether the file could be opened for writing, never opening it:
+    closing any descriptor of the database file drops every POSIX lock this process's SQLite
+    connections hold on it (sqlite.org/howtocorrupt.html 2.2), and another process (the CLI) then
+    took itself for the last connection and deleted the WAL the daemon was still writing to."""
     path = _sqlite_path(registry)
     if path is None:
         return None
+    effective = os.access in os.supports_effective_ids  # the daemon's user, not a setuid caller's
     for p in (path, path.with_name(path.name + "-wal")):
-        try:
-            os.close(os.open(p, os.O_RDWR))
-        except FileNotFoundError:
+        if not p.exists():
             continue
-        except OSError as exc:
-            if exc.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
-                return f"{p} cannot be opened for writing ({exc.strerror}): no transition or checkpoint can be recorded"
+        if not os.access(p, os.W_OK, effective_ids=effective):
+            why = "read-only file system" if _read_only_fs(p) else "permission denied or immutable"
+            return f"{p} cannot be opened for writing ({why}): no transition or checkpoint can be recorded"
     return None
+
+
+def _read_only_fs(p: Path) -> bool:
+    try:
+        return bool(os.statvfs(p).f_flag & os.ST_RDONLY)
+    except OSError:
+        return False
