@@ -8,8 +8,8 @@ descriptors opened before). The loader dying mid-stage is the fleet's fault, not
 from __future__ import annotations
 
 import shutil
-import sys
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
