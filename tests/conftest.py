@@ -282,6 +282,7 @@ class DaemonProcess:
         hooked: bool = False,
     ) -> None:
         self.hooked = hooked
+        self.module = "daemon.cli.main"  # the CLI module `python -m` runs (a previous release: daemon.cli)
         self.workdir = workdir
         self.config_path = config_path
         self.db_url = db_url
@@ -303,7 +304,7 @@ class DaemonProcess:
         log = open(self._log_path, "ab")  # noqa: SIM115 - lives as long as the process
         env = {**os.environ, "PYTHONPATH": str(REPO), "PYTHONUNBUFFERED": "1", **self.env}
         env.pop("HOTSWAP_CONFIG", None)
-        entry = "tests.hooked_daemon" if self.hooked else "daemon.cli.main"
+        entry = "tests.hooked_daemon" if self.hooked else self.module
         self.proc = subprocess.Popen(
             [sys.executable, "-m", entry, "daemon", "-c", str(self.config_path)],
             cwd=self.workdir,

@@ -215,3 +215,19 @@ def test_a_postgres_password_in_the_query_never_shows(tmp_path: Path, started: l
         assert "starting" in seen["log"]  # the log is there, and says where the database is
         for where, text in seen.items():
             assert secret not in text, where
+
+
+def test_the_api_accepts_connections_from_the_moment_its_url_is_known() -> None:
+    """daemon.json is written right after the API server is made; uvicorn's thread listens later.
+    The socket listens when the server is made, so a client that reads the URL at once is queued
+    by the kernel, not refused (CI: ConnectError on /livez right after daemon.json appeared)."""
+    from fastapi import FastAPI
+
+    from daemon.api.app import ApiServer
+
+    server = ApiServer(FastAPI(), "127.0.0.1", 0)  # made, not started: uvicorn has not run
+    try:
+        with socket.create_connection(("127.0.0.1", server.port), timeout=5):
+            pass  # refused before the fix: bound, not listening
+    finally:
+        server.sock.close()

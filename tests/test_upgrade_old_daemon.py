@@ -2,9 +2,10 @@
 them keeps working while a newer hotswap migrates the database under it, and a daemon runs on a
 database a newer release migrated (its revision unknown here) as it is. SQLite and PostgreSQL.
 
-The previous release is the repository's own history: commit OLD_COMMIT (main before issue 28's
-migrations, head 0010_fleet_versions_lag), taken out with `git archive` and run from that folder
-with this venv. It needs a clone with history (CI has one); without it the test fails, naming why.
+The previous release is the repository's own history: commit OLD_COMMIT (main before this round,
+its migrations inside the package, head 0005_fleet_hosts: this round adds 0006 to 0013), taken
+out with `git archive` and run from that folder with this venv. It needs a clone with
+history (CI has one); without it the test fails, naming why.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from sqlalchemy import text
 
 from daemon.registry import Registry
 
-OLD_COMMIT = "1461160"
-OLD_HEAD = "0010_fleet_versions_lag"
+OLD_COMMIT = "8367bbb"
+OLD_HEAD = "0005_fleet_hosts"
 CHECKS = {"enabled": ["manifest", "headers", "crc32c", "compat", "finite"]}
 
 
@@ -36,18 +37,21 @@ def _head() -> str:
 @pytest.fixture(scope="module")
 def old_tree(tmp_path_factory: pytest.TempPathFactory) -> Path:
     dest = tmp_path_factory.mktemp(f"hotswap-{OLD_COMMIT}")
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", OLD_COMMIT, "daemon", "migrations"],
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", OLD_COMMIT, "daemon"],
                          capture_output=True)  # fmt: skip
     if tar.returncode != 0:
         pytest.fail(f"git archive {OLD_COMMIT} failed: this test runs the previous release from the repository's "
                     f"history (a full clone): {tar.stderr.decode().strip()}", pytrace=False)  # fmt: skip
     subprocess.run(["tar", "-x", "-C", str(dest)], input=tar.stdout, check=True)
-    assert not (dest / "migrations" / "versions" / f"{_head()}.py").exists()
+    assert (dest / "daemon" / "migrations" / "versions" / f"{OLD_HEAD}.py").exists()
+    assert not (dest / "daemon" / "migrations" / "versions" / f"{_head()}.py").exists()
     return dest
 
 
 def test_the_previous_release_keeps_working_while_its_database_is_migrated(db_url, daemon_factory, old_tree):
-    old = daemon_factory(db_url, checks=CHECKS, env={"PYTHONPATH": str(old_tree)})  # it migrates to its own head
+    old = daemon_factory(db_url, checks=CHECKS, env={"PYTHONPATH": str(old_tree)}, wait=False)
+    old.module = "daemon.cli"  # that release's CLI was one module
+    old.start()  # it migrates to its own head
     assert old.registry.current_revision() == OLD_HEAD
     publish_tiny(old.watch_dir / "v1", seed=1, version="v1")
 

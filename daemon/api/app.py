@@ -205,6 +205,9 @@ class ApiServer:
 
     def __init__(self, app: FastAPI, host: str, port: int, tls_certfile: str = "", tls_keyfile: str = "") -> None:
         self.sock = tcp_listener(host, port)
+        # listening before daemon.json names the URL: a client that reads it at once is queued in
+        # the kernel's backlog until uvicorn's thread accepts, never refused (CI: ConnectError)
+        self.sock.listen(CONTROL_LIMITS.backlog)
         self.host, self.port = host, self.sock.getsockname()[1]
         self.scheme = "https" if tls_certfile else "http"
         tls: dict[str, Any] = {"ssl_certfile": tls_certfile, "ssl_keyfile": tls_keyfile} if tls_certfile else {}

@@ -107,6 +107,7 @@ class PushServer:
         host, _, port = listen.rpartition(":")
         host = host.strip("[]")
         self.sock = tcp_listener(host, int(port))
+        self.sock.listen(PUSH_LIMITS.backlog)  # connections queue from here on, before uvicorn's loop runs
         self.host, self.port = host, int(self.sock.getsockname()[1])
         self.tls = bool(config.tls_cert_file)
         tls: dict[str, Any] = {}
