@@ -251,9 +251,13 @@ def _generate_streamed(url: str, out: list[list[int]], streamed: list[int], erro
 
 
 def test_drain_waits_for_requests_in_flight_then_pauses_and_reloads(vfleet: VFleet) -> None:
-    """The client alone on the restarted server (the daemon idle on v1): readiness off at once,
-    the drain returns only when vLLM's /metrics shows nothing running, the reload then serves."""
+    """The client alone on the restarted server: readiness off at once, the drain returns only
+    when vLLM's /metrics shows nothing running, the reload then serves. The daemon is stopped
+    first: its health poll resumes an engine it finds paused with no rollout moving it (as it
+    must), which raced this test's own pause (CI under a CPU hog: RUNNING where DRAINING was
+    asserted). The module's last tests drive vLLM with a client alone."""
     vfleet.release.touch()
+    vfleet.daemon.stop()
     c = VLLMWorkerClient("probe", vfleet.url, token=TOKEN, timeouts=Timeouts(30, 300, 120))
     # One that ended before it was seen in flight says nothing about draining: another is started
     # (3 tries, then skipped, which CI counts as a failure, never a pass).
