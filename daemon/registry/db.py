@@ -62,12 +62,17 @@ def one_line(exc: BaseException) -> str:
     return "; ".join(lines) or type(exc).__name__
 
 
+SQLITE_BUSY_MS = 10_000  # how long any statement, the first pragma included, waits on another's lock
+
+
 def _sqlite_pragmas(dbapi_conn: Any, _record: Any) -> None:
     # WAL lets the CLI read history while the daemon writes; busy_timeout rides out
     # short write locks instead of failing; foreign keys are off by default in SQLite.
+    # busy_timeout first: switching to WAL (or finding it on) waits on the lock of a process that
+    # is checkpointing as the last to close (a migration's WAL under load), not only 5 s
     cur = dbapi_conn.cursor()
+    cur.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_MS}")
     cur.execute("PRAGMA journal_mode=WAL")
-    cur.execute("PRAGMA busy_timeout=10000")
     cur.execute("PRAGMA foreign_keys=ON")
     cur.execute("PRAGMA synchronous=NORMAL")
     cur.close()
@@ -99,7 +104,7 @@ def make_engine(url: str) -> Engine:
         db = parsed.database
         if db and db != ":memory:" and not db.startswith("file:"):
             private_sqlite_file(Path(db).expanduser())
-        engine = create_engine(url, connect_args={"check_same_thread": False})
+        engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_MS / 1000})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
     return create_engine(url, pool_pre_ping=True)
