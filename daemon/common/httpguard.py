@@ -11,6 +11,11 @@ worker was taken for dead. Each listener runs its protocol through `guarded_prot
     header_timeout_s  a connection must deliver each request's headers within this long of
                       opening (or of its previous response); otherwise it is closed (5 s)
 
+On shutdown (a worker stopped for a relaunch, the daemon stopping) a keep-alive connection that
+answered within the last `shutdown_grace_s` (1 s) stays open that long: its client reuses it at
+once, and uvicorn's immediate close reset the request already on its way (a dropped request in a
+managed relaunch). A request arriving then is answered with `Connection: close`.
+
 Keep-alive between requests stays uvicorn's `timeout_keep_alive`. Request bodies are bounded
 by each route (daemon.common.jsonbody, the push source's streaming writer).
 """
@@ -28,10 +33,13 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 log = logging.getLogger("hotswap.httpguard")
 
 
+
 @dataclass(frozen=True, slots=True)
 class ListenerLimits:
     max_connections: int = 256
     header_timeout_s: float = 5.0
+    # how long after its last answer an idle keep-alive connection may still carry a request
+    shutdown_grace_s: float = 1.0
 
     @property
     def backlog(self) -> int:
@@ -55,6 +63,8 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
     class Guarded(base):
         _deadline: asyncio.TimerHandle | None = None
         _cycle_seen: Any = None
+        _idle_since = 0.0  # loop time of the connection's opening or its last answer
+        _stopping = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
@@ -70,6 +80,7 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
                     transport.abort()  # every open connection is serving a request: this one waits outside
                     return
                 oldest._drop()
+            self._idle_since = self.loop.time()
             self._arm()
 
         def data_received(self, data: bytes) -> None:
@@ -77,10 +88,30 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
             if self.cycle is not None and self.cycle is not self._cycle_seen:
                 self._cycle_seen = self.cycle  # this request's headers are in: the app has it
                 self._disarm()
+                if self._stopping:
+                    _last_on_connection(self.cycle)
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._idle_since = self.loop.time()
             self._arm()  # the next request's headers are due within the timeout too
+            if self._stopping and self.cycle is not None and not self.cycle.response_complete:
+                _last_on_connection(self.cycle)  # a pipelined request started by the answer above
+
+        def shutdown(self) -> None:
+            self._stopping = True
+            if self.cycle is not None and not self.cycle.response_complete:
+                _last_on_connection(self.cycle)
+                return
+            grace = self._idle_since + limits.shutdown_grace_s - self.loop.time()
+            if grace > 0:  # recently active: its client's next request may be on its way
+                self.loop.call_later(grace, self._close_if_idle)
+                return
+            super().shutdown()
+
+        def _close_if_idle(self) -> None:
+            if not self.transport.is_closing() and (self.cycle is None or self.cycle.response_complete):
+                super().shutdown()
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
@@ -111,3 +142,14 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
+
+
+def _last_on_connection(cycle: Any) -> None:
+    """The request `cycle` serves is its connection's last: answered with `Connection: close`
+    (uvicorn's h11 protocol closes without saying so), then closed."""
+    cycle.keep_alive = False
+    if not cycle.response_started and _CLOSE not in cycle.default_headers:
+        cycle.default_headers = [*cycle.default_headers, _CLOSE]
+
+
+_CLOSE = (b"connection", b"close")
