@@ -76,11 +76,13 @@ def vllm_python() -> str:
     return _PYTHON[0]
 
 
-def make_vllm_checkpoint(directory: Path, seed: int) -> Path:
-    """A tiny random Llama vLLM's CPU kernels accept, stored in bfloat16 (the served dtype)."""
+def make_vllm_checkpoint(directory: Path, seed: int, context: int = MAX_MODEL_LEN) -> Path:
+    """A tiny random Llama vLLM's CPU kernels accept, stored in bfloat16 (the served dtype), for
+    servers of up to `context` tokens (`--max-model-len`)."""
     from daemon.tinymodel import make_tiny_checkpoint
 
-    return make_tiny_checkpoint(directory, seed=seed, dtype="bfloat16", config_overrides=VLLM_TINY)
+    overrides = {**VLLM_TINY, "max_position_embeddings": max(context, MAX_MODEL_LEN)}
+    return make_tiny_checkpoint(directory, seed=seed, dtype="bfloat16", config_overrides=overrides)
 
 
 def free_port() -> int:
@@ -227,11 +229,11 @@ class VLLMServer:
 _SHARED: dict[str, VLLMServer] = {}
 
 
-def shared_vllm_server(key: str, model_dir: Path, log_dir: Path) -> VLLMServer:
+def shared_vllm_server(key: str, model_dir: Path, log_dir: Path, extra_args: list[str] | None = None) -> VLLMServer:
     """One server per key for the whole pytest process; restarted if it died."""
     srv = _SHARED.get(key)
     if srv is None or not srv.alive():
-        srv = VLLMServer.start(vllm_python(), model_dir, log_dir / f"vllm-{key}.log")
+        srv = VLLMServer.start(vllm_python(), model_dir, log_dir / f"vllm-{key}.log", extra_args=extra_args)
         _SHARED[key] = srv
     return srv
 

