@@ -8,43 +8,21 @@ from __future__ import annotations
 import io
 import logging
 import socket
-import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import uvicorn
-from fastapi import FastAPI
+from support_listener import serving
 
-from daemon.common.httpguard import ListenerLimits, guarded_protocol
+from daemon.common.httpguard import ListenerLimits
 from daemon.common.logging import configure_logging, get_logger
-from daemon.common.tcplisten import tcp_listener
 
 
 @pytest.fixture
 def server() -> Iterator[tuple[str, int]]:
-    app = FastAPI()
-
-    @app.get("/ping")
-    def ping() -> dict[str, bool]:
-        return {"ok": True}
-
-    sock = tcp_listener("127.0.0.1", 0)
-    limits = ListenerLimits(max_connections=20, header_timeout_s=1.0)
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                            http=guarded_protocol(limits, "test"))  # fmt: skip
-    srv = uvicorn.Server(config)
-    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 10
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    yield "127.0.0.1", sock.getsockname()[1]
-    srv.should_exit = True
-    t.join(timeout=5)
-    sock.close()
+    with serving(ListenerLimits(max_connections=20, header_timeout_s=1.0)) as (_, _, port):
+        yield "127.0.0.1", port
 
 
 def _closed_by_peer(s: socket.socket, timeout: float) -> bool:

@@ -9,43 +9,17 @@ import http.client
 import socket
 import threading
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import AbstractContextManager
 
 import pytest
 import uvicorn
-from fastapi import FastAPI
+from support_listener import serving as serving_with
 
-from daemon.common.httpguard import ListenerLimits, guarded_protocol
-from daemon.common.tcplisten import tcp_listener
+from daemon.common.httpguard import ListenerLimits
 
 
-@contextmanager
-def serving(grace_s: float) -> Iterator[tuple[uvicorn.Server, threading.Thread, int]]:
-    app = FastAPI()
-
-    @app.get("/ping")
-    def ping() -> dict[str, bool]:
-        return {"ok": True}
-
-    sock = tcp_listener("127.0.0.1", 0)
-    limits = ListenerLimits(max_connections=20, header_timeout_s=60.0, shutdown_grace_s=grace_s)
-    config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                            http=guarded_protocol(limits, "test"))  # fmt: skip
-    srv = uvicorn.Server(config)
-    t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
-    t.start()
-    deadline = time.monotonic() + 30
-    while not srv.started:
-        assert time.monotonic() < deadline, "uvicorn did not start"
-        time.sleep(0.01)
-    port = sock.getsockname()[1]
-    try:
-        yield srv, t, port
-    finally:
-        srv.should_exit = True
-        t.join(timeout=30)
-        sock.close()
+def serving(grace_s: float) -> AbstractContextManager[tuple[uvicorn.Server, threading.Thread, int]]:
+    return serving_with(ListenerLimits(max_connections=20, header_timeout_s=60.0, shutdown_grace_s=grace_s))
 
 
 def _stop_accepting(srv: uvicorn.Server, port: int) -> None:

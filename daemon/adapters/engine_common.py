@@ -79,6 +79,22 @@ def adapter_path(request: AdapterRequest, worker: str) -> str:
     return str(Path(request.path).resolve())
 
 
+def verified_adapter_path(request: AdapterRequest, worker: str) -> str:
+    """The adapter's directory once its files are the verified bytes: hashed against the
+    registry's digests and stat'ed again, the last look before the engine reads them
+    (daemon.adapters.engine_files). UpdateRefused naming what differs otherwise."""
+    path = adapter_path(request, worker)
+    try:
+        checked = check_engine_files(path, request.version, request.expect)
+        moved = checked.changed() if checked is not None else "no verified per-file digests in the request"
+    except EngineFilesRefused as exc:
+        moved = str(exc)
+    if moved:
+        raise UpdateRefused(f"worker {worker}: load adapter {request.name} {request.version}: {moved} "
+                            "(nothing was loaded)")  # fmt: skip
+    return path
+
+
 def checked_files(request: UpdateRequest, worker: str, path: str) -> CheckedFiles | None:
     """The request's files hashed against the verified digests (once per host and version; a
     later call only stats them again, the last look before the engine reads them); UpdateRefused

@@ -56,12 +56,11 @@ from daemon.adapters.engine_common import (
     EngineMemory,
     EngineOptions,
     Installed,
-    adapter_path,
     checked_files,
     engine_call,
     install_path,
+    verified_adapter_path,
 )
-from daemon.adapters.engine_files import EngineFilesRefused, check_engine_files
 from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
 from daemon.adapters.sglang_api import SGLangAPI
 from daemon.common.logging import get_logger
@@ -268,16 +267,8 @@ class SGLangWorkerClient:
     def load_adapter(self, request: AdapterRequest) -> AdapterResult:
         """Only verified bytes (daemon.adapters.engine_files); a served name is unloaded first
         (SGLang lets its requests in flight finish), then the new version is loaded."""
-        path = adapter_path(request, self.name)
         t0 = time.perf_counter()
-        try:
-            checked = check_engine_files(path, request.version, request.expect)
-            moved = checked.changed() if checked is not None else "no verified per-file digests in the request"
-        except EngineFilesRefused as exc:
-            moved = str(exc)
-        if moved:
-            raise UpdateRefused(f"worker {self.name}: load adapter {request.name} {request.version}: {moved} "
-                                "(nothing was loaded)")  # fmt: skip
+        path = verified_adapter_path(request, self.name)
         if request.name in self._call("load adapter", self.api.lora_adapters):
             self._call("load adapter: unload the served version", lambda: self.api.unload_lora_adapter(request.name))
             unloaded = True

@@ -59,12 +59,11 @@ from daemon.adapters.engine_common import (
     EngineMemory,
     EngineOptions,
     Installed,
-    adapter_path,
     checked_files,
     engine_call,
     install_path,
+    verified_adapter_path,
 )
-from daemon.adapters.engine_files import EngineFilesRefused, check_engine_files
 from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
 from daemon.adapters.vllm_api import VLLMAPI
 from daemon.common.logging import get_logger
@@ -241,16 +240,8 @@ class VLLMWorkerClient:
     def load_adapter(self, request: AdapterRequest) -> AdapterResult:
         """Only verified bytes: the directory's files hashed against the registry's digests
         (daemon.adapters.engine_files) and stat'ed again right before vLLM reads them."""
-        path = adapter_path(request, self.name)
         t0 = time.perf_counter()
-        try:
-            checked = check_engine_files(path, request.version, request.expect)
-            moved = checked.changed() if checked is not None else "no verified per-file digests in the request"
-        except EngineFilesRefused as exc:
-            moved = str(exc)
-        if moved:
-            raise UpdateRefused(f"worker {self.name}: load adapter {request.name} {request.version}: {moved} "
-                                "(nothing was loaded)")  # fmt: skip
+        path = verified_adapter_path(request, self.name)
         try:
             self.api.load_lora_adapter(request.name, path, load_inplace=request.replace)
         except EngineUnreachable as exc:
