@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
+from support_docs_sql import documented_queries
 from support_rollout import (
     LoadGen,
     WorkerPool,
@@ -81,6 +82,32 @@ def test_ten_rollouts_under_load_fail_no_request(
     assert out.returncode == 0, out.stderr
     rows = {r["version"]: r for r in map(json.loads, out.stdout.splitlines())}
     assert rows[versions[0]]["deployed_at"] and rows[versions[0]]["worker_update_ms"].startswith("w0=")
+    if mode == "drain":
+        _documented_sql_answers(d, versions, [w.name for w in workers])
+
+
+def _documented_sql_answers(d: DaemonProcess, versions: list[str], workers: list[str]) -> None:
+    """Every query the docs give runs on this database as written, and the views they name hold
+    what the docs say: `worker_updates` one row per rollout and worker, version_history's filters."""
+    from sqlalchemy import text
+
+    queries = documented_queries()
+    assert len(queries) >= 6, queries  # the history page's, the adapters' and the fleet view's at least
+    with d.registry.session() as s:
+        for where, query in queries:
+            try:
+                s.execute(text(query)).all()
+            except Exception as exc:  # noqa: BLE001 - named with the page it came from
+                pytest.fail(f"{where}: {query!r} fails on {d.registry.engine.dialect.name}: {exc}")
+        updates = [dict(r) for r in s.execute(text("SELECT * FROM worker_updates")).mappings()]
+        deployed = s.execute(text("SELECT version, status FROM version_history WHERE status = 'deployed'")).all()
+    for version in versions:
+        mine = sorted((u for u in updates if u["version"] == version), key=lambda u: u["worker"])
+        assert [u["worker"] for u in mine] == sorted(workers), (version, mine)
+        for u in mine:
+            assert u["outcome"] == "succeeded" and u["transitions"] == 3 and u["unhealthy"] == 0, u
+            assert u["update_ms"] is not None and u["update_ms"] >= 0 and u["first_event_at"] <= u["last_event_at"], u
+    assert [tuple(r) for r in deployed] == [(versions[-1], "deployed")]
 
 
 def test_managed_worker_quickstart(tmp_path: Path) -> None:
