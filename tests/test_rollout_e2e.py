@@ -182,12 +182,14 @@ def test_managed_worker_quickstart(tmp_path: Path) -> None:
             os.kill(json.loads((state / "worker-local.json").read_text())["pid"], signal.SIGKILL)
 
 
+@pytest.mark.parametrize("update_mode", ["copy", "swap"])
 def test_ipc_transport_stages_once_and_restores_by_ipc(
-    tmp_path: Path, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+    update_mode: str, tmp_path: Path, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
     """transport = "ipc": the loader stages each version before any worker leaves RUNNING, workers
-    copy from its shared buffer (host shared memory here; CUDA IPC on GPUs), and a failed worker is
-    restored to the last good version by ipc too."""
+    copy from its shared buffer (host shared memory here; CUDA IPC on GPUs) or, with update_mode =
+    "swap", point their parameters at it, and a failed worker is restored to the last good version
+    by ipc too."""
     from support_ipc import LoaderProcess, shm_dir
 
     with shm_dir() as shm:
@@ -195,11 +197,12 @@ def test_ipc_transport_stages_once_and_restores_by_ipc(
         try:
             d = start_fleet(
                 daemon_factory, f"sqlite:///{tmp_path / 'registry.db'}", pool,
-                rollout={"transport": "ipc", "mode": "pause", "health_window_s": 0.3},
+                rollout={"transport": "ipc", "update_mode": update_mode, "mode": "pause", "health_window_s": 0.3},
                 checks={"enabled": ["manifest", "headers", "crc32c"]},
                 extra={"loader": {"socket": str(loader.socket_path)}},
             )  # fmt: skip
             workers = pool.workers
+            own_storage = {w.name: w.info()["storage_id"] for w in workers}  # v0, loaded from disk
             with LoadGen([w.url for w in workers], concurrency=2, max_seconds=300) as load:
                 for i in (1, 2):
                     publish_into(d.watch_dir, f"v{i}", seed=i)
@@ -217,6 +220,9 @@ def test_ipc_transport_stages_once_and_restores_by_ipc(
             assert restored and restored[0]["detail"]["how"] == "update to v2 (ipc)"
             updated = [e for e in worker_events(d.registry, by_version["v2"]["id"]) if e["to"] == "UPDATED"]
             assert {e["detail"]["transport"] for e in updated} == {"ipc"} and len(updated) == 2
+            # copy writes the worker's own tensors in place; swap repoints them at the loader's buffer
+            moved = {w.name: w.info()["storage_id"] != own_storage[w.name] for w in workers}
+            assert moved == {w.name: update_mode == "swap" for w in workers}, (update_mode, moved)
             staged = {v["version"] for v in loader.client.status()["versions"]}
             assert {"v2"} <= staged and "v0" not in staged  # versions no worker can need are dropped
             with sqlite3.connect(tmp_path / "registry.db") as c:  # verify read v2 once, into the loader
