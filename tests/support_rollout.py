@@ -365,7 +365,7 @@ def worker_events(registry: Any, rollout_id: int | None = None) -> list[dict[str
             q = q.where(Event.rollout_id == rollout_id)
         return [
             {"rollout_id": e.rollout_id, "worker": e.worker, "from": e.from_state, "to": e.to_state,
-             "ms": e.duration_ms, "detail": e.detail or {}}
+             "ms": e.duration_ms, "detail": e.detail or {}, "at": e.at}
             for e in s.scalars(q)
         ]  # fmt: skip
 

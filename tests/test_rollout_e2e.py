@@ -110,6 +110,31 @@ def _documented_sql_answers(d: DaemonProcess, versions: list[str], workers: list
     assert [tuple(r) for r in deployed] == [(versions[-1], "deployed")]
 
 
+@pytest.mark.slow
+def test_in_drain_mode_the_next_worker_drains_only_rejoin_s_after_the_last_one_resumed(
+    pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess], tmp_path: Path
+) -> None:
+    """rejoin_s: a load balancer sees a resumed worker ready only at its next health check, so the
+    next batch drains that long after (the last CI flake of the round before: both out at once).
+    The load generator skips unready workers, as a load balancer does: no request fails."""
+    rejoin_s = 3.0
+    d = start_fleet(daemon_factory, f"sqlite:///{tmp_path / 'registry.db'}", pool,
+                    rollout={"mode": "drain", "health_window_s": 0.3, "rejoin_s": rejoin_s})  # fmt: skip
+    with LoadGen([w.url for w in pool.workers], concurrency=2, max_seconds=300) as load:
+        load.wait_requests(5)
+        publish_into(d.watch_dir, "v1", seed=1)
+        d.wait_status("v1", "deployed", timeout=120)
+        load.wait_requests(5)
+    assert load.stats.errors == [], load.stats.errors[:3]
+    (r,) = [r for r in rollouts(d.registry) if r["version"] == "v1"]
+    events = worker_events(d.registry, r["id"])
+    first, second = pool.workers[0].name, pool.workers[1].name
+    back = next(e["at"] for e in events if e["worker"] == first and e["to"] == "RUNNING")
+    out = next(e["at"] for e in events if e["worker"] == second and e["to"] == "DRAINING")
+    gap = (out - back).total_seconds()
+    assert gap >= rejoin_s, f"{second} drained {gap:.2f} s after {first} resumed (rejoin_s = {rejoin_s})\n{events}"
+
+
 def test_managed_worker_quickstart(tmp_path: Path) -> None:
     """The embedded default's fleet: the daemon makes a tiny seed, runs the worker itself, rolls
     dropped checkpoints onto it, adopts it after a SIGKILL and leaves it serving on SIGTERM."""
