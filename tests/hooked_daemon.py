@@ -12,11 +12,14 @@ read here (never by the daemon):
   HOTSWAP_TEST_HOLD_VERSION     ... only while moving to this version (optional); "v4,v5": once
                                 for each, each ended by its own file RELEASE.v4, RELEASE.v5
   HOTSWAP_TEST_HOLD_RELEASE     file whose creation ends the hold (optional; else after 600 s)
+  HOTSWAP_TEST_HOLD_EVERY       "1": hold at every such move, not once; the n-th (from 1) ends
+                                with its own file RELEASE.n
   HOTSWAP_TEST_START_GATE       a file path: the process (its imports done) creates GATE.<pid>.waiting,
                                 then starts the daemon only once GATE exists, so a test can start
                                 several daemons at the same instant (at most 600 s)
 
-The hold fires once per daemon process (per listed version) and changes no state; it only waits.
+The hold fires once per daemon process (per listed version), or every time with
+HOTSWAP_TEST_HOLD_EVERY, and changes no state; it only waits.
 """
 
 from __future__ import annotations
@@ -45,15 +48,16 @@ class Hold:
     worker: str | None
     versions: tuple[str, ...]  # () = any version, once
     release: Path | None
-    fired: set[str | None] = field(default_factory=set)
+    every: bool = False
+    fired: set[str | int | None] = field(default_factory=set)
 
     def __post_init__(self) -> None:
         self._lock = threading.Lock()
 
-    def _release_file(self, version: str | None) -> Path | None:
-        if self.release is None or len(self.versions) < 2:
+    def _release_file(self, key: str | int | None) -> Path | None:
+        if self.release is None or (len(self.versions) < 2 and not self.every):
             return self.release
-        return self.release.with_name(f"{self.release.name}.{version}")
+        return self.release.with_name(f"{self.release.name}.{key}")
 
     def __call__(self, t: Transition) -> None:
         with self._lock:
@@ -61,11 +65,11 @@ class Hold:
                 return
             if self.versions and t.version not in self.versions:
                 return
-            key = t.version if self.versions else None
+            key: str | int | None = len(self.fired) + 1 if self.every else t.version if self.versions else None
             if key in self.fired:
                 return
             self.fired.add(key)
-        release = self._release_file(t.version)
+        release = self._release_file(key)
         log.warning("test_hold_begin", worker=t.worker, state=t.to_state.value, version=t.version)
         deadline = time.monotonic() + MAX_HOLD_S
         while time.monotonic() < deadline and not (release is not None and release.exists()):
@@ -83,7 +87,8 @@ def observers_from_env() -> Observers:
         release = os.environ.get("HOTSWAP_TEST_HOLD_RELEASE")
         versions = tuple(v for v in os.environ.get("HOTSWAP_TEST_HOLD_VERSION", "").split(",") if v)
         seen.transitions.append(Hold(state.upper(), os.environ.get("HOTSWAP_TEST_HOLD_WORKER") or None, versions,
-                                     Path(release) if release else None))  # fmt: skip
+                                     Path(release) if release else None,
+                                     os.environ.get("HOTSWAP_TEST_HOLD_EVERY", "") == "1"))  # fmt: skip
     return seen
 
 

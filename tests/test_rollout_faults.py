@@ -126,6 +126,33 @@ def test_worker_killed_mid_update_comes_back_on_last_good_and_the_version_is_ret
     wait_until(lambda: aliases(d.registry).get("serving") == "v1", 60, what="v1 serving")
 
 
+def test_a_version_that_crashes_a_worker_every_time_is_rejected_after_max_infra_retries(
+    tmp_path: Path, sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """A crash is first taken for the fleet's fault (retried), but not forever: w1 really dies in
+    the middle of every update to v1, and after max_infra_retries retries v1 is rejected with the
+    reason, while the fleet is whole on v0 again each time."""
+    release = tmp_path / "release"
+    env = {**hold("DRAINING", "w1", "v1", release), "HOTSWAP_TEST_HOLD_EVERY": "1"}
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "max_infra_retries": 1}, checks=FEW_CHECKS,
+                    hooked=True, env=env)  # fmt: skip
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1)
+    for attempt in (1, 2):  # the rollout, then its one retry
+        wait_until(lambda: w1.info()["state"] == "DRAINING", 240, what=f"w1 draining for v1 (attempt {attempt})")
+        w1.kill()
+        release.with_name(f"{release.name}.{attempt}").touch()
+        ended = lambda n=attempt: len([r for r in rollouts(d.registry) if r["version"] == "v1" and r["outcome"]]) >= n  # noqa: E731
+        wait_until(ended, 240, what=f"attempt {attempt} to end")
+    row = d.wait_status("v1", "rejected", timeout=240)
+    assert "gave up after 1 retries" in row["status_message"], row["status_message"]
+    tries = [r for r in rollouts(d.registry) if r["version"] == "v1"]
+    assert [(r["outcome"], r["detail"]["kind"]) for r in tries] == [("failed", "unreachable")] * 2, tries
+    wait_until(lambda: w1.info()["state"] == "RUNNING", 240, what="w1 relaunched")
+    assert_fleet_on([w0, w1], "v0")
+    assert aliases(d.registry)["serving"] == "v0"
+
+
 def test_refused_update_leaves_the_fleet_on_the_old_version(
     sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
