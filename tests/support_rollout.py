@@ -261,7 +261,8 @@ def start_fleet(
     pool.reset(publish_into(d.watch_dir, "v0", seed=0), "v0")
     d.start(timeout=90)
     d.wait_status("v0", "deployed", timeout=180)
-    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60, "v0's health window")
+    window_s = float(rollout.get("health_window_s", 0.0))
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60 + 2 * window_s, "v0's health window")
     return d
 
 

@@ -12,6 +12,7 @@ transition observer) only freezes the daemon at an exact transition so the fault
 from __future__ import annotations
 
 import os
+import re
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -151,6 +152,33 @@ def test_a_version_that_crashes_a_worker_every_time_is_rejected_after_max_infra_
     wait_until(lambda: w1.info()["state"] == "RUNNING", 240, what="w1 relaunched")
     assert_fleet_on([w0, w1], "v0")
     assert aliases(d.registry)["serving"] == "v0"
+
+
+def test_a_worker_that_dies_inside_the_health_window_rolls_the_version_back(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """w1 is SIGKILLed once v1 is deployed, inside a 30 s health window: the window fails on the
+    worker that does not answer, w1 is relaunched, the fleet is whole on v0 again, and with no
+    retries left v1 is rejected, the reason naming the silent worker."""
+    d = start_fleet(daemon_factory, sqlite_url, pool, checks=FEW_CHECKS,
+                    rollout={**FAST, "health_window_s": 30.0, "max_infra_retries": 0})  # fmt: skip
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1)
+    d.wait_status("v1", "deployed", timeout=240)
+    assert aliases(d.registry).get("last_good") == "v0", "v1's window ended before the worker was killed"
+    w1.kill()
+    row = d.wait_status("v1", "rejected", timeout=240)
+    # "did not answer at the start of" or "stopped answering during": the kill lands at either
+    assert re.search(r"worker w1 (did not answer at the start of|stopped answering during) the health window",
+                     row["status_message"]), row["status_message"]  # fmt: skip
+    assert "gave up after 0 retries" in row["status_message"], row["status_message"]
+    (r,) = [r for r in rollouts(d.registry) if r["version"] == "v1"]
+    assert r["outcome"] == "rolled_back" and r["detail"]["health_window"].get("ok") is not True, r
+    wait_until(lambda: w1.info()["state"] == "RUNNING", 240, what="w1 relaunched")
+    assert_fleet_on([w0, w1], "v0")
+    # the alias follows the rollback's last worker (within a second here)
+    wait_until(lambda: aliases(d.registry)["serving"] == "v0", 60, what=f"serving = v0: {aliases(d.registry)}")
+    assert aliases(d.registry)["last_good"] == "v0"
 
 
 def test_refused_update_leaves_the_fleet_on_the_old_version(
