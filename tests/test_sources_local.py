@@ -193,6 +193,29 @@ def test_hidden_build_dir_renamed_into_place(source, tmp_path):
     assert got.items.get(timeout=5).version == "step-2"
 
 
+def test_a_directory_that_changes_while_it_is_checked_is_emitted_once(source, tmp_path):
+    """CI: a manifest renamed into place between the source's snapshot of the folder and its
+    commit check emitted the checkpoint, then again at the next look (the files differed from
+    the snapshot). Now the look that saw a change waits for the folder to hold still."""
+    src, got = source()
+    real_check = src.detector.check
+    changed: list[Path] = []
+
+    def check_while_a_file_lands(directory: Path):  # type: ignore[no-untyped-def]
+        decision = real_check(directory)
+        if decision.committed and not changed:  # the first check that commits: a file lands during it
+            (directory / "notes.txt").write_text("written during the check")
+            changed.append(directory)
+        return decision
+
+    src.detector.check = check_while_a_file_lands  # type: ignore[method-assign]
+    publish_tiny(src.root / "step-3", seed=3, version="step-3")
+    assert got.items.get(timeout=10).version == "step-3"
+    assert changed, "the check never ran"
+    next_look(src, "step-3")
+    assert got.all() == []  # looked at again, nothing new: not emitted a second time
+
+
 def test_rescan_finds_what_events_missed(source, tmp_path):
     watch = tmp_path / "watch"
     publish_tiny(watch / "before-start", seed=4)  # exists before the observer does

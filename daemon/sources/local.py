@@ -39,6 +39,7 @@ from daemon.manifest import version_problem
 from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.commit import COMMIT_SIGNALS, CommitDetector, Snapshot, discovered, escapes, snapshot
 
+SETTLE_S = 0.05  # a directory that changed during its check is looked at again this much later
 EMIT_RETRY_S = 1.0  # after a failed hand-over (database unreachable), look again this much later
 COALESCE_S = 0.02  # how long after an event the directory is looked at (bursts become one look)
 
@@ -298,6 +299,12 @@ class LocalSource:
             decision = self.detector.check(directory)
         except Exception:  # a broken directory must not stop the source
             log.exception("commit check failed", source=self.label, directory=str(directory))
+            return
+        if decision.committed and snapshot(directory) != now:
+            # its files changed while it was checked (a manifest renamed in mid-look): what was
+            # checked is not what `now` describes, and emitting it would emit it again at the
+            # next look; look once more when it holds still
+            self.mark_dirty(name, SETTLE_S)
             return
         if decision.committed and (why := version_problem(decision.version)) is not None:
             self._refuse(directory, f"{name!r}: its version label cannot be used: {why}")
