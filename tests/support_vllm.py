@@ -81,7 +81,7 @@ def make_vllm_checkpoint(directory: Path, seed: int, context: int = MAX_MODEL_LE
     servers of up to `context` tokens (`--max-model-len`)."""
     from daemon.tinymodel import make_tiny_checkpoint
 
-    overrides = {**VLLM_TINY, "max_position_embeddings": max(context, MAX_MODEL_LEN)}
+    overrides = {**VLLM_TINY, "max_position_embeddings": context}
     return make_tiny_checkpoint(directory, seed=seed, dtype="bfloat16", config_overrides=overrides)
 
 

@@ -33,7 +33,6 @@ from uvicorn.protocols.http.auto import AutoHTTPProtocol
 log = logging.getLogger("hotswap.httpguard")
 
 
-
 @dataclass(frozen=True, slots=True)
 class ListenerLimits:
     max_connections: int = 256
