@@ -107,7 +107,30 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(url, connect_args={"check_same_thread": False, "timeout": SQLITE_BUSY_MS / 1000})
         event.listen(engine, "connect", _sqlite_pragmas)
         return engine
-    return create_engine(url, pool_pre_ping=True)
+    query = dict(parsed.query)
+    threshold = query.pop(PREPARE_THRESHOLD, None)
+    if threshold is None:
+        return create_engine(url, pool_pre_ping=True)
+    # psycopg would get the URL's text as is (and fail on its first statement's `count >= "0"`)
+    return create_engine(parsed.set(query=query), pool_pre_ping=True,
+                         connect_args={PREPARE_THRESHOLD: prepare_threshold(threshold, url)})  # fmt: skip
+
+
+PREPARE_THRESHOLD = "prepare_threshold"
+
+
+def prepare_threshold(value: str | tuple[str, ...], url: str) -> int | None:
+    """`?prepare_threshold=none` on a PostgreSQL URL: psycopg never prepares statements on the server,
+    which a pooler in transaction mode needs (PgBouncer before 1.21 hands each transaction any server
+    connection, where `_pg3_0` was never prepared). A number: prepare after that many executions."""
+    text_value = value[-1] if isinstance(value, tuple) else value
+    if text_value.strip().lower() in ("none", "off", ""):
+        return None
+    try:
+        return int(text_value)
+    except ValueError:
+        raise RegistryError(f"database URL {redact_url(url)}: prepare_threshold must be a number or 'none', "
+                            f"not {text_value!r}") from None  # fmt: skip
 
 
 class Registry:
