@@ -7,12 +7,19 @@ the same row, and neither waits on the other's transaction), writes its name and
 clears the row. A daemon that dies holding a slot stops renewing: the slot is free again once
 its expiry passes, so a SIGKILL costs the fleet at most `lease_s`.
 
+A host waiting for a slot asks again after `WAIT_POLL_S`, then twice as long each time (with
+jitter) up to its `poll_s`: a thousand waiting hosts would otherwise send 2,000 transactions a
+second, and with many waiters a freed slot is still taken within a fraction of a second (one of
+them asks every poll_s / waiters on average). The slot rows are written once per process (and
+again when the bound grows), not on every attempt.
+
 Every acquisition and release is also an event (`fleet_lease_acquired` / `_released`, detail
 with the slot and host), so when each host updated is in `events`.
 """
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +37,8 @@ from daemon.registry.models import FleetLease
 from daemon.registry.queries import record_event
 
 log = get_logger(__name__)
-WAIT_POLL_S = 0.5
+WAIT_POLL_S = 0.5  # a waiting host's first ask again; then doubling, up to its poll_s
+STOP_CHECK_S = 0.5  # a waiting host notices its daemon stopping within this
 
 
 class LeaseLost(RuntimeError):
@@ -48,6 +56,8 @@ class FleetLeases:
         self._slot: int | None = None
         self._depth = 0  # nested holds (crash recovery that runs a rollout) share one slot
         self._lost = False
+        self._slots_made = 0  # slot rows known to exist (written once, not on every attempt)
+        self._jitter = random.Random()
 
     @property
     def slot(self) -> int | None:
@@ -70,8 +80,9 @@ class FleetLeases:
                 return self._slot
         n = self.settings.max_updating_hosts
         with self.registry.session() as s:
-            s.execute(pg_insert(FleetLease).values([{"slot": i} for i in range(n)]).on_conflict_do_nothing())
-            s.flush()
+            if self._slots_made < n:  # rows are never deleted: once per process, or when the bound grows
+                s.execute(pg_insert(FleetLease).values([{"slot": i} for i in range(n)]).on_conflict_do_nothing())
+                s.flush()
             slot = s.scalar(
                 select(FleetLease.slot)
                 .where(
@@ -82,6 +93,7 @@ class FleetLeases:
                 .limit(1)
                 .with_for_update(skip_locked=True)
             )
+            self._slots_made = max(self._slots_made, n)
             if slot is None:
                 return None
             s.execute(update(FleetLease).where(FleetLease.slot == slot).values(
@@ -132,6 +144,7 @@ class FleetLeases:
     def acquire(self, version: str | None, checkpoint_id: int | None, stop: Callable[[], bool]) -> int | None:
         """Wait for a slot (the workers keep serving meanwhile); None when `stop()` turns true."""
         logged = False
+        delay = WAIT_POLL_S
         while not stop():
             slot = self.try_acquire(version, checkpoint_id)
             if slot is not None:
@@ -140,8 +153,20 @@ class FleetLeases:
             if not logged:
                 log.info("fleet_lease_waiting", version=version, holders=holders(self.registry))
                 logged = True
-            time.sleep(WAIT_POLL_S)
+            if self._wait(self._jitter.uniform(0.5, 1.0) * delay, stop):
+                break
+            delay = min(max(WAIT_POLL_S, self.settings.poll_s), delay * 2)
         return None
+
+    @staticmethod
+    def _wait(seconds: float, stop: Callable[[], bool]) -> bool:
+        """Sleep `seconds`, looking at `stop()` every STOP_CHECK_S; True when it turned true."""
+        until = time.monotonic() + seconds
+        while (left := until - time.monotonic()) > 0:
+            if stop():
+                return True
+            time.sleep(min(STOP_CHECK_S, left))
+        return False
 
     @contextmanager
     def renewing(self) -> Iterator[None]:
