@@ -1,0 +1,259 @@
+"""Fleet simulation (issue 28): N hosts on one PostgreSQL registry roll out a new version under the
+fleet-wide lease bound, through PgBouncer in transaction mode or directly.
+
+    python -m bench.fleet_sim [--hosts 100 300 1000] [--modes pgbouncer direct] [--bound-pct 5]
+        [--update-s 2] [--poll-s 5] [--lease-s 10] [--pool-size 40] [--direct-max-hosts 30]
+        [--steady-polls 2] [--no-kill] [--pg-server postgresql+psycopg://postgres@127.0.0.1:5432]
+        [--out FILE.json]
+
+Each host (bench/fleet_sim_host.py) is the real `FleetAgent`, `FleetLeases` and registry code with
+its own `Registry` (own engine: its own connection path), ticking every `poll_s`; a fake update is
+`update_s` of sleep inside the lease, between the rollout's rows. One process, threads.
+
+Per run, in a throw-away database `fleet_sim_<pid>_<n>` (migrated, seeded, dropped after):
+
+1. steady state: every host on v0 and ticking; for `steady_polls` poll intervals, the statements
+   (and pool pre-pings) each host sends, server connections and transactions per second;
+2. rollout: v1 becomes good (its first host's health window passed); commit -> every host serving
+   v1, against the ideal ceil(N / bound) x update_s; most hosts holding a slot at once (the sim's
+   ledger and `fleet_leases` sampled every 0.25 s); double grants; connections and queries per second;
+3. SIGKILL (unless --no-kill): v2 the same way, the first host of its second wave killed halfway
+   through its update (nothing renews or releases its slot; not restarted); commit -> every live
+   host on v2, and how long the slot stayed dead (kill -> the slot's next acquisition).
+
+`direct`: every host connects to PostgreSQL itself; `max_connections` (100) allows about 30 such
+hosts next to other users, so direct runs use min(N, --direct-max-hosts) hosts (the run says so).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.fleet_sim_host import Ledger, SimHost
+from bench.fleet_sim_pg import (
+    Bouncer,
+    Sampler,
+    commit_version,
+    create_database,
+    drop_database,
+    seed_fleet,
+    window,
+)
+from daemon.common.logging import configure_logging
+from daemon.fleet.settings import FleetSettings
+
+VERSIONS = ["v0", "v1", "v2"]
+
+
+def totals(hosts: list[SimHost]) -> tuple[int, int]:
+    return sum(h.counts.statements for h in hosts), sum(h.counts.checkouts for h in hosts)
+
+
+def wait_converged(ledger: Ledger, version: str, hosts: list[SimHost], timeout_s: float) -> float | None:
+    """Seconds until every live host serves `version` (None: not within `timeout_s`)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout_s:
+        with ledger.lock:
+            done = ledger.converged.get(version, {})
+            if all(h.name in done or h.name in ledger.dead for h in hosts):
+                return max(done.values(), default=t0) - t0
+        time.sleep(0.05)
+    return None
+
+
+def rollout(version: str, db_url: str, hosts: list[SimHost], ledger: Ledger, sampler: Sampler, bouncer: Bouncer | None,
+            database: str, ideal_s: float) -> dict[str, Any]:  # fmt: skip
+    before, bstats, t0 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
+    commit_version(db_url, version)
+    took = wait_converged(ledger, version, hosts, timeout_s=ideal_s * 4 + 60)
+    t1 = time.monotonic()
+    after, astats = totals(hosts), bouncer.stats(database) if bouncer else {}
+    span = t1 - t0
+    out: dict[str, Any] = {
+        "version": version,
+        "converged_s": None if took is None else round(took, 2),
+        "ideal_s": ideal_s,
+        "ratio": None if took is None else round(took / ideal_s, 3),
+        "hosts_converged": len(ledger.converged.get(version, {})),
+        "statements_per_s": round((after[0] - before[0]) / span, 1),
+        "pings_per_s": round((after[1] - before[1]) / span, 1),
+        **window(sampler.between(t0, t1), span),
+    }
+    if astats:
+        out["pgbouncer_queries_per_s"] = round(
+            (astats["total_query_count"] - bstats["total_query_count"]) / span, 1
+        )
+        out["pgbouncer_xacts_per_s"] = round(
+            (astats["total_xact_count"] - bstats["total_xact_count"]) / span, 1
+        )
+    return out
+
+
+def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+    wanted = n
+    if mode == "direct":
+        n = min(n, args.direct_max_hosts)
+    bound = max(1, math.ceil(n * args.bound_pct / 100))
+    database = f"fleet_sim_{os.getpid()}_{n}_{mode}"
+    db_url = create_database(args.pg_server, database)
+    bouncer = Bouncer(args.pg_server, args.pool_size) if mode == "pgbouncer" else None
+    folder = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
+    names = [f"sim-{i:04d}" for i in range(n)]
+    stop_all = threading.Event()
+    ledger = Ledger(kill_at_acquisition=None if args.no_kill else bound + 1, kill_version="v2")
+    hosts: list[SimHost] = []
+    sampler = Sampler(db_url, database)
+    result: dict[str, Any] = {"mode": mode, "hosts": n, "hosts_asked": wanted, "bound": bound,
+                              "update_s": args.update_s, "poll_s": args.poll_s, "lease_s": args.lease_s,
+                              "pool_size": args.pool_size if bouncer else None}  # fmt: skip
+    try:
+        seed_fleet(db_url, names, VERSIONS, folder)
+        if bouncer is not None:
+            bouncer.start()
+        url = bouncer.url(database) if bouncer else db_url
+        settings = FleetSettings(
+            enabled=True, max_updating_hosts=bound, lease_s=args.lease_s, poll_s=args.poll_s
+        )
+        for name in names:
+            s = FleetSettings(**{**settings.__dict__, "host": name})
+            hosts.append(SimHost(name, url, s, args.update_s, ledger, stop_all))
+        sampler.start()
+        rng = random.Random(n)
+        for h in hosts:
+            h.start(rng.uniform(0, args.poll_s))
+        log(f"{mode} {n} hosts, bound {bound}: started; warming up {args.poll_s * 2:.0f} s")
+        time.sleep(args.poll_s * 2)  # every host's first ticks (connections, a first fleet_host_reasons look)
+        before, bstats, t0 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
+        time.sleep(args.poll_s * args.steady_polls)
+        after, astats, t1 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
+        polls = n * (t1 - t0) / args.poll_s
+        steady: dict[str, Any] = {
+            "statements_per_host_per_poll": round((after[0] - before[0]) / polls, 2),
+            "pings_per_host_per_poll": round((after[1] - before[1]) / polls, 2),
+            "statements_per_s": round((after[0] - before[0]) / (t1 - t0), 1),
+            **window(sampler.between(t0, t1), t1 - t0),
+        }
+        if astats:
+            steady["pgbouncer_queries_per_host_per_poll"] = round(
+                (astats["total_query_count"] - bstats["total_query_count"]) / polls, 2)  # fmt: skip
+            steady["pgbouncer_xacts_per_host_per_poll"] = round(
+                (astats["total_xact_count"] - bstats["total_xact_count"]) / polls, 2)  # fmt: skip
+        result["steady"] = steady
+        log(f"steady: {steady}")
+        ideal = math.ceil(n / bound) * args.update_s
+        result["rollout"] = rollout("v1", db_url, hosts, ledger, sampler, bouncer, database, ideal)
+        log(f"rollout: {result['rollout']}")
+        if not args.no_kill:
+            result["kill"] = rollout("v2", db_url, hosts, ledger, sampler, bouncer, database, ideal)
+            k = result["kill"]
+            k["cost_s"] = (round(k["converged_s"] - result["rollout"]["converged_s"], 2)
+                           if k["converged_s"] is not None and result["rollout"]["converged_s"] is not None else None)  # fmt: skip
+            k["killed"] = [h for _, h, _ in ledger.kills]
+            k["slot_dead_s"] = [round(t["after_kill_s"], 2) for t in ledger.takeovers]
+            log(f"kill: {k}")
+    finally:
+        stop_all.set()
+        sampler.stop()
+        for h in hosts:
+            if h.thread is not None:
+                h.thread.join(2)
+        for h in hosts:
+            h.close()
+        if bouncer is not None:
+            bouncer.stop()
+        drop_database(args.pg_server, database)
+    result["peak_holders_ledger"] = ledger.peak
+    result["double_grants"] = ledger.double_grants
+    result["lost_leases"] = sum(1 for h in hosts if h.leases.lost)
+    result["unexpected_submits"] = sum(h.submits for h in hosts)
+    result["errors"] = ledger.errors[:10]
+    result["error_count"] = len(ledger.errors)
+    return result
+
+
+def table(doc: dict[str, Any]) -> str:
+    head = ["mode", "hosts", "bound", "commit->converged", "ideal", "ratio", "peak holders (ledger/db)",
+            "double grants", "server conns peak (steady/rollout)", "stmts/host/poll (+pings)",
+            "stmts/s steady / rollout", "xacts/s steady / rollout", "SIGKILL cost (slot dead)"]  # fmt: skip
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in doc["runs"]:
+        st, ro, k = r.get("steady", {}), r.get("rollout", {}), r.get("kill", {})
+        dead = ", ".join(f"{s:.1f}" for s in k.get("slot_dead_s", []))
+        cells = [r["mode"], str(r["hosts"]), str(r["bound"]), f"{ro.get('converged_s')} s", f"{ro.get('ideal_s')} s",
+                 f"{ro.get('ratio')}", f"{r['peak_holders_ledger']} / {max(ro.get('holders_peak_db', 0), k.get('holders_peak_db', 0))}",
+                 str(r["double_grants"]), f"{st.get('server_conns_peak')} / {max(ro.get('server_conns_peak', 0), k.get('server_conns_peak', 0))}",
+                 f"{st.get('statements_per_host_per_poll')} (+{st.get('pings_per_host_per_poll')})",
+                 f"{st.get('statements_per_s')} / {ro.get('statements_per_s')}",
+                 f"{st.get('xacts_per_s')} / {ro.get('xacts_per_s')}",
+                 f"{k.get('cost_s')} s ({dead} s)" if k else "-"]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--hosts", type=int, nargs="+", default=[100, 300, 1000])
+    p.add_argument("--modes", nargs="+", default=["pgbouncer", "direct"], choices=["pgbouncer", "direct"])
+    p.add_argument(
+        "--bound-pct", type=float, default=5.0, help="[fleet] max_updating_hosts as a share of the hosts"
+    )
+    p.add_argument("--update-s", type=float, default=2.0, help="a fake update's time, inside the lease")
+    p.add_argument("--poll-s", type=float, default=5.0, help="[fleet] poll_s")
+    p.add_argument("--lease-s", type=float, default=10.0, help="[fleet] lease_s (the daemon's default is 60)")
+    p.add_argument(
+        "--pool-size", type=int, default=40, help="PgBouncer's server connections (default_pool_size)"
+    )
+    p.add_argument("--direct-max-hosts", type=int, default=30)
+    p.add_argument("--steady-polls", type=float, default=2.0)
+    p.add_argument("--no-kill", action="store_true")
+    p.add_argument("--staged-canary-fails", action="store_true",
+                   help="not yet: waits for staged rollouts (daemon.fleet.stages)")  # fmt: skip
+    p.add_argument("--pg-server", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    p.add_argument("--out", default="")
+    args = p.parse_args()
+    if args.staged_canary_fails:
+        print(
+            "--staged-canary-fails: waits for staged rollouts (daemon.fleet.stages), not measured yet",
+            file=sys.stderr,
+        )
+        return 2
+    configure_logging(level="warning")  # 1,000 hosts' info lines would cost more CPU than their SQL
+    t0 = time.time()
+
+    def log(msg: str) -> None:
+        print(f"[{time.time() - t0:7.1f}s] {msg}", flush=True)
+
+    doc: dict[str, Any] = {"command": " ".join(["python -m bench.fleet_sim", *sys.argv[1:]]),
+                           "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
+                           "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+                           "runs": []}  # fmt: skip
+    done: set[tuple[str, int]] = set()
+    for n in args.hosts:
+        for mode in args.modes:
+            if (mode, min(n, args.direct_max_hosts) if mode == "direct" else n) in done:
+                continue  # direct at 300 and 1,000 hosts is the same capped run
+            done.add((mode, min(n, args.direct_max_hosts) if mode == "direct" else n))
+            run = simulate(mode, n, args, log)
+            run["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            doc["runs"].append(run)
+            if args.out:  # after each run: a long run that dies keeps what it measured
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(doc, indent=2))
+    print()
+    print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
