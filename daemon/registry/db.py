@@ -11,6 +11,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from importlib import resources
@@ -18,7 +19,7 @@ from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy import Engine, create_engine, event, inspect, text
+from sqlalchemy import Engine, create_engine, event, exc, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -110,10 +111,40 @@ def make_engine(url: str) -> Engine:
     query = dict(parsed.query)
     threshold = query.pop(PREPARE_THRESHOLD, None)
     if threshold is None:
-        return create_engine(url, pool_pre_ping=True)
-    # psycopg would get the URL's text as is (and fail on its first statement's `count >= "0"`)
-    return create_engine(parsed.set(query=query), pool_pre_ping=True,
-                         connect_args={PREPARE_THRESHOLD: prepare_threshold(threshold, url)})  # fmt: skip
+        engine = create_engine(url, pool_use_lifo=True)
+    else:  # psycopg would get the URL's text as is (and fail on its first statement's `count >= "0"`)
+        engine = create_engine(parsed.set(query=query), pool_use_lifo=True,
+                               connect_args={PREPARE_THRESHOLD: prepare_threshold(threshold, url)})  # fmt: skip
+    ping_when_idle(engine)
+    return engine
+
+
+PING_IDLE_S = 1.0  # a pooled connection unused for longer is checked with a round trip before use
+
+
+def ping_when_idle(engine: Engine) -> None:
+    """`pool_pre_ping`, but only for a connection that sat in the pool for more than PING_IDLE_S.
+
+    A fleet agent's look is ~10 short sessions in a row every poll_s: pre-pinging each doubled its
+    round trips (issue 28, bench/fleet_sim.py). A connection the server or a pooler closed while it
+    sat idle (a restart, idle timeouts) is still found before use and replaced; one closed within the
+    last second fails its statement, which invalidates it like any disconnect. The pool hands out
+    the connection used last (`pool_use_lifo`): sessions in a row reuse one, the others stay idle."""
+
+    def checkin(_dbapi: Any, record: Any) -> None:
+        record.info["idle_since"] = time.monotonic()
+
+    def checkout(dbapi: Any, record: Any, _proxy: Any) -> None:
+        since = record.info.pop("idle_since", None)
+        if since is None or time.monotonic() - since <= PING_IDLE_S:
+            return  # just connected, or used a moment ago
+        try:
+            engine.dialect.do_ping(dbapi)
+        except Exception as e:  # noqa: BLE001 - any failure: the pool drops it and connects anew
+            raise exc.DisconnectionError(f"pooled connection gone: {one_line(e)}") from e
+
+    event.listen(engine.pool, "checkin", checkin)
+    event.listen(engine.pool, "checkout", checkout)
 
 
 PREPARE_THRESHOLD = "prepare_threshold"
