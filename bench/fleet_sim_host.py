@@ -7,7 +7,7 @@ does what `LeasedEngine.deploy` does around a rollout: wait for a slot (`FleetLe
 renew it while the fake update runs (`update_s` of sleep, between `start_rollout` and
 `finish_rollout`), set `serving`, release. So every statement a host sends is the production SQL;
 only the workers are fake. Each host's statements and pool checkouts (pre-ping round trips) are
-counted on its engine.
+counted on its engine, and so are its pool's liveness pings.
 
 The ledger is the simulation's own truth, beside the database's: who holds which slot from the
 moment `acquire` returned until just before `release` was called, so two live holders of one
@@ -93,7 +93,8 @@ class Ledger:
 @dataclass
 class Counts:
     statements: int = 0  # SQL statements the host's code sent
-    checkouts: int = 0  # pool checkouts: each is a pre-ping round trip (pool_pre_ping) before the session
+    checkouts: int = 0  # pool checkouts: one per session
+    pings: int = 0  # the pool's liveness round trips before a session (every checkout, or only after idle)
 
 
 class SimHost:
@@ -105,6 +106,14 @@ class SimHost:
         self._count_lock = threading.Lock()
         event.listen(self.registry.engine, "before_cursor_execute", self._statement)
         event.listen(self.registry.engine.pool, "checkout", self._checkout)
+        dialect, ping = self.registry.engine.dialect, self.registry.engine.dialect.do_ping
+
+        def counted_ping(dbapi: Any) -> bool:
+            with self._count_lock:
+                self.counts.pings += 1
+            return ping(dbapi)
+
+        dialect.do_ping = counted_ping  # type: ignore[method-assign,assignment]
         self.journal = Journal(self.registry)
         self.settings = settings
         self.leases = FleetLeases(self.registry, settings)
