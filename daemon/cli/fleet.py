@@ -1,4 +1,6 @@
 """`hotswap fleet target [VERSION | --clear]`: read or set the version a fleet converges to.
+`hotswap fleet rollout [status | pause | resume | abort]`: show or steer the staged rollout in
+progress (daemon.fleet.stages; `[fleet] stages`).
 
 The fleet target is one row of the shared PostgreSQL registry (`fleet_target`), read by every
 fleet daemon each `[fleet] poll_s`; this command writes it directly (no daemon needed, any host
@@ -22,6 +24,7 @@ from typing import Any
 
 from daemon.cli.read import open_existing_registry, read_config, safe
 from daemon.config import CONFIG_ENV, Config, ConfigError
+from daemon.fleet.stages import StageCommandRefused, command, status
 from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
 from daemon.registry.db import RegistryError
 from daemon.registry.journal import Journal
@@ -30,14 +33,31 @@ EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="hotswap fleet", description="Fleet-wide settings in the shared registry.")
+    p = argparse.ArgumentParser(
+        prog="hotswap fleet", description="Fleet-wide settings in the shared registry."
+    )
     sub = p.add_subparsers(title="fleet commands", metavar="FLEETCOMMAND", help="what to do")
-    t = sub.add_parser("target", help="print, set (VERSION) or clear (--clear) the version every host converges to")
-    t.add_argument("version", metavar="VERSION", nargs="?", default=None, help="a verified version to hold the fleet on")
-    t.add_argument("--clear", action="store_true", help="back to the newest good version (some host's last_good, now or before)")
+    t = sub.add_parser(
+        "target", help="print, set (VERSION) or clear (--clear) the version every host converges to"
+    )
+    t.add_argument(
+        "version", metavar="VERSION", nargs="?", default=None, help="a verified version to hold the fleet on"
+    )
+    t.add_argument(
+        "--clear",
+        action="store_true",
+        help="back to the newest good version (some host's last_good, now or before)",
+    )
     t.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV})")
     t.add_argument("--json", action="store_true", help="print the target as JSON")
     t.set_defaults(func=_cmd_target)
+    r = sub.add_parser(
+        "rollout", help="show (status) or steer (pause, resume, abort) the staged rollout in progress"
+    )
+    r.add_argument("action", nargs="?", default="status", choices=("status", "pause", "resume", "abort"))
+    r.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV})")
+    r.add_argument("--json", action="store_true", help="print the rollout as JSON")
+    r.set_defaults(func=_cmd_rollout, version=None, clear=False)
     return p
 
 
@@ -55,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args, config))
     except ConfigError as exc:
         return _fail(str(exc), EXIT_CONFIG)
-    except (RegistryError, TargetRefused) as exc:
+    except (RegistryError, TargetRefused, StageCommandRefused) as exc:
         return _fail(str(exc), EXIT_RUNTIME)
 
 
@@ -81,8 +101,38 @@ def _cmd_target(args: argparse.Namespace, config: Config) -> int:
     elif doc["version"] is None:
         print("fleet target: none (no explicit target, and no host has a last_good version yet)")
     else:
-        how = f"explicit, set by {doc['set_by']} at {doc['set_at']}" if doc["explicit"] else "newest last_good"
+        how = (
+            f"explicit, set by {doc['set_by']} at {doc['set_at']}" if doc["explicit"] else "newest last_good"
+        )
         print(safe(f"fleet target: {doc['version']} ({how})"))
+    return EXIT_OK
+
+
+def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
+    registry = open_existing_registry(config)
+    try:
+        done = command(Journal(registry), args.action, by=_operator()) if args.action != "status" else None
+        doc = status(registry)
+    finally:
+        registry.close()
+    if args.json:
+        print(json.dumps(doc))
+        return EXIT_OK
+    if done is not None:
+        print(safe(done))
+    if doc is None:
+        print(
+            "no staged fleet rollout yet ([fleet] stages: a new version reaches one stage of hosts at a time)"
+        )
+        return EXIT_OK
+    why = f" ({doc['reason']})" if doc["reason"] else ""
+    print(safe(f"staged rollout {doc['rollout_id']}: {doc['version']} (from {doc['previous']}), {doc['state']}{why}, "
+               f"stage {doc['stage'] + 1} of {len(doc['plan'])}"))  # fmt: skip
+    for i, st in enumerate(doc["plan"]):
+        size = st.get("names") or (f"{st['hosts']} hosts" if st.get("hosts") else f"{st.get('percent')} %")
+        hosts = [h for h in doc["hosts"] if h["stage"] == i]
+        line = ", ".join(f"{h['host']} {h['host_state']}" for h in hosts) or "no host yet"
+        print(safe(f"  stage {i + 1} ({size}, bake {st.get('bake_s', 0)} s): {line}"))
     return EXIT_OK
 
 

@@ -84,6 +84,8 @@ class RolloutDecisions:
             interrupted=lambda: queue.has_command(MOVES_FLEET) or stopping.is_set(),
             mark_serving=self.mark_serving, submit=submit,
         )  # fmt: skip
+        # fleet mode: a converge to a staged rollout's version gets a health window (daemon.fleet.stages)
+        self.watch_fleet: Callable[[CheckpointRef], bool] = lambda _ckpt: False
         self._fallback_to: str | None = None  # a managed worker fell back to it; made serving by reconcile
 
     def _yield_wanted(self, ckpt: CheckpointRef) -> bool:
@@ -283,7 +285,7 @@ class RolloutDecisions:
                "reason": result.reason}  # fmt: skip
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
-            if trigger == T.NEW and self.settings.health_window_s > 0:
+            if (trigger == T.NEW or (trigger == T.FLEET and self.watch_fleet(ckpt))) and self.settings.health_window_s > 0:
                 out.update(self.health_window.watch(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)

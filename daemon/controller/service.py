@@ -104,6 +104,8 @@ class RolloutService:
         self._stopping = threading.Event()
         self.decisions = RolloutDecisions(self.journal, self.fleet, settings, self.engine, self.driver, self.stager,
                                           self.state, self.queue, self._stopping, submit=self.submit)  # fmt: skip
+        if self.fleet_agent is not None:  # a staged rollout's hosts watch it like a new version
+            self.decisions.watch_fleet = self.fleet_agent.staged
         # managed children: watched from launch, relaunched with backoff (daemon/controller/supervise.py)
         self.supervisor = Supervisor(self.journal, self.fleet, self.driver, settings, self.decisions.fell_back)
         # LoRA adapters: their own jobs, per name, on the same runner (daemon/controller/adapters.py)
@@ -176,6 +178,8 @@ class RolloutService:
         if self.adapter_journal.is_adapter(checkpoint_id):  # a LoRA adapter: its own job, nothing is paused
             self.queue.command(Job("adapter", checkpoint=ckpt))
             return
+        if self.fleet_agent is not None and not self.fleet_agent.admits(ckpt):
+            return  # a staged fleet rollout holds it here: the fleet agent converges when this host's stage comes
         replaced = self.queue.offer(ckpt)
         if replaced is not None:
             self.decisions.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)

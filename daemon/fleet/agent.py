@@ -8,6 +8,11 @@
   converge (a rollout with trigger `fleet`, under the lease like any other). A version some host
   verified but no host finished deploying (its registering host may have died mid-rollout) is
   deployed here as a new version (with its health window), once this host has its own copy.
+- staged rollouts (`daemon.fleet.stages`, when `[fleet] stages` is set): each tick first takes a
+  decision pass (any host may: one decides), then a host follows the stage it is in: an admitted
+  host converges to the version (with its health window), the others stay on the previous fleet
+  version, and hosts on a halted or aborted version go back to it. The rollout service asks
+  `admits` before it deploys a version this host verified itself.
 - `FleetAgent.behind` (every tick): why this host is not on the target, if it is not
   (`daemon.fleet.behind`): the daemon's `host_behind` warning (`FleetAgent.problems`, a probe
   of its health monitor) and this host's row of `fleet_host_reasons`, written when it changes.
@@ -24,11 +29,12 @@ from typing import Any
 from daemon.common.logging import get_logger
 from daemon.common.problems import Problem
 from daemon.fleet import behind as why
+from daemon.fleet import stages
 from daemon.fleet.lease import FleetLeases, holders
 from daemon.fleet.settings import FleetSettings
-from daemon.fleet.target import fleet_target
+from daemon.fleet.target import Target, fleet_target
 from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.status import RolloutOutcome, RolloutTrigger
+from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
 from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.planner import newer, newest
 
@@ -113,16 +119,53 @@ class FleetAgent:
         if self.pinned() is not None:
             return None
         serving = self.journal.alias("serving")
-        target = fleet_target(self.journal)
+        target, plan = self.target(serving)
         if target is not None:
             ckpt = target.checkpoint
             if serving is None or (serving.id != ckpt.id and (target.explicit or newer(ckpt, serving))):
                 return (ckpt, True) if self._here(ckpt) else None
             if target.explicit:
                 return None  # an operator's target holds the fleet there
+        if plan is not None and plan.state in stages.ACTIVE:
+            return None  # a staged rollout decides who deploys its version, and nothing else moves
         # verified by some host (maybe one that died rolling it out) and not deployed anywhere yet
         waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
         return (waiting, False) if waiting is not None and self._here(waiting) else None
+
+    def target(self, serving: CheckpointRef | None) -> tuple[Target | None, stages.HostStage | None]:
+        """The fleet target for this host, with the staged rollout in progress (if any) applied."""
+        target = fleet_target(self.journal)
+        if target is not None and target.explicit:
+            return target, None  # an operator's target holds the fleet, stages or not
+        plan = stages.for_host(self.journal, self.journal.registry.host)
+        if plan is None:
+            return target, None
+        if plan.state in stages.ACTIVE and plan.version.status != CheckpointStatus.REJECTED:
+            if plan.admitted and plan.state == "running":
+                return Target(plan.version, True, staged=True), plan
+            on = serving is not None and serving.id == plan.version.id
+            if on or plan.previous is None:
+                return None, plan  # admitted before a pause, or nothing to hold to: stay
+            return Target(plan.previous, False, staged=True), plan
+        if serving is not None and serving.id == plan.version.id and plan.previous is not None:
+            return Target(plan.previous, True, staged=True), plan  # halted or aborted: back to the previous version
+        return target, plan
+
+    def admits(self, ckpt: CheckpointRef) -> bool:
+        """May this host deploy `ckpt`, which it verified itself (begins its staged rollout)?"""
+        if self.pinned() is not None:
+            return True  # the rollout service holds it anyway; nothing to decide
+        target = fleet_target(self.journal)
+        previous = target.checkpoint if target is not None and newer(ckpt, target.checkpoint) else None
+        ok = stages.admitted(self.journal, ckpt, self.settings, previous)
+        if not ok:
+            log.info("fleet_stage_holds", version=ckpt.version, host=self.journal.registry.host)
+        return ok
+
+    def staged(self, ckpt: CheckpointRef) -> bool:
+        """`ckpt` is the version of the staged rollout in progress: converging to it runs a health window."""
+        plan = stages.for_host(self.journal, self.journal.registry.host)
+        return plan is not None and plan.state in stages.ACTIVE and plan.version.id == ckpt.id
 
     def _here(self, ckpt: CheckpointRef) -> bool:
         if ckpt.local_path and Path(ckpt.local_path).is_dir():
@@ -140,6 +183,11 @@ class FleetAgent:
     def tick(self) -> str | None:
         """One look: converge (or deploy) when wanted, then note why this host is behind, if it
         is. The version asked for, if any."""
+        if self.settings.stages or stages.for_host(self.journal, self.journal.registry.host) is not None:
+            try:
+                stages.step(self.journal)
+            except Exception as exc:  # noqa: BLE001 - a database blip: the next tick (here or elsewhere) decides
+                log.warning("fleet_stage_step_failed", error=str(exc))
         asked = self._act() if self.idle() else None
         try:
             self.observe()
@@ -149,8 +197,8 @@ class FleetAgent:
 
     def observe(self) -> why.Behind | None:
         """Why this host is not on the fleet target now (None: it is, or it is ahead of it)."""
-        target = fleet_target(self.journal)
         serving = self.journal.alias("serving")
+        target, _ = self.target(serving)
         behind = None
         if why.is_behind(target, serving):
             assert target is not None

@@ -89,7 +89,8 @@ def explain(target: Target | None, serving: CheckpointRef | None, *, pinned: str
     mine = attempt if attempt is not None and attempt.version == t else None
 
     def behind(cause: str, why: str) -> Behind:
-        whose = "the operator's fleet target" if target.explicit else "the fleet target"
+        whose = ("the staged rollout's version for it" if target.staged
+                 else "the operator's fleet target" if target.explicit else "the fleet target")
         return Behind(t, cause, f"serves {serving.version if serving else 'nothing'}, not {whose} {t}: {why}")
 
     if pinned is not None:

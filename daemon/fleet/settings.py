@@ -7,6 +7,13 @@
     lease_s = 60               # a lease not renewed for this long is free again (its daemon died)
     poll_s = 5                 # how often a host looks at the fleet target
 
+    [[fleet.stages]]           # staged rollouts (daemon.fleet.stages): a canary host first ...
+    hosts = 1
+    bake_s = 60
+    [[fleet.stages]]           # ... then half the hosts; an implicit last stage takes every host
+    percent = 50
+    bake_s = 120
+
 `host` alone is fine on SQLite (it names the single host); any fleet-mode setting there is
 refused at start (`fleet_problem`), since SQLite is one machine's file.
 """
@@ -14,9 +21,29 @@ refused at start (`fleet_problem`), since SQLite is one machine's file.
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sqlalchemy.engine import make_url
+
+
+@dataclass
+class StageSpec:
+    """One stage of a staged fleet rollout: the hosts it brings the version to (in all, with the
+    stages before it: a count, a share of the fleet's hosts, or hosts by name) and its bake time."""
+
+    hosts: int = 0  # this many hosts in all by the end of this stage
+    percent: float = 0.0  # or this share of the fleet's hosts, rounded up
+    names: list[str] = field(default_factory=list)  # or these hosts ([fleet] host of each)
+    bake_s: float = 60.0  # every host of the stage passed: wait this long before the next stage
+
+    def validate(self, key: str) -> None:
+        given = [k for k, v in (("hosts", self.hosts), ("percent", self.percent), ("names", self.names)) if v]
+        if len(given) != 1:
+            raise ValueError(f"{key}: give exactly one of hosts, percent or names (got {', '.join(given) or 'none'})")
+        if self.hosts < 0 or not 0 <= self.percent <= 100:
+            raise ValueError(f"{key}: hosts must be >= 1 and percent within (0, 100]")
+        if self.bake_s < 0:
+            raise ValueError(f"{key}.bake_s: must be >= 0")
 
 
 @dataclass
@@ -26,6 +53,7 @@ class FleetSettings:
     max_updating_hosts: int = 1  # hosts rolling out at once, fleet-wide (lease rows)
     lease_s: float = 60.0  # a lease its daemon stopped renewing is free again after this long
     poll_s: float = 5.0  # how often a host checks the fleet target version
+    stages: list[StageSpec] = field(default_factory=list)  # staged rollouts (daemon.fleet.stages); none: all at once
 
     def validate(self, key: str) -> None:
         # ConfigError lives in daemon.config, which imports this module: plain ValueError here is
@@ -36,6 +64,8 @@ class FleetSettings:
             raise ValueError(f"{key}.lease_s: must be > 0")
         if self.poll_s <= 0:
             raise ValueError(f"{key}.poll_s: must be > 0")
+        for i, st in enumerate(self.stages):
+            st.validate(f"{key}.stages[{i}]")
         if len(self.host) > 255 or any(c.isspace() for c in self.host):
             raise ValueError(f"{key}.host: {self.host!r} must be a name without spaces (at most 255 characters)")
 
@@ -52,7 +82,7 @@ class FleetSettings:
 def fleet_problem(fleet: FleetSettings, database_url: str) -> str | None:
     """Why fleet mode cannot run on this database (one line), else None."""
     if not fleet.enabled:
-        return None
+        return "fleet.stages: staged rollouts need fleet mode ([fleet] enabled = true)" if fleet.stages else None
     if make_url(database_url).get_backend_name() != "postgresql":
         return ("fleet.enabled: fleet mode needs a PostgreSQL registry ([database] url = "
                 "\"postgresql+psycopg://...\"); SQLite is a single host's file")  # fmt: skip

@@ -36,6 +36,7 @@ class Target:
     explicit: bool  # an operator's fleet_target row (converged to even when older)
     set_by: str | None = None  # the explicit row's author and time
     set_at: datetime | None = None
+    staged: bool = False  # this host's place in a staged rollout (daemon.fleet.stages), not the fleet's target
 
 
 class TargetRefused(ValueError):

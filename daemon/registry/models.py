@@ -396,3 +396,35 @@ class WorkerAdapter(Base):
     adapter: Mapped[str] = mapped_column(String(255))
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"), index=True)
     loaded_at: Mapped[datetime] = mapped_column(default=utcnow)
+
+
+class FleetRollout(Base):
+    """A staged fleet rollout of one version (daemon.fleet.stages): its plan, the stage it is in
+    and its state; decided in the registry by whichever host holds the stage lock."""
+
+    __tablename__ = "fleet_rollouts"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id", ondelete="CASCADE"), unique=True)
+    previous_checkpoint_id: Mapped[int | None] = mapped_column(ForeignKey("checkpoints.id", ondelete="SET NULL"))
+    plan: Mapped[list[dict[str, Any]]] = mapped_column(JSON)  # the stages, as configured when it began
+    stage: Mapped[int] = mapped_column(Integer, default=0)  # the stage whose hosts may take the version
+    state: Mapped[str] = mapped_column(String(16), index=True)  # running, paused, halted, aborted, done, superseded
+    reason: Mapped[str | None] = mapped_column(Text)  # why it halted, paused or was aborted
+    created_by: Mapped[str | None] = mapped_column(String(255))  # the host that began it
+    created_at: Mapped[datetime] = mapped_column(default=utcnow)
+    updated_at: Mapped[datetime] = mapped_column(default=utcnow)
+    stage_started_at: Mapped[datetime] = mapped_column(default=utcnow)
+    stage_ready_at: Mapped[datetime | None]  # every host of the stage passed: its bake time runs from here
+
+
+class FleetRolloutHost(Base):
+    """One host's place in a staged rollout: the stage that admitted it."""
+
+    __tablename__ = "fleet_rollout_hosts"
+    __table_args__ = (PrimaryKeyConstraint("rollout_id", "host"),)
+
+    rollout_id: Mapped[int] = mapped_column(ForeignKey("fleet_rollouts.id", ondelete="CASCADE"))
+    host: Mapped[str] = mapped_column(String(255))
+    stage: Mapped[int] = mapped_column(Integer)
+    admitted_at: Mapped[datetime] = mapped_column(default=utcnow)

@@ -54,6 +54,7 @@ UNSET = _Marker("unset")
 
 def sections() -> list[Section]:
     from daemon.config import Config, RolloutSettings
+    from daemon.fleet.settings import FleetSettings
     from daemon.sources import SOURCE_TYPES, source_type
 
     out: list[Section] = []
@@ -74,6 +75,9 @@ def sections() -> list[Section]:
         if tp is RolloutSettings:
             group = get_args(typing.get_type_hints(RolloutSettings)["groups"])[1]
             out.append(_section("[rollout.groups.NAME]", "rollout.groups", group))
+        if tp is FleetSettings:
+            stage = get_args(typing.get_type_hints(FleetSettings)["stages"])[0]
+            out.append(_section("[[fleet.stages]]", "fleet.stages", stage))
     return out
 
 

@@ -1,0 +1,312 @@
+"""Staged fleet rollouts: a new version reaches a few hosts first and the rest only when they pass.
+
+    [[fleet.stages]]       # 1 canary host (the one that verified the version first), baked 60 s
+    hosts = 1
+    bake_s = 60
+    [[fleet.stages]]
+    percent = 50           # then half the fleet's hosts
+    bake_s = 120
+    # an implicit last stage: every host
+
+A rollout row (`fleet_rollouts`) is begun by the first host that verifies a version newer than
+the fleet's target, when its `[fleet] stages` is set; its plan is stored in the row, so every
+host follows the same one. Each stage admits hosts (`fleet_rollout_hosts`: the canary first,
+then by name); only admitted hosts take the version (`admitted`, asked by the rollout service
+before it deploys and by the fleet agent before it converges). Nothing else moves a host onto it.
+
+`step` is level-triggered and run by every host's fleet agent each tick; the one that gets the
+transaction-scoped advisory lock decides, so no host is special and the death of any one costs
+nothing (the next tick elsewhere decides). Each pass compares the stage with what the registry
+says of its hosts:
+
+- the version was rejected (a stage host's health window, or its rollout, found it bad: the same
+  verdict a single host acts on) -> **halted**: no host outside the stage is ever admitted, and
+  the fleet agents of the hosts on it move them back to the previous fleet version;
+- every admitted host serves it and has it as `last_good` (it passed its health window there)
+  -> the stage is ready; `bake_s` later the next stage is admitted; after the last, **done**.
+
+Operators: `hotswap fleet rollout [status | pause | resume | abort]` (`command`). Every decision
+is an event (`fleet_rollout_*`, `fleet_stage_*`); the view `fleet_stage_hosts` shows each stage's
+hosts and their state.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import select, text, update
+from sqlalchemy.exc import IntegrityError
+from sqlalchemy.orm import Session
+
+from daemon.common.logging import get_logger
+from daemon.fleet.settings import FleetSettings, StageSpec
+from daemon.registry.db import Registry
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.models import Alias, Checkpoint, FleetRollout, FleetRolloutHost, Worker, utcnow
+from daemon.registry.queries import record_event
+from daemon.registry.status import TRANSITIONS, CheckpointStatus
+
+log = get_logger(__name__)
+LOCK_KEY = 0x686F7473  # pg_try_advisory_xact_lock: one host decides each pass
+ACTIVE = ("running", "paused")
+ENDED = ("done", "superseded")
+
+
+class StageCommandRefused(ValueError):
+    """An operator command that does not apply (no staged rollout in progress, already paused)."""
+
+
+def plan_of(stages: list[StageSpec]) -> list[dict[str, Any]]:
+    """The configured stages, with the implicit last stage (every host) when they stop short of it."""
+    plan = [{k: v for k, v in asdict(st).items() if v} | {"bake_s": st.bake_s} for st in stages]
+    if not plan or plan[-1].get("percent") != 100:
+        plan.append({"percent": 100, "bake_s": 0})
+    return plan
+
+
+@dataclass(frozen=True)
+class HostStage:
+    """What the newest staged rollout means for one host (`for_host`)."""
+
+    rollout_id: int
+    version: CheckpointRef
+    previous: CheckpointRef | None
+    state: str  # running, paused, halted, aborted
+    stage: int  # the rollout's stage now
+    stages: int
+    admitted: bool  # this host is in a stage already admitted
+
+
+def for_host(journal: Journal, host: str) -> HostStage | None:
+    """The newest staged rollout, when it is not over (done or superseded): None otherwise."""
+    with journal.registry.session() as s:
+        r = s.scalars(select(FleetRollout).order_by(FleetRollout.id.desc()).limit(1)).first()
+        if r is None or r.state in ENDED:
+            return None
+        admitted = s.get(FleetRolloutHost, (r.id, host)) is not None
+        rid, ckpt_id, prev_id, state, stage, n = (
+            r.id,
+            r.checkpoint_id,
+            r.previous_checkpoint_id,
+            r.state,
+            r.stage,
+            len(r.plan),
+        )
+    version = journal.checkpoint(ckpt_id)
+    if version is None:
+        return None
+    previous = journal.checkpoint(prev_id) if prev_id is not None else None
+    return HostStage(rid, version, previous, state, stage, n, admitted)
+
+
+def admitted(
+    journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, previous: CheckpointRef | None
+) -> bool:
+    """May this host deploy `ckpt` now? Begins its staged rollout when none exists and stages are
+    configured (`previous`: the fleet target it replaces; none: nothing to protect, no stages)."""
+    host = journal.registry.host
+    row = _rollout_of(journal.registry, ckpt.id)
+    if row is None:
+        if not settings.stages or previous is None or previous.id == ckpt.id:
+            return True
+        begin(journal, ckpt, previous, plan_of(settings.stages))
+        step(journal)
+        row = _rollout_of(journal.registry, ckpt.id)
+        if row is None:
+            return True
+    state, rid = row
+    if state == "done":
+        return True
+    if state != "running":
+        return False
+    with journal.registry.session() as s:
+        return s.get(FleetRolloutHost, (rid, host)) is not None
+
+
+def _rollout_of(registry: Registry, checkpoint_id: int) -> tuple[str, int] | None:
+    with registry.session() as s:
+        r = s.scalars(select(FleetRollout).where(FleetRollout.checkpoint_id == checkpoint_id)).first()
+        return (r.state, r.id) if r is not None else None
+
+
+def begin(journal: Journal, ckpt: CheckpointRef, previous: CheckpointRef, plan: list[dict[str, Any]]) -> None:
+    """A staged rollout of `ckpt` (a second host beginning the same one finds it begun); an older
+    one still in progress is superseded by it."""
+    reg = journal.registry
+    try:
+        with reg.session() as s:
+            now = utcnow()
+            s.execute(update(FleetRollout).where(FleetRollout.state.in_(ACTIVE))
+                      .values(state="superseded", reason=f"superseded by {ckpt.version}", updated_at=now))  # fmt: skip
+            s.add(FleetRollout(checkpoint_id=ckpt.id, previous_checkpoint_id=previous.id, plan=plan, stage=0,
+                               state="running", created_by=reg.host, created_at=now, updated_at=now,
+                               stage_started_at=now))  # fmt: skip
+            s.flush()
+            record_event(s, to_state="fleet_rollout_started", checkpoint_id=ckpt.id,
+                         detail={"version": ckpt.version, "previous": previous.version, "plan": plan})  # fmt: skip
+    except IntegrityError:
+        return  # another host began it first
+    log.info("fleet_rollout_started", version=ckpt.version, previous=previous.version, stages=len(plan))
+
+
+def _locked(s: Session) -> bool:
+    if s.get_bind().dialect.name != "postgresql":
+        return True  # SQLite is one host's file
+    return bool(s.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": LOCK_KEY}).scalar())
+
+
+def step(journal: Journal, now: datetime | None = None) -> list[str]:
+    """One decision pass over the staged rollout in progress; the decisions taken (event names)."""
+    decided: list[str] = []
+    version = None
+    with journal.registry.session() as s:
+        if not _locked(s):
+            return decided
+        r = s.scalars(select(FleetRollout).where(FleetRollout.state.in_(ACTIVE))
+                      .order_by(FleetRollout.id.desc()).limit(1)).first()  # fmt: skip
+        if r is None:
+            return decided
+        now = now or utcnow()
+        ckpt = s.get(Checkpoint, r.checkpoint_id)
+        version = ckpt.version if ckpt else None
+        if ckpt is None or ckpt.status == CheckpointStatus.REJECTED.value:
+            why = f"{ckpt.version if ckpt else 'the version'} was rejected at stage {r.stage}"
+            _end(s, r, "halted", f"{why}: {ckpt.status_message if ckpt else 'its row is gone'}", now, decided)
+            return decided
+        if r.state == "paused":
+            return decided
+        members = _admit(s, r, now, decided)
+        stage_hosts = [h for h, st in members.items() if st <= r.stage]
+        if _ready(s, r.checkpoint_id, stage_hosts):
+            if r.stage_ready_at is None:
+                r.stage_ready_at = r.updated_at = now
+                _event(s, r, "fleet_stage_ready", {"hosts": sorted(stage_hosts)}, decided)
+            elif (now - r.stage_ready_at).total_seconds() >= float(r.plan[r.stage].get("bake_s", 0)):
+                if r.stage + 1 >= len(r.plan):
+                    _end(s, r, "done", None, now, decided)
+                else:
+                    r.stage, r.stage_started_at, r.stage_ready_at, r.updated_at = r.stage + 1, now, None, now
+                    _event(s, r, "fleet_stage_advanced", {}, decided)
+                    _admit(s, r, now, decided)
+        elif r.stage_ready_at is not None:
+            r.stage_ready_at, r.updated_at = None, now  # a host left the version: bake again once back
+    for d in decided:
+        log.info(d, version=version, host=journal.registry.host)
+    return decided
+
+
+def _event(s: Session, r: FleetRollout, name: str, detail: dict[str, Any], decided: list[str]) -> None:
+    record_event(s, to_state=name, checkpoint_id=r.checkpoint_id,
+                 detail={"rollout_id": r.id, "stage": r.stage, "of": len(r.plan), **detail})  # fmt: skip
+    decided.append(name)
+
+
+def _end(
+    s: Session, r: FleetRollout, state: str, reason: str | None, now: datetime, decided: list[str]
+) -> None:
+    r.state, r.reason, r.updated_at = state, reason, now
+    _event(s, r, f"fleet_rollout_{state}", {"reason": reason} if reason else {}, decided)
+
+
+def _admit(s: Session, r: FleetRollout, now: datetime, decided: list[str]) -> dict[str, int]:
+    """Every stage up to the current one holds its hosts (admitted once, never taken back)."""
+    members = {
+        h.host: h.stage
+        for h in s.scalars(select(FleetRolloutHost).where(FleetRolloutHost.rollout_id == r.id))
+    }
+    known = sorted({h for h in s.scalars(select(Worker.host).distinct()) if h})
+    order = sorted((h for h in known if h not in members), key=lambda h: (h != r.created_by, h))
+    added: list[str] = []
+    for k in range(r.stage + 1):
+        spec = r.plan[k]
+        if spec.get("names"):
+            new = [h for h in order if h in spec["names"]]
+        else:
+            want = (
+                int(spec["hosts"])
+                if spec.get("hosts")
+                else math.ceil(float(spec["percent"]) * len(known) / 100)
+            )
+            new = order[: max(0, want - len(members))]
+        for h in new:
+            members[h] = k
+            order.remove(h)
+            s.add(FleetRolloutHost(rollout_id=r.id, host=h, stage=k, admitted_at=now))
+        added += new
+    if added:
+        s.flush()
+        _event(s, r, "fleet_stage_admitted", {"hosts": added}, decided)
+    return members
+
+
+def _ready(s: Session, checkpoint_id: int, stage_hosts: list[str]) -> bool:
+    """Every host of the stage serves the version and passed its health window there (last_good)."""
+    if not stage_hosts:
+        return False
+    rows = s.execute(select(Alias.host, Alias.name).where(Alias.host.in_(stage_hosts), Alias.checkpoint_id == checkpoint_id,
+                                                          Alias.name.in_(("serving", "last_good")))).all()  # fmt: skip
+    on = {(h, n) for h, n in rows}
+    return all((h, "serving") in on and (h, "last_good") in on for h in stage_hosts)
+
+
+def command(journal: Journal, action: str, by: str) -> str:
+    """pause, resume or abort the staged rollout in progress; one line saying what was done."""
+    with journal.registry.session() as s:
+        r = s.scalars(select(FleetRollout).where(FleetRollout.state.in_(ACTIVE))
+                      .order_by(FleetRollout.id.desc()).limit(1)).first()  # fmt: skip
+        if r is None:
+            raise StageCommandRefused(
+                "no staged fleet rollout in progress (see `hotswap fleet rollout status`)"
+            )
+        ckpt = s.get(Checkpoint, r.checkpoint_id)
+        version = ckpt.version if ckpt else str(r.checkpoint_id)
+        now = utcnow()
+        decided: list[str] = []
+        if action == "pause":
+            if r.state == "paused":
+                raise StageCommandRefused(f"the staged rollout of {version} is paused already")
+            r.state, r.reason, r.updated_at = "paused", f"paused by {by}", now
+            _event(s, r, "fleet_rollout_paused", {"by": by}, decided)
+        elif action == "resume":
+            if r.state == "running":
+                raise StageCommandRefused(f"the staged rollout of {version} is running, not paused")
+            r.state, r.reason, r.stage_ready_at, r.updated_at = "running", None, None, now  # bake again
+            _event(s, r, "fleet_rollout_resumed", {"by": by}, decided)
+        elif action == "abort":
+            _end(s, r, "aborted", f"aborted by {by} at stage {r.stage}", now, decided)
+        else:
+            raise StageCommandRefused(f"unknown action {action!r}: pause, resume or abort")
+        ckpt_id, stage = r.checkpoint_id, r.stage
+    if action == "abort":
+        _reject(journal, ckpt_id, f"fleet rollout aborted by {by} at stage {stage}")
+    return f"{action}: the staged rollout of {version} ({'stage ' + str(stage)})"
+
+
+def _reject(journal: Journal, checkpoint_id: int, message: str) -> None:
+    """Off the list of versions the fleet follows: hosts on it go back (their fleet agents)."""
+    ref = journal.checkpoint(checkpoint_id)
+    if ref is not None and CheckpointStatus.REJECTED in TRANSITIONS.get(ref.status, frozenset()):
+        journal.move_status(checkpoint_id, CheckpointStatus.REJECTED, message)
+    elif ref is not None:
+        journal.note(checkpoint_id, message)
+
+
+def status(registry: Registry) -> dict[str, Any] | None:
+    """The newest staged rollout and each stage's hosts (the view `fleet_stage_hosts`)."""
+    with registry.session() as s:
+        r = s.scalars(select(FleetRollout).order_by(FleetRollout.id.desc()).limit(1)).first()
+        if r is None:
+            return None
+        version = s.get(Checkpoint, r.checkpoint_id)
+        previous = s.get(Checkpoint, r.previous_checkpoint_id) if r.previous_checkpoint_id else None
+        hosts = [dict(m) for m in s.execute(text(
+            "SELECT stage, host, serving, host_state FROM fleet_stage_hosts WHERE rollout_id = :r ORDER BY stage, host"),
+            {"r": r.id}).mappings()]  # fmt: skip
+        return {"rollout_id": r.id, "version": version.version if version else None,
+                "previous": previous.version if previous else None, "state": r.state, "reason": r.reason,
+                "stage": r.stage, "plan": r.plan, "created_by": r.created_by,
+                "stage_started_at": r.stage_started_at.isoformat(),
+                "stage_ready_at": r.stage_ready_at.isoformat() if r.stage_ready_at else None, "hosts": hosts}  # fmt: skip
