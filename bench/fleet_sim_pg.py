@@ -110,6 +110,8 @@ default_pool_size = {self.pool_size}
 max_db_connections = {self.pool_size}
 max_client_conn = 5000
 ignore_startup_parameters = extra_float_digits,options
+log_connections = 0
+log_disconnections = 0
 logfile = {self.dir / "pgbouncer.log"}
 """)
         args = [exe, str(self.dir / "pgbouncer.ini")]
@@ -117,7 +119,8 @@ logfile = {self.dir / "pgbouncer.log"}
             args[1:1] = ["-u", "postgres"]
             for p in (self.dir, *self.dir.iterdir()):
                 shutil.chown(p, "postgres")
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+        # its log goes to stderr too: never a pipe nobody reads (it blocks once 64 KiB are unread)
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         for _ in range(100):
             try:
                 socket.create_connection(("127.0.0.1", self.port), 0.2).close()
