@@ -13,12 +13,21 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import Select, delete, func, select, update
+from sqlalchemy import Select, and_, delete, func, select, update
 from sqlalchemy.orm import Session
 
 from daemon.registry import hosts, status
 from daemon.registry.db import Registry
-from daemon.registry.models import Alias, Checkpoint, CheckpointFile, Event, Rollout, Worker, utcnow
+from daemon.registry.models import (
+    Alias,
+    Checkpoint,
+    CheckpointFile,
+    CheckpointLocation,
+    Event,
+    Rollout,
+    Worker,
+    utcnow,
+)
 from daemon.registry.outbox import deferrable
 from daemon.registry.queries import by_status, record_event
 from daemon.registry.status import (
@@ -55,12 +64,27 @@ class RolloutRef:
     detail: dict[str, Any]
 
 
-def _ref(s: Session, c: Checkpoint) -> CheckpointRef:
+class Missing:
+    """Not read yet (None is an answer: no copy on this host)."""
+
+
+MISSING = Missing()
+
+
+def _with_location(s: Session) -> Select[Checkpoint, str | None]:
+    """A checkpoint and this host's copy of it, in one statement (a fleet agent reads a few every
+    poll_s on every host: issue 28)."""
+    here = and_(CheckpointLocation.checkpoint_id == Checkpoint.id, CheckpointLocation.host == hosts.host_of(s))
+    return select(Checkpoint, CheckpointLocation.local_path).outerjoin(CheckpointLocation, here)
+
+
+def _ref(s: Session, c: Checkpoint, local_path: str | None | Missing = MISSING) -> CheckpointRef:
     return CheckpointRef(
         id=c.id,
         version=c.version,
         digest=c.digest,
-        local_path=hosts.local_path(s, c.id),  # this host's copy; another host's path never
+        # this host's copy; another host's path never
+        local_path=hosts.local_path(s, c.id) if isinstance(local_path, Missing) else local_path,
 
         tensor_count=c.tensor_count,
         status=CheckpointStatus(c.status),
@@ -94,8 +118,8 @@ class Journal:
     # -- checkpoints and aliases -------------------------------------------------
     def checkpoint(self, checkpoint_id: int) -> CheckpointRef | None:
         with self.registry.session() as s:
-            c = s.get(Checkpoint, checkpoint_id)
-            return _ref(s, c) if c else None
+            row = s.execute(_with_location(s).where(Checkpoint.id == checkpoint_id)).one_or_none()
+            return _ref(s, row[0], row[1]) if row else None
 
     def checkpoint_by_version(self, version: str) -> CheckpointRef | None:
         with self.registry.session() as s:
@@ -110,8 +134,9 @@ class Journal:
 
     def alias(self, name: str) -> CheckpointRef | None:
         with self.registry.session() as s:
-            a = hosts.alias_row(s, name)
-            return _ref(s, a.checkpoint) if a else None
+            row = s.execute(_with_location(s).join(Alias, Alias.checkpoint_id == Checkpoint.id)
+                            .where(Alias.host == hosts.host_of(s), Alias.name == name)).one_or_none()  # fmt: skip
+            return _ref(s, row[0], row[1]) if row else None
 
     @deferrable
     def set_alias(self, name: str, checkpoint_id: int | None) -> None:

@@ -1,0 +1,45 @@
+"""`Journal.alias` and `Journal.checkpoint` read the checkpoint and this host's copy of it in one
+statement (issue 28: a fleet agent reads them on every host every poll_s), and still give this
+host's path only: another host's copy is never this host's."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from sqlalchemy import event
+from support_fleet import seed_versions
+
+from daemon.registry import Registry, hosts
+from daemon.registry.journal import Journal
+from daemon.registry.status import CheckpointStatus
+
+
+def test_one_statement_each_and_this_hosts_copy_only(db_url: str, tmp_path: Path) -> None:
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    ids = seed_versions(
+        ra, tmp_path / "a", {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.VERIFIED}
+    )
+    ja, jb = Journal(ra), Journal(rb)
+    ja.set_alias("serving", ids["v0"])
+    jb.set_alias("serving", ids["v1"])
+    with rb.session() as s:
+        hosts.set_location(s, ids["v1"], str(tmp_path / "b" / "v1"))
+    sent: list[str] = []
+    event.listen(rb.engine, "before_cursor_execute", lambda _c, _cur, sql, *_a: sent.append(sql))
+    serving, v0, missing = jb.alias("serving"), jb.checkpoint(ids["v0"]), jb.checkpoint(10_000)
+    assert len(sent) == 3, sent
+    assert (
+        serving is not None and serving.version == "v1" and serving.local_path == str(tmp_path / "b" / "v1")
+    )
+    assert v0 is not None and v0.version == "v0" and v0.local_path is None  # host a's copy is not b's
+    assert missing is None and jb.alias("pinned") is None
+    a_serving = ja.alias("serving")
+    assert (
+        a_serving is not None
+        and a_serving.version == "v0"
+        and a_serving.local_path == str(tmp_path / "a" / "v0")
+    )
+    assert a_serving.status is CheckpointStatus.DEPLOYED and a_serving.verified and a_serving.step == 0
+    ra.close()
+    rb.close()
