@@ -33,11 +33,11 @@ QUERIES: tuple[tuple[str, str], ...] = (
     ("version_history newest 10 (docs)", "SELECT version, status, status_message, discovered_at, verified_at "
                                          "FROM version_history ORDER BY checkpoint_id DESC LIMIT 10"),
     ("version_history newest 20, every column", "SELECT * FROM version_history ORDER BY checkpoint_id DESC LIMIT 20"),
-    ("version_history WHERE status = 'rejected' (docs)",
+    ("version_history WHERE status = 'rejected', every row (not a docs query since 2026-12-03)",
      "SELECT version, status_message FROM version_history WHERE status = 'rejected'"),
     ("version_history WHERE status = 'rejected' newest 20 (docs)",
      "SELECT version, status_message FROM version_history WHERE status = 'rejected' ORDER BY checkpoint_id DESC LIMIT 20"),
-    ("count(*) version_history WHERE status = 'rejected'",
+    ("count(*) version_history WHERE status = 'rejected' (docs)",
      "SELECT count(*) FROM version_history WHERE status = 'rejected'"),
     ("version_history WHERE version = :v", "SELECT * FROM version_history WHERE version = :v"),
     ("version_history WHERE status = 'verified' (waiting)", "SELECT * FROM version_history WHERE status = 'verified'"),

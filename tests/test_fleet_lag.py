@@ -4,11 +4,12 @@ view's target is the daemon's (`fleet_target`), an operator's older one too."""
 
 from __future__ import annotations
 
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import pytest
-from sqlalchemy import text
+from sqlalchemy import insert, text
 from support_fleet import seed_versions
 
 from daemon.fleet.behind import is_behind
@@ -89,4 +90,26 @@ def test_status_fleet_cuts_long_names_never_state_or_lag(
     rows = [ln for ln in lines if ln.startswith("│ gpu-node-")]
     assert len(rows) == 2 and "│ in sync │   0 │" in rows[0] and "│ behind  │   1 │" in rows[1], "\n".join(lines)
     other.close()
+    reg.close()
+
+
+def test_lag_is_counted_up_to_the_cap(db_url: str) -> None:
+    """Migration 0015: a host far behind (here: serving nothing, 1,200 good versions up to the
+    target) reads lag 1,000, not every good version of the history; one a few behind, the exact count."""
+    reg = Registry(db_url, "near")
+    reg.upgrade()
+    now = datetime.now(UTC)
+    rows = [{"version": f"v{i}", "source": "local:/x", "uri": f"file:///x/v{i}", "step": i, "status": "retired",
+             "verified_at": now, "last_good_at": now} for i in range(1200)]  # fmt: skip
+    with reg.session() as s:
+        s.execute(insert(Checkpoint), rows)
+    j = Journal(reg)
+    ids = {r.version: r.id for r in (j.checkpoint_by_version(v) for v in ("v1196", "v1199")) if r}
+    j.set_alias("serving", ids["v1196"])
+    empty = Registry(db_url, "empty")
+    Journal(empty).register_workers([("w0", "builtin", "http://x", "cpu")])
+    empty.close()
+    with reg.engine.connect() as c:
+        lag = dict(c.execute(text("SELECT host, lag FROM fleet_versions")).all())  # type: ignore[arg-type]
+    assert lag == {"near": 3, "empty": 1000}, lag
     reg.close()
