@@ -112,6 +112,8 @@ class FleetAgent:
         self._attempt: why.Attempt | None = None  # the last converge asked for, and its Future
         self.behind: why.Behind | None = None  # why this host is not on the fleet target (last tick)
         self._recorded: object = ()  # what fleet_host_reasons holds for this host (() = not written yet)
+        self._plan: stages.HostStage | None = None  # the staged rollout as this tick read it
+        self._plan_read = False  # outside a tick: read it when asked
 
     def wanted(self) -> tuple[CheckpointRef, bool] | None:
         """What this host should do now: (version, True) converge to the fleet target, (version,
@@ -137,7 +139,7 @@ class FleetAgent:
         target = fleet_target(self.journal)
         if target is not None and target.explicit:
             return target, None  # an operator's target holds the fleet, stages or not
-        plan = stages.for_host(self.journal, self.journal.registry.host)
+        plan = self._plan if self._plan_read else stages.for_host(self.journal, self.journal.registry.host)
         if plan is None:
             return target, None
         if plan.state in stages.ACTIVE and plan.version.status != CheckpointStatus.REJECTED:
@@ -183,16 +185,21 @@ class FleetAgent:
     def tick(self) -> str | None:
         """One look: converge (or deploy) when wanted, then note why this host is behind, if it
         is. The version asked for, if any."""
-        if self.settings.stages or stages.for_host(self.journal, self.journal.registry.host) is not None:
-            try:
-                stages.step(self.journal)
-            except Exception as exc:  # noqa: BLE001 - a database blip: the next tick (here or elsewhere) decides
-                log.warning("fleet_stage_step_failed", error=str(exc))
-        asked = self._act() if self.idle() else None
         try:
-            self.observe()
-        except Exception as exc:  # noqa: BLE001 - a database blip: the next tick looks again
-            log.warning("fleet_observe_failed", error=str(exc))
+            # one read of the staged rollout per tick (none in progress: that one query is all it costs)
+            self._plan, self._plan_read = stages.for_host(self.journal, self.journal.registry.host), True
+            if self._plan is not None and self._plan.state in stages.ACTIVE and stages.step(self.journal):
+                self._plan = stages.for_host(self.journal, self.journal.registry.host)  # it moved: read again
+        except Exception as exc:  # noqa: BLE001 - a database blip: the next tick (here or elsewhere) decides
+            log.warning("fleet_stage_step_failed", error=str(exc))
+        try:
+            asked = self._act() if self.idle() else None
+            try:
+                self.observe()
+            except Exception as exc:  # noqa: BLE001 - a database blip: the next tick looks again
+                log.warning("fleet_observe_failed", error=str(exc))
+        finally:
+            self._plan, self._plan_read = None, False
         return asked
 
     def observe(self) -> why.Behind | None:
