@@ -93,3 +93,24 @@ def test_without_fleet_mode_or_with_both_arguments_it_is_refused_in_one_line(
     err = capsys.readouterr().err
     assert "[fleet] enabled is false" in err and "hotswap pin VERSION" in err and err.count("\n") == 1
     assert target(reg) == ("v0", False)  # nothing written
+
+
+def test_fleet_rollout_without_a_staged_rollout_says_so_and_steering_it_is_refused(
+    fleet: tuple[Path, Registry], tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    config, reg = fleet
+    assert main(["fleet", "rollout", "-c", str(config)]) == 0
+    assert "no staged fleet rollout yet" in capsys.readouterr().out
+    for action in ("pause", "resume", "abort"):  # nothing in progress: refused in one line, nothing written
+        assert main(["fleet", "rollout", action, "-c", str(config)]) == 1
+        err = capsys.readouterr().err
+        assert "no staged fleet rollout in progress" in err and err.count("\n") == 1, err
+    assert main(["fleet", "rollout", "--json", "-c", str(config)]) == 0
+    assert json.loads(capsys.readouterr().out) is None
+    single = make_config_file(tmp_path / "single.toml", database={"url": str(reg.engine.url.render_as_string(False))},
+                              daemon={"state_dir": str(tmp_path / "state")})  # fmt: skip
+    assert main(["fleet", "rollout", "pause", "-c", str(single)]) == 2
+    assert "[fleet] enabled is false" in capsys.readouterr().err
+    with pytest.raises(SystemExit):  # argparse: an unknown action names the choices
+        main(["fleet", "rollout", "halt", "-c", str(config)])
+    assert "invalid choice: 'halt'" in capsys.readouterr().err
