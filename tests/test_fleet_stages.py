@@ -16,6 +16,7 @@ from support_fleet import seed_versions
 from daemon.fleet import stages
 from daemon.fleet.agent import FleetAgent
 from daemon.fleet.settings import FleetSettings, StageSpec
+from daemon.fleet.target import fleet_rows
 from daemon.registry import Registry, hosts
 from daemon.registry.journal import Journal
 from daemon.registry.models import utcnow
@@ -32,6 +33,7 @@ class Fleet:
         self.j = {h: Journal(r) for h, r in self.regs.items()}
         for h, j in self.j.items():
             j.register_workers([("w0", "builtin", f"http://{h}", "cpu")])
+            j.observe("w0", state="RUNNING", weight_version="v0", error=None, device="cpu")
         self.ids = seed_versions(
             self.regs["host-0"], root, {"v0": C.DEPLOYED, "v1": C.VERIFIED, "v2": C.VERIFIED}
         )
@@ -79,6 +81,9 @@ def test_a_staged_rollout_admits_one_stage_at_a_time_and_bakes(fleet: Fleet) -> 
     fleet.on("host-2", "v1")  # passed: v1 is now the newest good version, and still only host-2 has it
     assert stages.step(j["host-1"]) == ["fleet_stage_ready"]
     assert [fleet.wants(h) for h in HOSTS] == [None, None, None, None]
+    # `hotswap status --fleet`: v1 is the newest good version; the hosts not admitted are held, not behind
+    rows = {r["host"]: r["state"] for r in fleet_rows(fleet.regs["host-0"])["hosts"]}
+    assert rows == {"host-0": "held", "host-1": "held", "host-2": "in sync", "host-3": "held"}, rows
     assert stages.step(j["host-1"], utcnow() + timedelta(seconds=10)) == []  # baking (30 s)
     assert stages.step(j["host-3"], utcnow() + timedelta(seconds=31)) == [
         "fleet_stage_advanced",

@@ -336,7 +336,7 @@ _FLEET_COLUMNS = (("host", "host", 16), ("serving", "serving", 16), ("last_good"
                   ("updating_to", "updating to", 14))  # fmt: skip
 _FLEET_NAMES = ("host", "serving", "last_good", "updating_to")  # cut first when 80 columns are too few
 _FLEET_STYLES = {"in sync": "green", "updating": "yellow", "behind": "red", "degraded": "red", "pinned": "cyan",
-                 "silent": "red", "ahead": "yellow"}  # fmt: skip
+                 "silent": "red", "ahead": "yellow", "held": "cyan"}  # fmt: skip
 
 
 def fleet_status(reg: Any, as_json: bool) -> int:

@@ -102,6 +102,19 @@ def for_host(journal: Journal, host: str) -> HostStage | None:
     return HostStage(rid, version, previous, state, stage, n, admitted)
 
 
+def held_back(registry: Registry) -> tuple[str, set[str]] | None:
+    """The staged rollout in progress: its version and the hosts admitted so far (the others are
+    held on the previous version by design, not behind); None when none is in progress."""
+    with registry.session() as s:
+        r = s.scalars(select(FleetRollout).where(FleetRollout.state.in_(ACTIVE))
+                      .order_by(FleetRollout.id.desc()).limit(1)).first()  # fmt: skip
+        if r is None:
+            return None
+        ckpt = s.get(Checkpoint, r.checkpoint_id)
+        hosts = set(s.scalars(select(FleetRolloutHost.host).where(FleetRolloutHost.rollout_id == r.id)))
+        return (ckpt.version if ckpt else "", hosts)
+
+
 def admitted(
     journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, previous: CheckpointRef | None
 ) -> bool:

@@ -9,7 +9,7 @@
   counts as older than any with one), then by arrival.
 - `fleet_rows`: every host's serving version, state, lag and why it is behind (`hotswap status
   --fleet`), from the SQL view `fleet_versions` (which computes the same target, and the lag
-  towards it) plus the lease holders now.
+  towards it) plus the lease holders now; a host a staged rollout has not admitted yet is `held`.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from sqlalchemy import ColumnElement, and_, or_, select, text
 from sqlalchemy.orm import Session
 
 from daemon.fleet.lease import holders
+from daemon.fleet.stages import held_back
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import GOOD_WHERE, Alias, Checkpoint, FleetTarget, utcnow
@@ -113,6 +114,7 @@ def fleet_rows(registry: Registry) -> dict[str, Any]:
     with registry.session() as s:  # with target, lag and why each host is behind (daemon.fleet.behind)
         rows = [dict(r) for r in s.execute(text("SELECT * FROM fleet_versions ORDER BY host")).mappings()]
     busy = {h["host"]: h for h in holders(registry)}
+    staged = held_back(registry)
     for r in rows:
         if isinstance(r["behind_since"], datetime):  # SQLite: text already
             r["behind_since"] = r["behind_since"].isoformat()
@@ -121,6 +123,8 @@ def fleet_rows(registry: Registry) -> dict[str, Any]:
         if isinstance(r["last_seen"], str):  # SQLite hands the view's timestamps back as text
             r["last_seen"] = datetime.fromisoformat(r["last_seen"])
         r["state"] = _state(r, held is not None, bool(target and target.explicit))
+        if staged is not None and r["state"] == "behind" and r["target"] == staged[0] and r["host"] not in staged[1]:
+            r["state"] = "held"  # a staged rollout keeps it on the previous version until its stage comes
         r["last_seen"] = r["last_seen"].isoformat() if isinstance(r["last_seen"], datetime) else r["last_seen"]
     return {"host": registry.host, "target": target.checkpoint.version if target else None,
             "target_explicit": bool(target and target.explicit), "hosts": rows}  # fmt: skip
