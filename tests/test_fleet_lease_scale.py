@@ -41,6 +41,13 @@ def statements(reg: Registry) -> list[str]:
     return seen
 
 
+def full(url: str, bound: int) -> list[FleetLeases]:
+    """Every slot of a bound held (by hosts `holder-<slot>`)."""
+    holders = [leases(url, f"holder-{i}", max_updating_hosts=bound) for i in range(bound)]
+    assert [h.try_acquire("v1") for h in holders] == list(range(bound))
+    return holders
+
+
 def test_the_slot_rows_are_written_once_not_on_every_attempt(pg_url: str) -> None:
     holder, waiter = (
         leases(pg_url, "host-a", max_updating_hosts=2),
@@ -59,9 +66,13 @@ def test_the_slot_rows_are_written_once_not_on_every_attempt(pg_url: str) -> Non
 
 
 def test_a_waiting_host_backs_off_to_its_poll_s_and_still_stops_promptly(pg_url: str) -> None:
-    holder = leases(pg_url, "host-a", poll_s=2.0)
-    waiter = leases(pg_url, "host-b", poll_s=2.0)
-    assert holder.try_acquire("v1") == 0
+    assert leases(pg_url, "one-slot", poll_s=2.0).wait_cap_s == 0.5  # one slot: few waiters, it keeps asking
+    assert leases(pg_url, "fifty", poll_s=5.0, max_updating_hosts=50).wait_cap_s == 5.0  # never beyond poll_s
+    full(pg_url, 4)
+    waiter = leases(
+        pg_url, "host-b", poll_s=2.0, max_updating_hosts=4
+    )  # the bound of 4 lets it back off to 2 s
+    assert waiter.wait_cap_s == 2.0
     attempts: list[float] = []
     real = waiter.try_acquire
 
@@ -88,9 +99,8 @@ def test_a_waiting_host_backs_off_to_its_poll_s_and_still_stops_promptly(pg_url:
 
 def test_a_freed_slot_is_taken_by_one_of_many_backed_off_waiters_quickly(pg_url: str) -> None:
     """Many waiters at poll_s each: together they still look often, so the handoff stays short."""
-    holder = leases(pg_url, "host-a", poll_s=2.0)
-    assert holder.try_acquire("v1") == 0
-    waiters = [leases(pg_url, f"wait-{i}", poll_s=2.0) for i in range(12)]
+    holder = full(pg_url, 4)[0]
+    waiters = [leases(pg_url, f"wait-{i}", poll_s=2.0, max_updating_hosts=4) for i in range(12)]
     stop = threading.Event()
     taken: list[tuple[float, str]] = []
 

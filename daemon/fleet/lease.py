@@ -8,9 +8,10 @@ clears the row. A daemon that dies holding a slot stops renewing: the slot is fr
 its expiry passes, so a SIGKILL costs the fleet at most `lease_s`.
 
 A host waiting for a slot asks again after `WAIT_POLL_S`, then twice as long each time (with
-jitter) up to its `poll_s`: a thousand waiting hosts would otherwise send 2,000 transactions a
-second, and with many waiters a freed slot is still taken within a fraction of a second (one of
-them asks every poll_s / waiters on average). The slot rows are written once per process (and
+jitter) up to `WAIT_POLL_S` x the bound, and never less often than every `poll_s`: a thousand
+waiting hosts would otherwise send 2,000 transactions a second. With W waiters a freed slot is
+taken after about cap / W; at the end of a rollout, when about `bound` hosts still wait, that is
+WAIT_POLL_S at worst, as before (a small bound keeps the short interval: few slots, few waiters). The slot rows are written once per process (and
 again when the bound grows), not on every attempt.
 
 Every acquisition and release is also an event (`fleet_lease_acquired` / `_released`, detail
@@ -37,7 +38,7 @@ from daemon.registry.models import FleetLease
 from daemon.registry.queries import record_event
 
 log = get_logger(__name__)
-WAIT_POLL_S = 0.5  # a waiting host's first ask again; then doubling, up to its poll_s
+WAIT_POLL_S = 0.5  # a waiting host's first ask again; then doubling (FleetLeases.wait_cap_s)
 STOP_CHECK_S = 0.5  # a waiting host notices its daemon stopping within this
 
 
@@ -155,8 +156,13 @@ class FleetLeases:
                 logged = True
             if self._wait(self._jitter.uniform(0.5, 1.0) * delay, stop):
                 break
-            delay = min(max(WAIT_POLL_S, self.settings.poll_s), delay * 2)
+            delay = min(self.wait_cap_s, delay * 2)
         return None
+
+    @property
+    def wait_cap_s(self) -> float:
+        """The longest a waiting host goes without asking again (see the module docstring)."""
+        return max(WAIT_POLL_S, min(self.settings.poll_s, WAIT_POLL_S * self.settings.max_updating_hosts))
 
     @staticmethod
     def _wait(seconds: float, stop: Callable[[], bool]) -> bool:
