@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 from conftest import POSTGRES_ENV, _postgres_database
-from sqlalchemy import event
+from sqlalchemy import event, text
 
 from daemon.fleet import lease as lease_module
 from daemon.fleet.lease import FleetLeases
@@ -119,3 +119,13 @@ def test_a_freed_slot_is_taken_by_one_of_many_backed_off_waiters_quickly(pg_url:
         t.join(10)
     assert len(taken) == 1, taken
     assert taken[0][0] - freed < 1.5, taken[0][0] - freed  # 12 waiters at 1-2 s: one asks every ~0.12 s
+
+
+def test_a_new_wait_writes_the_rows_again_if_they_are_gone(pg_url: str) -> None:
+    host = leases(pg_url, "host-a")
+    assert host.try_acquire("v1") == 0
+    host.release()
+    with host.registry.session() as s:  # emptied under the running daemon (an operator, a restore)
+        s.execute(text("DELETE FROM fleet_leases"))
+    assert host.try_acquire("v1") is None  # the same wait: rows known, none found
+    assert host.acquire("v1", None, lambda: False) == 0  # a new wait writes them first

@@ -11,8 +11,9 @@ A host waiting for a slot asks again after `WAIT_POLL_S`, then twice as long eac
 jitter) up to `WAIT_POLL_S` x the bound, and never less often than every `poll_s`: a thousand
 waiting hosts would otherwise send 2,000 transactions a second. With W waiters a freed slot is
 taken after about cap / W; at the end of a rollout, when about `bound` hosts still wait, that is
-WAIT_POLL_S at worst, as before (a small bound keeps the short interval: few slots, few waiters). The slot rows are written once per process (and
-again when the bound grows), not on every attempt.
+WAIT_POLL_S at worst, as before (a small bound keeps the short interval: few slots, few
+waiters). The slot rows are written at the first attempt of each wait (and when the bound
+grows), not on every attempt.
 
 Every acquisition and release is also an event (`fleet_lease_acquired` / `_released`, detail
 with the slot and host), so when each host updated is in `events`.
@@ -57,7 +58,7 @@ class FleetLeases:
         self._slot: int | None = None
         self._depth = 0  # nested holds (crash recovery that runs a rollout) share one slot
         self._lost = False
-        self._slots_made = 0  # slot rows known to exist (written once, not on every attempt)
+        self._slots_made = 0  # slot rows known to exist (written once a wait, not on every attempt)
         self._jitter = random.Random()
 
     @property
@@ -81,7 +82,7 @@ class FleetLeases:
                 return self._slot
         n = self.settings.max_updating_hosts
         with self.registry.session() as s:
-            if self._slots_made < n:  # rows are never deleted: once per process, or when the bound grows
+            if self._slots_made < n:  # first attempt of a wait, or the bound grew
                 s.execute(pg_insert(FleetLease).values([{"slot": i} for i in range(n)]).on_conflict_do_nothing())
                 s.flush()
             slot = s.scalar(
@@ -146,6 +147,7 @@ class FleetLeases:
         """Wait for a slot (the workers keep serving meanwhile); None when `stop()` turns true."""
         logged = False
         delay = WAIT_POLL_S
+        self._slots_made = 0  # once per wait: a table emptied under a running daemon gets its rows back
         while not stop():
             slot = self.try_acquire(version, checkpoint_id)
             if slot is not None:
