@@ -125,3 +125,47 @@ def test_clearing_an_older_target_brings_the_fleet_back_to_the_newest_good_versi
     assert wanted is not None and (wanted[0].version, wanted[1]) == ("v2", True), wanted
     ra.close()
     rb.close()
+
+
+def test_an_in_sync_host_looks_with_one_statement_until_something_changes(db_url: str, tmp_path: Path) -> None:
+    """`FleetAgent.tick` on a host in sync: one statement (`fleet_mark`) while nothing it depends
+    on changes; a newer good version elsewhere, or a pin here, brings back the full look."""
+    from sqlalchemy import event
+
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    ids = seed_versions(ra, tmp_path / "a", {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.DEPLOYED})
+    ja, jb = Journal(ra), Journal(rb)
+    for j in (ja, jb):
+        j.set_alias("serving", ids["v0"])
+        j.set_alias("last_good", ids["v0"])
+    for v in ("v0", "v1"):
+        (tmp_path / "b" / v).mkdir(parents=True)
+        with rb.session() as s:
+            hosts.set_location(s, ids[v], str(tmp_path / "b" / v))
+    asked: list[str] = []
+    pinned: list[str | None] = [None]
+    agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: pinned[0],
+                       converge=asked.append, submit=lambda i: None)  # fmt: skip
+    statements: list[str] = []
+    event.listen(rb.engine, "before_cursor_execute", lambda *a: statements.append(a[2]))
+    assert agent.tick() is None and len(statements) > 3  # the first look is a full one
+    for _ in range(3):
+        statements.clear()
+        assert agent.tick() is None
+        assert len(statements) == 1, statements  # in sync, nothing changed: the mark alone
+    ja.set_alias("serving", ids["v1"])
+    ja.set_alias("last_good", ids["v1"])  # host a passed v1's health window: the newest good version
+    assert agent.tick() == "v1" and asked == ["v1"]
+    jb.set_alias("serving", ids["v1"])
+    jb.set_alias("last_good", ids["v1"])
+    agent.tick()  # in sync again
+    statements.clear()
+    agent.tick()
+    assert len(statements) == 1
+    pinned[0] = "v1"  # an operator's pin here is part of what it depends on: a full look
+    statements.clear()
+    agent.tick()
+    assert len(statements) > 1
+    ra.close()
+    rb.close()

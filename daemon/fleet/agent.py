@@ -32,13 +32,14 @@ from daemon.fleet import behind as why
 from daemon.fleet import stages
 from daemon.fleet.lease import FleetLeases, holders
 from daemon.fleet.settings import FleetSettings
-from daemon.fleet.target import Target, fleet_target
+from daemon.fleet.target import Target, fleet_mark, fleet_target
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
 from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.planner import newer, newest
 
 log = get_logger(__name__)
+FULL_LOOK_S = 300.0  # a host in sync with nothing changed still looks in full this often
 RETRY_S = 30.0  # a converge that did not reach the target is tried again after this long
 
 
@@ -114,6 +115,9 @@ class FleetAgent:
         self._recorded: object = ()  # what fleet_host_reasons holds for this host (() = not written yet)
         self._plan: stages.HostStage | None = None  # the staged rollout as this tick read it
         self._plan_read = False  # outside a tick: read it when asked
+        self._quiet: tuple[Any, ...] | None = None  # fleet_mark at the last look that found this host in sync
+        self._looked = -FULL_LOOK_S  # time.monotonic() of the last full look
+        self._staging = False  # a staged rollout was in progress at the last look
 
     def wanted(self) -> tuple[CheckpointRef, bool] | None:
         """What this host should do now: (version, True) converge to the fleet target, (version,
@@ -184,10 +188,31 @@ class FleetAgent:
 
     def tick(self) -> str | None:
         """One look: converge (or deploy) when wanted, then note why this host is behind, if it
-        is. The version asked for, if any."""
+        is. The version asked for, if any. A host that was in sync at its last look, with nothing
+        it depends on changed since (`fleet_mark`: one statement), has nothing to decide; it looks
+        in full at least every FULL_LOOK_S all the same."""
+        mark = self._mark()
+        if mark is not None and mark == self._quiet and time.monotonic() - self._looked < FULL_LOOK_S:
+            return None
+        self._looked = time.monotonic()
+        asked = self._look()
+        quiet = (asked is None and self.behind is None and not self._staging
+                 and not (self._attempt is not None and self._attempt.running()))  # fmt: skip
+        self._quiet = mark if quiet and self.pinned() is None else None
+        return asked
+
+    def _mark(self) -> tuple[Any, ...] | None:
+        try:
+            return (self.pinned(), self.idle(), *fleet_mark(self.journal.registry))
+        except Exception as exc:  # noqa: BLE001 - a database blip: a full look says what is wrong
+            log.warning("fleet_mark_failed", error=str(exc))
+            return None
+
+    def _look(self) -> str | None:
         try:
             # one read of the staged rollout per tick (none in progress: that one query is all it costs)
             self._plan, self._plan_read = stages.for_host(self.journal, self.journal.registry.host), True
+            self._staging = self._plan is not None and self._plan.state in stages.ACTIVE  # its passes go on each tick
             if self._plan is not None and self._plan.state in stages.ACTIVE and stages.step(self.journal):
                 self._plan = stages.for_host(self.journal, self.journal.registry.host)  # it moved: read again
         except Exception as exc:  # noqa: BLE001 - a database blip: the next tick (here or elsewhere) decides

@@ -18,14 +18,14 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
-from sqlalchemy import ColumnElement, and_, or_, select, text
+from sqlalchemy import ColumnElement, and_, func, or_, select, text
 from sqlalchemy.orm import Session
 
 from daemon.fleet.lease import holders
 from daemon.fleet.stages import held_back
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import GOOD_WHERE, Alias, Checkpoint, FleetTarget, utcnow
+from daemon.registry.models import GOOD_WHERE, Alias, Checkpoint, FleetRollout, FleetTarget, utcnow
 from daemon.registry.status import DEPLOYABLE, CheckpointStatus
 
 SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: the host is "silent"
@@ -81,6 +81,28 @@ def newest_good(s: Session) -> int | None:
     ]  # fmt: skip
     best = max(found, key=lambda r: (r.step is not None, r.step or 0, r.id), default=None)
     return None if best is None else int(best.id)
+
+
+def fleet_mark(registry: Registry) -> tuple[Any, ...]:
+    """One statement: everything in the registry a fleet agent's decision for this host rests on
+    (the explicit target, the newest good versions, any host's last_good moving, this host's
+    serving version, the newest waiting version, the newest staged rollout's state). Unchanged,
+    and this host was in sync at the last look: nothing to decide (FleetAgent.tick)."""
+    c, a, r = Checkpoint, Alias, FleetRollout
+    newest = select(c.id).where(text(GOOD_WHERE))
+    marks = [
+        newest.where(c.step.is_not(None)).order_by(c.step.desc(), c.id.desc()).limit(1),  # ix_checkpoints_good
+        newest.where(c.step.is_(None)).order_by(c.id.desc()).limit(1),
+        select(func.max(a.updated_at)).where(a.name == "last_good"),  # an older daemon's alias-only good version
+        select(FleetTarget.checkpoint_id).where(FleetTarget.id == 1),
+        select(FleetTarget.set_at).where(FleetTarget.id == 1),
+        select(a.checkpoint_id).where(a.host == registry.host, a.name == "serving"),
+        select(func.max(c.id)).where(c.status.in_([st.value for st in (CheckpointStatus.VERIFIED, CheckpointStatus.STAGED)])),
+        select(r.id).order_by(r.id.desc()).limit(1),
+        select(r.updated_at).order_by(r.id.desc()).limit(1),
+    ]  # fmt: skip
+    with registry.session() as s:
+        return tuple(s.execute(select(*(m.scalar_subquery() for m in marks))).one())
 
 
 def set_fleet_target(registry: Registry, version: str | None, by: str) -> None:
