@@ -3,7 +3,7 @@ fleet-wide lease bound, through PgBouncer in transaction mode or directly.
 
     python -m bench.fleet_sim [--hosts 100 300 1000] [--modes pgbouncer direct] [--bound-pct 5]
         [--update-s 2] [--poll-s 5] [--lease-s 10] [--pool-size 40] [--direct-max-hosts 20]
-        [--steady-polls 2] [--no-kill] [--pg-server postgresql+psycopg://postgres@127.0.0.1:5432]
+        [--steady-polls 2] [--no-kill] [--staged-canary-fails] [--pg-server postgresql+psycopg://postgres@127.0.0.1:5432]
         [--out FILE.json]
 
 Each host (bench/fleet_sim_host.py) is the real `FleetAgent`, `FleetLeases` and registry code with
@@ -51,6 +51,8 @@ from bench.fleet_sim_pg import (
     seed_fleet,
     window,
 )
+from bench.fleet_sim_staged import staged_canary_fails
+from bench.fleet_sim_staged import table as staged_table
 from daemon.common.logging import configure_logging
 from daemon.fleet.settings import FleetSettings
 
@@ -225,16 +227,10 @@ def main() -> int:
     p.add_argument("--steady-polls", type=float, default=2.0)
     p.add_argument("--no-kill", action="store_true")
     p.add_argument("--staged-canary-fails", action="store_true",
-                   help="not yet: waits for staged rollouts (daemon.fleet.stages)")  # fmt: skip
+                   help="instead: a staged rollout whose canary fails (bench/fleet_sim_staged.py)")  # fmt: skip
     p.add_argument("--pg-server", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if args.staged_canary_fails:
-        print(
-            "--staged-canary-fails: waits for staged rollouts (daemon.fleet.stages), not measured yet",
-            file=sys.stderr,
-        )
-        return 2
     configure_logging(level="warning")  # 1,000 hosts' info lines would cost more CPU than their SQL
     t0 = time.time()
 
@@ -245,6 +241,16 @@ def main() -> int:
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                            "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
                            "runs": []}  # fmt: skip
+    if args.staged_canary_fails:
+        doc["staged"] = []
+        for n in args.hosts:
+            doc["staged"].append(staged_canary_fails(n, args, log))
+            if args.out:
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(doc, indent=2))
+        print()
+        print(staged_table(doc["staged"]))
+        return 0
     done: set[tuple[str, int]] = set()
     for n in args.hosts:
         for mode in args.modes:

@@ -30,6 +30,7 @@ from daemon.fleet.settings import FleetSettings
 from daemon.registry import Registry
 from daemon.registry.journal import Journal
 from daemon.registry.models import RolloutOutcome, RolloutTrigger
+from daemon.registry.status import CheckpointStatus
 
 
 @dataclass
@@ -124,6 +125,7 @@ class SimHost:
         self.stop_all = stop_all
         self.dead = threading.Event()  # SIGKILLed: no more ticks, renewals or releases
         self._job: Future[dict[str, Any]] | None = None
+        self.bad: set[str] = set()  # versions whose health window fails here (bench/fleet_sim_staged.py)
         self.submits = 0  # the agent asked to deploy a verified version nobody finished (not expected here)
         self.thread: threading.Thread | None = None
 
@@ -174,8 +176,16 @@ class SimHost:
                 self._die(slot)  # mid-update: never returns
             if self.stop_all.wait(self.update_s):
                 return {"outcome": "superseded"}
+            previous = self.journal.alias("serving")
             self.journal.set_alias("serving", ckpt.id)
-            self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED)
+            if version in self.bad and previous is not None:  # its health window fails: rejected, rolled back
+                self.journal.move_status(ckpt.id, CheckpointStatus.DEPLOYED, "serving on every worker (simulated)")
+                self.journal.move_status(ckpt.id, CheckpointStatus.REJECTED,
+                                         f"rolled back to {previous.version} after deploy: simulated health window")  # fmt: skip
+                self.journal.set_alias("serving", previous.id)
+                self.journal.finish_rollout(rid, RolloutOutcome.ROLLED_BACK)
+            else:
+                self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED)
         self.ledger.releasing(self.name, slot)
         self.leases.release(ckpt.id)
         self.ledger.done(self.name, version)

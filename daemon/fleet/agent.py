@@ -39,6 +39,7 @@ from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.planner import newer, newest
 
 log = get_logger(__name__)
+SETTLED = frozenset({"updating", "waiting", "converging", "busy"})  # behind, and nothing to do but wait
 FULL_LOOK_S = 300.0  # a host in sync with nothing changed still looks in full this often
 RETRY_S = 30.0  # a converge that did not reach the target is tried again after this long
 
@@ -188,22 +189,26 @@ class FleetAgent:
 
     def tick(self) -> str | None:
         """One look: converge (or deploy) when wanted, then note why this host is behind, if it
-        is. The version asked for, if any. A host that was in sync at its last look, with nothing
-        it depends on changed since (`fleet_mark`: one statement), has nothing to decide; it looks
-        in full at least every FULL_LOOK_S all the same."""
+        is. The version asked for, if any. A host that was in sync at its last look, or already on
+        its way (SETTLED), with nothing it depends on changed since (`fleet_mark`: one statement,
+        and its converge still running or not), has nothing to decide; it looks in full at least
+        every FULL_LOOK_S all the same."""
         mark = self._mark()
         if mark is not None and mark == self._quiet and time.monotonic() - self._looked < FULL_LOOK_S:
             return None
         self._looked = time.monotonic()
         asked = self._look()
-        quiet = (asked is None and self.behind is None and not self._staging
-                 and not (self._attempt is not None and self._attempt.running()))  # fmt: skip
-        self._quiet = mark if quiet and self.pinned() is None else None
+        # in sync, or moving already (its converge waits for a slot, runs, or waits behind another job):
+        # nothing to decide until something in the mark changes (the converge ending changes it)
+        settled = self.behind is None or self.behind.cause in SETTLED
+        quiet = asked is None and settled and not self._staging and self.pinned() is None
+        self._quiet = mark if quiet else None
         return asked
 
     def _mark(self) -> tuple[Any, ...] | None:
         try:
-            return (self.pinned(), self.idle(), *fleet_mark(self.journal.registry))
+            running = self._attempt is not None and self._attempt.running()
+            return (self.pinned(), self.idle(), running, *fleet_mark(self.journal.registry))
         except Exception as exc:  # noqa: BLE001 - a database blip: a full look says what is wrong
             log.warning("fleet_mark_failed", error=str(exc))
             return None

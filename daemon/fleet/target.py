@@ -101,8 +101,9 @@ def fleet_mark(registry: Registry) -> tuple[Any, ...]:
         select(r.id).order_by(r.id.desc()).limit(1),
         select(r.updated_at).order_by(r.id.desc()).limit(1),
     ]  # fmt: skip
-    with registry.session() as s:
-        return tuple(s.execute(select(*(m.scalar_subquery() for m in marks))).one())
+    # autocommit: one statement on the wire, no BEGIN / COMMIT around it (what a pooler counts too)
+    with registry.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
+        return tuple(conn.execute(select(*(m.scalar_subquery() for m in marks))).one())
 
 
 def set_fleet_target(registry: Registry, version: str | None, by: str) -> None:
