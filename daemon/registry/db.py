@@ -116,7 +116,20 @@ def make_engine(url: str) -> Engine:
         engine = create_engine(parsed.set(query=query), pool_use_lifo=True,
                                connect_args={PREPARE_THRESHOLD: prepare_threshold(threshold, url)})  # fmt: skip
     ping_when_idle(engine)
+    event.listen(engine, "connect", _postgres_session)
     return engine
+
+
+def _postgres_session(dbapi_conn: Any, _record: Any) -> None:
+    """JIT off for this session: the registry's statements are short lookups, and PostgreSQL's JIT
+    (on once a plan's estimated cost passes `jit_above_cost`, as `fleet_versions`' does) spent ~80 ms
+    compiling a 2 ms query at 1,000,000 versions (bench/RESULTS.md, "Registry at scale")."""
+    autocommit = dbapi_conn.autocommit
+    dbapi_conn.autocommit = True  # its own statement, no transaction left open
+    try:
+        dbapi_conn.execute("SET jit = off")
+    finally:
+        dbapi_conn.autocommit = autocommit
 
 
 PING_IDLE_S = 1.0  # a pooled connection unused for longer is checked with a round trip before use
