@@ -20,7 +20,7 @@ from sqlalchemy import create_engine, insert, text
 from sqlalchemy.engine import make_url
 
 from daemon.registry import Registry
-from daemon.registry.models import Alias, Checkpoint, CheckpointLocation, utcnow
+from daemon.registry.models import Alias, Checkpoint, CheckpointLocation, Worker, utcnow
 
 
 def create_database(server_url: str, name: str) -> str:
@@ -60,6 +60,9 @@ def seed_fleet(url: str, hosts: list[str], versions: list[str], folder: Path) ->
     with reg.session() as s:
         s.execute(insert(Alias), [{"host": h, "name": n, "checkpoint_id": ids[versions[0]], "updated_at": now}
                                   for h in hosts for n in ("serving", "last_good")])  # fmt: skip
+        s.execute(insert(Worker), [{"host": h, "name": "w0", "kind": "builtin", "url": f"http://{h}/w0", "device": "cpu",
+                                   "state": "RUNNING", "weight_version": versions[0], "updated_at": now}
+                                  for h in hosts])  # fmt: skip  # each host's one worker, as its daemon registers it
         s.execute(insert(CheckpointLocation), [{"checkpoint_id": ids[v], "host": h, "local_path": str(folder / v),
                                                 "recorded_at": now} for h in hosts for v in versions])  # fmt: skip
     reg.close()
