@@ -176,6 +176,13 @@ def _postgres_database(server_url: str) -> Iterator[str]:
         admin.dispose()
 
 
+@pytest.fixture
+def pg_url() -> Iterator[str]:
+    """A fresh PostgreSQL database, for what runs on PostgreSQL only (fleet mode); the modules
+    using it skip without POSTGRES_ENV."""
+    yield from _postgres_database(os.environ[POSTGRES_ENV])
+
+
 @pytest.fixture(params=BACKENDS)
 def db_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str]:
     if request.param == "sqlite":

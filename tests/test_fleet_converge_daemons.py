@@ -20,7 +20,6 @@ import pytest
 from conftest import (
     POSTGRES_ENV,
     DaemonProcess,
-    _postgres_database,
     hotswap_cli,
     make_config_file,
     wait_until,
@@ -31,11 +30,6 @@ from support_rollout import WorkerPool, publish_into
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip
 ON = 240  # seconds a host may take to reach a version (two cores shared: generous)
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 @pytest.fixture(scope="module")

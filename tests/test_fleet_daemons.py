@@ -24,7 +24,6 @@ import pytest
 from conftest import (
     POSTGRES_ENV,
     DaemonProcess,
-    _postgres_database,
     hotswap_cli,
     make_config_file,
     wait_until,
@@ -38,11 +37,6 @@ from daemon.registry.models import Event
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 @pytest.fixture

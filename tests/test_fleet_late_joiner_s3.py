@@ -27,7 +27,6 @@ import pytest
 from conftest import (
     POSTGRES_ENV,
     DaemonProcess,
-    _postgres_database,
     hotswap_cli,
     make_config_file,
     wait_until,
@@ -43,11 +42,6 @@ pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip
 BUCKET, PREFIX, LABEL = "ckpts", "run/", "bucket"
 ON = 180  # seconds a host may take to reach a version (two cores shared: generous)
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 @pytest.fixture

@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import os
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import POSTGRES_ENV, _postgres_database, wait_until
+from conftest import POSTGRES_ENV, wait_until
 
 from daemon.controller.supervise import choose_launch
 from daemon.fleet.lease import FleetLeases, holders
@@ -25,11 +24,6 @@ from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus
 
 pytestmark = pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 def host_registry(url: str, host: str) -> Registry:

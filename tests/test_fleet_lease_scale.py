@@ -10,10 +10,9 @@ from __future__ import annotations
 import os
 import threading
 import time
-from collections.abc import Iterator
 
 import pytest
-from conftest import POSTGRES_ENV, _postgres_database
+from conftest import POSTGRES_ENV
 from sqlalchemy import event, text
 
 from daemon.fleet import lease as lease_module
@@ -22,11 +21,6 @@ from daemon.fleet.settings import FleetSettings
 from daemon.registry import Registry
 
 pytestmark = pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 def leases(url: str, host: str, **kw: float) -> FleetLeases:

@@ -22,7 +22,6 @@ import pytest
 from conftest import (
     POSTGRES_ENV,
     DaemonProcess,
-    _postgres_database,
     hotswap_cli,
     make_config_file,
     wait_until,
@@ -39,11 +38,6 @@ pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip
 
 BAKE_S = 2.0
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 @pytest.fixture

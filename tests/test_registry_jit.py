@@ -5,20 +5,14 @@ connections keep it, and a session's own transactions are unaffected by how it w
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 
 import pytest
-from conftest import POSTGRES_ENV, _postgres_database
+from conftest import POSTGRES_ENV
 from sqlalchemy import text
 
 from daemon.registry import Registry
 
 pytestmark = pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")
-
-
-@pytest.fixture
-def pg_url() -> Iterator[str]:
-    yield from _postgres_database(os.environ[POSTGRES_ENV])
 
 
 def test_every_registry_session_has_jit_off(pg_url: str) -> None:
