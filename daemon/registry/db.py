@@ -127,7 +127,9 @@ def _postgres_session(dbapi_conn: Any, _record: Any) -> None:
     autocommit = dbapi_conn.autocommit
     dbapi_conn.autocommit = True  # its own statement, no transaction left open
     try:
-        dbapi_conn.execute("SET jit = off")
+        cursor = dbapi_conn.cursor()  # DB-API: psycopg 3 and psycopg2 alike
+        cursor.execute("SET jit = off")
+        cursor.close()
     finally:
         dbapi_conn.autocommit = autocommit
 
