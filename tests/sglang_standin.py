@@ -422,6 +422,8 @@ class TokenizerManager:
         self.loras: dict[str, tuple[str, str]] = {}  # lora_name -> (lora_id, lora_path): the LoRARegistry
         self.lora_users: dict[str, int] = {}  # lora_id -> requests using it (its ConcurrentCounter)
         self.lora_cond = threading.Condition()
+        self.generating = 0  # /generate requests holding the model-update lock as readers (/metrics)
+        self.generating_lock = threading.Lock()
 
 
 def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | None) -> FastAPI:
@@ -561,6 +563,12 @@ def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | No
         cards += [{"id": n, "object": "model", "root": p, "parent": tm.model_path} for n, (_i, p) in tm.loras.items()]
         return {"object": "list", "data": cards}
 
+    @app.get("/metrics")
+    def metrics() -> Response:  # as SGLang's --enable-metrics gauge: requests the server holds now
+        with tm.generating_lock:
+            n = tm.generating
+        return Response(f"sglang:num_running_reqs {n}\n", media_type="text/plain")
+
     @app.api_route("/generate", methods=["POST", "PUT"])
     def generate(obj: GenerateReqInput) -> JSONResponse:
         sp = obj.sampling_params or {}
@@ -579,8 +587,14 @@ def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | No
                 tm.lora_users[r.lora_id] = tm.lora_users.get(r.lora_id, 0) + 1
         try:
             with tm.update_lock.reader():
-                tm.sched.submit(r)
-                r.done.wait()
+                with tm.generating_lock:
+                    tm.generating += 1
+                try:
+                    tm.sched.submit(r)
+                    r.done.wait()
+                finally:
+                    with tm.generating_lock:
+                        tm.generating -= 1
         finally:
             if r.lora_id is not None:
                 with tm.lora_cond:

@@ -128,7 +128,7 @@ def test_updated_but_not_flushed_means_loaded_the_client_flushes_and_labels(
     done: list[Any] = []
     bg = threading.Thread(target=lambda: done.append(raw.greedy(PROMPT[:10], 120)), daemon=True)
     bg.start()
-    time.sleep(0.5)
+    wait_until(lambda: running(srv) >= 1, 60, 0.02, "the request in flight")
     raw.pause_generation("in_place")
     assert raw.flush_cache() == (False, "Flush cache failed.")  # flush refused with a request in flight
     result = client.update(disk("B-1", ckpts["B"]))
@@ -176,6 +176,12 @@ def test_probe_refuses_weights_that_differ_from_the_first_deploy_of_the_version(
         client.probe()
 
 
+def running(srv: SGLangStandIn) -> int:
+    """Requests the stand-in holds now (its /metrics gauge, as SGLang's `sglang:num_running_reqs`)."""
+    text = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    return int(text.split("sglang:num_running_reqs ")[1].split()[0])
+
+
 def test_drain_turns_readiness_off_and_the_unpaused_update_waits_for_requests_in_flight(
     client_srv: tuple[SGLangStandIn, SGLangWorkerClient], ckpts: dict[str, Path], fresh: dict[str, Any]
 ) -> None:
@@ -185,7 +191,7 @@ def test_drain_turns_readiness_off_and_the_unpaused_update_waits_for_requests_in
     out: list[Any] = []
     bg = threading.Thread(target=lambda: out.append(raw.greedy(PROMPT[:10], 60)), daemon=True)
     bg.start()
-    time.sleep(0.3)
+    wait_until(lambda: running(srv) >= 1, 60, 0.02, "the request in flight")  # holds the update lock as a reader
     client.drain(30)
     assert not client.ready() and client.weight_info().state == "DRAINING"
     client.update(disk("B-1", ckpts["B"]))
