@@ -62,12 +62,16 @@ T = TypeVar("T")
 # work (its module-scoped fixtures start once, in one worker process), and modules that must share a
 # process share a unit: the real vLLM tests reuse one server per process (support_vllm), and two
 # vLLM servers at once would each starve on a 2-core machine.
-XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_adapter.py": "vllm", "test_adapters_vllm.py": "vllm"}
+# The fleet modules that run several real daemons and workers each go one after another in one
+# unit too: two of them at once beside the vLLM server put a dozen busy processes on two cores.
+XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_adapter.py": "vllm", "test_adapters_vllm.py": "vllm",
+                "test_fleet_daemons.py": "fleet-daemons", "test_fleet_converge_daemons.py": "fleet-daemons",
+                "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons"}
 # The longest units go first, so no worker is left with a long one at the end (measured with
 # `--durations=0`: the duration table in tests/README.md).
 LONGEST_FIRST = ("vllm", "test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",
                  "test_supervise_daemon.py", "test_ops_daemon.py", "test_migration_lock.py",
-                 "test_fleet_converge_daemons.py", "test_sglang_adapter.py", "test_worker_identity.py",
+                 "fleet-daemons", "test_sglang_adapter.py", "test_worker_identity.py",
                  "test_broadcast.py", "test_restart_rollout.py", "test_adapters_daemon.py")  # fmt: skip
 
 # The quick tier (`./scripts/test.sh -m quick`, CONTRIBUTING.md): pure logic, fakes, files and
@@ -81,6 +85,7 @@ QUICK = frozenset({
     "test_detokenize", "test_disk_ahead", "test_docs_config_reference", "test_docs_readme",
     "test_e2e_versions", "test_engine_adapters", "test_engine_clients", "test_engine_files",
     "test_engine_routes", "test_fleet_agent", "test_fleet_behind", "test_fleet_cmd", "test_fleet_lag",
+    "test_fleet_stages", "test_registry_jit",
     "test_fleet_lease", "test_fleet_migration", "test_forgery", "test_forward_build", "test_hashing",
     "test_ipc_descriptor", "test_ipc_transport", "test_json_bodies", "test_layout", "test_listener_limits",
     "test_loader", "test_manifest", "test_migration_file_hashes", "test_migration_schema",
