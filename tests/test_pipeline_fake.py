@@ -154,3 +154,28 @@ def test_retention_prunes_only_what_a_source_created_and_never_serving_last_good
     assert (root / "old").is_dir()  # the store itself is never touched
     assert {src.cache / v for v in ("serving", "good", "pinned", "waiting")} <= src.pruned_with[-1]
     d.registry.close()
+
+
+def test_the_watchdog_heartbeat_goes_on_while_the_warm_up_imports(reg: Registry) -> None:
+    # The forward check's import (torch, transformers) is the coordinator's warm-up: ~3 s of CPU,
+    # half a minute on a busy host. systemd's watchdog must not see a daemon that only imports as
+    # stuck; once the warm-up is over, the beats come from the loop itself.
+    import threading
+    import time
+
+    release = threading.Event()
+    beats: list[tuple[float, bool]] = []
+    coord = Coordinator(reg, CHEAP)
+    coord.warmup = lambda: release.wait(30)
+    coord.set_heartbeat(lambda: beats.append((time.monotonic(), release.is_set())), 0.05)
+    coord.start()
+    try:
+        wait_until(lambda: len(beats) >= 5, 10, what="heartbeats during the warm-up")
+        assert not release.is_set() and all(not after for _, after in beats)
+        release.set()
+        wait_until(lambda: sum(after for _, after in beats) >= 3, 10, what="heartbeats from the loop after it")
+        threads = {t.name for t in threading.enumerate()}
+        assert "coordinator-warmup-beat" not in threads
+    finally:
+        release.set()
+        coord.stop()
