@@ -63,13 +63,18 @@ T = TypeVar("T")
 # process share a unit: the real vLLM tests reuse one server per process (support_vllm), and two
 # vLLM servers at once would each starve on a 2-core machine.
 # The fleet modules that run several real daemons and workers each go one after another in one
-# unit too: two of them at once beside the vLLM server put a dozen busy processes on two cores.
+# unit too: two of them at once put a dozen busy processes on two cores.
+# The vLLM unit runs alone, after every other unit: while a CPU vLLM server serves (its engine core and
+# worker poll each other), the whole 2-core machine stalled for minutes in CI rehearsals (load average
+# 24-31, a 15 s RCU stall in dmesg, a top sampler stuck 5 minutes), and the daemon tests running beside
+# it missed their 90 s and 300 s waits; outside that window the load average was 4-6.
+ALONE = frozenset({"vllm"})
 XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_adapter.py": "vllm", "test_adapters_vllm.py": "vllm",
                 "test_fleet_daemons.py": "fleet-daemons", "test_fleet_converge_daemons.py": "fleet-daemons",
                 "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons"}
 # The longest units go first, so no worker is left with a long one at the end (measured with
 # `--durations=0`: the duration table in tests/README.md).
-LONGEST_FIRST = ("vllm", "test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",
+LONGEST_FIRST = ("test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",
                  "test_supervise_daemon.py", "test_ops_daemon.py", "test_migration_lock.py",
                  "fleet-daemons", "test_sglang_adapter.py", "test_worker_identity.py",
                  "test_broadcast.py", "test_restart_rollout.py", "test_adapters_daemon.py")  # fmt: skip
@@ -110,6 +115,28 @@ def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
     class ModuleUnits(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             return _unit(nodeid)
+
+        def _assign_work_unit(self, node: Any) -> None:
+            for scope in [s for s in self.workqueue if s in ALONE]:  # every other unit first
+                self.workqueue.move_to_end(scope)
+            if next(iter(self.workqueue)) not in ALONE:
+                super()._assign_work_unit(node)
+                return
+            # Only the alone unit is left. A worker runs its last test only once it is given more
+            # work or told to shut down, so: every worker but one shuts down, and the last one
+            # takes the unit once the others have finished (remove_node below asks it again).
+            others = [n for n in self.assigned_work if n is not node]
+            if any(not n.shutting_down for n in others):
+                node.shutdown()
+            elif not others:
+                super()._assign_work_unit(node)
+
+        def remove_node(self, node: Any) -> str | None:
+            crashed = super().remove_node(node)
+            if self.workqueue and not crashed:  # a worker finished: the one left may take the alone unit
+                for other in self.assigned_work:
+                    self._reschedule(other)
+            return crashed
 
     return ModuleUnits(config, log)
 
