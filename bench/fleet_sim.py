@@ -8,7 +8,8 @@ fleet-wide lease bound, through PgBouncer in transaction mode or directly.
 
 Each host (bench/fleet_sim_host.py) is the real `FleetAgent`, `FleetLeases` and registry code with
 its own `Registry` (own engine: its own connection path), ticking every `poll_s`; a fake update is
-`update_s` of sleep inside the lease, between the rollout's rows. One process, threads.
+`update_s` of sleep inside the lease, between the rollout's rows. Threads of one process, or of
+`--procs` processes reporting to one ledger (bench/fleet_sim_procs.py).
 
 Per run, in a throw-away database `fleet_sim_<pid>_<n>` (migrated, seeded, dropped after):
 
@@ -33,15 +34,13 @@ import json
 import math
 import os
 import random
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.fleet_sim_host import Ledger, SimHost
+from bench.fleet_sim_host import Ledger
 from bench.fleet_sim_pg import (
     Bouncer,
     Sampler,
@@ -51,6 +50,7 @@ from bench.fleet_sim_pg import (
     seed_fleet,
     window,
 )
+from bench.fleet_sim_procs import HostGroup, shared_ledger, start_hosts, totals
 from bench.fleet_sim_staged import staged_canary_fails
 from bench.fleet_sim_staged import table as staged_table
 from daemon.common.logging import configure_logging
@@ -59,29 +59,26 @@ from daemon.fleet.settings import FleetSettings
 VERSIONS = ["v0", "v1", "v2"]
 
 
-def totals(hosts: list[SimHost]) -> tuple[int, int, int]:
-    """Statements, pings and sessions (pool checkouts) of every host so far."""
-    c = [h.counts for h in hosts]
-    return sum(x.statements for x in c), sum(x.pings for x in c), sum(x.checkouts for x in c)
+def load_average() -> str:
+    return "load average: " + ", ".join(f"{x:.2f}" for x in os.getloadavg())
 
 
-def wait_converged(ledger: Ledger, version: str, hosts: list[SimHost], timeout_s: float) -> float | None:
+def wait_converged(ledger: Ledger, version: str, names: list[str], timeout_s: float) -> float | None:
     """Seconds until every live host serves `version` (None: not within `timeout_s`)."""
     t0 = time.monotonic()
     while time.monotonic() - t0 < timeout_s:
-        with ledger.lock:
-            done = ledger.converged.get(version, {})
-            if all(h.name in done or h.name in ledger.dead for h in hosts):
-                return max(done.values(), default=t0) - t0
-        time.sleep(0.05)
+        at = ledger.converged_at(version, names)
+        if at is not None:
+            return max(at, t0) - t0
+        time.sleep(0.1)
     return None
 
 
-def rollout(version: str, db_url: str, hosts: list[SimHost], ledger: Ledger, sampler: Sampler, bouncer: Bouncer | None,
-            database: str, ideal_s: float) -> dict[str, Any]:  # fmt: skip
+def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str], ledger: Ledger, sampler: Sampler,
+            bouncer: Bouncer | None, database: str, ideal_s: float) -> dict[str, Any]:  # fmt: skip
     before, bstats, t0 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
     commit_version(db_url, version)
-    took = wait_converged(ledger, version, hosts, timeout_s=ideal_s * 4 + 60)
+    took = wait_converged(ledger, version, names, timeout_s=ideal_s * 4 + 60)
     t1 = time.monotonic()
     after, astats = totals(hosts), bouncer.stats(database) if bouncer else {}
     span = t1 - t0
@@ -90,7 +87,7 @@ def rollout(version: str, db_url: str, hosts: list[SimHost], ledger: Ledger, sam
         "converged_s": None if took is None else round(took, 2),
         "ideal_s": ideal_s,
         "ratio": None if took is None else round(took / ideal_s, 3),
-        "hosts_converged": len(ledger.converged.get(version, {})),
+        "hosts_converged": len(ledger.snapshot()["converged"].get(version, {})),
         "statements_per_s": round((after[0] - before[0]) / span, 1),
         "pings_per_s": round((after[1] - before[1]) / span, 1),
         "sessions_per_s": round((after[2] - before[2]) / span, 1),
@@ -116,13 +113,14 @@ def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str,
     bouncer = Bouncer(args.pg_server, args.pool_size) if mode == "pgbouncer" else None
     folder = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     names = [f"sim-{i:04d}" for i in range(n)]
-    stop_all = threading.Event()
-    ledger = Ledger(kill_at_acquisition=None if args.no_kill else bound + 1, kill_version="v2")
-    hosts: list[SimHost] = []
+    kill = {"kill_at_acquisition": None if args.no_kill else bound + 1, "kill_version": "v2"}
+    manager, ledger = shared_ledger(**kill) if args.procs > 1 else (None, Ledger(**kill))  # type: ignore[arg-type]
+    hosts: list[HostGroup] = []
+    stopped: list[dict[str, int]] = []
     sampler = Sampler(db_url, database)
     result: dict[str, Any] = {"mode": mode, "hosts": n, "hosts_asked": wanted, "bound": bound,
                               "update_s": args.update_s, "poll_s": args.poll_s, "lease_s": args.lease_s,
-                              "pool_size": args.pool_size if bouncer else None}  # fmt: skip
+                              "pool_size": args.pool_size if bouncer else None, "procs": args.procs}  # fmt: skip
     try:
         seed_fleet(db_url, names, VERSIONS, folder)
         if bouncer is not None:
@@ -131,13 +129,10 @@ def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str,
         settings = FleetSettings(
             enabled=True, max_updating_hosts=bound, lease_s=args.lease_s, poll_s=args.poll_s
         )
-        for name in names:
-            s = FleetSettings(**{**settings.__dict__, "host": name})
-            hosts.append(SimHost(name, url, s, args.update_s, ledger, stop_all))
-        sampler.start()
         rng = random.Random(n)
-        for h in hosts:
-            h.start(rng.uniform(0, args.poll_s))
+        phases = [rng.uniform(0, args.poll_s) for _ in names]
+        hosts = start_hosts(names, url, settings, args.update_s, ledger, phases, args.procs)
+        sampler.start()
         log(f"{mode} {n} hosts, bound {bound}: started; warming up {args.poll_s * 2:.0f} s")
         time.sleep(args.poll_s * 2)  # every host's first ticks (connections, a first fleet_host_reasons look)
         before, bstats, t0 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
@@ -159,33 +154,32 @@ def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str,
         result["steady"] = steady
         log(f"steady: {steady}")
         ideal = math.ceil(n / bound) * args.update_s
-        result["rollout"] = rollout("v1", db_url, hosts, ledger, sampler, bouncer, database, ideal)
+        result["rollout"] = rollout("v1", db_url, hosts, names, ledger, sampler, bouncer, database, ideal)
         log(f"rollout: {result['rollout']}")
         if not args.no_kill:
-            result["kill"] = rollout("v2", db_url, hosts, ledger, sampler, bouncer, database, ideal)
+            result["kill"] = rollout("v2", db_url, hosts, names, ledger, sampler, bouncer, database, ideal)
             k = result["kill"]
             k["cost_s"] = (round(k["converged_s"] - result["rollout"]["converged_s"], 2)
                            if k["converged_s"] is not None and result["rollout"]["converged_s"] is not None else None)  # fmt: skip
-            k["killed"] = [h for _, h, _ in ledger.kills]
-            k["slot_dead_s"] = [round(t["after_kill_s"], 2) for t in ledger.takeovers]
+            snap = ledger.snapshot()
+            k["killed"] = [h for _, h, _ in snap["kills"]]
+            k["slot_dead_s"] = [round(t["after_kill_s"], 2) for t in snap["takeovers"]]
             log(f"kill: {k}")
     finally:
-        stop_all.set()
         sampler.stop()
-        for h in hosts:
-            if h.thread is not None:
-                h.thread.join(2)
-        for h in hosts:
-            h.close()
+        stopped = [g.stop() for g in hosts]
         if bouncer is not None:
             bouncer.stop()
         drop_database(args.pg_server, database)
-    result["peak_holders_ledger"] = ledger.peak
-    result["double_grants"] = ledger.double_grants
-    result["lost_leases"] = sum(1 for h in hosts if h.leases.lost)
-    result["unexpected_submits"] = sum(h.submits for h in hosts)
-    result["errors"] = ledger.errors[:10]
-    result["error_count"] = len(ledger.errors)
+        snap = ledger.snapshot()
+        if manager is not None:
+            manager.shutdown()
+    result["peak_holders_ledger"] = snap["peak"]
+    result["double_grants"] = snap["double_grants"]
+    result["lost_leases"] = sum(x.get("lost_leases", 0) for x in stopped)
+    result["unexpected_submits"] = sum(x.get("unexpected_submits", 0) for x in stopped)
+    result["errors"] = snap["errors"][:10]
+    result["error_count"] = len(snap["errors"])
     return result
 
 
@@ -224,6 +218,8 @@ def main() -> int:
         "--pool-size", type=int, default=40, help="PgBouncer's server connections (default_pool_size)"
     )
     p.add_argument("--direct-max-hosts", type=int, default=20)
+    p.add_argument("--procs", type=int, default=1,
+                   help="spread the hosts over this many processes (one runs about 100 before it is the bottleneck)")  # fmt: skip
     p.add_argument("--steady-polls", type=float, default=2.0)
     p.add_argument("--no-kill", action="store_true")
     p.add_argument("--staged-canary-fails", action="store_true",
@@ -239,7 +235,7 @@ def main() -> int:
 
     doc: dict[str, Any] = {"command": " ".join(["python -m bench.fleet_sim", *sys.argv[1:]]),
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
-                           "uptime_before": subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip(),
+                           "uptime_before": load_average(),
                            "runs": []}  # fmt: skip
     if args.staged_canary_fails:
         doc["staged"] = []
@@ -258,7 +254,7 @@ def main() -> int:
                 continue  # direct at 300 and 1,000 hosts is the same capped run
             done.add((mode, min(n, args.direct_max_hosts) if mode == "direct" else n))
             run = simulate(mode, n, args, log)
-            run["uptime_after"] = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+            run["uptime_after"] = load_average()
             doc["runs"].append(run)
             if args.out:  # after each run: a long run that dies keeps what it measured
                 Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -90,6 +90,23 @@ class Ledger:
             if len(self.errors) < 50:
                 self.errors.append(text)
 
+    # Read by the simulation; methods, so a ledger shared across processes (a manager's proxy,
+    # bench/fleet_sim_procs.py) answers them too.
+
+    def converged_at(self, version: str, names: list[str]) -> float | None:
+        """When the last of `names` (killed ones excepted) served `version`; None: not all yet."""
+        with self.lock:
+            done = self.converged.get(version, {})
+            if not all(n in done or n in self.dead for n in names):
+                return None
+            return max(done.values(), default=0.0)
+
+    def snapshot(self) -> dict[str, Any]:
+        with self.lock:
+            return {"peak": self.peak, "double_grants": self.double_grants, "errors": list(self.errors),
+                    "kills": list(self.kills), "takeovers": list(self.takeovers),
+                    "converged": {v: dict(d) for v, d in self.converged.items()}}  # fmt: skip
+
 
 @dataclass
 class Counts:
