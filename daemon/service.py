@@ -93,6 +93,7 @@ class Daemon:
     guard: ControlGuard | None = None  # the control token check (start() makes it): for every state-changing route
     stop_event: threading.Event = field(default_factory=threading.Event)
     reload_event: threading.Event = field(default_factory=threading.Event)  # SIGHUP
+    ready_event: threading.Event = field(default_factory=threading.Event)  # between READY=1 and STOPPING=1
     api_state: ApiState | None = None
     health: HealthMonitor | None = None  # every problem, from every probe (daemon.process.health)
     state_lock: StateDirLock | None = None  # taken by run_daemon before anything else, else by start()
@@ -133,7 +134,7 @@ class Daemon:
         if interval:
             # pinged from the coordinator's own loop: a stuck pipeline stops the pings and
             # systemd restarts the daemon (a scheduler thread would ping on regardless)
-            self.coordinator.set_heartbeat(systemd.watchdog_ping, interval)
+            self.coordinator.set_heartbeat(self._watchdog_ping, interval)
         self.coordinator.start()  # register -> fetch -> verify
         self._started("coordinator", self.coordinator.stop)
         self.scheduler.start()
@@ -160,6 +161,7 @@ class Daemon:
         self._write_runtime_file()
         self._started("runtime file", lambda: self.runtime_file.unlink(missing_ok=True))
         systemd.ready(f"watching {len(self.sources)} source(s)")
+        self.ready_event.set()
         log.info("ready", api=self.api.url if self.api else None, sources=[s.label for s in self.sources])
         if self.rollout is None:
             log.warning("verify only: no [[workers]] in the config, so checkpoints are verified and recorded but "
@@ -168,6 +170,7 @@ class Daemon:
 
     def stop(self) -> None:
         """Stop everything `start` started, newest first, waiting for each."""
+        self.ready_event.clear()
         systemd.stopping()
         log.info("stopping")
         while self._stops:
@@ -177,6 +180,12 @@ class Daemon:
             except Exception:
                 log.exception("stopping failed", part=name)
         log.info("stopped")
+
+    def _watchdog_ping(self) -> None:
+        # only between READY=1 and STOPPING=1, as systemd reads them: the warm-up's pings
+        # (daemon.pipeline.warmup) can begin before the daemon is ready and outlast its stop
+        if self.ready_event.is_set():
+            systemd.watchdog_ping()
 
     def _started(self, name: str, stop: Callable[[], None]) -> None:
         self._stops.append((name, stop))

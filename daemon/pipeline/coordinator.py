@@ -35,6 +35,7 @@ from daemon.common.logging import bind_version, get_logger
 from daemon.common.metrics import DaemonMetrics
 from daemon.formats.adapter import AdapterLayoutError, identity, is_adapter
 from daemon.pipeline import rediscovery
+from daemon.pipeline.warmup import warm_up
 from daemon.registry import Checkpoint, Registry, hosts, status
 from daemon.registry import queries as q
 from daemon.registry.outbox import unreachable
@@ -45,7 +46,6 @@ log = get_logger(__name__)
 DB_RETRY_S = 5.0
 C = CheckpointStatus
 PROGRESS_LOG_S = 5.0  # a fetch logs its progress at most this often
-WARMUP_BEAT_MAX_S = 600.0  # the watchdog is pinged during warm-up for at most this long
 
 StatusObserver = Callable[[int, CheckpointStatus], None]
 OnVerified = Callable[[int], None]
@@ -84,29 +84,6 @@ class Coordinator:
 
     # -- plumbing -------------------------------------------------------------------------
 
-    def _warm_up(self, warmup: Callable[[], None]) -> None:
-        # The import takes ~3 s of CPU, minutes on a cold or busy host: the heartbeat goes on
-        # from a helper thread meanwhile (systemd's watchdog would otherwise restart a daemon
-        # that is only importing), up to WARMUP_BEAT_MAX_S, so a hung import is still caught.
-        done = threading.Event()
-
-        def beat() -> None:
-            deadline = time.monotonic() + WARMUP_BEAT_MAX_S
-            while self._heartbeat is not None and time.monotonic() < deadline:
-                self._heartbeat()
-                if done.wait(self._heartbeat_s):
-                    return
-
-        beater = threading.Thread(target=beat, name="coordinator-warmup-beat", daemon=True)
-        beater.start()
-        try:
-            warmup()
-        except Exception:
-            log.exception("warm-up failed")
-        finally:
-            done.set()
-            beater.join()
-
     def start(self) -> None:
         self.resume_unfinished()
         self._thread = threading.Thread(target=self._run, name="coordinator", daemon=True)
@@ -135,7 +112,7 @@ class Coordinator:
 
     def _run(self) -> None:
         if self.warmup is not None:
-            self._warm_up(self.warmup)
+            warm_up(self.warmup, self._heartbeat, self._heartbeat_s)
         while True:
             if self._heartbeat is not None:
                 self._heartbeat()
