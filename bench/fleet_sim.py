@@ -74,6 +74,31 @@ def wait_converged(ledger: Ledger, version: str, names: list[str], timeout_s: fl
     return None
 
 
+def where_the_time_went(snap: dict[str, Any], version: str, t0: float) -> dict[str, Any]:
+    """Commit -> first slot taken, mean slot hold (acquire -> release), mean time a freed slot
+    stayed free before its next holder took it, and the last release -> the end."""
+    taken = sorted((t, h, slot) for t, h, slot, v in snap["acquisitions"] if v == version)
+    if not taken:
+        return {}
+    first = taken[0][0]
+    released = sorted((t, h, slot) for t, h, slot in snap["releases"] if t >= first)
+    holds = []
+    for t, h, slot in taken:
+        end = next((r for r, rh, rs in released if rh == h and rs == slot and r >= t), None)
+        if end is not None:
+            holds.append(end - t)
+    gaps = []
+    for r, _h, slot in released:
+        nxt = next((t for t, _, s in taken if s == slot and t >= r), None)
+        if nxt is not None:
+            gaps.append(nxt - r)
+    done = snap["converged"].get(version, {})
+    return {"first_slot_s": round(first - t0, 2),
+            "hold_mean_s": round(sum(holds) / len(holds), 3) if holds else None,
+            "slot_free_mean_s": round(sum(gaps) / len(gaps), 3) if gaps else None,
+            "tail_s": round(max(done.values()) - released[-1][0], 2) if done and released else None}  # fmt: skip
+
+
 def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str], ledger: Ledger, sampler: Sampler,
             bouncer: Bouncer | None, database: str, ideal_s: float) -> dict[str, Any]:  # fmt: skip
     before, bstats, t0 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
@@ -88,6 +113,7 @@ def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str],
         "ideal_s": ideal_s,
         "ratio": None if took is None else round(took / ideal_s, 3),
         "hosts_converged": len(ledger.snapshot()["converged"].get(version, {})),
+        **where_the_time_went(ledger.snapshot(), version, t0),
         "statements_per_s": round((after[0] - before[0]) / span, 1),
         "pings_per_s": round((after[1] - before[1]) / span, 1),
         "sessions_per_s": round((after[2] - before[2]) / span, 1),

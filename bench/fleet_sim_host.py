@@ -105,6 +105,7 @@ class Ledger:
         with self.lock:
             return {"peak": self.peak, "double_grants": self.double_grants, "errors": list(self.errors),
                     "kills": list(self.kills), "takeovers": list(self.takeovers),
+                    "acquisitions": list(self.acquisitions), "releases": list(self.releases),
                     "converged": {v: dict(d) for v, d in self.converged.items()}}  # fmt: skip
 
 
