@@ -169,3 +169,30 @@ def test_an_in_sync_host_looks_with_one_statement_until_something_changes(db_url
     assert len(statements) > 1
     ra.close()
     rb.close()
+
+
+def test_a_copy_recorded_here_after_a_quiet_look_is_acted_on_at_the_next_tick(db_url: str, tmp_path: Path) -> None:
+    """Host a verified v1 (nobody deployed it yet); host b's agent looked before its own source had
+    recorded b's copy (so: nothing to do, in sync on v0, quiet). The copy appearing is part of the
+    mark: the next tick deploys v1 rather than waiting for the 5-minute full look (a CI run of
+    tests/test_fleet_daemons.py saw host-0 wait out its 300 s that way)."""
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    ids = seed_versions(ra, tmp_path / "a", {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.VERIFIED})
+    ja, jb = Journal(ra), Journal(rb)
+    for j in (ja, jb):
+        j.set_alias("serving", ids["v0"])
+        j.set_alias("last_good", ids["v0"])
+    (tmp_path / "b" / "v0").mkdir(parents=True)
+    with rb.session() as s:
+        hosts.set_location(s, ids["v0"], str(tmp_path / "b" / "v0"))
+    submitted: list[int] = []
+    agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: None,
+                       converge=lambda v: None, submit=submitted.append)  # fmt: skip
+    assert agent.tick() is None and agent.tick() is None and submitted == []  # no copy of v1 here: quiet
+    (tmp_path / "b" / "v1").mkdir(parents=True)
+    with rb.session() as s:
+        hosts.set_location(s, ids["v1"], str(tmp_path / "b" / "v1"))  # b's source found the same bytes
+    assert agent.tick() == "v1" and submitted == [ids["v1"]]
+    ra.close()
+    rb.close()

@@ -25,7 +25,15 @@ from daemon.fleet.lease import holders
 from daemon.fleet.stages import held_back
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import GOOD_WHERE, Alias, Checkpoint, FleetRollout, FleetTarget, utcnow
+from daemon.registry.models import (
+    GOOD_WHERE,
+    Alias,
+    Checkpoint,
+    CheckpointLocation,
+    FleetRollout,
+    FleetTarget,
+    utcnow,
+)
 from daemon.registry.status import DEPLOYABLE, CheckpointStatus
 
 SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: the host is "silent"
@@ -86,10 +94,17 @@ def newest_good(s: Session) -> int | None:
 def fleet_mark(registry: Registry) -> tuple[Any, ...]:
     """One statement: everything in the registry a fleet agent's decision for this host rests on
     (the explicit target, the newest good versions, any host's last_good moving, this host's
-    serving version, the newest waiting version, the newest staged rollout's state). Unchanged,
+    serving version, the newest waiting version, the newest staged rollout's state, and whether
+    this host has a copy of the waiting, target and newest good versions). Unchanged,
     and this host was in sync at the last look: nothing to decide (FleetAgent.tick)."""
-    c, a, r = Checkpoint, Alias, FleetRollout
+    c, a, r, loc = Checkpoint, Alias, FleetRollout, CheckpointLocation
     newest = select(c.id).where(text(GOOD_WHERE))
+    waiting = select(func.max(c.id)).where(c.status.in_([st.value for st in (CheckpointStatus.VERIFIED, CheckpointStatus.STAGED)]))
+
+    def copy_here(checkpoint: Any) -> Any:  # this host's copy of it recorded (a primary-key lookup)
+        return select(func.count()).select_from(loc).where(loc.host == registry.host,
+                                                           loc.checkpoint_id == checkpoint.scalar_subquery())  # fmt: skip
+
     marks = [
         newest.where(c.step.is_not(None)).order_by(c.step.desc(), c.id.desc()).limit(1),  # ix_checkpoints_good
         newest.where(c.step.is_(None)).order_by(c.id.desc()).limit(1),
@@ -97,9 +112,14 @@ def fleet_mark(registry: Registry) -> tuple[Any, ...]:
         select(FleetTarget.checkpoint_id).where(FleetTarget.id == 1),
         select(FleetTarget.set_at).where(FleetTarget.id == 1),
         select(a.checkpoint_id).where(a.host == registry.host, a.name == "serving"),
-        select(func.max(c.id)).where(c.status.in_([st.value for st in (CheckpointStatus.VERIFIED, CheckpointStatus.STAGED)])),
+        waiting,
         select(r.id).order_by(r.id.desc()).limit(1),
         select(r.updated_at).order_by(r.id.desc()).limit(1),
+        # a copy of what it may move to appearing here (its source registered it after the look)
+        copy_here(waiting),
+        copy_here(select(FleetTarget.checkpoint_id).where(FleetTarget.id == 1)),
+        copy_here(newest.where(c.step.is_not(None)).order_by(c.step.desc(), c.id.desc()).limit(1)),
+        copy_here(newest.where(c.step.is_(None)).order_by(c.id.desc()).limit(1)),
     ]  # fmt: skip
     # autocommit: one statement on the wire, no BEGIN / COMMIT around it (what a pooler counts too)
     with registry.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:
