@@ -107,13 +107,14 @@ def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str],
     t1 = time.monotonic()
     after, astats = totals(hosts), bouncer.stats(database) if bouncer else {}
     span = t1 - t0
+    snap = ledger.snapshot()
     out: dict[str, Any] = {
         "version": version,
         "converged_s": None if took is None else round(took, 2),
         "ideal_s": ideal_s,
         "ratio": None if took is None else round(took / ideal_s, 3),
-        "hosts_converged": len(ledger.snapshot()["converged"].get(version, {})),
-        **where_the_time_went(ledger.snapshot(), version, t0),
+        "hosts_converged": len(snap["converged"].get(version, {})),
+        **where_the_time_went(snap, version, t0),
         "statements_per_s": round((after[0] - before[0]) / span, 1),
         "pings_per_s": round((after[1] - before[1]) / span, 1),
         "sessions_per_s": round((after[2] - before[2]) / span, 1),

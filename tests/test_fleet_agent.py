@@ -23,6 +23,23 @@ from daemon.registry.status import CheckpointStatus
 CHEAP = CheckSettings(enabled=("manifest", "headers", "crc32c"))
 
 
+def two_hosts_on_v0(db_url: str, tmp_path: Path, statuses: dict[str, CheckpointStatus],
+                    copies_on_b: tuple[str, ...]) -> tuple[Registry, Registry, dict[str, int], Journal, Journal]:  # fmt: skip
+    """Hosts a and b serving v0 (its last good version too); host b's copies of `copies_on_b` recorded."""
+    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
+    ra.upgrade()
+    ids = seed_versions(ra, tmp_path / "a", statuses)
+    ja, jb = Journal(ra), Journal(rb)
+    for j in (ja, jb):
+        j.set_alias("serving", ids["v0"])
+        j.set_alias("last_good", ids["v0"])
+    for v in copies_on_b:
+        (tmp_path / "b" / v).mkdir(parents=True)
+        with rb.session() as s:
+            hosts.set_location(s, ids[v], str(tmp_path / "b" / v))
+    return ra, rb, ids, ja, jb
+
+
 def test_what_a_host_converges_to(db_url: str, tmp_path: Path) -> None:
     ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
     ra.upgrade()
@@ -132,17 +149,8 @@ def test_an_in_sync_host_looks_with_one_statement_until_something_changes(db_url
     on changes; a newer good version elsewhere, or a pin here, brings back the full look."""
     from sqlalchemy import event
 
-    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
-    ra.upgrade()
-    ids = seed_versions(ra, tmp_path / "a", {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.DEPLOYED})
-    ja, jb = Journal(ra), Journal(rb)
-    for j in (ja, jb):
-        j.set_alias("serving", ids["v0"])
-        j.set_alias("last_good", ids["v0"])
-    for v in ("v0", "v1"):
-        (tmp_path / "b" / v).mkdir(parents=True)
-        with rb.session() as s:
-            hosts.set_location(s, ids[v], str(tmp_path / "b" / v))
+    ra, rb, ids, ja, jb = two_hosts_on_v0(db_url, tmp_path, {"v0": CheckpointStatus.DEPLOYED,
+                                                              "v1": CheckpointStatus.DEPLOYED}, ("v0", "v1"))  # fmt: skip
     asked: list[str] = []
     pinned: list[str | None] = [None]
     agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: pinned[0],
@@ -176,16 +184,8 @@ def test_a_copy_recorded_here_after_a_quiet_look_is_acted_on_at_the_next_tick(db
     recorded b's copy (so: nothing to do, in sync on v0, quiet). The copy appearing is part of the
     mark: the next tick deploys v1 rather than waiting for the 5-minute full look (a CI run of
     tests/test_fleet_daemons.py saw host-0 wait out its 300 s that way)."""
-    ra, rb = Registry(db_url, "host-a"), Registry(db_url, "host-b")
-    ra.upgrade()
-    ids = seed_versions(ra, tmp_path / "a", {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.VERIFIED})
-    ja, jb = Journal(ra), Journal(rb)
-    for j in (ja, jb):
-        j.set_alias("serving", ids["v0"])
-        j.set_alias("last_good", ids["v0"])
-    (tmp_path / "b" / "v0").mkdir(parents=True)
-    with rb.session() as s:
-        hosts.set_location(s, ids["v0"], str(tmp_path / "b" / "v0"))
+    ra, rb, ids, _, jb = two_hosts_on_v0(db_url, tmp_path, {"v0": CheckpointStatus.DEPLOYED,
+                                                             "v1": CheckpointStatus.VERIFIED}, ("v0",))  # fmt: skip
     submitted: list[int] = []
     agent = FleetAgent(jb, FleetSettings(host="host-b", enabled=True), idle=lambda: True, pinned=lambda: None,
                        converge=lambda v: None, submit=submitted.append)  # fmt: skip

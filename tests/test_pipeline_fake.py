@@ -4,6 +4,8 @@ and the retention hook (a source prunes only what it created and nothing protect
 
 from __future__ import annotations
 
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -160,9 +162,6 @@ def test_the_watchdog_heartbeat_goes_on_while_the_warm_up_imports(reg: Registry)
     # The forward check's import (torch, transformers) is the coordinator's warm-up: ~3 s of CPU,
     # half a minute on a busy host. systemd's watchdog must not see a daemon that only imports as
     # stuck; once the warm-up is over, the beats come from the loop itself.
-    import threading
-    import time
-
     release = threading.Event()
     beats: list[tuple[float, bool]] = []
     coord = Coordinator(reg, CHEAP)

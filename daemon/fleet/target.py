@@ -99,6 +99,9 @@ def fleet_mark(registry: Registry) -> tuple[Any, ...]:
     and this host was in sync at the last look: nothing to decide (FleetAgent.tick)."""
     c, a, r, loc = Checkpoint, Alias, FleetRollout, CheckpointLocation
     newest = select(c.id).where(text(GOOD_WHERE))
+    stepped = newest.where(c.step.is_not(None)).order_by(c.step.desc(), c.id.desc()).limit(1)  # ix_checkpoints_good
+    unstepped = newest.where(c.step.is_(None)).order_by(c.id.desc()).limit(1)
+    explicit = select(FleetTarget.checkpoint_id).where(FleetTarget.id == 1)
     waiting = select(func.max(c.id)).where(c.status.in_([st.value for st in (CheckpointStatus.VERIFIED, CheckpointStatus.STAGED)]))
 
     def copy_here(checkpoint: Any) -> Any:  # this host's copy of it recorded (a primary-key lookup)
@@ -106,20 +109,17 @@ def fleet_mark(registry: Registry) -> tuple[Any, ...]:
                                                            loc.checkpoint_id == checkpoint.scalar_subquery())  # fmt: skip
 
     marks = [
-        newest.where(c.step.is_not(None)).order_by(c.step.desc(), c.id.desc()).limit(1),  # ix_checkpoints_good
-        newest.where(c.step.is_(None)).order_by(c.id.desc()).limit(1),
+        stepped,
+        unstepped,
         select(func.max(a.updated_at)).where(a.name == "last_good"),  # an older daemon's alias-only good version
-        select(FleetTarget.checkpoint_id).where(FleetTarget.id == 1),
+        explicit,
         select(FleetTarget.set_at).where(FleetTarget.id == 1),
         select(a.checkpoint_id).where(a.host == registry.host, a.name == "serving"),
         waiting,
         select(r.id).order_by(r.id.desc()).limit(1),
         select(r.updated_at).order_by(r.id.desc()).limit(1),
         # a copy of what it may move to appearing here (its source registered it after the look)
-        copy_here(waiting),
-        copy_here(select(FleetTarget.checkpoint_id).where(FleetTarget.id == 1)),
-        copy_here(newest.where(c.step.is_not(None)).order_by(c.step.desc(), c.id.desc()).limit(1)),
-        copy_here(newest.where(c.step.is_(None)).order_by(c.id.desc()).limit(1)),
+        *(copy_here(m) for m in (waiting, explicit, stepped, unstepped)),
     ]  # fmt: skip
     # autocommit: one statement on the wire, no BEGIN / COMMIT around it (what a pooler counts too)
     with registry.engine.connect().execution_options(isolation_level="AUTOCOMMIT") as conn:

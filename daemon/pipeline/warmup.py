@@ -22,16 +22,17 @@ WARMUP_BEAT_MAX_S = 600.0
 def warm_up(warmup: Callable[[], None], beat: Callable[[], object] | None, interval_s: float) -> None:
     """Run `warmup` here; call `beat` every `interval_s` from another thread until it returns."""
     done = threading.Event()
-
-    def beating() -> None:
-        deadline = time.monotonic() + WARMUP_BEAT_MAX_S
-        while beat is not None and time.monotonic() < deadline:
-            beat()
-            if done.wait(interval_s):
-                return
-
-    beater = threading.Thread(target=beating, name="coordinator-warmup-beat", daemon=True)
+    beater: threading.Thread | None = None
     if beat is not None and interval_s > 0:
+
+        def beating() -> None:
+            deadline = time.monotonic() + WARMUP_BEAT_MAX_S
+            while time.monotonic() < deadline:
+                beat()
+                if done.wait(interval_s):
+                    return
+
+        beater = threading.Thread(target=beating, name="coordinator-warmup-beat", daemon=True)
         beater.start()
     try:
         warmup()
@@ -39,5 +40,5 @@ def warm_up(warmup: Callable[[], None], beat: Callable[[], object] | None, inter
         log.exception("warm-up failed")
     finally:
         done.set()
-        if beater.is_alive():
+        if beater is not None:
             beater.join()
