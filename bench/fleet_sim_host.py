@@ -3,10 +3,10 @@
 A host is what a fleet-mode daemon runs against the registry, with in-process fake workers:
 its own `Registry` (own engine and pool: one connection path per host, as in production), a
 `FleetLeases`, and the real `FleetAgent` ticking every `[fleet] poll_s`. The agent's `converge`
-does what `LeasedEngine.deploy` does around a rollout: wait for a slot (`FleetLeases.acquire`),
-renew it while the fake update runs (`update_s` of sleep, between `start_rollout` and
-`finish_rollout`), set `serving`, release. So every statement a host sends is the production SQL;
-only the workers are fake. Each host's statements and pool checkouts (pre-ping round trips) are
+does what `LeasedEngine.deploy` and the daemon's conclusion do: `start_rollout`, wait for a slot
+(`FleetLeases.acquire`), renew it while the fake update runs (`update_s` of sleep), release, then
+`finish_rollout` and set `serving`. So every statement a host sends is the production SQL; only
+the workers are fake. Each host's statements and pool checkouts (pre-ping round trips) are
 counted on its engine, and so are its pool's liveness pings.
 
 The ledger is the simulation's own truth, beside the database's: who holds which slot from the
@@ -180,32 +180,37 @@ class SimHost:
             job.set_result({"outcome": "failed", "reason": str(exc)[:200]})
 
     def _rollout(self, version: str) -> dict[str, Any]:
-        """`LeasedEngine.deploy` around a fake update: slot, renewals, the rollout's rows, release."""
+        """`LeasedEngine.deploy` and its conclusion around a fake update: the rollout's row, then
+        the slot (renewed) only while the workers move, then its outcome and `serving`."""
         ckpt = self.journal.checkpoint_by_version(version)
         assert ckpt is not None
+        rid = self.journal.start_rollout(ckpt.id, trigger=RolloutTrigger.FLEET, transport="sim", mode="sim",
+                                         detail={"version": version})  # fmt: skip
         slot = self.leases.acquire(ckpt.version, ckpt.id, self._stopped)
         if slot is None:
+            self.journal.finish_rollout(rid, RolloutOutcome.SUPERSEDED)
             return {"outcome": "superseded"}
         kill = self.ledger.acquired(self.name, slot, version)
         with self.leases.renewing():
-            rid = self.journal.start_rollout(ckpt.id, trigger=RolloutTrigger.FLEET, transport="sim", mode="sim",
-                                             detail={"version": version})  # fmt: skip
             if kill and not self.dead.wait(self.update_s / 2):
                 self._die(slot)  # mid-update: never returns
-            if self.stop_all.wait(self.update_s):
-                return {"outcome": "superseded"}
-            previous = self.journal.alias("serving")
-            self.journal.set_alias("serving", ckpt.id)
-            if version in self.bad and previous is not None:  # its health window fails: rejected, rolled back
-                self.journal.move_status(ckpt.id, CheckpointStatus.DEPLOYED, "serving on every worker (simulated)")
-                self.journal.move_status(ckpt.id, CheckpointStatus.REJECTED,
-                                         f"rolled back to {previous.version} after deploy: simulated health window")  # fmt: skip
-                self.journal.set_alias("serving", previous.id)
-                self.journal.finish_rollout(rid, RolloutOutcome.ROLLED_BACK)
-            else:
-                self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED)
+            stopped = self.stop_all.wait(self.update_s)
         self.ledger.releasing(self.name, slot)
         self.leases.release(ckpt.id)
+        if stopped:
+            return {"outcome": "superseded"}
+        previous = self.journal.alias("serving")
+        if version in self.bad and previous is not None:  # its health window fails: rejected, rolled back
+            self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED)
+            self.journal.set_alias("serving", ckpt.id)
+            self.journal.move_status(ckpt.id, CheckpointStatus.DEPLOYED, "serving on every worker (simulated)")
+            self.journal.move_status(ckpt.id, CheckpointStatus.REJECTED,
+                                     f"rolled back to {previous.version} after deploy: simulated health window")  # fmt: skip
+            self.journal.set_alias("serving", previous.id)
+            self.journal.amend_rollout(rid, outcome=RolloutOutcome.ROLLED_BACK, detail={"health_window": "failed"})
+        else:
+            self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED)
+            self.journal.set_alias("serving", ckpt.id)
         self.ledger.done(self.name, version)
         return {"outcome": "succeeded", "rollout_id": rid}
 

@@ -10,8 +10,9 @@ then is the rollout closed as `failed`: no mixed versions after a failed rollout
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +39,9 @@ class RolloutResult:
     moved: list[str] = field(default_factory=list)  # workers this rollout put on the target
     unrecovered: list[str] = field(default_factory=list)  # workers left UNHEALTHY after a failure
     kind: FailureKind | None = None  # of the failure
+
+
+Outcome = tuple[RolloutResult, dict[str, Any]]  # a rollout's result and its `rollouts.detail`
 
 
 class RolloutEngine:
@@ -112,15 +116,37 @@ class RolloutEngine:
         # Read now, while the database answers: a failure later must restore the workers even
         # when the database has gone meanwhile (their transitions are then kept for later).
         early = self._fallback_early(fallback)
+        with self.slot(ckpt, should_yield) as lost:
+            if lost is not None:
+                result, detail = self._move(rid, ckpt, fallback, batches, target, early,
+                                            lambda: should_yield() or lost())  # fmt: skip
+            else:
+                reason = "stopped while waiting for a fleet lease slot"
+                result, detail = RolloutResult(rid, RolloutOutcome.SUPERSEDED, reason), {"reason": reason}
+        # recorded once the workers are back in rotation: outside the slot, which other hosts wait for
+        self.journal.finish_rollout(rid, result.outcome, detail)
+        say = log.warning if result.outcome == RolloutOutcome.FAILED else log.info
+        say(f"rollout_{result.outcome.value}", rollout=rid, version=ckpt.version, **detail)
+        return result
+
+    @contextmanager
+    def slot(self, ckpt: CheckpointRef, stop_waiting: Callable[[], bool]) -> Iterator[Callable[[], bool] | None]:
+        """Held while the rollout may take workers out of rotation (preflight, batches, failure
+        path). Yields None when it could not be had, else a check that says it was lost since
+        (the rollout then stops at the next batch boundary). Here always had and never lost; a
+        fleet host waits for a lease slot (daemon.fleet.agent.LeasedEngine)."""
+        yield lambda: False
+
+    def _move(self, rid: int, ckpt: CheckpointRef, fallback: CheckpointRef | None, batches: list[Batch],
+              target: Target, early: Target | None, should_yield: Callable[[], bool]) -> Outcome:  # fmt: skip
+        """Preflight, then the batches: the result and its `rollouts.detail`, not yet recorded."""
         unavailable = self._preflight(rid, ckpt, fallback, [w for b in batches for w in b.workers])
         if unavailable:
             reason = f"worker {', '.join(unavailable)} not available before the rollout and could not be restored"
-            self.journal.finish_rollout(
-                rid, RolloutOutcome.FAILED,
-                {"reason": reason, "kind": FailureKind.UNAVAILABLE.value, "step": "preflight", "unrecovered": unavailable},
-            )  # fmt: skip
-            log.warning("rollout_failed", rollout=rid, version=ckpt.version, reason=reason)
-            return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable, kind=FailureKind.UNAVAILABLE)
+            detail = {"reason": reason, "kind": FailureKind.UNAVAILABLE.value, "step": "preflight",
+                      "unrecovered": unavailable}  # fmt: skip
+            return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable,
+                                 kind=FailureKind.UNAVAILABLE), detail  # fmt: skip
 
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         drained_last = False  # the previous batch took a worker out of a load balancer's rotation
@@ -132,10 +158,8 @@ class RolloutEngine:
                     time.sleep(self.settings.rejoin_s)
                 if should_yield():
                     names = [h.name for h, _ in moved]
-                    self.journal.finish_rollout(rid, RolloutOutcome.SUPERSEDED, {"moved": names})
-                    log.info("rollout_superseded", rollout=rid, version=ckpt.version, moved=names)
                     return RolloutResult(rid, RolloutOutcome.SUPERSEDED, "stopped at a batch boundary for newer work",
-                                         moved=names)  # fmt: skip
+                                         moved=names), {"moved": names}  # fmt: skip
                 outcomes = self._run_batch(batch, rid, target, ahead)
                 moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
                 drained_last = batch.mode == "drain" and any(changed for _, changed, _ in outcomes)
@@ -144,9 +168,7 @@ class RolloutEngine:
                     ahead.close()  # no preparation lands after the failure path has begun
                     return self._fail(rid, ckpt, fallback, failures, moved, batch, early)
         names = [h.name for h, _ in moved]
-        self.journal.finish_rollout(rid, RolloutOutcome.SUCCEEDED, {"moved": names})
-        log.info("rollout_succeeded", rollout=rid, version=ckpt.version, moved=names)
-        return RolloutResult(rid, RolloutOutcome.SUCCEEDED, moved=names)
+        return RolloutResult(rid, RolloutOutcome.SUCCEEDED, moved=names), {"moved": names}
 
     def _preflight(self, rid: int, ckpt: CheckpointRef, fallback: CheckpointRef | None, names: list[str]) -> list[str]:
         """Before any worker leaves RUNNING: a worker that is down or stuck is brought back on the
@@ -239,9 +261,10 @@ class RolloutEngine:
         moved: list[tuple[WorkerHandle, RolloutMode]],
         batch: Batch,
         early: Target | None = None,
-    ) -> RolloutResult:
+    ) -> Outcome:
         """`batch`: the one that failed; its mode moves its workers (a group's only worker pauses).
-        `early`: the fallback as resolved when the rollout began, used when the database is out now."""
+        `early`: the fallback as resolved when the rollout began, used when the database is out now.
+        Returns the result and its `rollouts.detail`, not yet recorded."""
         first = failures[0][1]
         why = f"rollout of {ckpt.version} failed: {first}"
         try:
@@ -286,9 +309,8 @@ class RolloutEngine:
             "rolled_back": [h.name for h, _ in moved],
             "unrecovered": unrecovered,
         }
-        self.journal.finish_rollout(rid, RolloutOutcome.FAILED, detail)
-        log.warning("rollout_failed", rollout=rid, version=ckpt.version, **detail)
-        return RolloutResult(rid, RolloutOutcome.FAILED, str(first), moved=[], unrecovered=unrecovered, kind=first.kind)
+        return RolloutResult(rid, RolloutOutcome.FAILED, str(first), moved=[], unrecovered=unrecovered,
+                             kind=first.kind), detail  # fmt: skip
 
 
 class PreparedAhead:
