@@ -93,8 +93,9 @@ def test_three_hosts_bound_one_kill_mid_rollout_and_a_late_joiner(
     wait_until(lambda: "test_hold_begin" in d[1].log(), 300, 0.2, "host-1 paused mid-rollout of v1")
     for i in (0, 2):  # the same bytes reach the other hosts: they wait for the lease
         publish_into(d[i].watch_dir, "v1", seed=1)
+    d[1].kill()  # SIGKILL (waited for): its lease is not released, only no longer renewed
+    # read after the kill: a renewal just before it is then inside the bound asserted below
     killed_at = db_now(pg_url)
-    d[1].kill()  # SIGKILL: its lease is not released, only no longer renewed
     reg = Registry(pg_url, "host-0")
     with reg.engine.connect() as c:  # what it held at the kill: nothing renews it any more
         dead = c.execute(text("SELECT slot, expires_at FROM fleet_leases WHERE host = 'host-1'")).one()
