@@ -7,7 +7,8 @@ prints one JSON line per run: {"what": NAME, "s": seconds} (imports are done bef
 starts). NAME is a CLI command ("history -n 20", "status", "status --fleet", "show"), a query of
 QUERIES, "metrics" (one /metrics scrape of the registry series), "start" (build_daemon + start
 until the rollout service is ready, two in-process fake workers answering as the registry says
-they serve) or "rollout writes" (the registry calls one successful rollout makes, in order).
+they serve), "rollout writes" (the registry calls one successful rollout makes, in order) or
+"fleet mark" (`daemon.fleet.target.fleet_mark`, the one statement each fleet host sends per poll).
 """
 
 from __future__ import annotations
@@ -261,7 +262,22 @@ def probe(what: str, url: str, config: str) -> Callable[[], None]:
         return _start(url, config)
     if what == "rollout writes":
         return _rollout_writes(url)
+    if what == "fleet mark":
+        return _fleet_mark(url)
     return _query(url, dict(QUERIES)[what])
+
+
+def _fleet_mark(url: str) -> Callable[[], None]:
+    from daemon.fleet.target import fleet_mark
+    from daemon.registry import Registry
+
+    reg = Registry(url, host=HOST)
+    fleet_mark(reg)  # the pool's first connection, before the clock
+
+    def run() -> None:
+        fleet_mark(reg)
+
+    return run
 
 
 def write_config(path: Path, url: str, workdir: Path, workers: bool = False) -> Path:

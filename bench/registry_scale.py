@@ -49,7 +49,7 @@ from bench.registry_probe import CLI, QUERIES, write_config
 REPO = Path(__file__).resolve().parents[1]
 STARTUP_S = 60.0  # a probe's imports and set-up, before its first run's clock
 GOALS = {"history -n 20": 0.5, "status": 0.5, **{name: 0.1 for name, _ in QUERIES}}
-MEASURES = [*CLI, "show", *(name for name, _ in QUERIES), "metrics", "rollout writes"]
+MEASURES = [*CLI, "show", *(name for name, _ in QUERIES), "metrics", "rollout writes", "fleet mark"]
 
 
 def _env() -> dict[str, str]:
