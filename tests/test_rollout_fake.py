@@ -25,6 +25,7 @@ from daemon import adapters
 from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.controller.service import RolloutService
+from daemon.controller.startup import NEVER_MOVED
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import Checkpoint, Event
@@ -546,6 +547,46 @@ def test_service_rejects_a_version_whose_rollout_failed_and_keeps_serving(reg: R
         assert out["outcome"] == "failed" and row is not None and row.status == C.REJECTED
         assert svc.journal.alias("serving") == svc.journal.checkpoint(v0.id)
         assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+    finally:
+        svc.stop()
+
+
+# A daemon that stopped while a rollout had not moved a worker yet (a fleet host waits for its
+# lease slot there, its rollout row already written): at start a fleet rollout is closed and the
+# fleet agent decides again, since its stage may have halted meanwhile; any other is finished as
+# crash recovery always did.
+
+
+def _left_open(reg: Registry, trigger: RolloutTrigger) -> int:
+    """v0 serving, v1 verified, a rollout of v1 opened and never finished (no worker event)."""
+    j = Journal(reg)
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    j.set_alias("serving", v0.id)
+    j.set_alias("last_good", v0.id)
+    return j.start_rollout(v1.id, trigger=trigger, transport="disk", mode="drain",
+                           detail={"version": "v1", "fallback": "v0"})  # fmt: skip
+
+
+def test_a_fleet_rollout_that_moved_no_worker_is_closed_at_start(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    rid = _left_open(reg, RolloutTrigger.FLEET)
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
+    try:
+        row = next(r for r in rollouts(reg) if r["id"] == rid)
+        assert row["outcome"] == "superseded" and row["detail"]["reason"] == NEVER_MOVED
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+    finally:
+        svc.stop()
+
+
+def test_a_new_versions_rollout_that_moved_no_worker_is_still_finished_at_start(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    rid = _left_open(reg, RolloutTrigger.NEW)
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
+    try:
+        row = next(r for r in rollouts(reg) if r["id"] == rid)
+        assert row["outcome"] == "succeeded" and row["detail"].get("recovered") is True
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v1")}
     finally:
         svc.stop()
 

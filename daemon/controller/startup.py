@@ -2,8 +2,9 @@
 
 `seed_if_empty` (on the caller's thread, in `RolloutService.start`): a fleet of managed workers
 only, with nothing deployed yet, serves the tiny seed. `run` (first on the runner's thread):
-managed workers adopted or launched, unfinished rollouts finished or undone, an interrupted health
-window watched again, a reconcile queued and a waiting version resumed.
+managed workers adopted or launched, unfinished rollouts finished or undone (a fleet rollout that
+had not moved a worker yet is closed: the fleet agent decides again), an interrupted health window
+watched again, a reconcile queued and a waiting version resumed.
 
     startup = Startup(journal, fleet, settings, state_dir, state, queue, supervisor, leases,
                       stopping, engine, driver, decisions, submit=service.submit)
@@ -16,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
+from daemon.adapters.base import WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.decisions import RolloutDecisions
@@ -30,10 +32,11 @@ from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.managed import ensure_seed
 from daemon.rollout.planner import newer, newest
 from daemon.rollout.recovery import Recovery
-from daemon.rollout.states import Fleet
+from daemon.rollout.states import Fleet, WorkerState, parse_state
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
+NEVER_MOVED = "the daemon stopped before any worker moved; the fleet agent decides again"
 
 
 @dataclass
@@ -67,9 +70,16 @@ class Startup:
         open_rollouts = self.journal.unfinished_rollouts()
         for r in open_rollouts[:-1]:
             self.journal.finish_rollout(r.id, RolloutOutcome.FAILED, {"reason": "left unfinished; a later rollout replaced it"})
-        if open_rollouts:
-            with holding(self.leases, open_rollouts[-1].checkpoint, self.stopping.is_set):
-                self._recover_unfinished(open_rollouts[-1])
+        last = open_rollouts[-1] if open_rollouts else None
+        if last is not None and last.trigger == T.FLEET and self._never_moved(last):
+            # it was waiting for a lease slot: the fleet agent decides again (its stage may have
+            # halted meanwhile) rather than this start finishing it
+            self.journal.finish_rollout(last.id, RolloutOutcome.SUPERSEDED, {"reason": NEVER_MOVED})
+            log.info("rollout_closed_unmoved", rollout=last.id, version=last.checkpoint.version)
+            last = None
+        if last is not None:
+            with holding(self.leases, last.checkpoint, self.stopping.is_set):
+                self._recover_unfinished(last)
         else:
             # Nothing to recover: record where each worker is now, from its own answer, before
             # the first job (the registry would otherwise say UNKNOWN until the first poll).
@@ -88,6 +98,16 @@ class Startup:
         if waiting is not None:
             log.info("resuming_waiting_checkpoint", version=waiting.version)
             self.submit(waiting.id)
+
+    def _never_moved(self, rollout: RolloutRef) -> bool:
+        """No worker event of `rollout` and every worker answers RUNNING: it stopped before its
+        first worker left RUNNING (a fleet rollout waits for its lease slot there)."""
+        if any(worker is not None for worker, _, _ in self.journal.rollout_events(rollout.id)):
+            return False
+        try:
+            return all(parse_state(h.client.weight_info().state) == WorkerState.RUNNING for h in self.fleet)
+        except WorkerError:
+            return False
 
     def seed_if_empty(self) -> None:
         """A fleet of managed workers only, with nothing deployed yet: serve the tiny seed."""
