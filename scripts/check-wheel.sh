@@ -62,18 +62,28 @@ else
     WVENV="$CACHE/wheel-venv-$KEY"
     mkdir -p "$CACHE"
 fi
-install_quiet() { "$WVENV/bin/python" -m pip install -q "$@" 2>&1 | grep -v "^WARNING: Location" >&2 || true; }
+# pip's own exit status (an install that failed or was killed must never be marked complete),
+# its output without the offline mirror's "Location ... is ignored" warnings
+install_quiet() {
+    local rc=0
+    "$WVENV/bin/python" -m pip install -q "$@" >"$WORK/pip.log" 2>&1 || rc=$?
+    grep -v "^WARNING: Location" "$WORK/pip.log" >&2 || true
+    return "$rc"
+}
 if [ ! -f "$WVENV/.complete" ]; then
     say "building the dependency venv $WVENV (once per dependency set)"
     rm -rf "$WVENV"
     "$PY" -m venv "$WVENV"
-    install_quiet "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"}
-    install_quiet "$WHEEL"
+    install_quiet "torch==$TORCH_VERSION" ${TORCH_INDEX_URL:+--index-url "$TORCH_INDEX_URL"} \
+        || fail "installing torch $TORCH_VERSION into $WVENV"
+    install_quiet "$WHEEL" || fail "installing the wheel and its dependencies into $WVENV"
     touch "$WVENV/.complete"
 else
-    install_quiet --no-deps --force-reinstall "$WHEEL"
+    install_quiet --no-deps --force-reinstall "$WHEEL" || fail "reinstalling the wheel into $WVENV"
 fi
-"$WVENV/bin/python" -m pip check >/dev/null 2>&1 || { "$WVENV/bin/python" -m pip check >&2; fail "pip check"; }
+# a cached venv that no longer checks out is built again by the next run
+"$WVENV/bin/python" -m pip check >/dev/null 2>&1 \
+    || { "$WVENV/bin/python" -m pip check >&2; rm -f "$WVENV/.complete"; fail "pip check"; }
 "$WVENV/bin/python" -c "import torch, sys; sys.exit(torch.__version__.split('+')[0] != '$TORCH_VERSION')" \
     || fail "torch in the venv is not $TORCH_VERSION"
 cd "$WORK"   # from here on nothing may find the repository's files (python -c puts . on sys.path)
