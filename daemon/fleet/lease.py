@@ -177,6 +177,20 @@ class FleetLeases:
         return False
 
     @contextmanager
+    def held(self, version: str | None, checkpoint_id: int | None, stop: Callable[[], bool]) -> Iterator[int | None]:
+        """Wait for a slot, renew it while the block runs and release it after; the slot, or
+        None (nothing held) when `stop()` turned true before one was had."""
+        slot = self.acquire(version, checkpoint_id, stop)
+        if slot is None:
+            yield None
+            return
+        try:
+            with self.renewing():
+                yield slot
+        finally:
+            self.release(checkpoint_id)
+
+    @contextmanager
     def renewing(self) -> Iterator[None]:
         """Renew the held slot every `renew_s` until the block ends."""
         done = threading.Event()
