@@ -7,7 +7,7 @@
 #   scripts/check-metrics.sh --which     print promtool's path if it is there (never installs)
 #
 # e.g. scripts/check-metrics.sh http://127.0.0.1:8780/metrics (the daemon), and a worker's
-# /metrics once it has one. tests/test_metrics_promtool.py scrapes a real daemon through this.
+# /metrics once it has one. tests/e2e/test_metrics_promtool.py scrapes a real daemon through this.
 #
 # promtool is taken from $HOTSWAP_PROMTOOL, else PATH, else the cache below. When none is
 # there it is extracted from Debian's `prometheus` package into the cache: `apt-get download`

@@ -42,12 +42,12 @@ import secrets
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
 import pytest
+from support_wait import free_port, free_ports, wait_until  # noqa: F401 - the one copy, re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 POSTGRES_ENV = "HOTSWAP_TEST_POSTGRES_URL"
@@ -79,27 +79,8 @@ LONGEST_FIRST = ("test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e
                  "fleet-daemons", "test_sglang_adapter.py", "test_worker_identity.py",
                  "test_broadcast.py", "test_restart_rollout.py", "test_adapters_daemon.py")  # fmt: skip
 
-# The quick tier (`./scripts/test.sh -m quick`, CONTRIBUTING.md): pure logic, fakes, files and
-# single short-lived processes; no daemon, no vLLM, no load. About a minute on two cores.
-QUICK = frozenset({
-    "test_adapter_checks", "test_adapters_fake",
-    "test_backoff", "test_broadcast_protocol", "test_check_dependencies", "test_check_while_load",
-    "test_check_while_load_async", "test_check_while_load_ipc", "test_checks", "test_checks_cli",
-    "test_checks_signatures", "test_client_publish", "test_config", "test_config_check",
-    "test_control_routes_guarded", "test_copyplan", "test_deferred_retry", "test_deployed_times",
-    "test_detokenize", "test_disk_ahead", "test_docs_config_reference", "test_docs_readme",
-    "test_e2e_versions", "test_engine_adapters", "test_engine_clients", "test_engine_files",
-    "test_engine_routes", "test_fleet_agent", "test_fleet_behind", "test_fleet_cmd", "test_fleet_lag",
-    "test_fleet_stages", "test_registry_jit",
-    "test_fleet_lease", "test_fleet_migration", "test_forgery", "test_forward_build", "test_hashing",
-    "test_ipc_descriptor", "test_ipc_transport", "test_json_bodies", "test_layout", "test_listener_limits",
-    "test_loader", "test_manifest", "test_migration_file_hashes", "test_migration_schema",
-    "test_pipeline_fake", "test_probe_in_worker", "test_problems", "test_push_errors", "test_rediscovery",
-    "test_registries", "test_rollout_fake", "test_rollout_units", "test_smallfile", "test_sources_config",
-    "test_sources_local", "test_sources_push", "test_sources_retention", "test_stage_verify_loader",
-    "test_supervise_units", "test_systemd_units", "test_tcplisten", "test_worker_engine",
-})
-
+# The quick tier (`./scripts/test.sh -m quick`, CONTRIBUTING.md) is declared by its modules
+# (`pytestmark = pytest.mark.quick`): pure logic, fakes, files and single short-lived processes.
 
 
 def _unit(nodeid: str) -> str:
@@ -146,9 +127,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         u = _unit(item.nodeid)
         return LONGEST_FIRST.index(u) if u in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    for item in items:
-        if item.path.stem in QUICK:
-            item.add_marker(pytest.mark.quick)
     items.sort(key=rank)  # stable: a module's tests keep their order and stay together
 
 
@@ -234,24 +212,6 @@ def registry(db_url: str) -> Iterator[Any]:
 
 
 # --------------------------------------------------------------------------- helpers
-
-
-def wait_until(
-    fn: Callable[[], T], timeout: float = 10.0, interval: float = 0.05, what: str = "condition"
-) -> T:
-    deadline = time.monotonic() + timeout
-    last_exc: Exception | None = None
-    while True:
-        try:
-            value = fn()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001 - keep polling; report the last error on timeout
-            last_exc = exc
-        if time.monotonic() > deadline:
-            extra = f" (last error: {last_exc!r})" if last_exc else ""
-            raise AssertionError(f"timed out after {timeout}s waiting for {what}{extra}")
-        time.sleep(interval)
 
 
 def _toml_value(v: Any) -> str:
@@ -486,3 +446,11 @@ def daemon_factory(tmp_path: Path) -> Iterator[Callable[..., DaemonProcess]]:
     for d in started:
         d.close()
 
+
+@pytest.fixture
+def moto_server(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """A moto S3 server subprocess on loopback (tests/support_s3.py), boto3's credentials in the
+    environment: the one moto fixture."""
+    from support_s3 import serve_moto
+
+    yield from serve_moto(monkeypatch)

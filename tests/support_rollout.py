@@ -18,13 +18,16 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
+from support_wait import (
+    free_ports,  # noqa: F401 - used and re-exported
+    wait_until,
+)
 
 from daemon.loadgen import LoadGen, LoadStats  # noqa: F401 - re-exported for the tests
 
@@ -60,21 +63,6 @@ def _alive(pid: int) -> bool:
             return f.read().split(") ", 1)[1][0] != "Z"
     except OSError:
         return False
-
-
-def wait_until(fn: Callable[[], Any], timeout: float, what: str, interval: float = 0.05) -> Any:
-    deadline = time.monotonic() + timeout
-    last: Exception | None = None
-    while True:
-        try:
-            value = fn()
-            if value:
-                return value
-        except Exception as exc:  # noqa: BLE001
-            last = exc
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}" + (f" (last error {last!r})" if last else ""))
-        time.sleep(interval)
 
 
 @dataclass
@@ -135,7 +123,7 @@ class WorkerProc:
         pid = self.pid
         assert pid is not None
         os.kill(pid, signal.SIGKILL)
-        wait_until(lambda: not _alive(pid), 10, f"{self.name} (pid {pid}) to die")
+        wait_until(lambda: not _alive(pid), 10, what=f"{self.name} (pid {pid}) to die")
         return pid
 
     def stop(self) -> None:
@@ -157,7 +145,7 @@ class WorkerProc:
             return None
 
         try:
-            return wait_until(ok, timeout, f"worker {self.name} RUNNING" + (f" on {version}" if version else ""), 0.1)
+            return wait_until(ok, timeout, what=f"worker {self.name} RUNNING" + (f" on {version}" if version else ""), interval=0.1)
         except AssertionError as exc:
             raise AssertionError(f"{exc}\n{self.name} log tail:\n{self.log_tail()}") from None
 
@@ -171,20 +159,6 @@ class WorkerProc:
         """This worker as a [[workers]] table for the daemon config."""
         return {"name": self.name, "url": self.url, "token_file": str(self.token_file), "device": "cpu",
                 "restart_command": self.restart_command(), **extra}  # fmt: skip
-
-
-def free_ports(n: int) -> list[int]:
-    import socket
-
-    socks = []
-    for _ in range(n):
-        s = socket.socket()
-        s.bind(("127.0.0.1", 0))
-        socks.append(s)
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 class WorkerPool:
@@ -262,7 +236,7 @@ def start_fleet(
     d.start(timeout=90)
     d.wait_status("v0", "deployed", timeout=180)
     window_s = float(rollout.get("health_window_s", 0.0))
-    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60 + 2 * window_s, "v0's health window")
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 60 + 2 * window_s, what="v0's health window")
     return d
 
 
@@ -379,7 +353,7 @@ def wait_passes(d: Any, loop: str, n: int, timeout: float = 120) -> None:
         return int(d.get("/v1/rollout").json()["passes"][loop])
 
     start = passes()
-    wait_until(lambda: passes() >= start + n, timeout, f"{n} more {loop} passes (from {start})", interval=0.1)
+    wait_until(lambda: passes() >= start + n, timeout, what=f"{n} more {loop} passes (from {start})", interval=0.1)
 
 
 def worker_row(registry: Any, name: str) -> dict[str, Any]:
@@ -417,7 +391,7 @@ def _relaunch_main(argv: list[str]) -> int:
     if old is not None and _alive(old):  # like systemctl restart: stop the old one first
         with contextlib.suppress(ProcessLookupError):
             os.killpg(old, signal.SIGKILL)
-        wait_until(lambda: not _alive(old), 10, f"old worker {old} to exit")
+        wait_until(lambda: not _alive(old), 10, what=f"old worker {old} to exit")
     pid = spawn_worker(worker_args, args.pidfile, args.log)
     print(json.dumps({"pid": pid}))
     return 0

@@ -23,14 +23,9 @@ from typing import Any
 import boto3
 import crc32c
 import pytest
+from support_wait import free_port  # noqa: F401 - used and re-exported
 
 CREDS = {"aws_access_key_id": "testing", "aws_secret_access_key": "testing-secret", "region_name": "us-east-1"}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class MotoServer:

@@ -21,7 +21,6 @@ import contextlib
 import ctypes
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -30,6 +29,7 @@ from typing import Any
 
 import httpx
 import pytest
+from support_wait import free_port  # noqa: F401 - used and re-exported
 
 REPO = Path(__file__).resolve().parents[1]
 SKIP_ENV = "HOTSWAP_SKIP_VLLM"
@@ -83,12 +83,6 @@ def make_vllm_checkpoint(directory: Path, seed: int, context: int = MAX_MODEL_LE
 
     overrides = {**VLLM_TINY, "max_position_embeddings": context}
     return make_tiny_checkpoint(directory, seed=seed, dtype="bfloat16", config_overrides=overrides)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def die_with_parent() -> None:

@@ -25,7 +25,7 @@ WORKER_KINDS: dict[str, str] = {
     "sglang": "daemon.adapters.sglang:connect",
 }
 # Engine kinds: the `[[workers]]` keys they take beyond url/token_file/restart_command, and their
-# pause modes (tests/test_engine_adapters.py checks these against the adapters' own tables).
+# pause modes (tests/config/test_engine_adapters.py checks these against the adapters' own tables).
 ENGINE_PAUSE_MODES: dict[str, tuple[str, ...]] = {"vllm": ("keep", "wait", "abort"), "sglang": ("retract", "abort")}
 ENGINE_KEYS: dict[str, tuple[str, ...]] = {"vllm": ("pause_mode",), "sglang": ("pause_mode", "admin_token_file")}
 MANAGED_KIND = "builtin"  # the kind the daemon can run itself (`launch = "managed"`: `hotswap worker`)

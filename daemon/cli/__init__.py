@@ -10,6 +10,6 @@
     reverify  `reverify VERSION`
     fleet     `fleet target`
 
-May import every other package of the daemon; nothing imports it (tests/test_layout.py). A
+May import every other package of the daemon; nothing imports it (tests/project/test_layout.py). A
 command imports what it needs when it runs, so `hotswap status` never pays for torch.
 """

@@ -16,7 +16,7 @@ tensor to the run before it when
 A run's copy also covers the gaps between its tensors: in the destination those bytes belong to
 no tensor (alignment padding of the worker's own buffer: nothing is between two neighbours in
 address order), in the source they are read only. Everything else is copied tensor by tensor.
-The result is bit for bit what one `copy_` per tensor gives (tests/test_copyplan.py).
+The result is bit for bit what one `copy_` per tensor gives (tests/transport/test_copyplan.py).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ A state graph is laid out in rows: a node's row is its longest distance from the
 the edges that go forward in the enum's order, nodes within a row in that order. Edges to a later row are solid; edges back to an
 earlier or the same row are dashed and bend around the side; a self-loop is a small arc. Every SVG
 carries `data-diagram` and one `<g class="node" data-node=NAME>` per state, which the browser check
-(tests/test_docs_site.py) looks for.
+(tests/docs/test_docs_site.py) looks for.
 """
 
 from __future__ import annotations

@@ -1,0 +1,85 @@
+"""Our HTTP listeners bound what clients hold open (daemon.common.httpguard): a flood of idle or
+half-sent connections churns itself instead of exhausting file descriptors, a client that sends
+its request at once still gets an answer, and a slow sender is cut off; identical log lines in a
+tight loop stay a few lines (daemon.common.logging.RepeatFilter)."""
+
+from __future__ import annotations
+
+import io
+import logging
+import socket
+import time
+from collections.abc import Iterator
+
+import httpx
+import pytest
+from support_listener import serving
+
+from daemon.common.httpguard import ListenerLimits
+from daemon.common.logging import configure_logging, get_logger
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.fixture
+def server() -> Iterator[tuple[str, int]]:
+    with serving(ListenerLimits(max_connections=20, header_timeout_s=1.0)) as (_, _, port):
+        yield "127.0.0.1", port
+
+
+def _closed_by_peer(s: socket.socket, timeout: float) -> bool:
+    s.settimeout(timeout)
+    try:
+        return s.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+def test_a_flood_of_idle_connections_is_churned_and_a_real_request_still_gets_in(server) -> None:
+    host, port = server
+    idle = [socket.create_connection((host, port)) for _ in range(200)]
+    try:
+        # with 200 idle sockets open against a cap of 20, a request sent at once is answered
+        for _ in range(5):
+            assert httpx.get(f"http://{host}:{port}/ping", timeout=10).json() == {"ok": True}
+        still_open = [s for s in idle if not _closed_by_peer(s, 0.01)]
+        assert len(still_open) <= 20, f"{len(still_open)} idle connections still held by the server"
+    finally:
+        for s in idle:
+            s.close()
+
+
+def test_a_client_that_never_finishes_its_headers_is_cut_off(server) -> None:
+    host, port = server
+    slow = socket.create_connection((host, port))
+    try:
+        slow.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\n")  # and never the blank line
+        t0 = time.monotonic()
+        assert _closed_by_peer(slow, 30), "a half-sent request was held open"
+        waited = time.monotonic() - t0
+        assert waited >= 0.5, f"closed after {waited:.2f} s: before its header timeout"
+    finally:
+        slow.close()
+    # and a connection that answered stays usable for the next request (keep-alive)
+    with httpx.Client(base_url=f"http://{host}:{port}") as c:
+        assert c.get("/ping").status_code == 200 and c.get("/ping").status_code == 200
+
+
+def test_identical_log_lines_in_a_tight_loop_stay_a_few_lines() -> None:
+    out = io.StringIO()
+    configure_logging("info", stream=out, json=True)
+    try:
+        log = get_logger("hotswap.test")
+        for _ in range(5000):
+            log.error("accept failed", error="[Errno 24] Too many open files")
+            logging.getLogger("asyncio").error("socket.accept() out of system resource")
+        for i in range(7):  # lines that differ in a field are all kept (one check's seven "check" lines)
+            log.info("check", name=f"c{i}")
+        lines = out.getvalue().splitlines()
+        assert 2 <= len(lines) - 7 <= 20, len(lines)
+        assert sum('"check"' in line for line in lines) == 7
+    finally:
+        configure_logging("info")
+

@@ -1,0 +1,167 @@
+"""Staged fleet rollouts decided in the registry (daemon.fleet.stages), with four hosts' rows on
+SQLite and PostgreSQL and the fleet agent's answer for each host: who is admitted when, the bake
+time, a halt on a rejected version (hosts on it go back, nobody else is admitted), pause, resume
+and abort, the view `fleet_stage_hosts`, and a newer version superseding the rollout.
+The same code with real daemons: tests/e2e/test_fleet_stages_daemons.py."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+from sqlalchemy import text
+from support_fleet import seed_versions
+
+from daemon.fleet import stages
+from daemon.fleet.agent import FleetAgent
+from daemon.fleet.settings import FleetSettings, StageSpec
+from daemon.fleet.target import fleet_rows
+from daemon.registry import Registry, hosts
+from daemon.registry.journal import Journal
+from daemon.registry.models import utcnow
+from daemon.registry.status import CheckpointStatus as C
+
+pytestmark = pytest.mark.quick
+
+HOSTS = ("host-0", "host-1", "host-2", "host-3")
+PLAN = [StageSpec(hosts=1, bake_s=30), StageSpec(percent=50, bake_s=0)]
+
+
+class Fleet:
+    def __init__(self, url: str, root: Path) -> None:
+        self.regs = {h: Registry(url, h) for h in HOSTS}
+        self.regs["host-0"].upgrade()
+        self.j = {h: Journal(r) for h, r in self.regs.items()}
+        for h, j in self.j.items():
+            j.register_workers([("w0", "builtin", f"http://{h}", "cpu")])
+            j.observe("w0", state="RUNNING", weight_version="v0", error=None, device="cpu")
+        self.ids = seed_versions(
+            self.regs["host-0"], root, {"v0": C.DEPLOYED, "v1": C.VERIFIED, "v2": C.VERIFIED}
+        )
+        for h in HOSTS[1:]:  # every host has its own copy of each version
+            for v, i in self.ids.items():
+                (root / h / v).mkdir(parents=True)
+                with self.regs[h].session() as s:
+                    hosts.set_location(s, i, str(root / h / v))
+        for h in HOSTS:
+            self.on(h, "v0")
+        self.settings = FleetSettings(enabled=True, stages=PLAN)
+        self.agents = {h: FleetAgent(j, self.settings, idle=lambda: True, pinned=lambda: None, converge=print,
+                                     submit=print) for h, j in self.j.items()}  # fmt: skip
+
+    def on(self, host: str, version: str, passed: bool = True) -> None:
+        self.j[host].set_alias("serving", self.ids[version])
+        if passed:
+            self.j[host].set_alias("last_good", self.ids[version])
+
+    def wants(self, host: str) -> str | None:
+        w = self.agents[host].wanted()
+        return w[0].version if w is not None else None
+
+    def close(self) -> None:
+        for r in self.regs.values():
+            r.close()
+
+
+@pytest.fixture
+def fleet(db_url: str, tmp_path: Path):
+    f = Fleet(db_url, tmp_path)
+    yield f
+    f.close()
+
+
+def test_a_staged_rollout_admits_one_stage_at_a_time_and_bakes(fleet: Fleet) -> None:
+    j = fleet.j
+    v1 = j["host-2"].checkpoint(fleet.ids["v1"])
+    assert v1 is not None
+    assert fleet.agents["host-2"].admits(v1)  # the host that verified it first begins it: the canary
+    assert not fleet.agents["host-0"].admits(v1)
+    assert [fleet.wants(h) for h in HOSTS] == [None, None, "v1", None]  # only the canary (admitted) takes it
+    fleet.on("host-2", "v1", passed=False)  # inside its health window: not ready
+    assert stages.step(j["host-1"]) == []
+    fleet.on("host-2", "v1")  # passed: v1 is now the newest good version, and still only host-2 has it
+    assert stages.step(j["host-1"]) == ["fleet_stage_ready"]
+    assert [fleet.wants(h) for h in HOSTS] == [None, None, None, None]
+    # `hotswap status --fleet`: v1 is the newest good version; the hosts not admitted are held, not behind
+    rows = {r["host"]: r["state"] for r in fleet_rows(fleet.regs["host-0"])["hosts"]}
+    assert rows == {"host-0": "held", "host-1": "held", "host-2": "in sync", "host-3": "held"}, rows
+    assert stages.step(j["host-1"], utcnow() + timedelta(seconds=10)) == []  # baking (30 s)
+    assert stages.step(j["host-3"], utcnow() + timedelta(seconds=31)) == [
+        "fleet_stage_advanced",
+        "fleet_stage_admitted",
+    ]
+    assert [fleet.wants(h) for h in HOSTS] == ["v1", None, None, None]  # 50 % of 4: host-2 and host-0
+    doc = stages.status(fleet.regs["host-3"])
+    assert doc is not None and doc["stage"] == 1 and doc["state"] == "running"
+    assert {(h["host"], h["stage"], h["host_state"]) for h in doc["hosts"]} == {
+        ("host-2", 0, "passed"), ("host-0", 1, "waiting")}  # fmt: skip
+    fleet.on("host-0", "v1")
+    assert stages.step(j["host-0"]) == ["fleet_stage_ready"]
+    assert stages.step(j["host-0"]) == ["fleet_stage_advanced", "fleet_stage_admitted"]  # bake 0
+    assert [fleet.wants(h) for h in HOSTS] == [None, "v1", None, "v1"]
+    for h in ("host-1", "host-3"):
+        fleet.on(h, "v1")
+    assert stages.step(j["host-0"]) == ["fleet_stage_ready"]
+    assert stages.step(j["host-0"]) == ["fleet_rollout_done"]
+    assert stages.for_host(j["host-1"], "host-1") is None  # over: the fleet target rules again
+    assert fleet.agents["host-1"].admits(v1)
+    with fleet.regs["host-0"].session() as s:
+        names = [
+            r[0]
+            for r in s.execute(text("SELECT to_state FROM events WHERE to_state LIKE 'fleet_%' ORDER BY id"))
+        ]
+    assert names[0] == "fleet_rollout_started" and names[-1] == "fleet_rollout_done"
+
+
+def test_a_rejected_version_halts_the_rollout_and_its_hosts_go_back(fleet: Fleet) -> None:
+    j = fleet.j
+    v1 = j["host-1"].checkpoint(fleet.ids["v1"])
+    assert v1 is not None and fleet.agents["host-1"].admits(v1)
+    fleet.on("host-1", "v1", passed=False)
+    j["host-1"].move_status(fleet.ids["v1"], C.DEPLOYED, "serving on every worker")
+    # another canary host's health window failed: v1 is rejected (the same verdict a lone host acts on)
+    j["host-1"].move_status(fleet.ids["v1"], C.REJECTED, "rolled back to v0 after deploy: error rate 0.5")
+    assert stages.step(j["host-3"]) == ["fleet_rollout_halted"]
+    doc = stages.status(fleet.regs["host-0"])
+    assert doc is not None and doc["state"] == "halted" and "rejected at stage 0" in doc["reason"]
+    assert fleet.wants("host-1") == "v0"  # back to the previous fleet version
+    assert "v1" not in [fleet.wants(h) for h in ("host-0", "host-2", "host-3")]  # (the verified v2 is next)
+    assert not fleet.agents["host-0"].admits(v1)
+    assert stages.step(j["host-3"]) == []  # halted stays halted
+
+
+def test_pause_resume_abort_and_a_newer_version(fleet: Fleet) -> None:
+    j = fleet.j
+    v1 = j["host-0"].checkpoint(fleet.ids["v1"])
+    assert v1 is not None and fleet.agents["host-0"].admits(v1)
+    stages.command(j["host-3"], "pause", by="ops")
+    with pytest.raises(stages.StageCommandRefused, match="paused already"):
+        stages.command(j["host-3"], "pause", by="ops")
+    assert not fleet.agents["host-0"].admits(v1)  # paused: nobody starts on it
+    fleet.on("host-0", "v1")
+    assert stages.step(j["host-1"]) == []  # no stage moves while paused
+    stages.command(j["host-3"], "resume", by="ops")
+    assert stages.step(j["host-1"]) == ["fleet_stage_ready"]
+    assert stages.command(j["host-3"], "abort", by="ops").startswith("abort")
+    assert j["host-0"].checkpoint(fleet.ids["v1"]).status == C.REJECTED  # type: ignore[union-attr]
+    assert fleet.wants("host-0") == "v0"
+    with pytest.raises(stages.StageCommandRefused, match="no staged fleet rollout in progress"):
+        stages.command(j["host-3"], "resume", by="ops")
+    # a newer version begins its own rollout; one still in progress would be superseded by it
+    fleet.on("host-0", "v0")
+    v2 = j["host-2"].checkpoint(fleet.ids["v2"])
+    assert v2 is not None and fleet.agents["host-2"].admits(v2)
+    doc = stages.status(fleet.regs["host-0"])
+    assert doc is not None and (doc["version"], doc["previous"], doc["state"]) == ("v2", "v0", "running")
+
+
+def test_bad_stages_name_the_key() -> None:
+    from daemon.common.typedtoml import build_dataclass
+
+    with pytest.raises(Exception, match=r"stages\[0\]: give exactly one of hosts, percent or names"):
+        build_dataclass({"enabled": True, "stages": [{"hosts": 1, "percent": 10}]}, FleetSettings, "fleet")
+    assert stages.plan_of([StageSpec(hosts=1, bake_s=5)]) == [
+        {"hosts": 1, "bake_s": 5},
+        {"percent": 100, "bake_s": 0},
+    ]

@@ -1,0 +1,245 @@
+"""The package's shape, checked from its source: the layers (ARCHITECTURE.md), no import cycles,
+one writer of checkpoint status, small modules, a short root, packages that say what they own,
+a rollout package of at most 12 modules, and no test hook read by production code.
+
+Import edges are every `import` in a module (top level, inside functions, under TYPE_CHECKING) plus
+every registry entry written as "daemon.module:attribute" (resolved by name at run time), so a
+cycle cannot hide behind a lazy import.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+import pytest
+from conftest import REPO
+
+pytestmark = pytest.mark.quick
+
+PACKAGE = REPO / "daemon"
+REGISTRY_ENTRY = re.compile(r"^(daemon(?:\.\w+)+):\w+$")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for p in sorted(PACKAGE.rglob("*.py")):
+        parts = list(p.relative_to(REPO).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = p
+    return out
+
+
+MODULES = _modules()
+
+
+def _resolve(name: str) -> str | None:
+    while name and name not in MODULES:
+        name = name.rpartition(".")[0]
+    return name or None
+
+
+def _imports(module: str, path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), str(path))
+    found: set[str | None] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found |= {_resolve(a.name) for a in node.names if a.name.startswith("daemon")}
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                pkg = module.split(".") if path.name == "__init__.py" else module.split(".")[:-1]
+                base = ".".join(pkg[: len(pkg) - node.level + 1] + ([node.module] if node.module else []))
+            if base.startswith("daemon"):
+                found |= {_resolve(f"{base}.{a.name}") for a in node.names}
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str):
+            m = REGISTRY_ENTRY.match(node.value)
+            if m:
+                found.add(_resolve(m.group(1)))
+    found.discard(None)
+    found.discard(module)
+    return {f for f in found if f is not None}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:  # Tarjan's strongly connected components
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+# The layers, bottom up, written down once (ARCHITECTURE.md "Layers" says why): a module imports
+# modules of its own layer or below, never above. The longest matching prefix gives the layer.
+LAYERS: dict[str, int] = {
+    # 0 leaves: import nothing of the daemon's but other leaves
+    "daemon": 0, "daemon.common": 0, "daemon.formats": 0, "daemon.crc": 0, "daemon.hashing": 0,
+    "daemon.manifest": 0, "daemon.tinymodel": 0, "daemon.loadgen": 0,
+    # 1 parts: the registry, what moves and checks bytes, the processes beside the daemon
+    "daemon.registry": 1, "daemon.transport": 1, "daemon.checks": 1, "daemon.loader": 1,
+    "daemon.adapters": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1,
+    # 2 the config, which reads the parts' tables (sources, worker kinds, transports)
+    "daemon.config": 2, "daemon.fleet.settings": 2,
+    # 3-5 the mechanism, the fleet on top of it, the policy that drives both; the pipeline
+    "daemon.rollout": 3, "daemon.fleet": 4, "daemon.controller": 5, "daemon.pipeline": 5,
+    # 6-8 the faces: HTTP API and process plumbing, the daemon process, the command line
+    "daemon.api": 6, "daemon.process": 6, "daemon.service": 7, "daemon.cli": 8,
+}
+
+
+def layer(module: str) -> int:
+    name = module
+    while name not in LAYERS:
+        name = name.rpartition(".")[0]
+        assert name, f"{module} has no layer: add its package to LAYERS (and ARCHITECTURE.md)"
+    return LAYERS[name]
+
+
+def upward_imports(modules: dict[str, Path]) -> list[str]:
+    return [f"{m} (layer {layer(m)}) imports {d} (layer {layer(d)})"
+            for m, p in sorted(modules.items()) for d in sorted(_imports(m, p)) if layer(d) > layer(m)]
+
+
+def test_no_module_imports_a_higher_layer() -> None:
+    assert upward_imports(MODULES) == []
+
+
+def test_the_layer_check_fails_on_an_upward_import(tmp_path: Path) -> None:
+    leaf = tmp_path / "hashing.py"
+    leaf.write_text("def f():\n    from daemon.rollout.engine import RolloutEngine\n")
+    assert upward_imports({"daemon.hashing": leaf}) == [
+        "daemon.hashing (layer 0) imports daemon.rollout.engine (layer 3)"]
+
+
+def test_nothing_imports_the_cli() -> None:
+    assert [f"{m} -> {d}" for m, p in MODULES.items() if not m.startswith("daemon.cli")
+            for d in _imports(m, p) if d.startswith("daemon.cli")] == []
+
+
+def test_transports_and_checks_never_import_rollout_fleet_api_or_cli() -> None:
+    above = ("daemon.rollout", "daemon.fleet", "daemon.controller", "daemon.pipeline", "daemon.api", "daemon.cli")
+    assert [f"{m} -> {d}" for m, p in MODULES.items() if m.startswith(("daemon.transport", "daemon.checks"))
+            for d in _imports(m, p) if d.startswith(above)] == []
+
+
+def test_the_root_of_the_package_holds_at_most_ten_modules() -> None:
+    assert len([p.name for p in PACKAGE.glob("*.py")]) <= 10, sorted(p.name for p in PACKAGE.glob("*.py"))
+
+
+def test_no_module_is_over_450_lines() -> None:
+    long = {m: n for m, p in MODULES.items() if (n := len(p.read_text().splitlines())) > 450}
+    assert long == {}
+
+
+def test_every_package_says_what_it_owns_and_architecture_md_names_it() -> None:
+    arch = (REPO / "ARCHITECTURE.md").read_text()
+    packages = sorted(p.parent for p in PACKAGE.rglob("__init__.py"))
+    assert [p for p in packages if not ast.get_docstring(ast.parse((p / "__init__.py").read_text()))] == []
+    named = [p.relative_to(REPO).as_posix() + "/" for p in packages if p.parent == PACKAGE]
+    assert [n for n in named if n not in arch] == []
+
+
+def test_no_import_cycle_inside_the_package() -> None:
+    graph = {m: _imports(m, p) for m, p in MODULES.items()}
+    assert _cycles(graph) == []
+
+
+def test_the_cycle_finder_finds_cycles() -> None:
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_a_lazy_import_and_a_registry_string_are_edges(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    src.write_text("def f():\n    from daemon.config import Config\nX = {'a': 'daemon.controller.service:RolloutService'}\n")
+    assert _imports("daemon.m", src) == {"daemon.config", "daemon.controller.service"}
+
+
+def _status_writes(path: Path) -> list[str]:
+    """Places that assign a checkpoint's status: `x.status = ...`, `Checkpoint(status=...)`, `.values(status=...)`.
+
+    `self.status = ...` is an object's own field (an HTTP error's status code), not a checkpoint's."""
+    tree = ast.parse(path.read_text(), str(path))
+    hits = []
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign | ast.AnnAssign) else []
+        for t in targets:
+            if isinstance(t, ast.Attribute) and t.attr == "status" and ast.unparse(t.value) != "self":
+                hits.append(f"{path.name}:{node.lineno}")
+        if isinstance(node, ast.Call):
+            name = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            if name in ("Checkpoint", "values") and any(k.arg == "status" for k in node.keywords):
+                hits.append(f"{path.name}:{node.lineno}")
+    return hits
+
+
+def test_checkpoint_status_is_written_in_exactly_one_module() -> None:
+    writers = {m: hits for m, p in MODULES.items() if (hits := _status_writes(p))}
+    assert list(writers) == ["daemon.registry.status"], writers
+
+
+def test_rollout_package_has_at_most_twelve_modules() -> None:
+    rollout = sorted(p.name for p in (PACKAGE / "rollout").glob("*.py"))
+    assert len(rollout) <= 12, rollout
+
+
+@pytest.mark.parametrize("needle", ["HOTSWAP_TEST_", "HOTSWAP_WORKER_PAUSE"])
+def test_production_code_reads_no_test_hook(needle: str) -> None:
+    assert [m for m, p in MODULES.items() if needle in p.read_text()] == []
+
+
+def test_type_checking_blocks_import_nothing_of_the_package() -> None:
+    """They exist only to keep torch out of processes that never use it, never to hide a cycle."""
+    offenders = []
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                for sub in ast.walk(node):
+                    if isinstance(sub, ast.ImportFrom | ast.Import):
+                        names = [sub.module or ""] if isinstance(sub, ast.ImportFrom) else [a.name for a in sub.names]
+                        offenders += [f"{m}: {n}" for n in names if n.startswith("daemon")]
+    assert offenders == []
+
+
+def _calls(attr: str) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for m, p in MODULES.items():
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == attr:
+                out[m] = out.get(m, 0) + 1
+    return out
+
+
+def test_worker_state_moves_only_through_the_state_machine() -> None:
+    # the recorded transition (events + workers.state) and the handle's position change together,
+    # in one place: WorkerDriver.move
+    assert list(_calls("moved")) == ["daemon.rollout.driver"]
+    assert list(_calls("transition")) == ["daemon.rollout.driver"]

@@ -1,0 +1,170 @@
+"""ipc: verify stages in the loader (one read): the loader hashes (strong + CRC32C) what it stages,
+the daemon's checks compare and scan that very copy, and the version is exported to workers only
+once every check passed; a version that fails any check is dropped from the loader."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from support_checks import flip_bit_in_data, published, rewrite_tensors, shard_paths
+from support_ipc import LoaderProcess, load_checkpoint, shm_dir
+
+from daemon.checks import CheckSettings, run_checks
+from daemon.checks.loader_view import LoaderStager
+from daemon.loader.client import LoaderClient, LoaderError
+from daemon.manifest import load_manifest
+from daemon.transport.ipc import IpcTransport
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.fixture
+def loader(tmp_path: Path) -> Iterator[LoaderProcess]:
+    with shm_dir() as d:
+        lp = LoaderProcess(tmp_path / "loader.sock", d)
+        yield lp
+        lp.stop()
+
+
+def _detail(report: Any) -> dict[str, dict[str, Any]]:
+    return {r.name: r.detail for r in report.results}
+
+
+def _versions(lp: LoaderProcess) -> dict[str, dict[str, Any]]:
+    return {v["version"]: v for v in lp.client.status()["versions"]}
+
+
+def test_verify_reads_once_into_the_loader_and_exports_only_after_every_check(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    d = published(tmp_path / "v1", seed=1, shards=2)
+    verified: list[str] = []
+    stager = LoaderStager(loader.client, "v1", "cpu", on_verified=verified.append)
+    report = run_checks(d, CheckSettings(), stager=stager)
+    assert report.ok, report.reason
+    detail = _detail(report)
+    assert detail["crc32c"]["staged"].startswith("in the loader on cpu (2 weight files")
+    assert detail["finite"]["scanned"] == "staged copy on cpu"
+    assert detail["forward"]["weights"] == "crc32c pass"
+    manifest = load_manifest(d)
+    assert report.digest == manifest.digest
+    by_path = {f.path: f for f in manifest.files}
+    for f in report.files:  # the loader's CRC32C and BLAKE3, equal to the publisher's
+        assert (f.crc32c, f.hash) == (by_path[f.path].crc32c, by_path[f.path].hash), f.path
+    assert verified == ["v1"]
+    state = _versions(loader)["v1"]
+    assert state["verified"] and state["digest"] == manifest.digest
+    desc = loader.client.descriptor("v1")  # exported now, with the loader's own checked digests
+    assert desc["checked"] is True
+    with IpcTransport(desc, device="cpu") as tr:
+        views = tr.views()
+        for name, t in load_checkpoint(d).items():
+            assert torch.equal(views[name], t), name
+
+
+def test_before_the_checks_pass_the_version_is_not_exported(loader: LoaderProcess, tmp_path: Path) -> None:
+    d = published(tmp_path / "v1", seed=1)
+    stager = LoaderStager(loader.client, "v1", "cpu")
+    got = stager.stage(d, ["model.safetensors"], "blake3")
+    assert got is not None
+    with pytest.raises(LoaderError, match="not verified yet"):
+        loader.client.descriptor("v1")
+    got[1].release()
+    stager.finish(False, [], None)
+    assert "v1" not in _versions(loader)
+
+
+@pytest.mark.parametrize("damage", ["nan", "flipped bit"])
+def test_a_version_failing_a_check_is_dropped_from_the_loader(
+    loader: LoaderProcess, tmp_path: Path, damage: str
+) -> None:
+    d = published(tmp_path / "bad", seed=2, shards=2)
+    if damage == "nan":
+        rewrite_tensors(d, lambda s: next(iter(s.values())).view(-1).__setitem__(9, float("nan")),
+                        file="model-00001-of-00002.safetensors")  # fmt: skip
+    else:
+        flip_bit_in_data(shard_paths(d)[1])
+    verified: list[str] = []
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "bad", "cpu", verified.append))
+    assert not report.ok and report.reason is not None
+    assert report.reason.startswith("finite: " if damage == "nan" else "crc32c: ")
+    assert verified == [] and "bad" not in _versions(loader)
+
+
+def test_without_a_loader_verify_stages_in_this_process(tmp_path: Path) -> None:
+    d = published(tmp_path / "v1", seed=1)
+    down = LoaderClient(tmp_path / "no-loader.sock", timeout=1)
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(down, "v1", "cpu"))
+    assert report.ok, report.reason
+    assert _detail(report)["crc32c"]["staged"].startswith("on cpu")
+
+
+def test_a_version_the_loader_already_holds_is_hashed_here_not_confirmed(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    d = published(tmp_path / "v1", seed=1)
+    loader.client.stage("v1", str(d))  # staged earlier, e.g. by a rollout; now re-verified
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "v1", "cpu"))
+    assert report.ok, report.reason
+    assert _detail(report)["crc32c"]["staged"].startswith("on cpu")
+    assert _versions(loader)["v1"]["verified"]
+
+
+def test_a_version_left_held_back_by_an_unfinished_verify_is_staged_afresh(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    d = published(tmp_path / "v1", seed=1)
+    first = LoaderStager(loader.client, "v1", "cpu")
+    got = first.stage(d, ["model.safetensors"], "blake3")  # then the daemon died: no finish
+    assert got is not None
+    got[1].release()
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "v1", "cpu"))
+    assert report.ok, report.reason
+    assert _detail(report)["crc32c"]["staged"].startswith("in the loader")
+    assert _versions(loader)["v1"]["verified"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the H200 run)")
+def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> None:
+    d = published(tmp_path / "v1", seed=1, shards=2, dtype="bfloat16")
+    nan = published(tmp_path / "nan", seed=2, dtype="bfloat16")
+    rewrite_tensors(nan, lambda s: s["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(77, float("nan")))
+    with shm_dir() as shm:
+        lp = LoaderProcess(tmp_path / "loader.sock", shm, device="cuda:0")
+        try:
+            settings = CheckSettings(forward_device="cuda:0", ipc_enabled=True)
+            report = run_checks(d, settings, stager=LoaderStager(lp.client, "v1", "cuda:0"))
+            assert report.ok, report.reason
+            detail = _detail(report)
+            assert detail["crc32c"]["staged"].startswith("in the loader on cuda:0"), detail["crc32c"]
+            assert detail["finite"]["scanned"] == "staged copy on cuda:0"
+            assert detail["forward"]["weights"] == "crc32c pass"
+            assert lp.client.descriptor("v1")["kind"] == "cuda"
+            report = run_checks(nan, settings, stager=LoaderStager(lp.client, "nan", "cuda:0"))
+            assert (report.reason or "").startswith("finite: ") and "element 77" in (report.reason or "")
+            assert "nan" not in _versions(lp)
+        finally:
+            lp.stop()
+
+
+def test_rollout_staging_takes_over_a_version_a_restarted_daemon_never_confirmed(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    from daemon.transport.base import Expect, ExpectedFile, Outgoing, SenderOptions
+    from daemon.transport.ipc_stage import IpcSender
+
+    d = published(tmp_path / "v1", seed=1)
+    got = LoaderStager(loader.client, "v1", "cpu").stage(d, ["model.safetensors"], "blake3")
+    assert got is not None
+    got[1].release()  # staged for a verify, never confirmed (the daemon died)
+    m = load_manifest(d)
+    expect = Expect(digest=m.digest, tensors=21, files=tuple(
+        ExpectedFile(f.path, f.bytes, {"crc32c": f.crc32c, f.hash_alg or "blake3": f.hash}) for f in m.files))  # fmt: skip
+    sender = IpcSender(SenderOptions(state_dir=tmp_path, loader_socket=str(loader.socket_path)))
+    prepared = sender.prepare(Outgoing("v1", str(d), expect))
+    desc = prepared.request.source["descriptor"]
+    assert desc["checked"] is True and desc["version"] == "v1"
