@@ -1,4 +1,4 @@
-"""Detection latency of a local commit and the daemon's idle CPU (DESIGN.md goals: <= 200 ms, < 1 %).
+"""Detection latency of a local commit and the daemon's idle CPU (goals in docs/reference/performance.md: <= 200 ms, < 1 %).
 
 Starts the real daemon (`python -m daemon.cli daemon`) on a fresh SQLite registry in a temp dir,
 then N times: put a tiny checkpoint into the watched folder, wait, write its manifest with

@@ -13,7 +13,7 @@ answer. `/health` is
 sampled at 10 Hz; a sample says what /health said at some moment between its request and its
 answer, so /health counts as ok at a moment only when the last sample answered before it and
 the first sample sent after it both said ok (a sample sent before a fault and answered after it
-may have been computed before it: it vouches for neither side). The load (daemon.loadgen,
+may have been computed before it: it vouches for neither side). The load (bench.loadgen,
 as a load balancer: skips workers whose /ready is not 200, retries a 503 on the next) counts
 failed requests.
 """
@@ -29,7 +29,7 @@ from typing import Any
 
 import httpx
 
-from daemon.loadgen import LoadGen
+from bench.loadgen import LoadGen
 
 STALL_S = 2.0  # a request unanswered this long: the worker does not serve
 PROBE_EVERY_S = 0.1

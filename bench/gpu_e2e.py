@@ -3,7 +3,7 @@
 All real processes: the daemon (`python -m daemon.cli daemon -c <generated config>`, SQLite in a
 temp state dir, one watched folder), the staging loader (`python -m daemon.cli loader`) when
 transport = "ipc", and two reference workers (`python -m daemon.cli worker --device D`) listed
-as external `[[workers]]`, behind a round-robin load generator (daemon/loadgen.py). Then N
+as external `[[workers]]`, behind a round-robin load generator (bench/loadgen.py). Then N
 checkpoints in a row: shards written into `<watch>/.stage-V` (ignored by the source), manifest
 written by `daemon.manifest.publish`, directory renamed into the watched folder (the commit).
 Per version: commit -> `verified` (registry event), -> both workers RUNNING on it (polled
@@ -49,7 +49,7 @@ from bench.e2e_phases import phases
 from bench.e2e_reject import reject_one
 from bench.e2e_report import print_results, summarise
 from bench.e2e_versions import derive
-from daemon.loadgen import LoadGen
+from bench.loadgen import LoadGen
 
 REPO = Path(__file__).resolve().parents[1]
 # ~1B parameters (0.88 B, 1.77 GB bf16): big enough for the transfer to matter, small enough for 20 updates

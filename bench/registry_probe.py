@@ -59,7 +59,7 @@ class BenchWorker:
     VERSIONS: dict[str, tuple[str | None, str | None]] = {}
 
     def __init__(self, name: str) -> None:
-        from daemon.adapters.base import Capabilities
+        from daemon.engines.base import Capabilities
 
         self.name = name
         self.capabilities = Capabilities(pause_modes=("keep",), can_drain=True, transports=("disk",),
@@ -67,7 +67,7 @@ class BenchWorker:
         self.version, self.digest = self.VERSIONS.get(name, (None, None))
 
     def weight_info(self) -> Any:
-        from daemon.adapters.base import WeightInfo
+        from daemon.engines.base import WeightInfo
 
         return WeightInfo(self.version, self.digest, "RUNNING", tensors=291, bytes=16_060_000_000, device="cuda:0")
 
@@ -130,8 +130,8 @@ def _metrics(url: str) -> Callable[[], None]:
 
 
 def _start(url: str, config: str) -> Callable[[], None]:
-    from daemon.adapters import WORKER_KINDS
     from daemon.config import load_config
+    from daemon.engines import WORKER_KINDS
     from daemon.registry import Registry
     from daemon.service import build_daemon
 

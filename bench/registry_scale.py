@@ -23,7 +23,7 @@ its own process (bench/registry_probe.py; imports before the clock, --timeout-s 
   not what it waited for on a busy machine);
 - one rollout's registry writes (registry_probe._rollout_writes).
 
-Goals (DESIGN.md): at 1,000,000 versions, history and status <= 0.5 s, every filtered view query
+Goals (docs/reference/performance.md): at 1,000,000 versions, history and status <= 0.5 s, every filtered view query
 <= 100 ms, start within 10 % of an empty (here: small) registry's. Prints a table per database; writes JSON.
 """
 

@@ -1,4 +1,4 @@
-"""Manifest written -> every worker serving it, on the CPU with two tiny workers (DESIGN.md goal <= 3 s warm).
+"""Manifest written -> every worker serving it, on the CPU with two tiny workers (goal in docs/reference/performance.md: <= 3 s warm).
 
 Starts two real `hotswap worker` processes (CPU, tiny Llama) and the real daemon
 (`python -m daemon.cli daemon`, SQLite, all seven checks, disk transport), then per sample:

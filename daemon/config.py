@@ -13,7 +13,7 @@ the fields of `Config` and builds each section from its type annotation
 with the key; either way the user sees one line naming the file and the key.
 
 Names that plug in a component are checked against that component's registry:
-`[[sources]] type` (daemon.sources), `[[workers]] kind` (daemon.adapters) and
+`[[sources]] type` (daemon.sources), `[[workers]] kind` (daemon.engines) and
 `[rollout] transport` (daemon.transport). `[[sources]]` is a union on `type`: the
 source's own module defines its table's dataclass.
 """
@@ -30,10 +30,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.checks import CheckSettings
 from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
+from daemon.engines import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.fleet.settings import FleetSettings, fleet_problem
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
@@ -201,7 +201,7 @@ class WorkerSpec:
 
     name: str  # unique worker name (letters, digits, _.@-)
     url: str = ""  # base URL of its serving + admin API; "" only with launch = "managed"
-    kind: str = MANAGED_KIND  # a name in daemon.adapters.WORKER_KINDS
+    kind: str = MANAGED_KIND  # a name in daemon.engines.WORKER_KINDS
     token_file: str = ""  # bearer token for the admin API; managed: "" = <state_dir>/worker-NAME.token
     device: str = "auto"  # informational for external workers; managed: passed to `hotswap worker`
     group: str = DEFAULT_GROUP  # the rollout group ([rollout.groups.NAME]) it belongs to

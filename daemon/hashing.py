@@ -2,7 +2,7 @@
 
 CRC32C catches accidents; it is linear, so anyone can change a file and patch 4 bytes
 to keep it. The strong hash is what a signed manifest protects and what transports
-compare with (DESIGN.md "Checkpoints and the commit protocol").
+compare with (docs/concepts/checkpoints.md "Committed: when a checkpoint is read").
 
 Each chunk read is fed to both hashes. `hash_files` spreads the work over threads:
 reader threads `pread` chunks and CRC them (the `crc32c` package releases the GIL;

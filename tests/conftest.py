@@ -69,14 +69,14 @@ T = TypeVar("T")
 # 24-31, a 15 s RCU stall in dmesg, a top sampler stuck 5 minutes), and the daemon tests running beside
 # it missed their 90 s and 300 s waits; outside that window the load average was 4-6.
 ALONE = frozenset({"vllm"})
-XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_adapter.py": "vllm", "test_adapters_vllm.py": "vllm",
+XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_daemon.py": "vllm", "test_adapters_vllm.py": "vllm",
                 "test_fleet_daemons.py": "fleet-daemons", "test_fleet_converge_daemons.py": "fleet-daemons",
                 "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons"}
 # The longest units go first, so no worker is left with a long one at the end (measured with
 # `--durations=0`: the duration table in tests/README.md).
 LONGEST_FIRST = ("test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",
                  "test_supervise_daemon.py", "test_ops_daemon.py", "test_migration_lock.py",
-                 "fleet-daemons", "test_sglang_adapter.py", "test_worker_identity.py",
+                 "fleet-daemons", "test_sglang_daemon.py", "test_worker_identity.py",
                  "test_broadcast.py", "test_restart_rollout.py", "test_adapters_daemon.py")  # fmt: skip
 
 # The quick tier (`./scripts/test.sh -m quick`, CONTRIBUTING.md) is declared by its modules

@@ -9,7 +9,7 @@ can be told to fail at any step, once or every time:
     w.fail("probe", served="other")     # the probe generation answers with another version
 
 `Restarts` stands in for the restart command: `restart()` brings a crashed fake back on the
-fallback version. Registered in `daemon.adapters.WORKER_KINDS` as kind "fake" by the tests that
+fallback version. Registered in `daemon.engines.WORKER_KINDS` as kind "fake" by the tests that
 build a whole `RolloutService` (see `connect`): that is all a new worker kind needs.
 """
 
@@ -19,7 +19,8 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.adapters.base import (
+from daemon.config import WorkerSpec
+from daemon.engines.base import (
     Capabilities,
     PauseMode,
     Timeouts,
@@ -30,7 +31,6 @@ from daemon.adapters.base import (
     WorkerError,
     WorkerUnreachable,
 )
-from daemon.config import WorkerSpec
 from daemon.registry.journal import CheckpointRef
 
 MIXED = "<partly v?>"  # what a non-atomic engine serves after a partial write

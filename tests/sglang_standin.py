@@ -6,7 +6,7 @@
 A real tiny Llama (transformers, float32) generates the tokens, one decode step per scheduler
 iteration, with a real KV cache per request and an exact-prompt prefix cache, so stale caches
 and in-place weight updates change the served tokens as they would in SGLang. What it copies
-(file:line in the sglang 0.5.23 wheel; daemon/adapters/sglang_api.py has the full list):
+(file:line in the sglang 0.5.23 wheel; daemon/engines/sglang_api.py has the full list):
 
 - tokenizer-manager layer: pause flag (new /generate requests wait while paused; /ready 503),
   a reader/writer model-update lock (an unpaused disk update waits for in-flight requests),

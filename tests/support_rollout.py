@@ -29,8 +29,6 @@ from support_wait import (
     wait_until,
 )
 
-from daemon.loadgen import LoadGen, LoadStats  # noqa: F401 - re-exported for the tests
-
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
 

@@ -44,14 +44,14 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from daemon.adapters.base import WorkerError
-from daemon.adapters.builtin import BuiltinWorkerClient
 from daemon.api.broadcast_trust import Refusal, check_received, signed_digest
 from daemon.checks.base import CheckSettings
 from daemon.common.auth import ControlGuard
 from daemon.common.jsonbody import JsonBodyError, parse_object, read_capped
 from daemon.common.logging import get_logger
 from daemon.controller.service import RolloutService
+from daemon.engines.base import WorkerError
+from daemon.engines.builtin import BuiltinWorkerClient
 from daemon.registry import status
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.models import Checkpoint

@@ -17,8 +17,8 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from daemon.adapters.base import WorkerError
 from daemon.controller.service import RolloutService
+from daemon.engines.base import WorkerError
 from daemon.rollout.states import WorkerState
 
 NAME_ECHO = 128  # at most this much of an unknown name is echoed back

@@ -2,7 +2,7 @@
 
 `run_checks(directory, settings, reference=..., on_result=...)` runs, cheap to dear,
 "manifest", "headers", "crc32c", "compat", "finite", "headroom", "forward" and stops
-at the first failure (DESIGN.md "Checks"). A LoRA adapter checkpoint (PEFT layout) runs the
+at the first failure (docs/concepts/pipeline.md "Checks"). A LoRA adapter checkpoint (PEFT layout) runs the
 same list with "compat" and "forward" against the serving base (daemon.checks.adapter).
 """
 

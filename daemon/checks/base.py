@@ -14,7 +14,7 @@ from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, FileDigest
 from daemon.manifest import Manifest, ManifestFile
 
-# cheap to dear, the order they run in (DESIGN.md "Checks")
+# cheap to dear, the order they run in (docs/concepts/pipeline.md "Checks")
 CHECK_NAMES: tuple[str, ...] = ("manifest", "headers", "crc32c", "compat", "finite", "headroom", "forward")
 
 # A check that needs another's result. "crc32c" (which also computes the strong hashes)

@@ -27,7 +27,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, cast
 
-from daemon.adapters.base import (
+from daemon.common.logging import get_logger
+from daemon.config import RolloutSettings
+from daemon.engines.base import (
     AdapterRequest,
     ServesAdapters,
     UpdateRefused,
@@ -35,8 +37,6 @@ from daemon.adapters.base import (
     WorkerError,
     WorkerUnreachable,
 )
-from daemon.common.logging import get_logger
-from daemon.config import RolloutSettings
 from daemon.registry.adapters import AdapterJournal, AdapterVersion
 from daemon.registry.journal import Journal
 from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger

@@ -21,11 +21,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
 
-from daemon.adapters.base import WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.health_window import HealthWindow
 from daemon.controller.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
+from daemon.engines.base import WorkerError
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.outbox import unreachable
 from daemon.registry.status import (

@@ -29,8 +29,6 @@ from typing import Any
 
 from apscheduler.schedulers.base import BaseScheduler
 
-from daemon.adapters import make_client
-from daemon.adapters.base import Timeouts, WeightInfo, WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.controller.adapter_rollout import AdapterRollout
@@ -39,6 +37,8 @@ from daemon.controller.decisions import RolloutDecisions
 from daemon.controller.queue import CommandError, Job, RolloutQueue, RolloutState
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
+from daemon.engines import make_client
+from daemon.engines.base import Timeouts, WeightInfo, WorkerError
 from daemon.fleet.agent import FleetAgent, leased
 from daemon.fleet.lease import FleetLeases
 from daemon.fleet.settings import FleetSettings

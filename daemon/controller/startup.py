@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-from daemon.adapters.base import WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.decisions import RolloutDecisions
 from daemon.controller.queue import Job, RolloutQueue, RolloutState
 from daemon.controller.supervise import Supervisor
+from daemon.engines.base import WorkerError
 from daemon.fleet.agent import holding
 from daemon.fleet.lease import FleetLeases
 from daemon.registry.journal import CheckpointRef, Journal, RolloutRef

@@ -29,10 +29,10 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from daemon.adapters.base import WorkerError
 from daemon.common.backoff import Backoff
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.engines.base import WorkerError
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.managed import ManagedWorker, PortTaken, target_problem

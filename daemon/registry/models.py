@@ -32,7 +32,7 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 from sqlalchemy.types import TypeDecorator
 
-from daemon.adapters import WORKER_KINDS as ADAPTER_KINDS
+from daemon.engines import WORKER_KINDS as ADAPTER_KINDS
 
 
 class CheckpointStatus(StrEnum):
@@ -242,7 +242,7 @@ class Worker(Base):
 
     @validates("kind")
     def _validate_kind(self, _key: str, value: str) -> str:
-        # the one table of kinds (daemon.adapters.WORKER_KINDS), read when the row is written
+        # the one table of kinds (daemon.engines.WORKER_KINDS), read when the row is written
         return _check_choice("workers.kind", value, tuple(ADAPTER_KINDS))  # type: ignore[return-value]
 
     @validates("state")

@@ -17,7 +17,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from daemon.adapters.base import (
+from daemon.common.logging import get_logger
+from daemon.config import RolloutMode, RolloutSettings
+from daemon.engines.base import (
     NonFiniteOutput,
     PreparesUpdates,
     UpdateRefused,
@@ -26,8 +28,6 @@ from daemon.adapters.base import (
     WorkerError,
     WorkerUnreachable,
 )
-from daemon.common.logging import get_logger
-from daemon.config import RolloutMode, RolloutSettings
 from daemon.registry.journal import Journal
 from daemon.registry.status import FailureKind
 from daemon.rollout.managed import Restarter

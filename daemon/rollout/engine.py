@@ -16,9 +16,9 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.adapters.base import PreparesUpdates, WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
+from daemon.engines.base import PreparesUpdates, WorkerError
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.outbox import unreachable
 from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger

@@ -20,9 +20,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.adapters.base import NonFiniteOutput, WorkerError, WorkerUnreachable
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.engines.base import NonFiniteOutput, WorkerError, WorkerUnreachable
 from daemon.rollout.states import Fleet, WorkerHandle
 
 log = get_logger(__name__)

@@ -20,8 +20,8 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
-from daemon.adapters.base import Capabilities
 from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
+from daemon.engines.base import Capabilities
 from daemon.registry.journal import CheckpointRef
 
 

@@ -24,9 +24,9 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.adapters.base import WeightInfo, WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import RolloutMode
+from daemon.engines.base import WeightInfo, WorkerError
 from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
 from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.engine import RolloutEngine

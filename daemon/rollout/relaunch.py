@@ -33,9 +33,9 @@ from collections import OrderedDict
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.adapters.base import UpdateRefused, WeightInfo, WorkerError
 from daemon.common.logging import get_logger
 from daemon.config import RolloutMode, RolloutSettings
+from daemon.engines.base import UpdateRefused, WeightInfo, WorkerError
 from daemon.formats.checkpoint import LayoutError, tensor_table
 from daemon.formats.safetensors import HeaderError
 from daemon.registry.journal import Journal

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daemon.adapters.base import WeightInfo
 from daemon.checks.base import Stager as CheckStager
+from daemon.engines.base import WeightInfo
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.transport import daemon_transport
 from daemon.transport.base import (

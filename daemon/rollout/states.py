@@ -1,4 +1,4 @@
-"""The per-worker state machine of a rollout (DESIGN.md, "Worker state machine"), and the handles
+"""The per-worker state machine of a rollout (docs/concepts/workers.md, "Worker states"), and the handles
 that carry each worker's position in it.
 
 ```
@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-from daemon.adapters.base import WorkerClient
 from daemon.config import WorkerSpec
+from daemon.engines.base import WorkerClient
 from daemon.rollout.managed import ManagedWorker
 
 

@@ -1,6 +1,6 @@
 """Commit detection: is this checkpoint directory finished being written?
 
-Signals, first that applies (order configurable per source, DESIGN.md):
+Signals, first that applies (order configurable per source, docs/concepts/checkpoints.md):
   manifest  hotswap-manifest.json is present (written last by `hotswap publish`)
   index     model.safetensors.index.json lists shards that are all present, and the
             sizes of every file stayed the same for the quiet period

@@ -15,7 +15,7 @@ side (a factory `(request, store) -> WorkerTransport`; add `open()` or `lease()`
 before the pause or be swapped in), then add one row here:
 `"broadcast": TransportEntry("daemon.transport.broadcast:BroadcastSender",
 "daemon.transport.broadcast:open_update")`. Config validation (`[rollout] transport`), the
-rollout's stager, the worker's `/admin/update` and the adapters' capability lists read this table.
+rollout's stager, the worker's `/admin/update` and the engine clients' capability lists read this table.
 
 Entries are imported by name when first used, so the daemon never imports the worker sides
 (torch) and the worker never imports the daemon sides.

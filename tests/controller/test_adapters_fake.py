@@ -15,7 +15,10 @@ from pathlib import Path
 import pytest
 from sqlalchemy import text
 
-from daemon.adapters.base import (
+from daemon.config import RolloutSettings, WorkerSpec
+from daemon.controller.adapter_rollout import AdapterRollout
+from daemon.controller.adapters import AdapterDecisions
+from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
     Capabilities,
@@ -23,9 +26,6 @@ from daemon.adapters.base import (
     UpdateRefused,
     WorkerUnreachable,
 )
-from daemon.config import RolloutSettings, WorkerSpec
-from daemon.controller.adapter_rollout import AdapterRollout
-from daemon.controller.adapters import AdapterDecisions
 from daemon.registry import Registry, status
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.journal import Journal

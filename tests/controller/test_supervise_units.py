@@ -13,9 +13,9 @@ from typing import Any
 import pytest
 from support_rollout import worker_events, worker_row
 
-from daemon.adapters.base import WorkerError
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.controller.supervise import Phase, Supervisor
+from daemon.engines.base import WorkerError
 from daemon.registry.journal import Journal
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.managed import ManagedWorker, Restarter

@@ -30,11 +30,12 @@ from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
 from sqlalchemy import text
 from support_adapters import make_adapter, make_base, merged_greedy, publish_adapter
 from support_engines import corrupt_bytes, engine_worker, kill_pidfile, publish_ckpt, restart_command
-from support_rollout import LoadGen, rollouts, worker_events
+from support_rollout import rollouts, worker_events
 from support_sglang import standin_command
 from support_vllm import free_port
 
-from daemon.adapters.sglang_api import SGLangAPI
+from bench.loadgen import LoadGen
+from daemon.engines.sglang_api import SGLangAPI
 
 pytestmark = pytest.mark.timeout(900)
 PROMPT = [5, 17, 33, 2, 71, 9, 120, 44]

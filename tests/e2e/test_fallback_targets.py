@@ -17,7 +17,6 @@ import pytest
 from conftest import DaemonProcess, hotswap_cli, wait_until
 from support_check import expect_of, flip_byte
 from support_rollout import (
-    LoadGen,
     WorkerPool,
     aliases,
     assert_fleet_on,
@@ -28,6 +27,7 @@ from support_rollout import (
     worker_events,
 )
 
+from bench.loadgen import LoadGen
 from daemon.config import WorkerSpec
 from daemon.formats.checkpoint import tensor_table
 from daemon.rollout.managed import ManagedWorker, Restarter, target_problem

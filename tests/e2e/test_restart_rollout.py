@@ -1,5 +1,5 @@
 """Restart rollouts end to end (daemon/rollout/relaunch.py): a real daemon with two managed
-reference workers in drain mode behind the project's load generator (daemon/loadgen.py, a load
+reference workers in drain mode behind the project's load generator (bench/loadgen.py, a load
 balancer that follows /ready and retries a 503 on the other worker).
 
 1. A checkpoint with a resized vocabulary (256 -> 320 tokens) cannot be written in place; it is
@@ -28,8 +28,9 @@ import httpx
 import pytest
 from conftest import DaemonProcess, wait_until
 from support_engines import corrupt_bytes, publish_ckpt
-from support_rollout import LoadGen, WorkerPool, rollouts, start_fleet, worker_events
+from support_rollout import WorkerPool, rollouts, start_fleet, worker_events
 
+from bench.loadgen import LoadGen
 from daemon.tinymodel import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(900)

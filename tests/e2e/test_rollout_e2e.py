@@ -19,7 +19,6 @@ import pytest
 from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
 from support_docs_sql import documented_queries
 from support_rollout import (
-    LoadGen,
     WorkerPool,
     aliases,
     assert_fleet_on,
@@ -29,6 +28,8 @@ from support_rollout import (
     worker_events,
     worker_paths,
 )
+
+from bench.loadgen import LoadGen
 
 pytestmark = pytest.mark.timeout(600)
 

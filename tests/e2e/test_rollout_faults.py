@@ -22,7 +22,6 @@ import httpx
 import pytest
 from conftest import DaemonProcess, hotswap_cli, wait_until
 from support_rollout import (
-    LoadGen,
     WorkerPool,
     aliases,
     assert_fleet_on,
@@ -35,6 +34,8 @@ from support_rollout import (
     worker_paths,
     worker_row,
 )
+
+from bench.loadgen import LoadGen
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -4,7 +4,7 @@ at its default, drain) keeps answering a steady client load through rollouts.
 Draining the only worker of a group turned requests away while it updated (issue: 99 of 1,462
 requests got 503 during three rollouts); the planner pauses such a batch instead, so requests
 wait in the worker for the update and are then served. The load generator behaves like a load
-balancer (daemon.loadgen): with one worker there is nowhere else to send a request, so a 503
+balancer (bench.loadgen): with one worker there is nowhere else to send a request, so a 503
 from it is a failed request.
 
 A rollback to a retired version whose bytes changed since verify is refused by the worker; the
@@ -26,9 +26,10 @@ import pytest
 from conftest import DaemonProcess, hotswap_cli, wait_until
 from support_check import flip_byte
 from support_managed import close_managed
-from support_rollout import LoadGen, aliases, publish_into, rollouts, worker_events, worker_paths, worker_row
+from support_rollout import aliases, publish_into, rollouts, worker_events, worker_paths, worker_row
 
 from bench.faults_watch import Watch
+from bench.loadgen import LoadGen
 from daemon.formats.checkpoint import tensor_table
 
 pytestmark = pytest.mark.timeout(600)

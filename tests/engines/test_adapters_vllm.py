@@ -36,11 +36,12 @@ import pytest
 from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
 from support_adapters import make_adapter, make_base, merged_greedy, publish_adapter
 from support_engines import corrupt_bytes, engine_worker, kill_pidfile, publish_ckpt, restart_command
-from support_rollout import LoadGen, rollouts, worker_events
+from support_rollout import rollouts, worker_events
 from support_vllm import TOKEN, VLLM_TINY, free_port, vllm_command, vllm_python
 
-from daemon.adapters.base import AdapterRequest, UpdateRefused
-from daemon.adapters.vllm import VLLMWorkerClient
+from bench.loadgen import LoadGen
+from daemon.engines.base import AdapterRequest, UpdateRefused
+from daemon.engines.vllm import VLLMWorkerClient
 from daemon.manifest import load_manifest
 from daemon.transport.base import Expect, ExpectedFile
 

@@ -15,10 +15,10 @@ from typing import Any
 import httpx
 import pytest
 
-from daemon.adapters import sglang_api, vllm_api
-from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
-from daemon.adapters.sglang_api import SGLangAPI
-from daemon.adapters.vllm_api import VLLMAPI, Timeouts
+from daemon.engines import sglang_api, vllm_api
+from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
+from daemon.engines.sglang_api import SGLangAPI
+from daemon.engines.vllm_api import VLLMAPI, Timeouts
 
 pytestmark = pytest.mark.quick
 

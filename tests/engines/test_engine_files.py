@@ -1,5 +1,5 @@
 """The files a vLLM/SGLang worker is about to load, checked against the verified digests
-(daemon/adapters/engine_files.py): real safetensors files, real hashes.
+(daemon/engines/engine_files.py): real safetensors files, real hashes.
 
 A checkpoint changed after verify (a byte flipped in place, truncated, a weight file added, a
 file replaced) is refused naming the file; one that changes after the check (between prepare
@@ -19,8 +19,8 @@ from typing import Any
 import pytest
 from support_check import expect_of, flip_byte
 
-from daemon.adapters import engine_files
-from daemon.adapters.engine_files import EngineFilesRefused, check_engine_files
+from daemon.engines import engine_files
+from daemon.engines.engine_files import EngineFilesRefused, check_engine_files
 from daemon.tinymodel import make_tiny_checkpoint
 from daemon.transport.base import Expect
 

@@ -26,7 +26,7 @@ from support_engine_source import (
     vllm_source,
 )
 
-from daemon.adapters import sglang_api, vllm_api
+from daemon.engines import sglang_api, vllm_api
 
 # --------------------------------------------------------------------------- vLLM
 

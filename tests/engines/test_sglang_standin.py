@@ -3,7 +3,7 @@
 No SGLang runs here (it needs a GPU build); tests/sglang_standin.py reproduces the routes
 hotswap drives. The first group proves the stand-in's routes, methods, auth levels, request
 fields, defaults and messages are those parsed out of the real 0.5.23 wheel; the second drives
-it through daemon.adapters.sglang_api with a real tiny model, so every token is computed.
+it through daemon.engines.sglang_api with a real tiny model, so every token is computed.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from support_engine_source import (
 )
 from support_sglang import SGLangStandIn
 
-from daemon.adapters.engine_http import EngineAPIError
-from daemon.adapters.sglang_api import SGLangAPI
+from daemon.engines.engine_http import EngineAPIError
+from daemon.engines.sglang_api import SGLangAPI
 from daemon.tinymodel import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(300)

@@ -3,7 +3,7 @@
 Two servers are started, one after the other: one on checkpoint B only to record what a fresh
 server serves, then the shared one on A that the tests update in place. Each test leaves the
 shared server on A, resumed, with an empty prefix cache. What these tests observe is what the
-docstring of daemon/adapters/vllm_api.py states; the adapters (phase 2) build on it.
+docstring of daemon/engines/vllm_api.py states; the adapters (phase 2) build on it.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ import httpx
 import pytest
 from support_vllm import TOKEN, VLLMServer, make_vllm_checkpoint, shared_vllm_server, vllm_python
 
-from daemon.adapters.engine_http import EngineAPIError
-from daemon.adapters.vllm_api import VLLMAPI
+from daemon.engines.engine_http import EngineAPIError
+from daemon.engines.vllm_api import VLLMAPI
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]  # the first test may install the vLLM venv
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from fake_transport import RELEASED, SHELF
 
-from daemon import adapters, sources, transport
-from daemon.adapters.base import Timeouts
+from daemon import engines, sources, transport
 from daemon.config import parse_config
+from daemon.engines.base import Timeouts
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus
 from daemon.rollout.stage import Stager
@@ -33,11 +33,11 @@ def test_every_registry_entry_resolves(tmp_path: Path) -> None:
         assert sender.name == name
         module, attr = entry.worker_side.split(":")
         assert callable(getattr(__import__(module, fromlist=[attr]), attr))
-    for kind in adapters.WORKER_KINDS:
-        client = adapters.make_client(kind, "w0", "http://127.0.0.1:9", token_file=None, timeouts=Timeouts())
+    for kind in engines.WORKER_KINDS:
+        client = engines.make_client(kind, "w0", "http://127.0.0.1:9", token_file=None, timeouts=Timeouts())
         assert set(client.capabilities.transports) <= set(transport.TRANSPORTS)
         client.close()
-    assert adapters.MANAGED_KIND in adapters.WORKER_KINDS
+    assert engines.MANAGED_KIND in engines.WORKER_KINDS
 
 
 @pytest.fixture

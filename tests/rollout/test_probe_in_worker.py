@@ -10,7 +10,7 @@ import pytest
 from fake_worker import FakeWorkerClient
 from support_rollout import worker_events
 
-from daemon.adapters.base import UpdateRequest, UpdateResult
+from daemon.engines.base import UpdateRequest, UpdateResult
 from daemon.registry import Registry
 from daemon.registry.status import RolloutOutcome
 from tests.rollout.test_rollout_fake import reg, rig, verified  # noqa: F401 - reg is a fixture

@@ -22,11 +22,11 @@ from conftest import wait_until
 from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
 from support_rollout import rollouts, worker_events, worker_row
 
-from daemon import adapters
-from daemon.adapters.base import NonFiniteOutput, UpdateRefused, WorkerError
+from daemon import engines
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.controller.service import RolloutService
 from daemon.controller.startup import NEVER_MOVED
+from daemon.engines.base import NonFiniteOutput, UpdateRefused, WorkerError
 from daemon.registry import Registry, status
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import Checkpoint, Event
@@ -505,7 +505,7 @@ def test_health_window_one_bad_request_cannot_trip_it_and_probes_count(reg: Regi
 
 @pytest.fixture
 def fake_kind(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    monkeypatch.setitem(adapters.WORKER_KINDS, "fake", "fake_worker:connect")  # the one registry line
+    monkeypatch.setitem(engines.WORKER_KINDS, "fake", "fake_worker:connect")  # the one registry line
     yield
     FAKES.clear()
 

@@ -6,9 +6,9 @@ import itertools
 
 import pytest
 
-from daemon.adapters.base import Capabilities
 from daemon.config import EMBEDDED, ConfigError, GroupSettings, RolloutSettings, WorkerSpec, parse_config
 from daemon.controller.queue import Job, RolloutQueue
+from daemon.engines.base import Capabilities
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus
 from daemon.rollout.planner import modes_of, newer, newest, pauses_safely, plan

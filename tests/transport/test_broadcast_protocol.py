@@ -169,9 +169,9 @@ def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(
     from: the session is refused as transient, before anything is recorded or any lock kept."""
     from types import SimpleNamespace
 
-    from daemon.adapters.builtin import BuiltinWorkerClient
     from daemon.api.broadcast import Broadcasts, Refusal
     from daemon.config import WorkerSpec
+    from daemon.engines.builtin import BuiltinWorkerClient
     from daemon.rollout.states import WorkerHandle, WorkerState
 
     handles = [WorkerHandle(spec=WorkerSpec(name=n, url="http://127.0.0.1:9"), client=BuiltinWorkerClient(n, "http://127.0.0.1:9"),

@@ -21,8 +21,8 @@ from conftest import wait_until
 from hooked_worker import PAUSE_BEFORE_WRITE_ENV
 from support_worker import DEVICE, WorkerProcess, start_worker, write_token
 
-from daemon.adapters.base import UpdateRefused, WorkerError, WorkerUnreachable
-from daemon.adapters.builtin import BuiltinWorkerClient
+from daemon.engines.base import UpdateRefused, WorkerError, WorkerUnreachable
+from daemon.engines.builtin import BuiltinWorkerClient
 from daemon.formats.checkpoint import weight_files
 from daemon.tinymodel import make_tiny_checkpoint
 from daemon.transport.base import UpdateRequest

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from daemon.adapters.base import AdapterRequest, UpdateRefused, UpdateRequest, WorkerError, WorkerUnreachable
-from daemon.adapters.engine_files import CheckedFiles, EngineFilesRefused, check_engine_files
-from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
+from daemon.engines.base import AdapterRequest, UpdateRefused, UpdateRequest, WorkerError, WorkerUnreachable
+from daemon.engines.engine_files import CheckedFiles, EngineFilesRefused, check_engine_files
+from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
 
 T = TypeVar("T")
 
@@ -82,7 +82,7 @@ def adapter_path(request: AdapterRequest, worker: str) -> str:
 def verified_adapter_path(request: AdapterRequest, worker: str) -> str:
     """The adapter's directory once its files are the verified bytes: hashed against the
     registry's digests and stat'ed again, the last look before the engine reads them
-    (daemon.adapters.engine_files). UpdateRefused naming what differs otherwise."""
+    (daemon.engines.engine_files). UpdateRefused naming what differs otherwise."""
     path = adapter_path(request, worker)
     try:
         checked = check_engine_files(path, request.version, request.expect)

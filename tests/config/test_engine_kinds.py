@@ -1,4 +1,4 @@
-"""Engine kinds in the config and the adapters' table: accepted keys, refused ones, one-line errors."""
+"""Engine kinds in the config and the engine clients' table: accepted keys, refused ones, one-line errors."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from daemon import adapters
-from daemon.adapters import sglang, vllm, vllm_api
-from daemon.adapters.base import Timeouts, UpdateRefused, UpdateRequest
+from daemon import engines
 from daemon.config import ConfigError, parse_config
+from daemon.engines import sglang, vllm, vllm_api
+from daemon.engines.base import Timeouts, UpdateRefused, UpdateRequest
 
 pytestmark = pytest.mark.quick
 
@@ -18,10 +18,10 @@ def worker(**kw: object) -> dict[str, object]:
     return {"workers": [{"name": "e0", "url": "http://127.0.0.1:8001", **kw}], "rollout": {"mode": "pause"}}
 
 
-def test_engine_tables_match_the_adapters() -> None:
-    assert set(adapters.ENGINE_PAUSE_MODES["vllm"]) == set(vllm_api.PAUSE_MODES)
-    assert adapters.ENGINE_PAUSE_MODES["sglang"] == sglang.PAUSE_MODES
-    assert set(adapters.ENGINE_KEYS) | {"builtin"} == set(adapters.WORKER_KINDS)
+def test_engine_tables_match_the_engine_clients() -> None:
+    assert set(engines.ENGINE_PAUSE_MODES["vllm"]) == set(vllm_api.PAUSE_MODES)
+    assert engines.ENGINE_PAUSE_MODES["sglang"] == sglang.PAUSE_MODES
+    assert set(engines.ENGINE_KEYS) | {"builtin"} == set(engines.WORKER_KINDS)
     assert vllm.TESTED_VERSIONS == ("0.32.0",) and sglang.TESTED_VERSIONS == ("0.5.23",)
 
 
@@ -32,7 +32,7 @@ def test_vllm_and_sglang_kinds_are_accepted_with_their_keys(tmp_path: Path) -> N
     key = tmp_path / "admin.key"
     key.write_text("k\n")
     cfg = parse_config(worker(kind="sglang", admin_token_file=str(key)), "t")
-    client = adapters.make_client("sglang", "e0", "http://127.0.0.1:9", token_file=None, timeouts=Timeouts(),
+    client = engines.make_client("sglang", "e0", "http://127.0.0.1:9", token_file=None, timeouts=Timeouts(),
                                   options=cfg.workers[0].engine_options())  # fmt: skip
     assert isinstance(client, sglang.SGLangWorkerClient) and client.api.admin_key == "k"
     assert client.pause_mode == "retract"

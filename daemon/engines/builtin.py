@@ -23,7 +23,8 @@ from typing import Any
 
 import httpx
 
-from daemon.adapters.base import (
+from daemon.common.identity import new_nonce, proof_ok
+from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
     Capabilities,
@@ -41,7 +42,6 @@ from daemon.adapters.base import (
     WorkerUnreachable,
     read_token,
 )
-from daemon.common.identity import new_nonce, proof_ok
 from daemon.transport import TRANSPORTS
 
 GET_RETRIES = 2
@@ -49,7 +49,7 @@ INFO_KEYS = ("version", "digest", "state", "in_flight", "tensors", "bytes", "dev
 
 
 def connect(name: str, url: str, *, token_file: str | None, timeouts: Timeouts) -> BuiltinWorkerClient:
-    """The registry's factory (daemon.adapters.WORKER_KINDS["builtin"])."""
+    """The registry's factory (daemon.engines.WORKER_KINDS["builtin"])."""
     return BuiltinWorkerClient(name, url, token_file=token_file or None, timeout_s=timeouts.request_s,
                                update_timeout_s=timeouts.update_s, drain_timeout_s=timeouts.drain_s)  # fmt: skip
 
@@ -298,5 +298,5 @@ class _TokenSource:
         return self._value
 
 
-# What daemon.adapters.WORKER_KINDS["builtin"] names; mypy checks it against the protocol.
+# What daemon.engines.WORKER_KINDS["builtin"] names; mypy checks it against the protocol.
 _FACTORY: ClientFactory = connect

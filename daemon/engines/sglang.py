@@ -1,6 +1,6 @@
 """`WorkerClient` for an SGLang server (`kind = "sglang"`), written against SGLang 0.5.23.
 
-daemon.adapters.sglang_api has every route's semantics as read in the 0.5.23 wheel; the tests
+daemon.engines.sglang_api has every route's semantics as read in the 0.5.23 wheel; the tests
 drive this client against tests/sglang_standin.py, which implements them. Keys: `token_file` is
 SGLang's `--api-key` (generation, /model_info), `admin_token_file` its `--admin-api-key` (the
 weight, cache and pause routes take only the admin key when one is set).
@@ -32,8 +32,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from daemon.adapters import sglang_api
-from daemon.adapters.base import (
+from daemon.common.logging import get_logger
+from daemon.engines import sglang_api
+from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
     Capabilities,
@@ -48,7 +49,7 @@ from daemon.adapters.base import (
     WorkerUnreachable,
     read_token,
 )
-from daemon.adapters.engine_common import (
+from daemon.engines.engine_common import (
     PARTIAL_PREFIX,
     PROBE_ATTEMPTS,
     PROBE_PROMPT,
@@ -61,9 +62,8 @@ from daemon.adapters.engine_common import (
     install_path,
     verified_adapter_path,
 )
-from daemon.adapters.engine_http import EngineAPIError, EngineUnreachable
-from daemon.adapters.sglang_api import SGLangAPI
-from daemon.common.logging import get_logger
+from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
+from daemon.engines.sglang_api import SGLangAPI
 from daemon.transport.base import Expect
 
 log = get_logger(__name__)
@@ -77,7 +77,7 @@ FLUSH_WAIT_S = 5.0  # one /flush_cache?timeout= call
 def connect(
     name: str, url: str, *, token_file: str | None, timeouts: Timeouts, options: dict[str, Any] | None = None
 ) -> SGLangWorkerClient:
-    """The registry's factory (daemon.adapters.WORKER_KINDS["sglang"])."""
+    """The registry's factory (daemon.engines.WORKER_KINDS["sglang"])."""
     opts = EngineOptions.from_mapping(options)
     return SGLangWorkerClient(
         name, url, api_key=read_token(token_file, name), admin_api_key=read_token(opts.admin_token_file, name),
@@ -164,7 +164,7 @@ class SGLangWorkerClient:
     # -- weights --------------------------------------------------------------------------
     def prepare(self, request: UpdateRequest) -> None:
         """While it still serves: hash the files SGLang will load against the verified digests
-        (daemon.adapters.engine_files), so the update itself only stats them."""
+        (daemon.engines.engine_files), so the update itself only stats them."""
         checked_files(request, self.name, install_path(request, self.name, "SGLang"))
 
     def update(self, request: UpdateRequest) -> UpdateResult:
@@ -265,7 +265,7 @@ class SGLangWorkerClient:
 
     # -- LoRA adapters (ServesAdapters) ------------------------------------------------------
     def load_adapter(self, request: AdapterRequest) -> AdapterResult:
-        """Only verified bytes (daemon.adapters.engine_files); a served name is unloaded first
+        """Only verified bytes (daemon.engines.engine_files); a served name is unloaded first
         (SGLang lets its requests in flight finish), then the new version is loaded."""
         t0 = time.perf_counter()
         path = verified_adapter_path(request, self.name)

@@ -1,11 +1,11 @@
 """The one interface the rollout engine uses to drive any worker, and what a worker can do.
 
-Every adapter (builtin today; vLLM and SGLang next) implements `WorkerClient`; the rollout
-engine never speaks HTTP itself and never asks which adapter it holds: it reads
+Every engine client (builtin, vLLM, SGLang) implements `WorkerClient`; the rollout engine never
+speaks HTTP itself and never asks which client it holds: it reads
 `capabilities`. The daemon owns each worker's state (the `workers` table, moved only by the
 state machine in daemon.rollout); a client only carries calls. Going back to an earlier
 version is `rollback(request)`: the daemon passes the update request of the version to go back
-to, so no adapter has to keep previous weights. A worker that does keep them
+to, so no engine client has to keep previous weights. A worker that does keep them
 (`restores_itself`) may also be asked to `restore()` them by itself, e.g. after a failed write.
 
 Calls raise `WorkerError` subclasses with a message naming the worker and the step.
@@ -50,7 +50,7 @@ class UpdateRefused(WorkerError):
 
 @dataclass(frozen=True, slots=True)
 class Capabilities:
-    """What an adapter's engine can do; the rollout engine plans by these flags, never by kind."""
+    """What a worker's engine can do; the rollout engine plans by these flags, never by kind."""
 
     pause_modes: tuple[PauseMode, ...] = ()  # how it can hold requests during an update; () = cannot pause
     can_drain: bool = False  # readiness off, then in-flight requests finish (bounded wait)

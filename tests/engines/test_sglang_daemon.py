@@ -1,4 +1,4 @@
-"""The SGLang adapter (daemon/adapters/sglang.py) against the SGLang 0.5.23 stand-in, a real server.
+"""The SGLang engine client (daemon/engines/sglang.py) against the SGLang 0.5.23 stand-in, a real server.
 
 First the client alone (its fault handling, each on a fresh idle stand-in state), then a hotswap
 daemon with `kind = "sglang"` rolling checkpoints dropped into its watched folder onto it:
@@ -36,10 +36,10 @@ from support_rollout import rollouts, worker_events, worker_paths
 from support_sglang import SGLangStandIn, standin_command
 from support_vllm import free_port
 
-from daemon.adapters.base import Timeouts, UpdateRefused, UpdateRequest
-from daemon.adapters.engine_common import PROBE_PROMPT
-from daemon.adapters.sglang import SGLangWorkerClient
-from daemon.adapters.sglang_api import SGLangAPI
+from daemon.engines.base import Timeouts, UpdateRefused, UpdateRequest
+from daemon.engines.engine_common import PROBE_PROMPT
+from daemon.engines.sglang import SGLangWorkerClient
+from daemon.engines.sglang_api import SGLangAPI
 from daemon.tinymodel import make_tiny_checkpoint
 
 API_KEY, ADMIN_KEY = "sg-user-key", "sg-admin-key"

@@ -1,14 +1,14 @@
 """Daemon-side clients for workers, chosen by `[[workers]] kind`: one table of kinds.
 
-    WORKER_KINDS   kind -> "module:connect", a `daemon.adapters.base.ClientFactory`
+    WORKER_KINDS   kind -> "module:connect", a `daemon.engines.base.ClientFactory`
     make_client(kind, name, url, token_file=..., timeouts=...) -> WorkerClient
 
 The rollout engine only ever sees the `WorkerClient` protocol and its `Capabilities`.
 
-How to add a worker kind (e.g. `vllm`): write `daemon/adapters/vllm.py` with a class that
+How to add a worker kind (e.g. `vllm`): write `daemon/engines/vllm.py` with a class that
 implements `WorkerClient` (declare its `capabilities`: pause modes, drain, transports,
 restores_itself, atomic_updates, reports_in_flight) and a `connect(name, url, *, token_file,
-timeouts)` function, then add one line here: `"vllm": "daemon.adapters.vllm:connect"`. The
+timeouts)` function, then add one line here: `"vllm": "daemon.engines.vllm:connect"`. The
 config (`[[workers]] kind`), the `workers` table's validation and the rollout pick it up by name.
 """
 
@@ -17,15 +17,15 @@ from __future__ import annotations
 import importlib
 from typing import Any, cast
 
-from daemon.adapters.base import ClientFactory, Timeouts, WorkerClient
+from daemon.engines.base import ClientFactory, Timeouts, WorkerClient
 
 WORKER_KINDS: dict[str, str] = {
-    "builtin": "daemon.adapters.builtin:connect",
-    "vllm": "daemon.adapters.vllm:connect",
-    "sglang": "daemon.adapters.sglang:connect",
+    "builtin": "daemon.engines.builtin:connect",
+    "vllm": "daemon.engines.vllm:connect",
+    "sglang": "daemon.engines.sglang:connect",
 }
 # Engine kinds: the `[[workers]]` keys they take beyond url/token_file/restart_command, and their
-# pause modes (tests/config/test_engine_adapters.py checks these against the adapters' own tables).
+# pause modes (tests/config/test_engine_kinds.py checks these against the clients' own tables).
 ENGINE_PAUSE_MODES: dict[str, tuple[str, ...]] = {"vllm": ("keep", "wait", "abort"), "sglang": ("retract", "abort")}
 ENGINE_KEYS: dict[str, tuple[str, ...]] = {"vllm": ("pause_mode",), "sglang": ("pause_mode", "admin_token_file")}
 MANAGED_KIND = "builtin"  # the kind the daemon can run itself (`launch = "managed"`: `hotswap worker`)
