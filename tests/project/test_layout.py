@@ -243,3 +243,22 @@ def test_worker_state_moves_only_through_the_state_machine() -> None:
     # in one place: WorkerDriver.move
     assert list(_calls("moved")) == ["daemon.rollout.driver"]
     assert list(_calls("transition")) == ["daemon.rollout.driver"]
+
+
+def test_architecture_md_has_an_invariant_per_package_and_a_glossary() -> None:
+    arch = (REPO / "ARCHITECTURE.md").read_text()
+    code_map = arch.split("## Code map", 1)[1].split("\n## ", 1)[0]
+    sections = code_map.split("\n### ")[1:]
+    assert sections, "ARCHITECTURE.md has no code map"
+    assert [s.splitlines()[0] for s in sections if "**Architecture invariant:**" not in s] == []
+    assert "\n## Glossary\n" in arch
+
+
+def test_comments_cite_only_files_the_repository_has() -> None:
+    cited = re.compile(r"\b([A-Za-z0-9_./-]+\.md)\b")
+    missing = []
+    for p in [*PACKAGE.rglob("*.py"), *(REPO / "bench").glob("*.py")]:
+        for name in cited.findall(p.read_text()):
+            if not any((base / name).exists() for base in (REPO, REPO / "docs", p.parent)):
+                missing.append(f"{p.relative_to(REPO)}: {name}")
+    assert missing == []
