@@ -41,8 +41,9 @@ from bench.common import (
     write_checkpoint,
     write_json,
 )
+from daemon.bytepipe.files import hash_files
 from daemon.formats.checkpoint import weight_files
-from daemon.hashing import HASH_ALGORITHMS, hash_files
+from daemon.hashing import HASH_ALGORITHMS
 from daemon.transport.base import Expect, ExpectedFile, check_table
 from daemon.transport.disk import DiskTransport
 from daemon.transport.disk_read import PinnedPool

@@ -39,8 +39,9 @@ import crc32c
 import numpy as np
 
 from bench.common import cached_fraction, machine_description, print_table, write_json
+from daemon.bytepipe.files import hash_files
 from daemon.checks import CheckSettings, run_checks
-from daemon.hashing import CHUNK_BYTES, hash_files
+from daemon.hashing import CHUNK_BYTES
 from daemon.manifest import MANIFEST_NAME, publish
 
 BLOCK = 64 * 1024 * 1024  # one U8 tensor per 64 MiB of shard

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.hashing import DigestMismatch, FileDigest, FileHasher, hash_files, new_strong_hash
+from daemon.bytepipe.files import hash_files
+from daemon.hashing import DigestMismatch, FileDigest, FileHasher, new_strong_hash
 
 SIZES = (0, 1, 4095, 70_000, 1_000_003, 3_000_000)
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from daemon.bytepipe.check import DigestMismatch, is_aborted
 from daemon.formats.checkpoint import TensorLocation
-from daemon.transport.check import DigestMismatch, is_aborted
-from daemon.transport.ipc_descriptor import TensorSlot
+from daemon.handoff.descriptor import TensorSlot
 
 if TYPE_CHECKING:
     import torch
