@@ -81,7 +81,9 @@ def read_files(
         pool = None
         if into is None:
             biggest = max(sizes, default=0)
-            pool = BufferPool(min(2 * n_threads, max(1, len(jobs))), max(1, min(chunk, biggest)), pinned=pinned)
+            # pinned buffers are kept for the process: always a whole chunk, so the next read reuses them
+            size = chunk if pinned else max(1, min(chunk, biggest))
+            pool = BufferPool(min(2 * n_threads, max(1, len(jobs))), size, pinned=pinned)
         try:
             run(jobs, sinks, read, readers=n_threads, pool=pool, into=into, on_exit=on_exit)
         finally:
