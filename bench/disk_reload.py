@@ -41,11 +41,12 @@ from bench.common import (
     write_checkpoint,
     write_json,
 )
+from daemon.bytepipe.engine import pinned_bytes
+from daemon.bytepipe.files import hash_files
 from daemon.formats.checkpoint import weight_files
-from daemon.hashing import HASH_ALGORITHMS, hash_files
+from daemon.hashing import HASH_ALGORITHMS
 from daemon.transport.base import Expect, ExpectedFile, check_table
 from daemon.transport.disk import DiskTransport
-from daemon.transport.disk_read import PinnedPool
 from daemon.worker.flat import checkpoint_order, pack_flat
 
 
@@ -348,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncheck while loading costs {results['check_overhead'] * 100:+.1f} % on the warm reload "
               f"(goal: within 10 %)")
     print(f"\npinned host->device: {results['pinned_h2d_gb_s']:.1f} GB/s; pinned pool "
-          f"{PinnedPool.allocated_bytes() >> 20} MiB; outputs equal: {same}; data_ptrs kept: {kept}")
+          f"{pinned_bytes() >> 20} MiB; outputs equal: {same}; data_ptrs kept: {kept}")
     if cold:
         print(f"cold: page cache dropped with {cold['drop_method']} (resident after drop: "
               f"{cold['cached_after_drop']}); ours = {cold['ours_vs_raw'] * 100:.0f} % of best raw read "

@@ -37,8 +37,8 @@ from typing import Any
 import torch
 
 from bench.common import LAYOUTS, alloc_params, machine_description, print_table, write_checkpoint, write_json
-from daemon.hashing import hash_files
-from daemon.loader.client import LoaderClient
+from daemon.bytepipe.files import hash_files
+from daemon.handoff.loader_client import LoaderClient
 from daemon.transport.base import Expect, ExpectedFile
 
 GIB = 1 << 30
@@ -181,7 +181,7 @@ class BenchWorker:
         import zmq
         from checkpoint_engine.worker import update_weights_from_ipc
 
-        from daemon.transport.ipc_cuda import device_uuid
+        from daemon.handoff.cuda import device_uuid
 
         if not hasattr(self, "_zmq"):
             self._zmq = zmq.Context()

@@ -34,8 +34,8 @@ from typing import Any
 import boto3
 
 from bench.common import print_table, write_json
+from daemon.bytepipe.files import hash_files
 from daemon.client.publish import publish_s3
-from daemon.hashing import hash_files
 from daemon.sources.s3fetch import fetch_checkpoint
 
 CREDS = {"aws_access_key_id": "bench", "aws_secret_access_key": "bench-secret", "region_name": "us-east-1"}

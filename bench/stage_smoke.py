@@ -22,13 +22,13 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.bytepipe.files import hash_files
+from daemon.bytepipe.staged import stage_files
 from daemon.checks import CHECK_NAMES, CheckSettings, run_checks
-from daemon.checks.loader_view import LoaderStager
-from daemon.checks.staged import stage_files
-from daemon.hashing import hash_files
-from daemon.loader.client import LoaderClient
+from daemon.handoff.loader_client import LoaderClient
 from daemon.manifest import publish
 from daemon.tinymodel import make_tiny_checkpoint
+from daemon.transport.ipc_verify import LoaderStager
 
 FAILED: list[str] = []
 

@@ -8,10 +8,13 @@ cache (checked with mincore), then measures, best of --repeats:
   sha256 (hashlib, 1 thread);
 - our engine (`daemon.hashing.hash_files`, one read of each chunk) with 1 and --threads
   threads: CRC32C only, BLAKE3 only, SHA-256 only, CRC32C + BLAKE3, CRC32C + SHA-256;
+- the byte pipeline against today's engine (`bench/hash_files_reference.py`, the `hash_files`
+  of d23160d), CRC32C + BLAKE3 with --threads threads, run alternately in the same run (median
+  of --repeats each; the pipeline must be within 5 %);
 - the verify stage as the daemon runs it: run_checks with manifest + headers + crc32c on
   a BLAKE3 and on a SHA-256 manifest (whole path: listing, manifest parse, headers, hashing).
 
-    .venv/bin/python -m bench.verify [--size-gb 4] [--shards 4] [--threads N] [--out F]
+    .venv/bin/python -m bench.verify [--size-gb 4] [--shards 4] [--threads N] [--out F] [--compare-only]
 
 Every computed hash is asserted equal to the manifest's. The machine's load average is
 recorded too: helpers sharing a small machine skew it.
@@ -39,8 +42,10 @@ import crc32c
 import numpy as np
 
 from bench.common import cached_fraction, machine_description, print_table, write_json
+from bench.hash_files_reference import hash_files as reference_hash_files
+from daemon.bytepipe.files import hash_files
 from daemon.checks import CheckSettings, run_checks
-from daemon.hashing import CHUNK_BYTES, hash_files
+from daemon.hashing import CHUNK_BYTES
 from daemon.manifest import MANIFEST_NAME, publish
 
 BLOCK = 64 * 1024 * 1024  # one U8 tensor per 64 MiB of shard
@@ -114,6 +119,8 @@ def main(argv: list[str] | None = None) -> int:
         "--dir", type=Path, help="where to write the shards (default: a new temp dir, removed after)"
     )
     ap.add_argument("--out", type=Path, default=Path(".bench-out/verify.json"))
+    ap.add_argument("--compare-only", action="store_true",
+                    help="only the pipeline against the reference engine (CRC32C + BLAKE3)")
     args = ap.parse_args(argv)
 
     total = int(args.size_gb * 2**30)
@@ -129,6 +136,11 @@ def main(argv: list[str] | None = None) -> int:
         resident = cached_fraction(paths)
 
         rows: list[dict[str, Any]] = []
+        expected = {f.path: f for f in manifest.files}
+        compare = compare_engines(paths, expected, args.threads, args.repeats, nbytes)
+        rows += compare["rows"]
+        if args.compare_only:
+            return _report(args, argv, rows, compare, nbytes, resident, load_before, write_s)
         ceiling_buf = np.random.default_rng(1).bytes(256 * 2**20)
         ceilings: list[tuple[str, Callable[[], Any]]] = [
             ("crc32c.crc32c, 1 thread", lambda: crc32c.crc32c(ceiling_buf)),
@@ -152,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             )
         ceiling_buf = b""  # release 256 MiB before the file runs
 
-        expected = {f.path: f for f in manifest.files}
         modes = [
             ("CRC32C only", None, True),
             ("BLAKE3 only", "blake3", False),
@@ -202,13 +213,41 @@ def main(argv: list[str] | None = None) -> int:
                     "median_s": med,
                 }
             )
-        for r in rows:
-            r["gb_per_s"] = r["bytes"] / r["best_s"] / 1e9
-            r["gb_per_s_median"] = r["bytes"] / r["median_s"] / 1e9
-            r["gb_per_cpu_s"] = r["bytes"] / r["cpu_s"] / 1e9 if r["cpu_s"] > 0 else None
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
 
+    return _report(args, argv, rows, compare, nbytes, resident, load_before, write_s)
+
+
+def compare_engines(paths: list[Path], expected: dict[str, Any], threads: int, repeats: int,
+                    nbytes: int) -> dict[str, Any]:  # fmt: skip
+    """CRC32C + BLAKE3 through the byte pipeline and through the reference engine, alternating
+    (A B A B ...) so drift on a shared machine hits both alike; medians compared."""
+    engines = {"pipeline": hash_files, "reference": reference_hash_files}
+    times: dict[str, list[float]] = {k: [] for k in engines}
+    cpus: dict[str, list[float]] = {k: [] for k in engines}
+    for i in range(repeats):
+        for name in (list(engines) if i % 2 == 0 else list(reversed(engines))):
+            c0, t0 = _cpu_s(), time.perf_counter()
+            got = engines[name](paths, alg="blake3", crc=True, threads=threads)
+            times[name].append(time.perf_counter() - t0)
+            cpus[name].append(_cpu_s() - c0)
+            for p, d in zip(paths, got, strict=True):
+                assert d.crc32c == expected[p.name].crc32c and d.hash == expected[p.name].hash, name
+    rows = [{"what": f"{'byte pipeline (hash_files)' if k == 'pipeline' else 'reference hash_files (d23160d)'}"
+                     f" CRC32C + BLAKE3, {threads} thread(s)",
+             "bytes": nbytes, "best_s": min(times[k]), "median_s": statistics.median(times[k]),
+             "cpu_s": min(cpus[k]), "times_s": times[k]} for k in engines]  # fmt: skip
+    ratio = statistics.median(times["reference"]) / statistics.median(times["pipeline"])
+    return {"rows": rows, "pipeline_over_reference": ratio, "within_5_percent": ratio >= 0.95}
+
+
+def _report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[str, Any]], compare: dict[str, Any],
+            nbytes: int, resident: float | None, load_before: tuple[float, float, float], write_s: float) -> int:  # fmt: skip
+    for r in rows:
+        r["gb_per_s"] = r["bytes"] / r["best_s"] / 1e9
+        r["gb_per_s_median"] = r["bytes"] / r["median_s"] / 1e9
+        r["gb_per_cpu_s"] = r["bytes"] / r["cpu_s"] / 1e9 if r["cpu_s"] > 0 else None
     print_table(
         f"Verification, {nbytes / 1e9:.2f} GB in {args.shards} shards, page cache ({resident:.0%} resident)"
         if resident is not None
@@ -220,12 +259,15 @@ def main(argv: list[str] | None = None) -> int:
         ],
     )
     goal = 5.0
-    verify_rate = next(r["gb_per_s"] for r in rows if r["what"].startswith("run_checks"))
+    verify_rate = next((r["gb_per_s"] for r in rows if r["what"].startswith("run_checks")), 0.0)
     print(
-        f"\ngoal >= {goal} GB/s from page cache: {'met' if verify_rate >= goal else 'NOT met'} "
-        f"({verify_rate:.2f} GB/s through run_checks, CRC32C + BLAKE3); load average before/after: "
-        f"{load_before[0]:.2f} / {os.getloadavg()[0]:.2f}"
+        f"\nbyte pipeline / reference hash_files, CRC32C + BLAKE3, medians: {compare['pipeline_over_reference']:.3f}"
+        f" ({'within' if compare['within_5_percent'] else 'NOT within'} 5 %)"
     )
+    if verify_rate:
+        print(f"goal >= {goal} GB/s from page cache: {'met' if verify_rate >= goal else 'NOT met'} "
+              f"({verify_rate:.2f} GB/s through run_checks, CRC32C + BLAKE3)")
+    print(f"load average before/after: {load_before[0]:.2f} / {os.getloadavg()[0]:.2f}")
     write_json(
         args.out,
         {
@@ -242,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
             "page_cache_resident": resident,
             "goal_gb_per_s": goal,
             "goal_met": verify_rate >= goal,
+            "pipeline_over_reference": compare["pipeline_over_reference"],
+            "within_5_percent": compare["within_5_percent"],
             "rows": rows,
         },
     )

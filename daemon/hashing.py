@@ -4,12 +4,8 @@ CRC32C catches accidents; it is linear, so anyone can change a file and patch 4 
 to keep it. The strong hash is what a signed manifest protects and what transports
 compare with (docs/concepts/checkpoints.md "Committed: when a checkpoint is read").
 
-Each chunk read is fed to both hashes. `hash_files` spreads the work over threads:
-reader threads `pread` chunks and CRC them (the `crc32c` package releases the GIL;
-chunk CRCs are joined exactly with `crc32c_combine`), and one consumer per file feeds
-the chunks in file order to the strong hash (BLAKE3 also splits each chunk over
-`max_threads`; `hashlib` and `blake3` release the GIL). Memory stays bounded at about
-`2 x threads x chunk` bytes however large the files are.
+The digests of whole files (`hash_files`) come from the one byte pipeline,
+`daemon.bytepipe.files`, which reads each byte once and feeds it to these hashes.
 
 For a transport that checks while it loads, the API is `FileHasher` (see its docstring):
 
@@ -21,22 +17,13 @@ For a transport that checks while it loads, the API is `FileHasher` (see its doc
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
-import stat
-import threading
-from collections import deque
-from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
 import blake3 as _blake3
 import crc32c as _crc32c
-
-from daemon.crc import crc32c_combine, crc32c_shift
 
 __all__ = [
     "CHUNK_BYTES",
@@ -46,7 +33,6 @@ __all__ = [
     "FileDigest",
     "FileHasher",
     "content_digest",
-    "hash_files",
     "is_hex_digest",
     "new_strong_hash",
 ]
@@ -180,172 +166,3 @@ def content_digest(files: Iterable[Any], alg: str) -> str:
             raise ValueError(f"{f.path}: no {alg} hash to build the content digest from")
         h.update(f"{f.path}\0{f.bytes}\0{f.hash}\n".encode())
     return f"{alg}:{h.hexdigest()}"
-
-
-# --------------------------------------------------------------------------- many files, many threads
-
-
-@dataclass(slots=True)
-class _Chunk:
-    buf: bytearray
-    got: int
-    crc: int
-
-
-def _open_regular(path: Path) -> tuple[int, int]:
-    """(fd, size) of a regular file; O_NONBLOCK so a FIFO in its place cannot hang us."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise OSError(f"{path}: not a regular file")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd, st.st_size
-
-
-def _read_chunk(fd: int, path: Path, pos: int, want: int, buf: bytearray, crc: bool) -> _Chunk:
-    view = memoryview(buf)
-    got = 0
-    while got < want:
-        n = os.preadv(fd, [view[got:want]], pos + got)
-        if n <= 0:
-            raise OSError(f"{path}: file shrank while hashing (short read at byte {pos + got})")
-        got += n
-    return _Chunk(buf, got, _crc32c.crc32c(view[:got]) if crc else 0)
-
-
-class _Stop(Exception):
-    pass
-
-
-def hash_files(
-    paths: Sequence[str | os.PathLike[str]],
-    *,
-    alg: str | None = DEFAULT_HASH_ALG,
-    crc: bool = True,
-    threads: int | None = None,
-    chunk: int = CHUNK_BYTES,
-    progress: Callable[[int], None] | None = None,
-) -> list[FileDigest]:
-    """Size, CRC32C and `alg` hash of each file, in order, from one read of every byte.
-
-    `alg=None` computes only the CRC, `crc=False` only the strong hash (crc32c "").
-    A file must stay a regular file of the same size while it is hashed, else OSError.
-    `progress(n)` is called from reader threads with each chunk's byte count.
-    """
-    files = [Path(p) for p in paths]
-    if not files:
-        return []
-    n_threads = max(1, threads or os.cpu_count() or 1)
-    consumers = min(n_threads, len(files))
-    # read-ahead per file: enough for every reader to have a chunk in flight
-    depth = max(2, -(-n_threads // consumers))
-    hash_threads = max(1, n_threads // consumers)
-    stop = threading.Event()
-    readers = ThreadPoolExecutor(n_threads, thread_name_prefix="hash-read") if n_threads > 1 else None
-
-    def one(path: Path) -> FileDigest:
-        fd, size = _open_regular(path)
-        pending: deque[Future[_Chunk] | _Chunk] = deque()
-        try:
-            strong = new_strong_hash(alg, threads=hash_threads) if alg is not None else None
-            total_crc = 0
-            full_shift = crc32c_shift(chunk)
-            n_buffers = min(depth, max(1, -(-size // chunk)))
-            free = [bytearray(min(chunk, max(size, 1))) for _ in range(n_buffers)]
-            next_pos = 0
-
-            def submit() -> None:
-                nonlocal next_pos
-                want = min(chunk, size - next_pos)
-                buf = free.pop()
-                if readers is None:
-                    pending.append(_read_chunk(fd, path, next_pos, want, buf, crc))
-                else:
-                    pending.append(readers.submit(_read_chunk, fd, path, next_pos, want, buf, crc))
-                next_pos += want
-
-            while next_pos < size and free:
-                submit()
-            while pending:
-                if stop.is_set():
-                    raise _Stop
-                item = pending.popleft()
-                c = item.result() if isinstance(item, Future) else item
-                if strong is not None:
-                    strong.update(memoryview(c.buf)[: c.got])
-                if crc:
-                    shift = full_shift if c.got == chunk else crc32c_shift(c.got)
-                    total_crc = crc32c_combine(total_crc, c.crc, c.got, shift=shift)
-                if progress is not None:
-                    progress(c.got)
-                free.append(c.buf)
-                if next_pos < size:
-                    submit()
-            now = os.fstat(fd).st_size
-            if now != size:
-                raise OSError(f"{path}: size changed while hashing ({size} -> {now} bytes)")
-        finally:
-            for item in pending:  # stopped early: no reader may still use the fd once it is closed
-                if isinstance(item, Future) and not item.cancel():
-                    with contextlib.suppress(BaseException):  # the first error is already on its way up
-                        item.result()
-            os.close(fd)
-        return FileDigest(
-            size,
-            f"{total_crc:08x}" if crc else "",
-            alg,
-            strong.hexdigest() if strong is not None else "",
-        )
-
-    # biggest first so one large file does not start last and run alone
-    order = sorted(range(len(files)), key=lambda i: -_size_or_zero(files[i]))
-    out: list[FileDigest | None] = [None] * len(files)
-    try:
-        if consumers == 1:
-            for i in order:
-                out[i] = one(files[i])
-        else:
-            with ThreadPoolExecutor(consumers, thread_name_prefix="hash-file") as pool:
-                futures = {i: pool.submit(one, files[i]) for i in order}
-                try:
-                    for i, fut in futures.items():
-                        out[i] = fut.result()
-                except BaseException:
-                    stop.set()
-                    for fut in futures.values():
-                        fut.cancel()
-                    raise
-    finally:
-        if readers is not None:
-            readers.shutdown(wait=True, cancel_futures=True)
-    return [d for d in out if d is not None]
-
-
-def _size_or_zero(path: Path) -> int:
-    try:
-        return path.stat().st_size
-    except OSError:
-        return 0
-
-
-def crc32c_files(
-    paths: Sequence[str | os.PathLike[str]],
-    *,
-    threads: int | None = None,
-    chunk: int = CHUNK_BYTES,
-    progress: Callable[[int], None] | None = None,
-) -> list[str]:
-    """CRC32C (8 lowercase hex) of each file, in order; files and chunks are hashed in parallel.
-
-    The CRC-only mode of `hash_files` (same engine, no strong hash).
-    The size is taken when hashing starts; a file that shrinks meanwhile raises OSError.
-    """
-    return [d.crc32c for d in hash_files(paths, alg=None, threads=threads, chunk=chunk, progress=progress)]
-
-
-def crc32c_file(path: str | os.PathLike[str], *, threads: int | None = 1, chunk: int = CHUNK_BYTES) -> str:
-    """CRC32C of one file as 8 lowercase hex digits, streamed in `chunk`-byte reads."""
-    return crc32c_files([path], threads=threads, chunk=chunk)[0]

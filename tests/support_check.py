@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from daemon.hashing import hash_files
+from daemon.bytepipe.files import hash_files
 from daemon.transport.base import Expect, ExpectedFile
 
 

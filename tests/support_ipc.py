@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from daemon.loader.client import LoaderClient
+from daemon.handoff.loader_client import LoaderClient
 
 REPO = Path(__file__).resolve().parents[1]
 

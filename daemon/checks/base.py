@@ -7,11 +7,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
+from daemon.bytepipe.protocols import Staged, Stager
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
-from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, FileDigest
+from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS
 from daemon.manifest import Manifest, ManifestFile
 
 # cheap to dear, the order they run in (docs/concepts/pipeline.md "Checks")
@@ -58,7 +59,7 @@ class CheckSettings:
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"  # GPU whose memory the headroom check counts when staging (ipc)
     forward_device: str = "cpu"  # device for the forward-pass check
-    # stage while verifying (daemon.checks.staged): the crc32c pass also copies every file to this
+    # stage while verifying (daemon.bytepipe.staged): the crc32c pass also copies every file to this
     # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
     stage_device: str = "auto"
     forward_prompts: tuple[tuple[int, ...], ...] = DEFAULT_PROMPTS  # token ids, when there is no tokenizer
@@ -212,26 +213,6 @@ class CheckFailed(Exception):
         self.reason = reason
         self.detail = detail or {}
         self.deferred = deferred
-
-
-class Staged(Protocol):
-    """A checkpoint's bytes staged by the crc32c pass (daemon.checks.staged.StagedCopy)."""
-
-    device: str
-
-    @property
-    def nbytes(self) -> int: ...
-
-    def release(self) -> None: ...
-
-
-class Stager(Protocol):
-    """Where the crc32c pass stages the weight files instead of this process (the ipc loader:
-    daemon.checks.loader_view.LoaderStager); run_checks calls `finish` once the checks are over."""
-
-    def stage(self, root: Path, rels: list[str], alg: str) -> tuple[list[FileDigest], Staged] | None: ...
-
-    def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None: ...
 
 
 @dataclass(slots=True)

@@ -1,6 +1,6 @@
 """Check "finite": no NaN or Inf in any floating tensor, read by header offsets in bounded chunks.
 
-When the crc32c check staged the checkpoint (daemon.checks.staged), the scan runs on that copy
+When the crc32c check staged the checkpoint (daemon.bytepipe.staged), the scan runs on that copy
 on its device (daemon.checks.finite_staged) and reads nothing again. Otherwise, from the files:
 it works on the raw bits (an all-ones exponent field means Inf or NaN), so bf16 and fp8
 need no float conversion and numpy is enough. Threads share the work; numpy releases
@@ -17,11 +17,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from daemon.bytepipe.staged import StagedTensors
 from daemon.checks.base import CheckContext, CheckFailed
 from daemon.checks.finite_staged import FLOAT_BITS as STAGED_BITS
 from daemon.checks.finite_staged import scan_staged
 from daemon.checks.headers import load_table
-from daemon.checks.staged import StagedTensors
 from daemon.formats.checkpoint import TensorLocation
 
 

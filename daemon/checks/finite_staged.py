@@ -17,7 +17,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from daemon.checks.staged import StagedTensors, typed
+from daemon.bytepipe.staged import StagedTensors, typed
 from daemon.formats.checkpoint import TensorLocation
 
 SLICE_ELEMENTS = 1 << 26  # bounds the temporaries to ~64 M elements at a time

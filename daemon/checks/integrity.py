@@ -13,10 +13,11 @@ import time
 from pathlib import Path
 from typing import Any
 
+from daemon.bytepipe.files import hash_files
+from daemon.bytepipe.staged import stage_files
 from daemon.checks.base import CheckContext, CheckFailed
-from daemon.checks.staged import stage_files
 from daemon.formats.checkpoint import LayoutError, weight_files
-from daemon.hashing import FileDigest, content_digest, hash_files
+from daemon.hashing import FileDigest, content_digest
 from daemon.manifest import ManifestFile
 
 

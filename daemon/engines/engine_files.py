@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.hashing import hash_files
+from daemon.bytepipe.files import hash_files
 from daemon.transport.base import Expect
 from daemon.transport.check import Reference, reference_for
 

@@ -9,6 +9,9 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
+from daemon.bytepipe.check import LoadCheck
+from daemon.bytepipe.expect import Expect
+from daemon.handoff.descriptor import HOST_DEVICE, BufferRef, TensorSlot
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch
 from daemon.loader.crcs import RangeCrcs
 from daemon.loader.staging import (
@@ -21,9 +24,6 @@ from daemon.loader.staging import (
     read_into_devices,
     read_into_host,
 )
-from daemon.transport.base import Expect
-from daemon.transport.check import LoadCheck
-from daemon.transport.ipc_descriptor import HOST_DEVICE, BufferRef, TensorSlot
 
 log = logging.getLogger("hotswap.loader")
 
@@ -154,7 +154,7 @@ class ShmBackend:
         self._seq = itertools.count(1)  # next() is atomic: concurrent stages get distinct names
 
     def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
-        from daemon.transport.ipc_shm import ShmSegment, segment_name
+        from daemon.handoff.shm import ShmSegment, segment_name
 
         seq = next(self._seq)
         return [_ShmBuffer(ShmSegment(self.directory, segment_name(os.getpid(), seq, name), nbytes))]
@@ -174,7 +174,7 @@ class ShmBackend:
 
     def cleanup_stale(self) -> list[str]:
         """Remove segments left by loaders that died without cleaning up (SIGKILL, OOM)."""
-        from daemon.transport.ipc_shm import segment_owner
+        from daemon.handoff.shm import segment_owner
 
         removed: list[str] = []
         for p in self.directory.iterdir():
@@ -209,7 +209,7 @@ class CudaBackend:
     kind = "cuda"
 
     def __init__(self, indices: list[int], threads: int = 8) -> None:
-        from daemon.transport.ipc_cuda import device_uuid
+        from daemon.handoff.cuda import device_uuid
 
         self.indices = indices
         self.devices = [device_uuid(i) for i in indices]
@@ -217,7 +217,7 @@ class CudaBackend:
         self._pool: PinnedPool | None = None
 
     def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
-        from daemon.transport.ipc_cuda import CudaIpcError, DeviceBuffer
+        from daemon.handoff.cuda import CudaIpcError, DeviceBuffer
 
         out: list[StagedBuffer] = []
         try:

@@ -4,7 +4,7 @@
                    [--budget-bytes N] [--max-versions 3] [--shm-dir /dev/shm] [--threads 8]
 
 It listens on a Unix socket (mode 0600) for line-delimited JSON requests (see
-`daemon.loader.protocol`); `daemon.loader.client.LoaderClient` is the client. SIGTERM or
+`daemon.handoff.loader_protocol`); `daemon.handoff.loader_client.LoaderClient` is the client. SIGTERM or
 SIGINT frees every staged version, removes the socket and exits 0.
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from daemon.formats.checkpoint import LayoutError
 from daemon.formats.safetensors import HeaderError
-from daemon.loader.protocol import (
+from daemon.handoff.loader_protocol import (
     MAX_REQUEST_BYTES,
     OPS,
     ProtocolError,
@@ -32,9 +32,9 @@ from daemon.loader.protocol import (
     encode,
     read_line,
 )
+from daemon.handoff.shm import ShmError
 from daemon.loader.staging import StagingError
 from daemon.loader.store import Backend, CudaBackend, LoaderStore, ShmBackend, StoreError
-from daemon.transport.ipc_shm import ShmError
 
 log = logging.getLogger("hotswap.loader")
 
@@ -160,7 +160,7 @@ def build_backend(devices: list[str], shm_dir: Path, threads: int) -> Backend:
         if removed:
             log.info("removed %d stale segments from dead loaders: %s", len(removed), ", ".join(removed))
         return backend
-    from daemon.transport.ipc_cuda import device_index
+    from daemon.handoff.cuda import device_index
 
     indices: list[int] = []
     for d in devices:

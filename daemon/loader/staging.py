@@ -2,25 +2,24 @@
 
 The safetensors headers (validated strictly by `tensor_table`) say where every tensor's bytes
 are; each tensor goes to its 256-byte aligned slot in the flat buffer. Reads are split into
-chunks and spread over threads (`os.preadv` releases the GIL). Into shared host memory they
-land directly in the destination; for GPUs each thread reads into one of two pinned host
-buffers and copies it to every staged GPU on its own stream while it reads the next chunk.
+chunks and run through the byte pipeline (daemon.bytepipe.engine: reader threads, `os.preadv`
+releases the GIL). Into shared host memory they land directly in the destination; for GPUs each
+reader reads into pinned host buffers of the pipeline's pool and copies each to every staged GPU
+on its own stream while it reads the next chunk.
 """
 
 from __future__ import annotations
 
-import os
-import queue
-import threading
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
+from daemon.bytepipe.check import DigestMismatch
+from daemon.bytepipe.engine import Buffer, BufferPool, Job, OpenFiles, Sink, pread_exact, run
+from daemon.bytepipe.sinks import DeviceCopy
 from daemon.formats.checkpoint import TensorLocation
-from daemon.transport.check import DigestMismatch, is_aborted
-from daemon.transport.ipc_descriptor import TensorSlot
+from daemon.handoff.descriptor import TensorSlot
 
 if TYPE_CHECKING:
     import torch
@@ -29,7 +28,7 @@ CHUNK_BYTES = 32 << 20
 
 
 class ChunkCheck(Protocol):
-    """What hashes the staged chunks (daemon.transport.check.LoadCheck, or the store's tee of it)."""
+    """What hashes the staged chunks (daemon.bytepipe.check.LoadCheck, or the store's tee of it)."""
 
     def feed(self, file: Path, offset: int, data: Any) -> None: ...
     def abort(self) -> None: ...
@@ -61,35 +60,6 @@ def plan_reads(
     return jobs
 
 
-class _Files:
-    """One read-only descriptor per shard, shared by the reader threads (pread has no cursor)."""
-
-    def __init__(self, jobs: Sequence[ReadJob]) -> None:
-        self.fds: dict[Path, int] = {}
-        try:
-            for f in {j.file for j in jobs}:
-                self.fds[f] = os.open(f, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError as exc:
-            self.close()
-            raise StagingError(f"{exc.filename}: cannot open ({exc.strerror})") from None
-
-    def read(self, job: ReadJob, into: memoryview) -> None:
-        fd, done = self.fds[job.file], 0
-        while done < job.nbytes:
-            try:
-                n = os.preadv(fd, [into[done : job.nbytes]], job.src + done)
-            except OSError as exc:
-                raise StagingError(f"{job.file}: read at byte {job.src + done} failed ({exc.strerror})") from None
-            if n == 0:
-                raise StagingError(f"{job.file}: file ends at byte {job.src + done}, header promised more")
-            done += n
-
-    def close(self) -> None:
-        for fd in self.fds.values():
-            os.close(fd)
-        self.fds.clear()
-
-
 def interleave(jobs: Sequence[ReadJob]) -> list[ReadJob]:
     """Jobs round-robin over files, each file's in file order: every file's hash advances at once."""
     by_file: dict[Path, list[ReadJob]] = {}
@@ -109,64 +79,62 @@ def check_ranges(jobs: Sequence[ReadJob]) -> dict[Path, list[tuple[int, int]]]:
     return ranges
 
 
-def _checked(check: ChunkCheck | None, job: ReadJob, data: memoryview) -> None:
-    if check is None:
-        return
-    try:
-        check.feed(job.file, job.src, data)
-    except DigestMismatch as exc:
-        raise StagingError(f"check while staging: {exc}") from None
+def _files(jobs: Sequence[ReadJob]) -> OpenFiles:
+    """One read-only descriptor per shard, shared by the reader threads (pread has no cursor)."""
+    return OpenFiles(sorted({j.file for j in jobs}), regular=False,
+                     error=lambda p, exc: StagingError(f"{p}: cannot open ({exc.strerror})"))  # fmt: skip
+
+
+def _reader(files: OpenFiles) -> Callable[[Job, memoryview], None]:
+    def read(job: Job, into: memoryview) -> None:
+        try:
+            got = pread_exact(files.fds[job.file], into, job.offset)
+        except OSError as exc:
+            raise StagingError(f"{job.file}: read at byte {job.offset} failed ({exc.strerror})") from None
+        if got < job.nbytes:
+            raise StagingError(f"{job.file}: file ends at byte {job.offset + got}, header promised more")
+
+    return read
+
+
+class _Feed:
+    """The check as a sink: each chunk hashed in its reader's thread, in file order."""
+
+    def __init__(self, check: ChunkCheck) -> None:
+        self.check = check
+
+    def take(self, job: Job, data: memoryview, buffer: Buffer | None, reader: int) -> None:
+        try:
+            self.check.feed(job.file, job.offset, data)
+        except DigestMismatch as exc:
+            raise StagingError(f"check while staging: {exc}") from None
+
+    def abort(self) -> None:
+        self.check.abort()  # nobody may wait for a failed job's bytes any more
+
+
+def _jobs(jobs: Sequence[ReadJob], check: ChunkCheck | None) -> list[Job]:
+    return [Job(j.file, j.src, j.nbytes, j.dst) for j in (interleave(jobs) if check is not None else jobs)]
 
 
 def read_into_host(jobs: Sequence[ReadJob], dest: memoryview, threads: int = 8, check: ChunkCheck | None = None) -> None:
     """Read every job straight into `dest` (a writable view of the shared segment); with `check`,
     hash each job's bytes as they landed, in file order."""
-    files = _Files(jobs)
-    order = interleave(jobs) if check is not None else list(jobs)
-
-    def one(j: ReadJob) -> None:
-        try:
-            view = dest[j.dst : j.dst + j.nbytes]
-            files.read(j, view)
-            _checked(check, j, view)
-        except BaseException:
-            if check is not None:
-                check.abort()  # nobody may wait for this job's bytes any more
-            raise
-
+    files = _files(jobs)
     try:
-        with ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="stage-read") as pool:
-            futures = [pool.submit(one, j) for j in order]
-            first: BaseException | None = None
-            for f in futures:
-                try:
-                    f.result()
-                except BaseException as exc:  # noqa: BLE001 - the first real one is raised below
-                    if first is None and not is_aborted(exc):
-                        first = exc
-            if first is not None:
-                raise first
+        run(_jobs(jobs, check), [_Feed(check)] if check is not None else [], _reader(files), readers=threads,
+            into=lambda job: dest[job.dst : job.dst + job.nbytes])  # fmt: skip
     finally:
         files.close()
 
 
 class PinnedPool:
-    """Pairs of pinned host buffers for the GPU path, kept between stagings (pinning is slow)."""
+    """How the GPU path reads: `pairs` reader threads with two pinned host buffers each (the
+    buffers come from the byte pipeline's process-wide pinned memory, kept between stagings)."""
 
     def __init__(self, pairs: int, chunk: int = CHUNK_BYTES) -> None:
-        import torch
-
         self.chunk = chunk
-        self._free: queue.SimpleQueue[list[torch.Tensor]] = queue.SimpleQueue()
-        for _ in range(pairs):
-            self._free.put([torch.empty(chunk, dtype=torch.uint8, pin_memory=True) for _ in range(2)])
         self.pairs = pairs
-
-    def take(self) -> list[torch.Tensor]:
-        return self._free.get()
-
-    def give(self, pair: list[torch.Tensor]) -> None:
-        self._free.put(pair)
 
 
 def read_into_devices(
@@ -174,63 +142,18 @@ def read_into_devices(
 ) -> None:
     """Read each job into pinned memory, then copy it to the same offset of every device buffer
     (with `check`, hashing the pinned buffer while the copies run)."""
-    import torch
-
     if any(j.nbytes > pool.chunk for j in jobs):
         raise StagingError(f"read job larger than the pinned chunk ({pool.chunk} bytes)")
-    files = _Files(jobs)
-    todo: queue.SimpleQueue[ReadJob | None] = queue.SimpleQueue()
-    for j in interleave(jobs) if check is not None else jobs:
-        todo.put(j)
-    for _ in range(pool.pairs):
-        todo.put(None)
-    errors: list[BaseException] = []
-
-    def run() -> None:
-        pair = pool.take()
-        streams = [torch.cuda.Stream(device=d.device) for d in dests]
-        events: list[list[torch.cuda.Event | None]] = [[None] * len(dests) for _ in pair]
-        slot = 0
-        try:
-            while not errors:
-                job = todo.get()
-                if job is None:
-                    break
-                for ev in events[slot]:
-                    if ev is not None:
-                        ev.synchronize()  # the copy out of this pinned buffer has finished
-                host = pair[slot]
-                files.read(job, memoryview(host.numpy())[: job.nbytes])
-                for k, (d, s) in enumerate(zip(dests, streams, strict=True)):
-                    with torch.cuda.stream(s):
-                        d[job.dst : job.dst + job.nbytes].copy_(host[: job.nbytes], non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(s)
-                        events[slot][k] = ev
-                _checked(check, job, memoryview(host.numpy())[: job.nbytes])
-                slot ^= 1
-            for s in streams:
-                s.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller below
-            if not is_aborted(exc):
-                errors.append(exc)
-            if check is not None:
-                check.abort()
-            for s in streams:
-                s.synchronize()
-        finally:
-            pool.give(pair)
-
-    threads = [threading.Thread(target=run, name=f"stage-gpu-{i}") for i in range(pool.pairs)]
+    files = _files(jobs)
+    copy = DeviceCopy(lambda job: [(d[job.dst : job.dst + job.nbytes], 0, job.nbytes) for d in dests])
+    sinks: list[Sink] = [copy] + ([_Feed(check)] if check is not None else [])
+    buffers = BufferPool(2 * pool.pairs, pool.chunk, pinned=True)
     try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        files.close()
-    if errors:
-        exc = errors[0]
-        if isinstance(exc, StagingError):
-            raise exc
+        run(_jobs(jobs, check), sinks, _reader(files), readers=pool.pairs, pool=buffers, on_exit=copy.finish)
+    except StagingError:
+        raise
+    except Exception as exc:
         raise StagingError(f"copy to GPU failed: {exc}") from exc
+    finally:
+        buffers.close()
+        files.close()

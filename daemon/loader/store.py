@@ -18,7 +18,18 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from daemon.bytepipe.check import ensure_contained
+from daemon.bytepipe.expect import BadUpdateRequest, Expect
 from daemon.formats.checkpoint import tensor_table, weight_files
+from daemon.handoff.descriptor import (
+    ALIGN,
+    HOST_DEVICE,
+    MAX_VERSION_CHARS,
+    Descriptor,
+    TensorSlot,
+    align_up,
+    layout_tensors,
+)
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch, content_digest
 from daemon.loader.backends import (
     HASH_FOR_VERIFY,
@@ -32,17 +43,6 @@ from daemon.loader.backends import (
     _pid_alive,
 )
 from daemon.loader.crcs import RangeCrcs
-from daemon.transport.base import BadUpdateRequest, Expect
-from daemon.transport.check import ensure_contained
-from daemon.transport.ipc_descriptor import (
-    ALIGN,
-    HOST_DEVICE,
-    MAX_VERSION_CHARS,
-    Descriptor,
-    TensorSlot,
-    align_up,
-    layout_tensors,
-)
 
 log = logging.getLogger("hotswap.loader")
 
@@ -304,7 +304,7 @@ class LoaderStore:
             return HOST_DEVICE
         idx = device.removeprefix("cuda:")
         if self.backend.kind == "cuda" and idx.isdigit():
-            from daemon.transport.ipc_cuda import device_uuid
+            from daemon.handoff.cuda import device_uuid
 
             return device_uuid(int(idx))
         raise StoreError(f"unknown device {device!r}; staged devices: {', '.join(self.backend.devices)}")

@@ -42,13 +42,13 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from daemon.bytepipe.files import hash_files
 from daemon.common.identity import socket_dir, write_secret
 from daemon.common.logging import get_logger
 from daemon.common.private import DIR_MODE, FILE_MODE, open_private, private_dir, tighten, write_private
 from daemon.common.tcplisten import tcp_listener
 from daemon.config import WorkerSpec
 from daemon.formats.checkpoint import MANIFEST_NAME, tensor_table
-from daemon.hashing import hash_files
 from daemon.manifest import load_manifest, publish
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.tinymodel import make_tiny_checkpoint

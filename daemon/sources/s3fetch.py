@@ -39,10 +39,11 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
+from daemon.bytepipe.files import hash_files
 from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES
-from daemon.hashing import DigestMismatch, hash_files
+from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, parse_manifest
 from daemon.sources.base import FetchError, Progress
 

@@ -7,7 +7,7 @@ digests. Inside the pause `write_into` is then one device-to-device copy of that
 copies: `copyplan`, since the buffer mirrors the worker's flat weight buffer), whatever happens
 to the files meanwhile. The buffer is freed when the transport closes (after resume).
 
-On CUDA the buffer is a plain `cuMemAlloc` allocation (`ipc_cuda.DeviceBuffer`), outside torch's
+On CUDA the buffer is a plain `cuMemAlloc` allocation (`daemon.handoff.cuda.DeviceBuffer`), outside torch's
 caching allocator, so freeing it gives the memory back to the device at once; it is only made
 when the device has room for it (`room_for`). On the CPU it is host memory (tests exercise the
 whole path there).
@@ -19,10 +19,10 @@ from typing import Any
 
 import torch
 
+from daemon.handoff.cuda import DeviceBuffer
+from daemon.handoff.descriptor import ALIGN, layout_tensors
 from daemon.transport.base import TORCH_TO_ST
 from daemon.transport.copyplan import plan_copies, run_copies
-from daemon.transport.ipc_cuda import DeviceBuffer
-from daemon.transport.ipc_descriptor import ALIGN, layout_tensors
 
 MARGIN_BYTES = 2 << 30  # what must stay free on the device besides the buffer
 

@@ -28,11 +28,15 @@ Neither side ever asks which transport it holds; `daemon.transport.TRANSPORTS` n
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
+
+from daemon.bytepipe.expect import BadUpdateRequest as BadUpdateRequest
+from daemon.bytepipe.expect import Expect as Expect
+from daemon.bytepipe.expect import ExpectedFile as ExpectedFile
+from daemon.handoff.descriptor import TensorSpec as TensorSpec
 
 if TYPE_CHECKING:
     import torch
@@ -83,61 +87,6 @@ class StageError(RuntimeError):
     def __init__(self, message: str, *, infra: bool = False) -> None:
         super().__init__(message)
         self.infra = infra
-
-
-class BadUpdateRequest(ValueError):
-    """An update request that does not say what it must (the worker answers 422)."""
-
-
-@dataclass(frozen=True, slots=True)
-class ExpectedFile:
-    """A file of the verified checkpoint as the registry recorded it: size and digests by algorithm."""
-
-    path: str
-    bytes: int
-    digests: Mapping[str, str] = field(default_factory=dict)  # e.g. {"crc32c": "8f3a21c0", "sha256": "9f2c..."}
-
-
-@dataclass(frozen=True, slots=True)
-class Expect:
-    """What the registry verified, for the worker to check the bytes it reads against."""
-
-    digest: str | None = None  # content digest
-    tensors: int | None = None  # tensor count
-    files: tuple[ExpectedFile, ...] = ()  # per-file digests (check while loading)
-
-    def to_json(self) -> dict[str, Any]:
-        doc: dict[str, Any] = {}
-        if self.digest is not None:
-            doc["digest"] = self.digest
-        if self.tensors is not None:
-            doc["tensors"] = self.tensors
-        if self.files:
-            doc["files"] = [{"path": f.path, "bytes": f.bytes, "digests": dict(f.digests)} for f in self.files]
-        return doc
-
-    @classmethod
-    def from_json(cls, doc: Any) -> Expect:
-        if doc is None:
-            return cls()
-        if not isinstance(doc, dict):
-            raise BadUpdateRequest("'expect' must be an object {digest, tensors, files}")
-        digest, tensors, files = doc.get("digest"), doc.get("tensors"), doc.get("files") or []
-        if digest is not None and not isinstance(digest, str):
-            raise BadUpdateRequest("expect.digest must be a string")
-        if tensors is not None and (not isinstance(tensors, int) or isinstance(tensors, bool) or tensors < 0):
-            raise BadUpdateRequest("expect.tensors must be a non-negative integer")
-        if not isinstance(files, list):
-            raise BadUpdateRequest("expect.files must be a list of {path, bytes, digests}")
-        parsed = []
-        for i, f in enumerate(files):
-            ok = (isinstance(f, dict) and isinstance(f.get("path"), str) and isinstance(f.get("bytes"), int)
-                  and isinstance(f.get("digests", {}), dict)
-                  and all(isinstance(k, str) and isinstance(v, str) for k, v in f.get("digests", {}).items()))  # fmt: skip
-            if not ok:
-                raise BadUpdateRequest(f"expect.files[{i}] must be {{path: str, bytes: int, digests: {{alg: hex}}}}")
-            parsed.append(ExpectedFile(f["path"], f["bytes"], dict(f.get("digests", {}))))
-        return cls(digest, tensors, tuple(parsed))
 
 
 # the envelope's own keys; every other key of an update body belongs to the transport
@@ -228,18 +177,6 @@ class DaemonTransport(Protocol):
 
 
 DaemonTransportFactory = Callable[[SenderOptions], DaemonTransport]
-
-
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    name: str
-    dtype: str  # safetensors dtype string, e.g. "BF16"
-    shape: tuple[int, ...]
-    nbytes: int
-
-    @property
-    def numel(self) -> int:
-        return math.prod(self.shape)
 
 
 class WorkerTransport(Protocol):

@@ -8,32 +8,35 @@ runs `read_staged` (pinned pool) and `read_direct` (CPU), which fill its `WriteS
 
 Two paths (`DiskTransport.write` picks one per parameter device):
 
+Both run on the byte pipeline (daemon.bytepipe.engine):
+
 * CUDA (fast path): the shards' data sections are cut into chunks of at most `chunk_bytes`
-  (big tensors span several chunks, small ones share a chunk). Several reader threads each own
-  two buffers of a pinned host pool that is allocated once per process and kept; a reader
-  fills one buffer with `os.preadv` (which releases the GIL) while the copy of the other buffer
-  to the GPU runs on the reader's own side stream; a CUDA event tells when a buffer is free again.
+  (big tensors span several chunks, small ones share a chunk). Reader threads fill buffers of a
+  pinned host pool (page-locked memory kept for the process) with `os.preadv` (which releases
+  the GIL); each chunk is copied to the GPU on the reader's own side stream (`DeviceCopy`) and
+  a buffer is reused once its copy's CUDA event completed.
 * CPU (plain path): `os.preadv` straight into the parameter's memory (a memoryview of it).
 
-Checking (a `LoadCheck`): on the CUDA path the reader hands the buffer to its file's hashing
-thread and reads on into its next buffer (3 per reader), so the hash runs beside the reads and
-copies instead of holding the readers up. Errors name the file, the tensor and the offset.
+Checking (a `LoadCheck`): on the CUDA path the buffer also goes to its file's hashing thread
+and the reader reads on into its next buffer (3 per reader), so the hash runs beside the reads
+and copies instead of holding the readers up. Errors name the file, the tensor and the offset.
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from daemon.bytepipe.engine import BufferPool, Job, OpenFiles, Sink, run
+from daemon.bytepipe.sinks import Checked, DeviceCopy
 from daemon.formats.checkpoint import TensorLocation
 from daemon.transport.base import SourceChanged, TransportError
-from daemon.transport.check import DigestMismatch, LoadCheck, is_aborted
+from daemon.transport.check import DigestMismatch, LoadCheck
 
 if TYPE_CHECKING:
     import torch
@@ -109,34 +112,6 @@ def plan_chunks(locations: Sequence[TensorLocation], chunk_bytes: int) -> list[C
     return chunks
 
 
-class PinnedPool:
-    """Page-locked host buffers, allocated once per process and reused by every update."""
-
-    _lock = threading.Lock()
-    _buffers: list[torch.Tensor] = []  # process-wide on purpose
-    _buf_bytes = 0
-
-    @classmethod
-    def get(cls, count: int, buf_bytes: int) -> list[torch.Tensor]:
-        import torch
-
-        with cls._lock:
-            if cls._buffers and cls._buf_bytes < buf_bytes:
-                # a larger chunk size was asked for: replace the pool once
-                cls._buffers = []
-            if not cls._buffers:
-                cls._buf_bytes = buf_bytes
-            pin = torch.cuda.is_available()  # without CUDA (tests) plain host memory stands in
-            while len(cls._buffers) < count:
-                cls._buffers.append(torch.empty(cls._buf_bytes, dtype=torch.uint8, pin_memory=pin))
-            return cls._buffers[:count]
-
-    @classmethod
-    def allocated_bytes(cls) -> int:
-        with cls._lock:
-            return len(cls._buffers) * cls._buf_bytes
-
-
 def byte_view(t: torch.Tensor) -> torch.Tensor:
     """The tensor's own storage as a flat uint8 tensor (no copy; the storage must be contiguous)."""
     import torch
@@ -160,18 +135,10 @@ def _read_exact(fd: int, buf: memoryview, offset: int, file: Path, what: str) ->
         got += r
 
 
-def _open_all(files: set[Path]) -> dict[Path, int]:
-    fds: dict[Path, int] = {}
-    try:
-        for f in sorted(files):
-            fds[f] = os.open(f, os.O_RDONLY)
-            # a larger readahead window helps the cold (disk-bound) case
-            os.posix_fadvise(fds[f], 0, 0, os.POSIX_FADV_SEQUENTIAL)
-    except OSError as exc:
-        for fd in fds.values():
-            os.close(fd)
-        raise TransportError(f"{exc.filename}: cannot open ({exc.strerror})") from None
-    return fds
+def _open_all(files: set[Path]) -> OpenFiles:
+    # a larger readahead window helps the cold (disk-bound) case
+    return OpenFiles(sorted(files), regular=False, sequential=True,
+                     error=lambda p, exc: TransportError(f"{p}: cannot open ({exc.strerror})"))  # fmt: skip
 
 
 def read_direct(
@@ -179,28 +146,20 @@ def read_direct(
     check: LoadCheck | None = None, *, readers: int,
 ) -> None:
     """CPU parameters: read each tensor straight into its memory, a few threads in parallel."""
-    fds = _open_all({loc.file for loc in locations})
-    errors: list[BaseException] = []
-    lock = threading.Lock()
+    files = _open_all({loc.file for loc in locations})
     todo = sorted(locations, key=lambda x: (str(x.file), x.entry.start))
-    cursor = iter(todo)
+    jobs = [Job(loc.file, loc.entry.start, loc.entry.nbytes, tag=loc) for loc in todo]
 
-    def work() -> None:
-        while not errors:
-            with lock:
-                loc = next(cursor, None)
-            if loc is None:
-                return
-            try:
-                dst = memoryview(views[loc.entry.name].numpy()).cast("B")
-                _read_exact(fds[loc.file], dst, loc.entry.start, loc.file, f"tensor {loc.entry.name!r}")
-                if check is not None:
-                    check.feed(loc.file, loc.entry.start, dst)
-            except BaseException as exc:  # noqa: BLE001 - reported by the caller
-                _fail(errors, exc, check)
-                return
+    def read(job: Job, view: memoryview) -> None:
+        _read_exact(files.fds[job.file], view, job.offset, job.file, f"tensor {job.tag.entry.name!r}")
 
-    _run_readers([work] * min(readers, 4), fds, errors)
+    try:
+        run(jobs, [Checked(check, threaded=False)] if check is not None else [], read, readers=min(readers, 4),
+            into=lambda job: memoryview(views[job.tag.entry.name].numpy()).cast("B"))  # fmt: skip
+    except BaseException as exc:
+        raise _as_transport_error(exc) from None
+    finally:
+        files.close()
     stats.bytes += sum(loc.entry.nbytes for loc in locations)
 
 
@@ -208,108 +167,43 @@ def read_staged(
     chunks: list[Chunk], views: dict[str, torch.Tensor], stats: WriteStats, check: LoadCheck | None = None, *,
     readers: int, check_buffers: int, chunk_bytes: int,
 ) -> None:
-    """CUDA parameters: readers fill pinned buffers; each copies to the GPU on its own stream.
-    Checking, a reader hands the buffer to its file's hashing thread and reads on into its
-    next buffer; a buffer is refilled once its copy has finished and it was hashed."""
-    import contextlib
-
+    """CUDA parameters: readers fill pinned buffers of the byte pipeline's pool; each chunk is
+    copied to the GPU on its reader's own stream. Checking, the buffer goes to its file's hashing
+    thread too and the reader reads on into its next buffer; a buffer is refilled once its copy
+    has finished and it was hashed."""
     import torch
 
     readers = max(1, min(readers, len(chunks)))
     per_reader = 2 if check is None else max(2, check_buffers)
     buf_bytes = max(c.nbytes for c in chunks) if chunks else 0
     buf_bytes = max(buf_bytes, min(chunk_bytes, DEFAULT_CHUNK_BYTES))
-    pool = PinnedPool.get(per_reader * readers, buf_bytes)
-    device = views[chunks[0].segments[0].name].device
-    on_gpu = device.type == "cuda"
-    fds = _open_all({c.file for c in chunks})
-    errors: list[BaseException] = []
-    lock = threading.Lock()
-    cursor = iter(chunks)
-    read_s = [0.0] * readers
-    wait_s = [0.0] * readers
+    files = _open_all({c.file for c in chunks})
+    read_s: dict[int, float] = {}
 
-    def work(r: int) -> None:
-        stream = _reader_stream(device, r) if on_gpu else None
-        bufs = pool[per_reader * r : per_reader * (r + 1)]
-        events: list[torch.cuda.Event | None] = [None] * per_reader
-        hashed = [threading.Event() for _ in bufs]
-        for h in hashed:
-            h.set()
-        arrays = [memoryview(b.numpy()) for b in bufs]
-        k = 0
-        try:
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                while not errors:
-                    t = time.perf_counter()
-                    hashed[k].wait()  # before taking a chunk: a waiting reader holds none
-                    ev = events[k]
-                    if ev is not None:
-                        ev.synchronize()  # the copy out of this buffer has finished
-                    wait_s[r] += time.perf_counter() - t
-                    with lock:
-                        chunk = next(cursor, None)
-                    if chunk is None:
-                        break
-                    t = time.perf_counter()
-                    first = chunk.segments[0].name
-                    _read_exact(
-                        fds[chunk.file], arrays[k][: chunk.nbytes], chunk.offset, chunk.file, f"tensor {first!r}"
-                    )
-                    read_s[r] += time.perf_counter() - t
-                    for s in chunk.segments:
-                        dst = views[s.name][s.dst_offset : s.dst_offset + s.nbytes]
-                        dst.copy_(bufs[k][s.buf_offset : s.buf_offset + s.nbytes], non_blocking=True)
-                    if stream is not None:
-                        e = torch.cuda.Event()
-                        e.record(stream)
-                        events[k] = e
-                    if check is not None:  # hashed on the file's thread while the copy engine reads it
-                        hashed[k].clear()
-                        check.submit(chunk.file, chunk.offset, arrays[k][: chunk.nbytes], hashed[k].set)
-                    k = (k + 1) % per_reader
-            for h in hashed:  # the pool is shared by the next update: every buffer let go
-                h.wait()
-            if stream is not None:
-                stream.synchronize()
-        except BaseException as exc:  # noqa: BLE001 - reported by the caller
-            _fail(errors, exc, check)
-            for h in hashed:
-                h.wait()
-            if stream is not None:
-                with contextlib.suppress(Exception):
-                    stream.synchronize()
+    def read(job: Job, view: memoryview) -> None:
+        c: Chunk = job.tag
+        t = time.perf_counter()
+        _read_exact(files.fds[c.file], view, c.offset, c.file, f"tensor {c.segments[0].name!r}")
+        me = threading.get_ident()
+        read_s[me] = read_s.get(me, 0.0) + time.perf_counter() - t
 
-    _run_readers([functools.partial(work, r) for r in range(readers)], fds, errors)
+    copy = DeviceCopy(lambda job: [(views[s.name][s.dst_offset : s.dst_offset + s.nbytes], s.buf_offset, s.nbytes)
+                                   for s in job.tag.segments])  # fmt: skip
+    sinks: list[Sink] = [copy] + ([Checked(check)] if check is not None else [])
+    # without CUDA (tests) plain host memory stands in for the pinned pool
+    pool = BufferPool(per_reader * readers, buf_bytes, pinned=torch.cuda.is_available())
+    try:
+        run([Job(c.file, c.offset, c.nbytes, tag=c) for c in chunks], sinks, read, readers=readers, pool=pool,
+            on_exit=copy.finish)  # fmt: skip
+    except BaseException as exc:
+        raise _as_transport_error(exc) from None
+    finally:
+        pool.close()
+        files.close()
     stats.bytes += sum(c.nbytes for c in chunks)
     stats.chunks += len(chunks)
     stats.readers = readers
-    stats.extra["read_thread_s_max"] = max(read_s) if read_s else 0.0
-    stats.extra["buffer_wait_s_max"] = max(wait_s) if wait_s else 0.0
-
-
-_streams: dict[tuple[int, int], Any] = {}
-_streams_lock = threading.Lock()
-
-
-def _reader_stream(device: torch.device, reader: int) -> Any:
-    """Reader `reader`'s side stream on `device`, made once per process (not once per update)."""
-    import torch
-
-    key = (device.index if device.index is not None else torch.cuda.current_device(), reader)
-    with _streams_lock:
-        stream = _streams.get(key)
-        if stream is None:
-            stream = _streams[key] = torch.cuda.Stream(device=device)
-        return stream
-
-
-def _fail(errors: list[BaseException], exc: BaseException, check: LoadCheck | None) -> None:
-    """Record a reader's error; a checked load stops every reader waiting on a file's hash order."""
-    if not is_aborted(exc):
-        errors.append(exc)
-    if check is not None:
-        check.abort()
+    stats.extra["read_thread_s_max"] = max(read_s.values(), default=0.0)
 
 
 def interleave(chunks: list[Chunk]) -> list[Chunk]:
@@ -326,21 +220,6 @@ def interleave(chunks: list[Chunk]) -> list[Chunk]:
             out.append(q.pop(0))
         i += 1
     return out
-
-
-def _run_readers(targets: list[Callable[[], None]], fds: dict[Path, int], errors: list[BaseException]) -> None:
-    """Run reader threads to completion, close the files, and raise the first error they recorded."""
-    try:
-        threads = [threading.Thread(target=t, daemon=True) for t in targets]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        for fd in fds.values():
-            os.close(fd)
-    if errors:
-        raise _as_transport_error(errors[0])
 
 
 def _as_transport_error(exc: BaseException) -> TransportError:

@@ -36,7 +36,14 @@ from typing import Any
 
 import torch
 
-from daemon.loader.client import LoaderClient, LoaderError
+from daemon.handoff.descriptor import (
+    HOST_DEVICE,
+    Descriptor,
+    DescriptorError,
+    IpcRefused,
+    parse_descriptor,
+)
+from daemon.handoff.loader_client import LoaderClient, LoaderError
 from daemon.transport.base import (
     BadUpdateRequest,
     Expect,
@@ -49,13 +56,6 @@ from daemon.transport.base import (
 )
 from daemon.transport.check import reference_for, wants_check
 from daemon.transport.copyplan import plan_copies, run_copies
-from daemon.transport.ipc_descriptor import (
-    HOST_DEVICE,
-    Descriptor,
-    DescriptorError,
-    IpcRefused,
-    parse_descriptor,
-)
 from daemon.transport.ipc_open import OPENER, TRUSTED_UIDS, IpcOpener, OpenedVersion
 
 log = logging.getLogger("hotswap.transport.ipc")
@@ -69,7 +69,7 @@ def _device_uuid_of(device: torch.device) -> str:
     if device.type == "cpu":
         return HOST_DEVICE
     if device.type == "cuda":
-        from daemon.transport.ipc_cuda import device_uuid
+        from daemon.handoff.cuda import device_uuid
 
         return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
     raise DescriptorError(f"the ipc transport does not support device {device}")

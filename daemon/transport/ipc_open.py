@@ -3,8 +3,8 @@
 `daemon.transport.ipc` (the worker side's `IpcTransport`) asks `OPENER` for a version's buffer in
 `open()` and gives its reference back in `close()`; swap-mode leases hold theirs until the
 worker lets the version go. This module owns that process-wide cache (`IpcOpener`): it maps the
-buffer (a sealed shared-memory segment owned by a trusted user, `ipc_shm.py`, or a CUDA IPC
-handle, `ipc_cuda.py`) on first use, counts references, builds the tensor views once
+buffer (a sealed shared-memory segment owned by a trusted user, `daemon.handoff.shm`, or a CUDA IPC
+handle, `daemon.handoff.cuda`) on first use, counts references, builds the tensor views once
 (`OpenedVersion.views`), and unmaps when the last reference and the last view are gone. It
 lives apart from the transport because it outlives any one update and is shared by all of them.
 """
@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
+from daemon.handoff.descriptor import BufferRef, Descriptor, DescriptorError, IpcRefused
 from daemon.transport.base import ST_TO_TORCH
-from daemon.transport.ipc_descriptor import BufferRef, Descriptor, DescriptorError, IpcRefused
 
 log = logging.getLogger("hotswap.transport.ipc")
 
@@ -101,11 +101,11 @@ OPENER = IpcOpener()
 
 def _map_buffer(desc: Descriptor, buf: BufferRef) -> Any:
     if desc.kind == "shm":
-        from daemon.transport.ipc_shm import ShmMapping
+        from daemon.handoff.shm import ShmMapping
 
         assert buf.path is not None
         return ShmMapping(buf.path, buf.buffer_bytes, trusted_uids=TRUSTED_UIDS)
-    from daemon.transport.ipc_cuda import CudaIpcError, ImportedBuffer
+    from daemon.handoff.cuda import CudaIpcError, ImportedBuffer
 
     assert buf.handle is not None
     try:

@@ -8,9 +8,9 @@ worker can need any more (everything but serving and last good) are dropped from
 
 from __future__ import annotations
 
-from daemon.checks.base import Stager
+from daemon.bytepipe.protocols import Stager
 from daemon.common.logging import get_logger
-from daemon.loader.client import LoaderClient, LoaderError, LoaderUnavailable
+from daemon.handoff.loader_client import LoaderClient, LoaderError, LoaderUnavailable
 from daemon.transport.base import (
     DaemonTransportFactory,
     Outgoing,
@@ -67,7 +67,7 @@ class IpcSender:
         """For the daemon's verify: the crc32c pass stages `version` in the loader (one read);
         once verified it counts as staged here (prepare finds it, retain may drop it)."""
         # imported here: it needs torch, which a daemon without checks that use it never loads
-        from daemon.checks.loader_view import LoaderStager
+        from daemon.transport.ipc_verify import LoaderStager
 
         return LoaderStager(self.loader, version, device, on_verified=self._staged.add)
 

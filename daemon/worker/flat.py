@@ -18,8 +18,8 @@ from collections.abc import Sequence
 import torch
 
 from daemon.formats.checkpoint import tensor_table
+from daemon.handoff.descriptor import ALIGN, layout_tensors
 from daemon.transport.base import TORCH_TO_ST
-from daemon.transport.ipc_descriptor import ALIGN, layout_tensors
 
 
 def checkpoint_order(directory: str) -> list[str]:

@@ -16,10 +16,10 @@ import structlog
 from safetensors.numpy import load_file
 from support_checks import forge_keeping_crc, write_format1_manifest
 
+from daemon.bytepipe.files import crc32c_file
 from daemon.checks import CHECK_NAMES, CheckSettings, run_checks
 from daemon.checks.signatures import Ed25519Signer, HmacSigner
 from daemon.cli.verify import main as verify_main
-from daemon.hashing import crc32c_file
 from daemon.manifest import publish
 from daemon.tinymodel import make_tiny_checkpoint
 

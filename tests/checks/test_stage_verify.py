@@ -14,12 +14,12 @@ import pytest
 import torch
 from support_checks import published, rewrite_tensors
 
+from daemon.bytepipe.files import hash_files
+from daemon.bytepipe.staged import StagedCopy, stage_files
 from daemon.checks import CHECK_NAMES, CheckSettings, run_checks
 from daemon.checks.canary import CANARIES, REFERENCES
 from daemon.checks.finite_staged import scan_staged
-from daemon.checks.staged import StagedCopy, stage_files
 from daemon.formats.checkpoint import tensor_table
-from daemon.hashing import hash_files
 from daemon.tinymodel import make_tiny_checkpoint
 
 NO_FINITE = CheckSettings(enabled=tuple(n for n in CHECK_NAMES if n != "finite"))  # the canary must catch it

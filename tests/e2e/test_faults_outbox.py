@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from sqlalchemy import select
 
-from daemon.loader.client import LoaderClient
+from daemon.handoff.loader_client import LoaderClient
 from daemon.process.storage import storage_problems
 from daemon.registry import Registry
 from daemon.registry.journal import Journal

@@ -12,7 +12,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.hashing import DigestMismatch, FileDigest, FileHasher, hash_files, new_strong_hash
+from daemon.bytepipe.files import hash_files
+from daemon.hashing import DigestMismatch, FileDigest, FileHasher, new_strong_hash
 
 pytestmark = pytest.mark.quick
 

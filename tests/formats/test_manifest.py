@@ -14,10 +14,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from daemon.bytepipe.files import crc32c_files
 from daemon.cli.main import publish_main  # `hotswap publish` is a CLI command
 from daemon.crc import crc32c_combine
 from daemon.formats.checkpoint import MANIFEST_NAME
-from daemon.hashing import content_digest, crc32c_files
+from daemon.hashing import content_digest
 from daemon.manifest import (
     FORMAT,
     FORMAT_1,

@@ -15,7 +15,7 @@ import pytest
 import torch
 from support_ipc import LoaderProcess, load_checkpoint, shm_dir
 
-from daemon.loader.client import LoaderClient, LoaderError, LoaderUnavailable
+from daemon.handoff.loader_client import LoaderClient, LoaderError, LoaderUnavailable
 from daemon.tinymodel import make_tiny_checkpoint
 from daemon.transport.ipc import IpcTransport
 

@@ -103,6 +103,8 @@ LAYERS: dict[str, int] = {
     # 0 leaves: import nothing of the daemon's but other leaves
     "daemon": 0, "daemon.common": 0, "daemon.formats": 0, "daemon.crc": 0, "daemon.hashing": 0,
     "daemon.manifest": 0, "daemon.tinymodel": 0,
+    # the one byte pipeline, and what a staged version is between processes (both leaves)
+    "daemon.bytepipe": 0, "daemon.handoff": 0,
     # 1 parts: the registry, what moves and checks bytes, the processes beside the daemon
     "daemon.registry": 1, "daemon.transport": 1, "daemon.checks": 1, "daemon.loader": 1,
     "daemon.engines": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1,
@@ -148,6 +150,29 @@ def test_transports_and_checks_never_import_rollout_fleet_api_or_cli() -> None:
     above = ("daemon.rollout", "daemon.fleet", "daemon.controller", "daemon.pipeline", "daemon.api", "daemon.cli")
     assert [f"{m} -> {d}" for m, p in MODULES.items() if m.startswith(("daemon.transport", "daemon.checks"))
             for d in _imports(m, p) if d.startswith(above)] == []
+
+
+SIBLINGS = ("daemon.checks", "daemon.transport", "daemon.loader")
+
+
+def sibling_imports(modules: dict[str, Path]) -> list[str]:
+    """Imports between checks, transport and loader: what they share lives below them
+    (daemon.bytepipe, daemon.handoff), so none of the three imports another."""
+    def pkg(m: str) -> str | None:
+        return next((s for s in SIBLINGS if m == s or m.startswith(s + ".")), None)
+
+    return [f"{m} -> {d}" for m, p in sorted(modules.items()) if pkg(m)
+            for d in sorted(_imports(m, p)) if pkg(d) not in (None, pkg(m))]
+
+
+def test_checks_transport_and_loader_import_none_of_each_other() -> None:
+    assert sibling_imports(MODULES) == []
+
+
+def test_the_sibling_check_fails_on_a_lazy_import_between_them(tmp_path: Path) -> None:
+    view = tmp_path / "view.py"
+    view.write_text("def f():\n    from daemon.loader.store import LoaderStore\n")
+    assert sibling_imports({"daemon.checks.view": view}) == ["daemon.checks.view -> daemon.loader.store"]
 
 
 def test_the_root_of_the_package_holds_at_most_ten_modules() -> None:

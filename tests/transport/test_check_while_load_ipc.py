@@ -17,11 +17,11 @@ from support_ipc import LoaderProcess, shm_dir
 from support_worker import WorkerProcess, start_worker, write_token
 
 from daemon.formats.checkpoint import tensor_table
-from daemon.loader.client import LoaderError
+from daemon.handoff.descriptor import DescriptorError
+from daemon.handoff.loader_client import LoaderError
+from daemon.handoff.shm import segment_name
 from daemon.loader.store import _pid_alive
 from daemon.tinymodel import make_tiny_checkpoint
-from daemon.transport.ipc_descriptor import DescriptorError
-from daemon.transport.ipc_shm import segment_name
 
 pytestmark = pytest.mark.quick
 
@@ -128,7 +128,7 @@ def test_worker_serves_only_what_the_loader_checked(w: WorkerProcess, loader: Lo
 
 
 def test_shm_mapping_refuses_foreign_or_writable_segments(tmp_path: Path) -> None:
-    from daemon.transport.ipc_shm import ShmMapping
+    from daemon.handoff.shm import ShmMapping
 
     seg = tmp_path / "hotswap-1-1-x"
     seg.write_bytes(b"\0" * 512)
@@ -173,7 +173,7 @@ def test_segment_names_cannot_be_guessed_and_squatting_does_not_block_staging(lo
 def test_cuda_import_checks_the_real_allocation_size_not_the_descriptors_claim() -> None:
     """The CUDA worker asks the driver how big the allocation behind the handle is (cuMemGetAddressRange)
     and refuses a descriptor that claims more, or a handle that maps into the middle of one."""
-    from daemon.transport.ipc_cuda import CudaIpcError, check_imported_range
+    from daemon.handoff.cuda import CudaIpcError, check_imported_range
 
     check_imported_range(0x7000, 0x7000, 4096, 4096)
     check_imported_range(0x7000, 0x7000, 8192, 4096)

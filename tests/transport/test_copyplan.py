@@ -7,9 +7,9 @@ import random
 import pytest
 import torch
 
+from daemon.handoff.descriptor import layout_tensors
 from daemon.transport.base import TORCH_TO_ST
 from daemon.transport.copyplan import plan_copies, run_copies
-from daemon.transport.ipc_descriptor import layout_tensors
 from daemon.worker.flat import pack_flat
 
 pytestmark = pytest.mark.quick

@@ -1,7 +1,7 @@
 """CUDA IPC between a real `hotswap loader` and a real worker on the GPU (the H200 run; CI has no
 GPU and reports these skipped): an update lands, and a descriptor whose `buffer_bytes` claims more
 than the allocation behind its handle is refused before any byte is read (the worker asks the
-driver how big the allocation is: daemon.transport.ipc_cuda.check_imported_range), the worker
+driver how big the allocation is: daemon.handoff.cuda.check_imported_range), the worker
 keeping what it served."""
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from daemon.transport.ipc_descriptor import (
+from daemon.handoff.descriptor import (
     ALIGN,
     BufferRef,
     Descriptor,

@@ -11,10 +11,10 @@ import pytest
 import torch
 from support_ipc import LoaderProcess, load_checkpoint, open_fds, segment_maps, shm_dir
 
+from daemon.handoff.descriptor import DescriptorError
 from daemon.tinymodel import make_tiny_checkpoint
 from daemon.transport.base import TableMismatch, check_table
 from daemon.transport.ipc import IpcTransport, LoaderRefused, point_params_at
-from daemon.transport.ipc_descriptor import DescriptorError
 from daemon.transport.ipc_open import OPENER
 
 pytestmark = pytest.mark.quick

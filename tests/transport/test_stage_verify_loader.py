@@ -14,10 +14,10 @@ from support_checks import flip_bit_in_data, published, rewrite_tensors, shard_p
 from support_ipc import LoaderProcess, load_checkpoint, shm_dir
 
 from daemon.checks import CheckSettings, run_checks
-from daemon.checks.loader_view import LoaderStager
-from daemon.loader.client import LoaderClient, LoaderError
+from daemon.handoff.loader_client import LoaderClient, LoaderError
 from daemon.manifest import load_manifest
 from daemon.transport.ipc import IpcTransport
+from daemon.transport.ipc_verify import LoaderStager
 
 pytestmark = pytest.mark.quick
 

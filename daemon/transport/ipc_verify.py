@@ -1,13 +1,12 @@
-"""The ipc loader's staged copy as the checks' staging area: verify reads the bytes once, in the loader.
+"""The ipc transport's staging for the daemon's verify: the loader reads the bytes once, for both.
 
-With transport = "ipc" the daemon's crc32c pass asks the loader to stage the weights with no
-reference (`stage` with `verify_alg`): the loader reads every file once into its GPU buffer
-(shared host memory without a GPU), hashing each chunk (strong hash and CRC32C) from the
-buffer it copies from, and answers its digests; the crc32c check compares them with the
-manifest. The finite scan and the forward canary then open the loader's buffer here (CUDA IPC
-handle / sealed segment, read-only use) and look at the tensors through views. The version is
-not exported to any worker until the daemon tells the loader `verified`; a version that fails
-a check is dropped from the loader.
+With transport = "ipc" the daemon's verify is given a `LoaderStager` (from `IpcSender.verify_stager`):
+the crc32c pass asks it to stage the weights with no reference (`stage` with `verify_alg`); the
+loader reads every file once into its GPU buffer (shared host memory without a GPU), hashing each
+chunk (strong hash and CRC32C) from the buffer it copies from, and answers its digests; the check
+compares them with the manifest. The finite scan and the forward canary then read the loader's
+buffer through `LoaderStaged` (CUDA IPC handle / sealed segment, read-only use). The staging and its
+outcome (export once `finish(ok=True)`, drop otherwise) belong to the transport: a check only reads.
 """
 
 from __future__ import annotations
@@ -19,15 +18,15 @@ from typing import Any
 
 import torch
 
-from daemon.checks.staged import StagedTensors
+from daemon.bytepipe.staged import StagedTensors
 from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import TensorLocation
+from daemon.handoff.cuda import ImportedBuffer, device_index, device_uuid
+from daemon.handoff.descriptor import Descriptor, parse_descriptor
+from daemon.handoff.loader_client import LoaderClient, LoaderError
+from daemon.handoff.shm import ShmMapping
 from daemon.hashing import FileDigest
-from daemon.loader.client import LoaderClient, LoaderError
 from daemon.manifest import ManifestFile
-from daemon.transport.ipc_cuda import ImportedBuffer, device_index, device_uuid
-from daemon.transport.ipc_descriptor import Descriptor, parse_descriptor
-from daemon.transport.ipc_shm import ShmMapping
 
 log = get_logger(__name__)
 
@@ -78,7 +77,7 @@ class LoaderStaged(StagedTensors):
 
 
 class LoaderStager:
-    """The crc32c pass's staging in the loader for one version (daemon.checks.base.Stager)."""
+    """The crc32c pass's staging in the loader for one version (daemon.bytepipe.protocols.Stager)."""
 
     def __init__(self, loader: LoaderClient, version: str, device: str,
                  on_verified: Callable[[str], None] | None = None) -> None:  # fmt: skip

@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from daemon.transport.ipc_descriptor import SHM_PREFIX, DescriptorError
+from daemon.handoff.descriptor import SHM_PREFIX, DescriptorError
 
 if TYPE_CHECKING:
     import torch

@@ -4,7 +4,7 @@ Request:  {"op": "stage", "version": "step-1200", "path": "/ckpt/step-1200", "id
 Response: {"ok": true, "id": 7, "result": {...}}  or  {"ok": false, "id": 7, "error": "reason"}
 
 Ops: stage{version, path, digest?, files?, verify_alg?} -> {version, bytes, tensors, devices, digests?};
-descriptor{version, device?, purpose?} -> descriptor JSON (see daemon.transport.ipc_descriptor);
+descriptor{version, device?, purpose?} -> descriptor JSON (see daemon.handoff.descriptor);
 verified{version, files, digest?} -> {version, verified} (a version staged with verify_alg: now exported);
 acquire{version, worker, pid?} / release{version, worker} -> {version, holders};
 drop{version} -> {version, freed}; status{} -> {devices, budget_bytes, used_bytes, versions}.

@@ -18,7 +18,7 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.loader.protocol import (
+from daemon.handoff.loader_protocol import (
     MAX_RESPONSE_BYTES,
     LoaderError,
     LoaderUnavailable,

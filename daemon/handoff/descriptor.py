@@ -32,7 +32,19 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from daemon.formats.safetensors import DTYPE_SIZES
-from daemon.transport.base import TensorSpec
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec:
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "BF16"
+    shape: tuple[int, ...]
+    nbytes: int
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
 
 FORMAT = "hotswap.ipc/1"
 ALIGN = 256
