@@ -22,6 +22,13 @@ itself (one greedy forward on the fixed probe tokens, logits checked finite) and
 opened (IPC handles, loader acquisitions, leases of dropped versions) is let go after `resume`,
 on a background thread, never inside the pause. `events` records each step with the state it
 ran in (prepared, paused, updated, resumed, released), for tests and operators.
+
+`update(body, resume_after=True)` (`POST /admin/update?then=resume`, issue 41) ends the pause in
+the same call: from PAUSED/DRAINING it writes, resumes the scheduler at once and only then runs
+the probe, so the pause window is the write alone (reported as `pause_window_ms`, from the
+scheduler parking to it running again). A probe that fails then flips back to the retained
+previous version (swap: the pointer flip; copy: one copy back), resumes, and refuses the
+version (409, `ProbeRefused`, with `flip_back_ms`): the worker serves what it served before.
 """
 
 from __future__ import annotations
@@ -69,6 +76,10 @@ class StateConflict(updates.UpdateError):
 
 class Unavailable(updates.UpdateError):
     status = 503
+
+
+class ProbeRefused(updates.Refused):
+    """The probe after resume failed; the previous version is back (flipped) and serving."""
 
 
 class Controller:
@@ -234,7 +245,10 @@ class Controller:
             self._release_deferred()
         return {"version": request.version, "prepared": True, "open_ms": opened.open_ms, "state": self.state.value}
 
-    def update(self, raw: Any) -> dict[str, Any]:
+    def update(self, raw: Any, *, resume_after: bool = False) -> dict[str, Any]:
+        """Write the version of body `raw`; its probe runs before the answer. `resume_after`: the
+        worker must be PAUSED or DRAINING; it resumes right after the write and probes serving
+        (see the module docstring)."""
         request = updates.parse_request(raw)
         prepared = self._take_prepared(request)
         used = False
@@ -243,17 +257,54 @@ class Controller:
             nonlocal used
             used = True
             result = updates.apply_update(self.store, request, before_write=self.before_write, prepared=prepared)
-            result["probe"] = self._probe_now()
+            if not resume_after:
+                result["probe"] = self._probe_now()
             self.event("updated", version=request.version, prepared=prepared is not None,
                        write_ms=round(float(result.get("write_ms", 0.0)), 3))  # fmt: skip
             return result
 
         try:
             with self._admin:
-                return self._while_quiet(change)
+                if resume_after and self.state not in (WorkerState.PAUSED, WorkerState.DRAINING):
+                    raise StateConflict(f"update then resume needs a paused or draining worker, not {self.state.value}")
+                result = self._while_quiet(change)
+                return self._resume_and_probe(request, result) if resume_after else result
         finally:
             if prepared is not None and not used:
                 prepared.close(self.store)
+
+    def _resume_and_probe(self, request: UpdateRequest, result: dict[str, Any]) -> dict[str, Any]:
+        """Resume right after the write (caller holds `_admin`), then probe while serving; a failed
+        probe flips back to the previous version and raises ProbeRefused."""
+        self._state, self._hold = WorkerState.RUNNING, None
+        self.engine.resume()
+        window_ms = max(0.0, (self.engine.resumed_at - self.engine.parked_at) * 1e3)
+        self.event("resumed", after="update", pause_window_ms=round(window_ms, 3))
+        result["pause_window_ms"] = window_ms
+        probe_out = self._probe_now()
+        result["probe"] = probe_out
+        why = _probe_failure(probe_out, request.version)
+        if why is None:
+            self._release_deferred()
+            result["state"] = self.state.value
+            return result
+        t0 = time.perf_counter()
+        self.engine.pause()
+        try:
+            back = updates.rollback(self.store)
+        except updates.UpdateError:
+            if self.store.unhealthy:
+                self.engine.fail_all(f"worker unhealthy: {self.store.unhealthy}")
+            else:
+                self.engine.resume()
+            raise
+        self.engine.resume()
+        flip_ms = (time.perf_counter() - t0) * 1e3
+        self.event("flipped_back", version=back["version"], bad=request.version, reason=why, ms=round(flip_ms, 3))
+        self._release_deferred()
+        raise ProbeRefused(f"version {request.version} refused: the probe after resume failed ({why}); "
+                           f"back on {back['version']} in {flip_ms:.1f} ms",
+                           flip_back_ms=flip_ms, probe=probe_out, pause_window_ms=window_ms)  # fmt: skip
 
     def rollback(self) -> dict[str, Any]:
         with self._admin:
@@ -371,6 +422,18 @@ class Controller:
             self._state = WorkerState.UPDATED
         result["state"] = self.state.value
         return result
+
+
+def _probe_failure(probe_out: dict[str, Any], version: str) -> str | None:
+    """Why a post-update probe fails (None when it passes): an error, non-finite logits, or
+    another version than the one just written."""
+    if probe_out.get("error"):
+        return str(probe_out["error"])[:200]
+    if probe_out.get("finite") is not True:
+        return "non-finite logits"
+    if probe_out.get("weight_version") != version:
+        return f"it ran under version {probe_out.get('weight_version')!r}"
+    return None
 
 
 def _key(request: UpdateRequest) -> str:
