@@ -193,7 +193,7 @@ class WorkerDriver:
         if prepare:
             self.prepare(h, target)
         self.begin(h, rollout_id, mode, target.version, why)
-        result = self.transfer(h, rollout_id, target, back=back, resume_after=True)
+        result = self.transfer(h, rollout_id, target, back=back, resume_after=self.settings.probe_after_resume)
         self.finish(h, rollout_id, target, result=result)
         return True
 
