@@ -25,8 +25,8 @@ ran in (prepared, paused, updated, resumed, released), for tests and operators.
 
 `update(body, resume_after=True)` (`POST /admin/update?then=resume`, issue 41) ends the pause in
 the same call: from PAUSED/DRAINING it writes, resumes the scheduler at once and only then runs
-the probe, so the pause window is the write alone (reported as `pause_window_ms`, from the
-scheduler parking to it running again). A probe that fails then flips back to the retained
+the probe, so the pause window is the write alone (reported as `pause_window_ms`, from the pause
+being asked to the scheduler running again, everything between included). A probe that fails then flips back to the retained
 previous version (swap: the pointer flip; copy: one copy back), resumes, and refuses the
 version (409, `ProbeRefused`, with `flip_back_ms`): the worker serves what it served before.
 """
@@ -278,9 +278,11 @@ class Controller:
         probe flips back to the previous version and raises ProbeRefused."""
         self._state, self._hold = WorkerState.RUNNING, None
         self.engine.resume()
-        window_ms = max(0.0, (self.engine.resumed_at - self.engine.parked_at) * 1e3)
+        eng = self.engine
+        window_ms = max(0.0, (eng.resumed_at - eng.asked_at) * 1e3)  # pause asked -> scheduler running again
         self.event("resumed", after="update", pause_window_ms=round(window_ms, 3))
         result["pause_window_ms"] = window_ms
+        result["pause_wait_ms"] = max(0.0, (eng.parked_at - eng.asked_at) * 1e3)  # of which: the forward in flight
         probe_out = self._probe_now()
         result["probe"] = probe_out
         why = _probe_failure(probe_out, request.version)

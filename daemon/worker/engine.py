@@ -15,7 +15,9 @@ queued requests and waits (bounded) for the active ones to finish. A step that s
 asked stops before its next sequence's forward (those wait one step), so a pause waits for at
 most one forward, never for a whole step over `max_batch` sequences (issue 41: the first
 worker's pause call waited ~50 ms for the step under load, the second ~9 ms).
-`parked_at` / `resumed_at` (time.monotonic) bound the last pause: the worker's pause window.
+`asked_at` / `parked_at` / `resumed_at` (time.monotonic) mark the last pause: asked (no sequence
+is stepped after it but the one in its forward), parked, and let go; asked -> resumed is the
+worker's pause window.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ class Engine:
         self._admitting = True
         self._in_step = False
         self._stopped = False
-        self.parked_at = 0.0  # time.monotonic() when the last pause parked the scheduler
+        self.asked_at = 0.0  # time.monotonic() when the last pause was asked
+        self.parked_at = 0.0  # ... when it parked the scheduler
         self.resumed_at = 0.0  # ... and when it was let go again
         self.steps_cut = 0  # steps that stopped early for a pause
         self._thread = threading.Thread(target=self._run, name="hotswap-scheduler", daemon=True)
@@ -149,7 +152,10 @@ class Engine:
         (no new ones admitted) for up to timeout_s. Returns False if that wait timed out
         (the scheduler is parked anyway, keeping the unfinished sequences)."""
         finished = True
+        asked = time.monotonic()
         with self._cond:
+            if not self._paused:
+                self.asked_at = asked
             if wait:
                 self._admitting = False
                 deadline = time.monotonic() + timeout_s
