@@ -23,12 +23,9 @@ opened (IPC handles, loader acquisitions, leases of dropped versions) is let go 
 on a background thread, never inside the pause. `events` records each step with the state it
 ran in (prepared, paused, updated, resumed, released), for tests and operators.
 
-`update(body, resume_after=True)` (`POST /admin/update?then=resume`, issue 41) ends the pause in
-the same call: from PAUSED/DRAINING it writes, resumes the scheduler at once and only then runs
-the probe, so the pause window is the write alone (reported as `pause_window_ms`, from the pause
-being asked to the scheduler running again, everything between included). A probe that fails then flips back to the retained
-previous version (swap: the pointer flip; copy: one copy back), resumes, and refuses the
-version (409, `ProbeRefused`, with `flip_back_ms`): the worker serves what it served before.
+`update(body, resume_after=True)` (`POST /admin/update?then=resume`, issue 41): from PAUSED or
+DRAINING, write, resume at once (`pause_window_ms`: pause asked -> running again), then probe while
+serving; a failed probe flips back and refuses the version (daemon.worker.after_write).
 """
 
 from __future__ import annotations
@@ -46,6 +43,7 @@ from typing import Any
 
 from daemon.transport.base import StagesAhead, TransportError, UpdateRequest
 from daemon.worker import updates
+from daemon.worker.after_write import flip_back, probe_failure, probe_now
 from daemon.worker.engine import Engine, probe
 from daemon.worker.model import LoadedModel
 from daemon.worker.store import WeightStore
@@ -76,10 +74,6 @@ class StateConflict(updates.UpdateError):
 
 class Unavailable(updates.UpdateError):
     status = 503
-
-
-class ProbeRefused(updates.Refused):
-    """The probe after resume failed; the previous version is back (flipped) and serving."""
 
 
 class Controller:
@@ -246,9 +240,7 @@ class Controller:
         return {"version": request.version, "prepared": True, "open_ms": opened.open_ms, "state": self.state.value}
 
     def update(self, raw: Any, *, resume_after: bool = False) -> dict[str, Any]:
-        """Write the version of body `raw`; its probe runs before the answer. `resume_after`: the
-        worker must be PAUSED or DRAINING; it resumes right after the write and probes serving
-        (see the module docstring)."""
+        """Write body `raw`'s version and probe it; `resume_after`: see the module docstring."""
         request = updates.parse_request(raw)
         prepared = self._take_prepared(request)
         used = False
@@ -258,7 +250,7 @@ class Controller:
             used = True
             result = updates.apply_update(self.store, request, before_write=self.before_write, prepared=prepared)
             if not resume_after:
-                result["probe"] = self._probe_now()
+                result["probe"] = probe_now(self.engine, self.store)
             self.event("updated", version=request.version, prepared=prepared is not None,
                        write_ms=round(float(result.get("write_ms", 0.0)), 3))  # fmt: skip
             return result
@@ -283,30 +275,17 @@ class Controller:
         self.event("resumed", after="update", pause_window_ms=round(window_ms, 3))
         result["pause_window_ms"] = window_ms
         result["pause_wait_ms"] = max(0.0, (eng.parked_at - eng.asked_at) * 1e3)  # of which: the forward in flight
-        probe_out = self._probe_now()
+        probe_out = probe_now(self.engine, self.store)
         result["probe"] = probe_out
-        why = _probe_failure(probe_out, request.version)
+        why = probe_failure(probe_out, request.version)
         if why is None:
             self._release_deferred()
             result["state"] = self.state.value
             return result
-        t0 = time.perf_counter()
-        self.engine.pause()
         try:
-            back = updates.rollback(self.store)
-        except updates.UpdateError:
-            if self.store.unhealthy:
-                self.engine.fail_all(f"worker unhealthy: {self.store.unhealthy}")
-            else:
-                self.engine.resume()
-            raise
-        self.engine.resume()
-        flip_ms = (time.perf_counter() - t0) * 1e3
-        self.event("flipped_back", version=back["version"], bad=request.version, reason=why, ms=round(flip_ms, 3))
-        self._release_deferred()
-        raise ProbeRefused(f"version {request.version} refused: the probe after resume failed ({why}); "
-                           f"back on {back['version']} in {flip_ms:.1f} ms",
-                           flip_back_ms=flip_ms, probe=probe_out, pause_window_ms=window_ms)  # fmt: skip
+            flip_back(self.engine, self.store, request.version, why, probe_out, window_ms, self.event)
+        finally:
+            self._release_deferred()
 
     def rollback(self) -> dict[str, Any]:
         with self._admin:
@@ -325,16 +304,6 @@ class Controller:
         return probe(self.engine, max_tokens)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _probe_now(self) -> dict[str, Any]:
-        """The post-update probe, in process: one greedy forward on the fixed probe tokens."""
-        t0 = time.perf_counter()
-        try:
-            out = probe(self.engine, 1)
-        except Exception as exc:  # noqa: BLE001 - reported to the daemon, which fails the post-check
-            out = {"weight_version": self.store.current.version, "finite": False, "error": f"{type(exc).__name__}: {exc}"}
-        out["ms"] = (time.perf_counter() - t0) * 1e3
-        return out
-
     def _take_prepared(self, request: UpdateRequest) -> updates.Opened | None:
         """The preparation of exactly this request, taken out of its slot; any other one is let go."""
         with self._prepare_lock:
@@ -424,18 +393,6 @@ class Controller:
             self._state = WorkerState.UPDATED
         result["state"] = self.state.value
         return result
-
-
-def _probe_failure(probe_out: dict[str, Any], version: str) -> str | None:
-    """Why a post-update probe fails (None when it passes): an error, non-finite logits, or
-    another version than the one just written."""
-    if probe_out.get("error"):
-        return str(probe_out["error"])[:200]
-    if probe_out.get("finite") is not True:
-        return "non-finite logits"
-    if probe_out.get("weight_version") != version:
-        return f"it ran under version {probe_out.get('weight_version')!r}"
-    return None
 
 
 def _key(request: UpdateRequest) -> str:
