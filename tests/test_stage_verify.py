@@ -271,3 +271,27 @@ def test_stage_device_setting_is_validated() -> None:
     assert CheckSettings.from_mapping({"stage_device": "cuda:1"}).staging_device == "cuda:1"
     assert CheckSettings(stage_device="auto", forward_device="cuda:0").staging_device == "cuda:0"
     assert CheckSettings(enabled=("manifest", "headers", "crc32c")).staging_device is None
+
+
+def test_canary_runs_every_prompt_in_one_forward_with_each_prompts_own_logits(tmp_path: Path) -> None:
+    """One right-padded batch (issue 41) gives each prompt the logits it gets alone."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from daemon.checks.canary import bind, run
+
+    d = make_tiny_checkpoint(tmp_path / "v", seed=3)
+    canary = CANARIES.get(json.loads((d / "config.json").read_text()), "cpu", "v")
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    bound = bind(canary, state, "v")
+    prompts = [[1, 5, 9], [2, 7, 11, 13, 17, 19], [4]]
+    runs = canary.runs
+    together = run(canary, bound, prompts)
+    assert canary.runs == runs + 1  # one forward for the three
+    alone = [run(canary, bound, [p])[0] for p in prompts]
+    assert [t.shape[0] for t in together] == [3, 6, 1]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
