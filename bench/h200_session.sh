@@ -18,10 +18,10 @@ OUT=${OUT:-.bench-out/h200}
 mkdir -p "$OUT"
 exec > >(tee "$OUT/session.txt") 2>&1
 if [ "${DRY:-0}" = "1" ]; then
-    DEV=cpu MODEL=tiny LAYOUT=small; PY=${PY:-.venv/bin/python}; UPDATES=${UPDATES:-2}
+    DEV=cpu MODEL=tiny LAYOUT=small; PY=${PY:-.venv/bin/python}; UPDATES=${UPDATES:-2}; MICRO=3
     echo "dry run: nothing installed" > "$OUT/wheels.txt"
 else
-    DEV=cuda:0 MODEL=llama3-8b LAYOUT=llama3-8b; PY=python3; UPDATES=${UPDATES:-5}
+    DEV=cuda:0 MODEL=llama3-8b LAYOUT=llama3-8b; PY=python3; UPDATES=${UPDATES:-5}; MICRO=20
     # the project's dependencies (carried in .whl/, as before), then checkpoint-engine 0.4.2 and what it
     # needs beyond them (bench/wheels/, in the tree) into a second target: a clash there never stops ours
     if ls .whl/*.whl > /dev/null 2>&1; then
@@ -57,7 +57,7 @@ TAIL=45 step gpu_e2e 320 $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" -
     --flip-back 3 --keep-logs --out "$OUT"
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
 # checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
-step ipc_update 110 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates 20 --check off --out "$OUT"
+step ipc_update 110 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
 # ours from host memory (page cache) into the GPU: no checks, and with the digests checked
 step disk_reload_check 70 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
     --sweep '' --skip-cold --check-sweep 16x32x3x4 --worker-path --out "$OUT/disk_reload_check.json"

@@ -29,6 +29,8 @@ def _f(v: Any, unit: str = "") -> str:
         return "-"
     if isinstance(v, str):
         return v
+    if isinstance(v, int):
+        return f"{v:,}"
     return (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.2f}") + unit
 
 
@@ -90,7 +92,9 @@ def main(argv: list[str]) -> int:
                    f"(register {ce.get('register_s', 0):.1f} s, not counted)" if "update_s" in ce
                    else ce.get("error", "not run"))  # fmt: skip
         lines += ["", "| micro (8B layout) | median |", "|---|---:|",
-                  f"| ipc copy, pause window | {_f(r.get('copy', {}).get('pause_ms', {}).get('median'), ' ms')} |",
+                  f"| ipc copy + checksum against the staged copy, pause window | "
+                  f"{_f(r.get('copy', {}).get('pause_ms', {}).get('median'), ' ms')} |",
+                  f"| ipc copy alone (no checksum) | {_f((r.get('copy_no_checksum_pause_ms') or {}).get('median'), ' ms')} |",
                   f"| ipc swap, pointer flip | {_f(r.get('swap', {}).get('swap_ms', {}).get('median'), ' ms')} |",
                   f"| ipc swap, rollback flip | {_f(r.get('swap', {}).get('rollback_ms', {}).get('median'), ' ms')} |",
                   f"| checkpoint-engine 0.4.2, host memory -> GPU | {ce_text} |"]  # fmt: skip
