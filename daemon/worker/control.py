@@ -21,11 +21,9 @@ itself (one greedy forward on the fixed probe tokens, logits checked finite) and
 `probe`, so the daemon needs no generation round trip while requests are held. What an update
 opened (IPC handles, loader acquisitions, leases of dropped versions) is let go after `resume`,
 on a background thread, never inside the pause. `events` records each step with the state it
-ran in (prepared, paused, updated, resumed, released), for tests and operators.
-
-`update(body, resume_after=True)` (`POST /admin/update?then=resume`, issue 41): from PAUSED or
-DRAINING, write, resume at once (`pause_window_ms`: pause asked -> running again), then probe while
-serving; a failed probe flips back and refuses the version (daemon.worker.after_write).
+ran in (prepared, paused, updated, resumed, released), for tests and operators. `update(body,
+resume_after=True)` (`?then=resume`, issue 41): from PAUSED or DRAINING, write, resume at once
+(`pause_window_ms`), then probe serving; a failed probe flips back (daemon.worker.after_write).
 """
 
 from __future__ import annotations
@@ -49,7 +47,6 @@ from daemon.worker.model import LoadedModel
 from daemon.worker.store import WeightStore
 
 log = logging.getLogger("hotswap.worker.control")
-
 
 # transports whose open (and validation) may run ahead of the pause; broadcast's open is a
 # collective vote with the trainer's ranks, so it stays inside the update
@@ -95,6 +92,7 @@ class Controller:
         self.model_dir = model_dir
         self._state = WorkerState.RUNNING
         self._hold: str | None = None  # in UPDATED: "pause" or "drain", what still holds traffic
+        self._drain_began = 0.0  # time.monotonic() when the last drain from RUNNING began
         self._admin = threading.Lock()  # one admin transition at a time
         self._counters = threading.Lock()
         self.requests_total = 0
@@ -180,6 +178,8 @@ class Controller:
             state = self.state
             if state not in (WorkerState.RUNNING, WorkerState.DRAINING):
                 raise StateConflict(f"cannot drain in state {state.value}")
+            if state is WorkerState.RUNNING:
+                self._drain_began = time.monotonic()
             self._state = WorkerState.DRAINING
             drained = self.engine.wait_idle(max(0.0, timeout_s))
             return {"state": self.state.value, "drained": drained, "in_flight": self.engine.in_flight}
@@ -266,15 +266,15 @@ class Controller:
                 prepared.close(self.store)
 
     def _resume_and_probe(self, request: UpdateRequest, result: dict[str, Any]) -> dict[str, Any]:
-        """Resume right after the write (caller holds `_admin`), then probe while serving; a failed
-        probe flips back to the previous version and raises ProbeRefused."""
+        """Resume right after the write (caller holds `_admin`), probe serving, flip back if it fails."""
+        drained, eng = self._hold == "drain", self.engine
         self._state, self._hold = WorkerState.RUNNING, None
-        self.engine.resume()
-        eng = self.engine
-        window_ms = max(0.0, (eng.resumed_at - eng.asked_at) * 1e3)  # pause asked -> scheduler running again
+        eng.resume()
+        # drain: readiness off since the drain began; pause: asked -> scheduler running again
+        window_ms = max(0.0, (time.monotonic() - self._drain_began if drained else eng.resumed_at - eng.asked_at) * 1e3)
+        result["pause_wait_ms"] = max(0.0, (eng.parked_at - eng.asked_at) * 1e3)  # of which: the forward in flight
         self.event("resumed", after="update", pause_window_ms=round(window_ms, 3))
         result["pause_window_ms"] = window_ms
-        result["pause_wait_ms"] = max(0.0, (eng.parked_at - eng.asked_at) * 1e3)  # of which: the forward in flight
         probe_out = probe_now(self.engine, self.store)
         result["probe"] = probe_out
         why = probe_failure(probe_out, request.version)
