@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench.common import LAYOUTS, Layout, machine_description, write_checkpoint, write_json
+from bench.e2e_flip import flip_back
 from bench.e2e_health import HealthProbe
 from bench.e2e_phases import phases
 from bench.e2e_reject import reject_one
@@ -279,11 +280,15 @@ class Run:
                 w["update_call_ms"] = dur
                 d = json.loads(detail) if detail else {}
                 w["worker_update_ms"], w["transport"] = d.get("worker_ms"), d.get("transport")
+                if d.get("pause_window_ms") is not None:  # the worker resumed itself: its own window
+                    w["worker_pause_window_ms"] = d["pause_window_ms"]
             elif to == "RUNNING" and "paused_at" in w:
                 w["post_check_ms"] = dur
-                w["pause_window_ms"] = (when - w.pop("paused_at")).total_seconds() * 1000 + (
-                    w["pause_call_ms"] or 0
-                )
+                # the daemon's span: pause call start -> RUNNING recorded (after the post-check)
+                w["daemon_span_ms"] = (when - w.pop("paused_at")).total_seconds() * 1000 + (w["pause_call_ms"] or 0)
+                # the pause window: the worker's (pause asked -> scheduler running again) when it
+                # resumed itself, else the daemon's span (the resume call is its last step)
+                w["pause_window_ms"] = w.get("worker_pause_window_ms", w["daemon_span_ms"])
         for w in workers.values():
             w.pop("paused_at", None)
         return {"status": status, "status_message": msg, "checks_ms": checks, "workers": workers}
@@ -298,6 +303,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
     skipped = ""
     rejections: list[dict[str, Any]] = []
     health: HealthProbe | None = None
+    flip: dict[str, Any] = {}
     try:
         run.commit("v0", seed=args.seed, prev=base)
         run.start()
@@ -348,6 +354,17 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
             errors = load.stats.errors[:20]
         health_seen = health.summary()
         print(f"[{transport}] daemon /health during the rollouts: {health_seen}", flush=True)
+        if transport == "ipc" and args.flip_back:
+            try:
+                next(p for p in run.procs if p.name == "daemon").stop()  # it would converge w0 back meanwhile
+                flip = flip_back(run.http, run.worker_urls[0], run.loader_socket, run.watch / prev, work,
+                                 args.flip_back)  # fmt: skip
+            except Exception as exc:  # noqa: BLE001 - reported; the rollouts' figures stand
+                flip = {"error": f"{type(exc).__name__}: {exc}"}
+            print(f"[{transport}] flip-back after a failed probe (w0): "
+                  + ", ".join(f"{m} {flip[m]['flip_back_median_ms']} ms (errors {len(flip[m]['errors'])})"
+                              for m in ("copy", "swap") if m in flip)
+                  + (f" error: {flip['error']}" if "error" in flip else ""), flush=True)  # fmt: skip
     except Exception as exc:
         tails = {p.name: p.tail(3000) for p in run.procs}
         for name, tail in tails.items():
@@ -369,7 +386,8 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
                 shutil.copy(p.log, dst / p.log.name)
         shutil.rmtree(work, ignore_errors=True)
     return {"transport": transport, "samples": samples, "load": totals, "errors": errors, "skipped": skipped,
-            "rejections": rejections, "health": health_seen, "seconds": time.perf_counter() - t_start}  # fmt: skip
+            "rejections": rejections, "health": health_seen, "flip_back": flip,
+            "seconds": time.perf_counter() - t_start}  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -401,6 +419,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--versions", default="derived", choices=["derived", "fresh"],
                     help="derived: one base written, each version derived from the last (bench/e2e_versions.py)")
     ap.add_argument("--reject", default="corrupt,nan,incompatible", help="bad versions to commit ('' for none)")
+    ap.add_argument("--flip-back", type=int, default=3,
+                    help="ipc: refused updates (probe fails after resume) per mode on w0 at the end; 0: none")
     ap.add_argument("--reject-in", default=None, help="the transport whose fleet gets them (default: the first)")
     args = ap.parse_args(argv)
     args.forward_device = args.forward_device or args.device

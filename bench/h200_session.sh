@@ -1,20 +1,37 @@
 #!/usr/bin/env bash
-# Every GPU figure issues 10 and 15 ask for, in one device call (the session's device time is short).
-# Each step has its own time cap so one that hangs or fails cannot eat the others; every step's log
-# lands in $OUT as it runs, so a call cut short still returns what it measured.
+# Issue 41's GPU figures in one device call (the session's device time is short). Each step has its own
+# time cap so one that hangs or fails cannot eat the others; every step's log lands in $OUT as it runs.
+# The caps add up to 540 s (plus ~15 s of set-up): one device call of 600 s holds the whole session.
+# Only 8 files come back from a device call: at the end everything is packed into session.tar.gz, beside
+# table.md and session.txt (this script's own output).
 #
 #   on the device (repo root, .whl carried):  bash bench/h200_session.sh
 #   dry run here on the CPU, small layouts:   DRY=1 OUT=.bench-out/h200-dry bash bench/h200_session.sh
+#
+# Writes under $OUT: versions.txt, gpu.txt, wheels.txt (what was installed, or why not), a NAME.log per
+# step, gpu_e2e-<layout>.json (both transports, 5 measured updates each, bad versions, the flip-back),
+# ipc_update-<layout>.json (ipc copy / swap micro + checkpoint-engine's update() anchor),
+# disk_reload_check.json (ours from host memory, digests checked and not), table.md (issue 41's tables),
+# all of it packed into session.tar.gz at the end (table.md and session.txt stay beside it).
 set -u
 OUT=${OUT:-.bench-out/h200}
 mkdir -p "$OUT"
+exec > >(tee "$OUT/session.txt") 2>&1
 if [ "${DRY:-0}" = "1" ]; then
-    DEV=cpu MODEL=tiny LAYOUT=small; PY=${PY:-.venv/bin/python}
+    DEV=cpu MODEL=tiny LAYOUT=small; PY=${PY:-.venv/bin/python}; UPDATES=${UPDATES:-2}; MICRO=3
+    echo "dry run: nothing installed" > "$OUT/wheels.txt"
 else
-    DEV=cuda:0 MODEL=llama3-8b LAYOUT=llama3-8b; PY=python3
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        || { echo "wheel install failed"; exit 1; }
-    export PYTHONPATH=/tmp/site:$PWD
+    DEV=cuda:0 MODEL=llama3-8b LAYOUT=llama3-8b; PY=python3; UPDATES=${UPDATES:-5}; MICRO=20
+    # the project's dependencies (carried in .whl/, as before), then checkpoint-engine 0.4.2 and what it
+    # needs beyond them (bench/wheels/, in the tree) into a second target: a clash there never stops ours
+    if ls .whl/*.whl > /dev/null 2>&1; then
+        $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+            || { echo "wheel install failed"; exit 1; }
+    fi
+    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-anchor \
+        bench/wheels/*.whl > "$OUT/wheels.txt" 2>&1 || echo "checkpoint-engine wheels: install failed" >> "$OUT/wheels.txt"
+    export PYTHONPATH=/tmp/site:$PWD:/tmp/site-anchor
+    $PY -c 'import checkpoint_engine.ps, zmq, loguru; print("checkpoint-engine importable")' >> "$OUT/wheels.txt" 2>&1
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv > "$OUT/gpu.txt" 2>&1
 fi
 $PY -c 'import platform, torch, transformers; print(platform.python_version(), torch.__version__, torch.version.cuda, transformers.__version__)' \
@@ -28,19 +45,25 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a cap, its output in $OUT/NAM
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
     echo "== $name: rc=$rc in $(( $(date +%s) - s )) s (cap ${limit} s; $(( $(date +%s) - START )) s since start)"
-    grep -v '^{' "$OUT/$name.log" | tail -n "${TAIL:-18}" | cut -c1-400
+    grep -v '^{' "$OUT/$name.log" | grep -v '| INFO ' | tail -n "${TAIL:-18}" | cut -c1-400
 }
 
 # the GPU-only branches of stage-while-verify (CUDA staging copy, finite scan, canary on IPC memory)
-step stage_smoke 45 $PY -m bench.stage_smoke --device "$DEV"
-# the whole path (issue 15's one measure): 8B, both transports, 5 updates each, bad versions rejected
-TAIL=40 step gpu_e2e 310 $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk --updates 5 \
-    --warmup 1 --health-window 0.5 --budget-s 140 --start-timeout 150 --update-timeout 60 --keep-logs --out "$OUT"
-# the micro-benchmarks on the same machine: ipc copy (coalesced vs per tensor), disk reload with/without check
-step ipc_update 75 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates 20 --check off --no-anchors \
-    --out "$OUT"
+step stage_smoke 40 $PY -m bench.stage_smoke --device "$DEV"
+# the whole path: 8B, both transports, 5 updates each under load, bad versions rejected before any pause,
+# then (ipc) the flip-back after a probe that fails after resume, on w0 with the daemon stopped
+TAIL=45 step gpu_e2e 320 $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk \
+    --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s 140 --start-timeout 150 --update-timeout 60 \
+    --flip-back 3 --keep-logs --out "$OUT"
+# micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
+# checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
+step ipc_update 110 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
+# ours from host memory (page cache) into the GPU: no checks, and with the digests checked
 step disk_reload_check 70 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
-    --sweep '' --skip-cold --check-sweep 16x32x3x4,16x32x4x16 --worker-path --out "$OUT/disk_reload_check.json"
-# issue 10: admin and /health latency while a 16 GB update is on the same GPU
-step admin_latency 45 $PY -m bench.admin_latency --device "$DEV" --out "$OUT/admin_latency.json"
+    --sweep '' --skip-cold --check-sweep 16x32x3x4 --worker-path --out "$OUT/disk_reload_check.json"
+$PY -m bench.h200_table "$OUT" > "$OUT/table.md" 2>&1
+cat "$OUT/table.md"
 echo "== all steps done in $(( $(date +%s) - START )) s"
+# pack: at most 8 files come back from the device machine
+tar -czf "/tmp/session.tar.gz" -C "$OUT" --exclude session.txt . && mv /tmp/session.tar.gz "$OUT/session.tar.gz" \
+    && find "$OUT" -mindepth 1 -not -name session.tar.gz -not -name table.md -not -name session.txt -delete

@@ -87,12 +87,15 @@ class BenchWorker:
         _sync(self.device)
         return tr
 
-    def copy(self, descriptor: dict[str, Any], impl: str = "coalesce", expect: dict[str, Any] | None = None) -> dict[str, Any]:
+    def copy(self, descriptor: dict[str, Any], impl: str = "coalesce", expect: dict[str, Any] | None = None,
+             checksum: bool = True) -> dict[str, Any]:  # fmt: skip
         t0 = time.perf_counter()
         tr = self._open(descriptor, expect)
         if expect and not tr.stats().get("checked_files"):
             raise RuntimeError("check while loading asked for, not done")
-        tr.cuda_copy = impl
+        tr.cuda_copy, tr.verify_copy = impl, checksum
+        tr.prepare_copy(self.store.params)  # plan + the source's checksum, before the pause, as the worker does
+        _sync(self.device)
         record = self._record(tr.version, tr.source_digest(), "ipc", mode="copy", request={"descriptor": descriptor})
         with self.store.lock:
             t1 = time.perf_counter()
@@ -369,6 +372,8 @@ def main(argv: list[str] | None = None) -> int:
         result["copy_foreach_pause_ms"] = stats([c["pause_ms"] for c in foreach])
         loop = [w("copy", descriptor=desc["v2" if i % 2 == 0 else "v1"], impl="loop") for i in range(10)]
         result["copy_loop_pause_ms"] = stats([c["pause_ms"] for c in loop])
+        alone = [w("copy", descriptor=desc["v2" if i % 2 == 0 else "v1"], checksum=False) for i in range(10)]
+        result["copy_no_checksum_pause_ms"] = stats([c["pause_ms"] for c in alone])  # the copy alone
         result["flat"] = not args.no_flat
         w("verify", directory=str(v1), names=probe)
         w("swap", descriptor=desc["v2"])

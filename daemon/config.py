@@ -149,6 +149,11 @@ class RolloutSettings:
     # a resized vocabulary) is rolled out by relaunching workers on it, batch by batch: managed ones
     # by the daemon (port kept), external ones by restart_command ({path}, {version}); false: rejected.
     restart_rollouts: bool = True
+    # Workers that can (the reference worker) resume right after the write and run the post-update
+    # probe while serving, so the pause is the write alone; a failed probe flips the worker back to
+    # the version it served and fails the rollout. false: the probe runs inside the pause (requests
+    # held), so a version that passed the checks but fails the probe never serves a request.
+    probe_after_resume: bool = True
 
     def validate(self, key: str) -> None:
         if self.transport not in TRANSPORTS:

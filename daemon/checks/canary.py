@@ -185,15 +185,22 @@ def _fit(name: str, t: torch.Tensor, p: torch.nn.Parameter) -> torch.Tensor:
 
 
 def run(canary: Canary, bound: dict[str, torch.Tensor], prompts: list[list[int]]) -> list[torch.Tensor]:
-    """Logits (float32, on the CPU) of each prompt, the skeleton running on the bound tensors."""
-    out = []
+    """Logits (float32, on the CPU) of each prompt, the skeleton running on the bound tensors.
+
+    All prompts in one forward (issue 41: one pass over the weights instead of one per prompt),
+    right-padded with token 0: a causal model's logits at a prompt's own positions never see the
+    padding after them, so each prompt's logits are its own; one copy to the host at the end."""
+    if not prompts:
+        return []
+    lens = [len(p) for p in prompts]
+    width = max(lens)
     with canary.lock, torch.inference_mode():
         canary.runs += 1
-        for ids in prompts:
-            x = torch.tensor([ids], dtype=torch.long, device=canary.device)
-            result = functional_call(canary.model, bound, args=(), kwargs={"input_ids": x}, tie_weights=True, strict=False)
-            out.append(result.logits[0].float().cpu())
-    return out
+        x = torch.tensor([p + [0] * (width - len(p)) for p in prompts], dtype=torch.long, device=canary.device)
+        result = functional_call(canary.model, bound, args=(), kwargs={"input_ids": x, "use_cache": False},
+                                 tie_weights=True, strict=False)  # fmt: skip
+        logits = result.logits.float().cpu()
+    return [logits[i, :n] for i, n in enumerate(lens)]
 
 
 @dataclass

@@ -123,6 +123,16 @@ class PreparesUpdates(Protocol):
     def prepare(self, request: UpdateRequest) -> None: ...
 
 
+@runtime_checkable
+class ResumesAfterUpdate(Protocol):
+    """Optional: from PAUSED/DRAINING the worker writes, resumes at once and then probes serving
+    (`update_and_resume(request)`, one call: the pause window is the write alone). The answer's
+    detail carries `probe` and `pause_window_ms`; a failed probe flips the worker back to what it
+    served and is raised as UpdateRefused (it is RUNNING on the previous version)."""
+
+    def update_and_resume(self, request: UpdateRequest) -> UpdateResult: ...
+
+
 @dataclass(frozen=True, slots=True)
 class AdapterRequest:
     """One LoRA adapter version to serve under `name` (a verified PEFT directory)."""

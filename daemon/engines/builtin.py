@@ -212,6 +212,11 @@ class BuiltinWorkerClient:
         doc = self._admin("/admin/update", "update", request.to_json(), timeout=self.update_timeout)
         return UpdateResult(str(doc["version"]), float(doc.get("duration_ms", 0.0)), doc)
 
+    def update_and_resume(self, request: UpdateRequest) -> UpdateResult:
+        """`POST /admin/update?then=resume`: write, resume, then probe while serving (ResumesAfterUpdate)."""
+        doc = self._admin("/admin/update?then=resume", "update", request.to_json(), timeout=self.update_timeout)
+        return UpdateResult(str(doc["version"]), float(doc.get("duration_ms", 0.0)), doc)
+
     def prepare(self, request: UpdateRequest) -> None:
         """`POST /admin/prepare`: open and validate `request`'s source now, while serving."""
         self._admin("/admin/prepare", "prepare", request.to_json(), timeout=self.update_timeout)

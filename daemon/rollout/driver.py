@@ -22,6 +22,7 @@ from daemon.config import RolloutMode, RolloutSettings
 from daemon.engines.base import (
     NonFiniteOutput,
     PreparesUpdates,
+    ResumesAfterUpdate,
     UpdateRefused,
     UpdateResult,
     WeightInfo,
@@ -192,7 +193,7 @@ class WorkerDriver:
         if prepare:
             self.prepare(h, target)
         self.begin(h, rollout_id, mode, target.version, why)
-        result = self.transfer(h, rollout_id, target, back=back)
+        result = self.transfer(h, rollout_id, target, back=back, resume_after=self.settings.probe_after_resume)
         self.finish(h, rollout_id, target, result=result)
         return True
 
@@ -231,10 +232,20 @@ class WorkerDriver:
         self.move(h, rollout_id, to, duration_ms=_ms(t0), detail={"mode": mode, **({"reason": why} if why else {})},
                   target_version=target_version)  # fmt: skip
 
-    def transfer(self, h: WorkerHandle, rollout_id: int, target: Target, *, back: bool = False) -> UpdateResult:
+    def transfer(
+        self, h: WorkerHandle, rollout_id: int, target: Target, *, back: bool = False, resume_after: bool = False
+    ) -> UpdateResult:
+        """The update call. `resume_after`: a worker that can (ResumesAfterUpdate) resumes right after
+        its write and probes serving, so the pause window is the write alone (issue 41); `finish`
+        then finds it RUNNING and sends no resume."""
         t0 = time.perf_counter()
         try:
-            result = h.client.rollback(target.request) if back else h.client.update(target.request)
+            if back:
+                result = h.client.rollback(target.request)
+            elif resume_after and isinstance(h.client, ResumesAfterUpdate):  # resumes itself, probes serving (issue 41)
+                result = h.client.update_and_resume(target.request)
+            else:
+                result = h.client.update(target.request)
         except UpdateRefused as exc:
             raise self.refused(h, rollout_id, exc, t0) from exc
         except WorkerError as exc:
@@ -244,6 +255,8 @@ class WorkerDriver:
                 h, rollout_id, "update", f"worker answered version {result.version!r}, expected {target.version!r}", t0
             )
         detail = {"version": target.version, "transport": target.request.transport, "worker_ms": result.duration_ms}
+        if "pause_window_ms" in result.detail:  # the worker resumed itself: its window, parked -> running
+            detail["pause_window_ms"] = result.detail["pause_window_ms"]
         self.move(h, rollout_id, S.UPDATED, duration_ms=_ms(t0), detail=detail, version=target.version)
         return result
 

@@ -213,6 +213,14 @@ class OpensBeforePause(Protocol):
 
 
 @runtime_checkable
+class PlansCopies(Protocol):
+    def prepare_copy(self, params: dict[str, torch.Tensor]) -> None:
+        """Before the pause: plan the copy into these parameters (and checksum the source), so
+        the write inside the pause only copies and compares."""
+        ...
+
+
+@runtime_checkable
 class StagesAhead(Protocol):
     def stage(self, params: dict[str, torch.Tensor]) -> None:
         """Read and check the source into a private buffer (or nothing, when it has no room);

@@ -55,7 +55,7 @@ from daemon.transport.base import (
     pair_up,
 )
 from daemon.transport.check import reference_for, wants_check
-from daemon.transport.copyplan import plan_copies, run_copies
+from daemon.transport.copyplan import CopyPlan, plan_copies, run_copies
 from daemon.transport.ipc_open import OPENER, TRUSTED_UIDS, IpcOpener, OpenedVersion
 
 log = logging.getLogger("hotswap.transport.ipc")
@@ -116,6 +116,7 @@ class IpcTransport:
     # loader's buffer move as one copy each (copyplan.py), the rest one copy per tensor;
     # "loop" = one copy per tensor; "foreach" = torch._foreach_copy_ (CUDA; measured slower)
     cuda_copy = "coalesce"
+    verify_copy = True  # compare the checksum of the bytes written with the source's (bench: off to time the copy alone)
 
     def __init__(
         self,
@@ -145,6 +146,8 @@ class IpcTransport:
         self._acquired = False
         self.flat = flat
         self.copies = 0  # copies the last write_into issued
+        # prepare_copy's (parameter places, plan, source checksum), used by the next write_into
+        self._prepared_copy: tuple[tuple[tuple[str, int], ...], CopyPlan, torch.Tensor | None] | None = None
 
     @property
     def version(self) -> str:
@@ -200,7 +203,16 @@ class IpcTransport:
         assert self._opened is not None
         return self._opened.views()
 
-    def write_into(self, params: dict[str, torch.Tensor]) -> None:
+    def prepare_copy(self, params: dict[str, torch.Tensor]) -> None:
+        """Before the pause (issue 41): the copy plan for these very parameters, and the checksum
+        of the source bytes it will copy (queued on the device, read after the copy). `write_into`
+        uses both when the parameters still sit where they did, else makes them again."""
+        pairs = self._pairs(params)
+        plan = self._plan(pairs)
+        want = _checksum(self._segments(plan, source=True)) if self.verify_copy else None
+        self._prepared_copy = (_where(params), plan, want)
+
+    def _pairs(self, params: dict[str, torch.Tensor]) -> list[tuple[torch.Tensor, torch.Tensor]]:
         views = self.views()
         if params.keys() != views.keys():
             raise TransportError(f"version {self.version!r}: parameter names differ from the descriptor's table")
@@ -214,20 +226,49 @@ class IpcTransport:
             if p.data_ptr() == v.data_ptr():
                 continue  # already pointing at this very buffer (swap mode): nothing to copy
             pairs.append((p.data, v))
+        return pairs
+
+    def _plan(self, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> CopyPlan:
         assert self._opened is not None
-        src_base = self._opened.payload
+        return plan_copies(pairs, self.flat if self.cuda_copy == "coalesce" else None, self._opened.payload)
+
+    def _segments(self, plan: CopyPlan, *, source: bool) -> list[torch.Tensor]:
+        """The bytes a plan copies, as uint8 views: of the source (loader) or the destination."""
+        assert self._opened is not None
+        base = self._opened.payload if source else self.flat
+        out = [base[r.src if source else r.dst :][: r.nbytes] for r in plan.runs] if plan.runs and base is not None else []
+        return out + [_as_bytes(s if source else d) for d, s in plan.singles]
+
+    def write_into(self, params: dict[str, torch.Tensor]) -> None:
+        """Copy the version into `params`, then compare the checksum of the bytes written with the
+        source's (one synchronisation); a mismatch raises TransportError (the update restores)."""
+        prepared, self._prepared_copy = self._prepared_copy, None
+        if prepared is not None and prepared[0] == _where(params):
+            _, plan, want = prepared
+        else:
+            plan = self._plan(self._pairs(params))
+            want = _checksum(self._segments(plan, source=True)) if self.verify_copy else None
+        assert self._opened is not None
         try:
             with torch.no_grad():
-                if self.cuda_copy == "foreach" and pairs and pairs[0][0].device.type == "cuda":
-                    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+                if self.cuda_copy == "foreach" and plan.singles and plan.singles[0][0].device.type == "cuda":
+                    torch._foreach_copy_([d for d, _ in plan.singles], [s for _, s in plan.singles])
+                    run_copies(CopyPlan(plan.runs, []), self.flat, self._opened.payload)
                 else:
-                    plan = plan_copies(pairs, self.flat if self.cuda_copy == "coalesce" else None, src_base)
-                    run_copies(plan, self.flat, src_base)
-                    self.copies = plan.copies
-                if pairs and pairs[0][0].device.type == "cuda":
-                    torch.cuda.synchronize(pairs[0][0].device)
+                    run_copies(plan, self.flat, self._opened.payload)
+                self.copies = plan.copies
+                if want is None:  # nothing copied, or not asked to compare
+                    same = True
+                    if plan.copies and self.device.type == "cuda":
+                        torch.cuda.synchronize(self.device)
+                else:
+                    got = _checksum(self._segments(plan, source=False))
+                    same = bool(torch.equal(got, want))  # the one synchronisation
         except RuntimeError as exc:
             raise TransportError(f"version {self.version!r}: copy failed ({exc})") from exc
+        self.checked["copy_checksum"] = "equal" if want is not None else "not compared"
+        if not same:
+            raise TransportError(f"version {self.version!r}: the copied bytes' checksum differs from the staged copy's")
 
     def lease(self, params: dict[str, torch.Tensor]) -> SwapLease:
         """Swap mode: the parameters paired with their views (validated), held until `release`."""
@@ -271,6 +312,24 @@ class IpcTransport:
         with contextlib.suppress(Exception):
             if self._opened is not None or self._acquired:
                 self.close()
+
+
+def _where(params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, int], ...]:
+    """Where each parameter's storage is: a prepared copy plan holds while this is unchanged."""
+    return tuple((n, p.data_ptr()) for n, p in params.items())
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def _checksum(segments: list[torch.Tensor]) -> torch.Tensor | None:
+    """The sum of every byte of `segments` (int64, on their device; no synchronisation): the
+    same bytes give the same sum, and a copy that skipped, truncated or misplaced a run does not,
+    short of a coincidence. One reduction kernel per segment, read at memory speed."""
+    if not segments:
+        return None
+    return torch.stack([seg.sum(dtype=torch.int64) for seg in segments]).sum()
 
 
 def point_params_at(params: Mapping[str, torch.Tensor], targets: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -10,7 +10,9 @@ token the admin routes answer 403):
     GET  /weight_info
     POST /admin/drain|pause|resume|prepare|update|rollback|probe
                                                   (prepare: the update body, opened and validated
-                                                   while serving; the next update of it only writes)
+                                                   while serving; the next update of it only writes;
+                                                   update?then=resume: resumes right after the write
+                                                   and probes serving, flipping back if it fails)
     POST /admin/adapters/load|unload              LoRA adapters by name, nothing paused (lora_admin.py)
 
 With `--admin-uds PATH` these routes are served by `AdminServer`: its own uvicorn server, event
@@ -23,6 +25,7 @@ and no other local user can reach them. The TCP port then carries only serving, 
 from __future__ import annotations
 
 import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -148,7 +151,10 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
 
     async def update(request: Request) -> dict[str, Any]:
         body = await body_of(request)
-        return await run_in_threadpool(ctl.update, body)
+        then = request.query_params.get("then")
+        if then not in (None, "resume"):
+            raise BadBody(f"'then' must be 'resume', not {then!r}")
+        return await run_in_threadpool(functools.partial(ctl.update, body, resume_after=then == "resume"))
 
     async def prepare(request: Request) -> dict[str, Any]:
         body = await body_of(request)

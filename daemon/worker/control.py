@@ -21,7 +21,9 @@ itself (one greedy forward on the fixed probe tokens, logits checked finite) and
 `probe`, so the daemon needs no generation round trip while requests are held. What an update
 opened (IPC handles, loader acquisitions, leases of dropped versions) is let go after `resume`,
 on a background thread, never inside the pause. `events` records each step with the state it
-ran in (prepared, paused, updated, resumed, released), for tests and operators.
+ran in (prepared, paused, updated, resumed, released), for tests and operators. `update(body,
+resume_after=True)` (`?then=resume`, issue 41): from PAUSED or DRAINING, write, resume at once
+(`pause_window_ms`), then probe serving; a failed probe flips back (daemon.worker.after_write).
 """
 
 from __future__ import annotations
@@ -39,12 +41,12 @@ from typing import Any
 
 from daemon.transport.base import StagesAhead, TransportError, UpdateRequest
 from daemon.worker import updates
+from daemon.worker.after_write import flip_back, probe_failure, probe_now
 from daemon.worker.engine import Engine, probe
 from daemon.worker.model import LoadedModel
 from daemon.worker.store import WeightStore
 
 log = logging.getLogger("hotswap.worker.control")
-
 
 # transports whose open (and validation) may run ahead of the pause; broadcast's open is a
 # collective vote with the trainer's ranks, so it stays inside the update
@@ -90,6 +92,7 @@ class Controller:
         self.model_dir = model_dir
         self._state = WorkerState.RUNNING
         self._hold: str | None = None  # in UPDATED: "pause" or "drain", what still holds traffic
+        self._drain_began = 0.0  # time.monotonic() when the last drain from RUNNING began
         self._admin = threading.Lock()  # one admin transition at a time
         self._counters = threading.Lock()
         self.requests_total = 0
@@ -175,6 +178,8 @@ class Controller:
             state = self.state
             if state not in (WorkerState.RUNNING, WorkerState.DRAINING):
                 raise StateConflict(f"cannot drain in state {state.value}")
+            if state is WorkerState.RUNNING:
+                self._drain_began = time.monotonic()
             self._state = WorkerState.DRAINING
             drained = self.engine.wait_idle(max(0.0, timeout_s))
             return {"state": self.state.value, "drained": drained, "in_flight": self.engine.in_flight}
@@ -234,7 +239,8 @@ class Controller:
             self._release_deferred()
         return {"version": request.version, "prepared": True, "open_ms": opened.open_ms, "state": self.state.value}
 
-    def update(self, raw: Any) -> dict[str, Any]:
+    def update(self, raw: Any, *, resume_after: bool = False) -> dict[str, Any]:
+        """Write body `raw`'s version and probe it; `resume_after`: see the module docstring."""
         request = updates.parse_request(raw)
         prepared = self._take_prepared(request)
         used = False
@@ -243,17 +249,43 @@ class Controller:
             nonlocal used
             used = True
             result = updates.apply_update(self.store, request, before_write=self.before_write, prepared=prepared)
-            result["probe"] = self._probe_now()
+            if not resume_after:
+                result["probe"] = probe_now(self.engine, self.store)
             self.event("updated", version=request.version, prepared=prepared is not None,
                        write_ms=round(float(result.get("write_ms", 0.0)), 3))  # fmt: skip
             return result
 
         try:
             with self._admin:
-                return self._while_quiet(change)
+                if resume_after and self.state not in (WorkerState.PAUSED, WorkerState.DRAINING):
+                    raise StateConflict(f"update then resume needs a paused or draining worker, not {self.state.value}")
+                result = self._while_quiet(change)
+                return self._resume_and_probe(request, result) if resume_after else result
         finally:
             if prepared is not None and not used:
                 prepared.close(self.store)
+
+    def _resume_and_probe(self, request: UpdateRequest, result: dict[str, Any]) -> dict[str, Any]:
+        """Resume right after the write (caller holds `_admin`), probe serving, flip back if it fails."""
+        drained, eng = self._hold == "drain", self.engine
+        self._state, self._hold = WorkerState.RUNNING, None
+        eng.resume()
+        # drain: readiness off since the drain began; pause: asked -> scheduler running again
+        window_ms = max(0.0, (time.monotonic() - self._drain_began if drained else eng.resumed_at - eng.asked_at) * 1e3)
+        result["pause_wait_ms"] = max(0.0, (eng.parked_at - eng.asked_at) * 1e3)  # of which: the forward in flight
+        self.event("resumed", after="update", pause_window_ms=round(window_ms, 3))
+        result["pause_window_ms"] = window_ms
+        probe_out = probe_now(self.engine, self.store)
+        result["probe"] = probe_out
+        why = probe_failure(probe_out, request.version)
+        if why is None:
+            self._release_deferred()
+            result["state"] = self.state.value
+            return result
+        try:
+            flip_back(self.engine, self.store, request.version, why, probe_out, window_ms, self.event)
+        finally:
+            self._release_deferred()
 
     def rollback(self) -> dict[str, Any]:
         with self._admin:
@@ -272,16 +304,6 @@ class Controller:
         return probe(self.engine, max_tokens)
 
     # -- helpers -----------------------------------------------------------------------------
-    def _probe_now(self) -> dict[str, Any]:
-        """The post-update probe, in process: one greedy forward on the fixed probe tokens."""
-        t0 = time.perf_counter()
-        try:
-            out = probe(self.engine, 1)
-        except Exception as exc:  # noqa: BLE001 - reported to the daemon, which fails the post-check
-            out = {"weight_version": self.store.current.version, "finite": False, "error": f"{type(exc).__name__}: {exc}"}
-        out["ms"] = (time.perf_counter() - t0) * 1e3
-        return out
-
     def _take_prepared(self, request: UpdateRequest) -> updates.Opened | None:
         """The preparation of exactly this request, taken out of its slot; any other one is let go."""
         with self._prepare_lock:

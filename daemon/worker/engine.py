@@ -9,9 +9,15 @@ Sequences are stepped one forward each rather than padded into one batch: a sequ
 output then never depends on what else is running, which is what the rollout's probe and the
 tests compare. `max_batch` bounds how many are active at once; the rest wait in the queue.
 
-Pause semantics: `pause()` returns once the scheduler is parked between steps; requests that
+Pause semantics: `pause()` returns once the scheduler is parked between forwards; requests that
 arrive meanwhile queue and run after `resume()`. `pause(wait=True)` first stops admitting
-queued requests and waits (bounded) for the active ones to finish.
+queued requests and waits (bounded) for the active ones to finish. A step that sees a pause
+asked stops before its next sequence's forward (those wait one step), so a pause waits for at
+most one forward, never for a whole step over `max_batch` sequences (issue 41: the first
+worker's pause call waited ~50 ms for the step under load, the second ~9 ms).
+`asked_at` / `parked_at` / `resumed_at` (time.monotonic) mark the last pause: asked (no sequence
+is stepped after it but the one in its forward), parked, and let go; asked -> resumed is the
+worker's pause window.
 """
 
 from __future__ import annotations
@@ -91,6 +97,10 @@ class Engine:
         self._admitting = True
         self._in_step = False
         self._stopped = False
+        self.asked_at = 0.0  # time.monotonic() when the last pause was asked
+        self.parked_at = 0.0  # ... when it parked the scheduler
+        self.resumed_at = 0.0  # ... and when it was let go again
+        self.steps_cut = 0  # steps that stopped early for a pause
         self._thread = threading.Thread(target=self._run, name="hotswap-scheduler", daemon=True)
         self.steps = 0
         self.adapters = Adapters(loaded.model)  # LoRA adapters served by `model` name, applied per sequence
@@ -142,7 +152,10 @@ class Engine:
         (no new ones admitted) for up to timeout_s. Returns False if that wait timed out
         (the scheduler is parked anyway, keeping the unfinished sequences)."""
         finished = True
+        asked = time.monotonic()
         with self._cond:
+            if not self._paused:
+                self.asked_at = asked
             if wait:
                 self._admitting = False
                 deadline = time.monotonic() + timeout_s
@@ -156,10 +169,13 @@ class Engine:
             self._admitting = True
             while self._in_step:
                 self._cond.wait()
+            self.parked_at = time.monotonic()
         return finished
 
     def resume(self) -> None:
         with self._cond:
+            if self._paused:
+                self.resumed_at = time.monotonic()
             self._paused = False
             self._admitting = True
             self._cond.notify_all()
@@ -222,7 +238,10 @@ class Engine:
                 return
             version = self.store.current.version
             with torch.inference_mode():
-                for seq in batch:
+                for i, seq in enumerate(batch):
+                    if i and self._paused:  # a pause is waiting: the rest of the batch waits one step
+                        self.steps_cut += 1
+                        break
                     if seq.cancelled:
                         self._finish(seq, "cancelled")
                         continue

@@ -10,9 +10,11 @@ Order of an update, all before any parameter changes except the last step:
 2. transport built and opened, its whole tensor table read (`table()`: headers / descriptor only);
 3. `check_table` against the live parameters (names, shapes, dtypes, byte counts);
 4. expect.tensors against the table, expect.digest against the source's digest (manifest);
-   in swap mode, the lease of validated tensors is taken here;
-5. under the store lock (the scheduler is parked between steps): write_into(params), or the
-   swap; then every cache is invalidated and the version committed.
+   in swap mode, the lease of validated tensors is taken here; in copy mode a transport that
+   can (`PlansCopies`: ipc) plans its copy and checksums its source here;
+5. under the store lock (the scheduler is parked between steps): write_into(params) (ipc: the
+   copy, then its checksum against the source's), or the swap; then every cache is invalidated
+   and the version committed.
 Steps 2-4 may run before the pause: `open_and_validate` (the controller's `prepare`, called by
 the daemon while the worker still serves) returns an `Opened` that `apply_update(prepared=...)`
 then uses, so only step 5 runs inside the pause. Whatever an update opened is let go through
@@ -37,6 +39,7 @@ from daemon.transport import TRANSPORTS, worker_transport
 from daemon.transport.base import (
     BadUpdateRequest,
     OpensBeforePause,
+    PlansCopies,
     SourceChanged,
     SwapCapable,
     SwapLease,
@@ -152,6 +155,11 @@ def open_and_validate(
         if expect.digest is not None and digest is not None and digest != expect.digest:
             raise Refused(f"expected digest {expect.digest}, the source's manifest says {digest}")
         lease = None
+        if request.mode == "copy" and isinstance(transport, PlansCopies):
+            try:  # the copy plan and the source's checksum, before the pause (issue 41)
+                transport.prepare_copy(store.params)
+            except (TransportError, ValueError) as exc:
+                raise BadRequest(f"cannot read the new weights: {exc}") from None
         if request.mode == "swap":
             assert isinstance(transport, SwapCapable)
             try:

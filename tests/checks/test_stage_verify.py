@@ -121,6 +121,31 @@ def test_the_staged_scan_finds_nan_and_inf_in_every_float_width(
         assert (found[0].nan, found[0].inf) == ((1, 0) if kind == "nan" else (0, 1)), engine
 
 
+def test_the_fused_pass_clears_finite_tensors_and_an_overflowing_sum_is_counted_exactly(tmp_path: Path) -> None:
+    """The torch engine's first pass (one sum per tensor) clears finite tensors without the exact
+    count; finite values whose float32 sum overflows are counted exactly and pass; a NaN is found."""
+    from safetensors.torch import save_file
+
+    from daemon.checks import finite_staged
+
+    d = tmp_path / "v"
+    d.mkdir()
+    huge = torch.full((64,), 3.0e38, dtype=torch.bfloat16)  # finite, but 64 of them sum past float32's range
+    bad = torch.zeros(100, dtype=torch.bfloat16)
+    bad[17] = float("nan")
+    plain = {f"p{i}": torch.randn(50, dtype=torch.float32) for i in range(5)}
+    save_file({"huge": huge, "bad": bad, **plain}, str(d / "model.safetensors"))
+    table, _ = tensor_table(d)
+    _digests, copy = stage_files(d, ["model.safetensors"], "cpu", alg=None)
+    assert not torch.isfinite(torch.tensor(float(huge.float().sum())))  # the overflow really happens
+    assert finite_staged._suspects(copy, sorted(table.items()), d) == {
+        i for i, name in enumerate(sorted(table)) if name in ("huge", "bad")}
+    before = finite_staged.SUMS_RUN[0]
+    found = scan_staged(copy, sorted(table.items()), d, engine="torch")
+    assert [(b.tensor, b.nan, b.inf, b.first_index) for b in found] == [("bad", 1, 0, 17)]
+    assert finite_staged.SUMS_RUN[0] - before == len(table)
+
+
 def test_canary_skeleton_is_built_once_across_versions_and_reused_after_a_rejection(tmp_path: Path) -> None:
     versions = [published(tmp_path / f"v{i}", seed=i, shards=2) for i in range(3)]
     nan = published(tmp_path / "nan", seed=9, shards=2)
@@ -246,3 +271,27 @@ def test_stage_device_setting_is_validated() -> None:
     assert CheckSettings.from_mapping({"stage_device": "cuda:1"}).staging_device == "cuda:1"
     assert CheckSettings(stage_device="auto", forward_device="cuda:0").staging_device == "cuda:0"
     assert CheckSettings(enabled=("manifest", "headers", "crc32c")).staging_device is None
+
+
+def test_canary_runs_every_prompt_in_one_forward_with_each_prompts_own_logits(tmp_path: Path) -> None:
+    """One right-padded batch (issue 41) gives each prompt the logits it gets alone."""
+    import json
+
+    from safetensors.torch import load_file
+
+    from daemon.checks.canary import bind, run
+
+    d = make_tiny_checkpoint(tmp_path / "v", seed=3)
+    canary = CANARIES.get(json.loads((d / "config.json").read_text()), "cpu", "v")
+    state: dict[str, torch.Tensor] = {}
+    for f in sorted(d.glob("*.safetensors")):
+        state.update(load_file(str(f)))
+    bound = bind(canary, state, "v")
+    prompts = [[1, 5, 9], [2, 7, 11, 13, 17, 19], [4]]
+    runs = canary.runs
+    together = run(canary, bound, prompts)
+    assert canary.runs == runs + 1  # one forward for the three
+    alone = [run(canary, bound, [p])[0] for p in prompts]
+    assert [t.shape[0] for t in together] == [3, 6, 1]
+    for a, b in zip(together, alone, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)

@@ -223,7 +223,9 @@ def test_ipc_transport_stages_once_and_restores_by_ipc(
         try:
             d = start_fleet(
                 daemon_factory, f"sqlite:///{tmp_path / 'registry.db'}", pool,
-                rollout={"transport": "ipc", "update_mode": update_mode, "mode": "pause", "health_window_s": 0.3},
+                # the probe inside the pause: the NaN version (past these few checks) never serves a request
+                rollout={"transport": "ipc", "update_mode": update_mode, "mode": "pause", "health_window_s": 0.3,
+                         "probe_after_resume": False},
                 checks={"enabled": ["manifest", "headers", "crc32c"]},
                 extra={"loader": {"socket": str(loader.socket_path)}},
             )  # fmt: skip

@@ -200,10 +200,35 @@ def test_refused_update_leaves_the_fleet_on_the_old_version(
     assert transitions(d, r["id"], "w1") == []  # the first failure stops the rollout
 
 
+IN_PAUSE = {**FAST, "probe_after_resume": False}  # the probe while requests are held, then UPDATED -> RUNNING
+
+
+def test_a_probe_failing_after_resume_flips_the_worker_back_and_fails_the_rollout(
+    sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    """The default (issue 41): the worker resumes right after its write and probes serving; the
+    NaN version's probe fails, the worker flips itself back to v0 (no restore by the daemon) and the
+    rollout fails before w1 is touched."""
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS)
+    w0, w1 = pool.workers
+    publish_into(d.watch_dir, "v1", seed=1, fault="nan")
+    row = d.wait_status("v1", "rejected", timeout=180)
+    assert "probe after resume failed" in row["status_message"] and "back on v0" in row["status_message"], row
+    assert_fleet_on([w0, w1], "v0")
+    r = rollout_of(d, "v1")
+    assert (r["outcome"], r["detail"]["step"]) == ("failed", "update")
+    events = [e for e in worker_events(d.registry, r["id"]) if e["worker"] == "w0"]
+    assert [(e["from"], e["to"]) for e in events] == [("RUNNING", "DRAINING"), ("DRAINING", "RUNNING")]
+    assert events[-1]["detail"]["action"] == "refused" and events[-1]["detail"]["kept"] == "v0"
+    flips = [e for e in w0.info()["events"] if e["event"] == "flipped_back"]
+    assert flips and (flips[-1]["version"], flips[-1]["bad"]) == ("v0", "v1")
+    assert transitions(d, r["id"], "w1") == []
+
+
 def test_probe_failure_restores_the_last_good_version(
     sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
-    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS)
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=IN_PAUSE, checks=FEW_CHECKS)
     w0, w1 = pool.workers
     publish_into(d.watch_dir, "v1", seed=1, fault="nan")
     row = d.wait_status("v1", "rejected", timeout=180)
@@ -279,7 +304,9 @@ def test_daemon_sigkilled_mid_rollout_finishes_it_on_restart(
 ) -> None:
     mode = "pause" if state == "PAUSED" else "drain"
     begin = "PAUSED" if mode == "pause" else "DRAINING"
-    d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "mode": mode}, checks=FEW_CHECKS,
+    # held in UPDATED: the worker must stay there, so its probe runs inside the pause
+    rollout = {**(IN_PAUSE if state == "UPDATED" else FAST), "mode": mode}
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=rollout, checks=FEW_CHECKS,
                     hooked=True, env=hold(state, "w1", "v1"))  # fmt: skip
     w0, w1 = pool.workers
     publish_into(d.watch_dir, "v1", seed=1)
@@ -429,10 +456,10 @@ def test_rollout_waits_for_a_worker_that_cannot_be_restarted(
 def test_daemon_sigkilled_in_the_failure_path_undoes_the_rollout_on_restart(
     sqlite_url: str, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
 ) -> None:
-    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=FAST, checks=FEW_CHECKS,
+    d = start_fleet(daemon_factory, sqlite_url, pool, rollout=IN_PAUSE, checks=FEW_CHECKS,
                     hooked=True, env=hold("UNHEALTHY", "w0", None))  # fmt: skip
     w0, w1 = pool.workers
-    publish_into(d.watch_dir, "v1", seed=1, fault="nan")  # w0's post-check fails
+    publish_into(d.watch_dir, "v1", seed=1, fault="nan")  # w0's post-check (inside the pause) fails
     wait_until(lambda: any(e["worker"] == "w0" and e["to"] == "UNHEALTHY" for e in worker_events(d.registry)), 120,
                what="w0 UNHEALTHY")  # fmt: skip
     d.kill()  # before the failure path restored anything: w0 sits in UPDATED on the bad weights

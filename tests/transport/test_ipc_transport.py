@@ -77,6 +77,35 @@ def test_copy_changes_outputs_exactly_as_a_disk_reload(loader: LoaderProcess, ck
     assert all(v["holders"] == {} for v in loader.client.status()["versions"])
 
 
+def test_copy_checks_its_checksum_against_the_source_and_refuses_a_short_copy(
+    loader: LoaderProcess, ckpts: dict[str, Path], model, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The plan and the source's checksum are made before the pause (prepare_copy); the copy's
+    bytes are summed after it and compared: a copy that missed a tensor raises, naming it."""
+    from daemon.transport import ipc
+    from daemon.transport.base import TransportError
+    from daemon.transport.copyplan import CopyPlan
+
+    m, params = model
+    want = disk_logits(m, ckpts["v2"])
+    with IpcTransport(loader.client.descriptor("v2"), device="cpu", worker="t") as tr:
+        tr.prepare_copy(params)
+        assert tr._prepared_copy is not None
+        tr.write_into(params)
+        assert tr.checked["copy_checksum"] == "equal" and tr._prepared_copy is None
+    assert torch.equal(logits(m), want)
+    real = ipc.run_copies
+
+    def short(plan: CopyPlan, dst: torch.Tensor | None, src: torch.Tensor | None) -> None:
+        real(CopyPlan(plan.runs, plan.singles[:-1]), dst, src)  # the last tensor never copied
+
+    monkeypatch.setattr(ipc, "run_copies", short)
+    with IpcTransport(loader.client.descriptor("v1"), device="cpu", worker="t") as tr:
+        tr.prepare_copy(params)
+        with pytest.raises(TransportError, match="checksum differs from the staged copy"):
+            tr.write_into(params)
+
+
 def test_swap_points_at_the_shared_buffer_and_rollback_flips_back(loader: LoaderProcess, ckpts: dict[str, Path], model) -> None:
     m, params = model
     before = logits(m)

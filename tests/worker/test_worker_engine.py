@@ -195,3 +195,44 @@ def test_penalties_apply_to_the_generated_tokens(engine_a: Engine) -> None:
     # greedy with a strong frequency penalty repeats tokens less
     assert len(set(repeated)) >= len(set(plain))
     assert gen(presence_penalty=0.0, frequency_penalty=0.0) == plain
+
+
+def test_pause_waits_for_one_forward_not_for_the_whole_step(engine_a: Engine) -> None:
+    """A pause asked while a step runs parks the scheduler before the step's next sequence (issue
+    41: the pause call waited for a whole step over every active sequence); the cut sequence takes
+    its token after resume, and every sequence ends with all its tokens."""
+    engine_a.pause()  # both sequences admitted into the same step once resumed
+    errors: list[BaseException] = []
+    pauser: list[threading.Thread] = []
+
+    def on_first(seq: Sequence, token: int) -> None:  # runs on the scheduler thread, inside the step
+        if pauser:
+            return
+        try:
+            t = threading.Thread(target=engine_a.pause)
+            pauser.append(t)
+            t.start()
+            while not engine_a.paused:  # positive signal: the pause is asked and waits for the step
+                t.join(0.001)
+        except BaseException as exc:  # re-raised in the test thread
+            errors.append(exc)
+
+    done = [threading.Event(), threading.Event()]
+    first = Sequence(PROMPT, SamplingParams(max_tokens=5, ignore_eos=True), on_token=on_first,
+                     on_done=lambda s: done[0].set())
+    second = Sequence([2, 5, 7], SamplingParams(max_tokens=5, ignore_eos=True), on_done=lambda s: done[1].set())
+    engine_a.submit(first)
+    engine_a.submit(second)
+    cut = engine_a.steps_cut
+    engine_a.resume()
+    while not pauser:
+        assert not done[0].is_set()
+        threading.Event().wait(0.001)
+    pauser[0].join(30)
+    assert not pauser[0].is_alive() and not errors
+    assert (len(first.generated), len(second.generated)) == (1, 0)  # the second waits for the next step
+    assert engine_a.steps_cut == cut + 1 and engine_a.parked_at > 0
+    engine_a.resume()
+    assert done[0].wait(30) and done[1].wait(30)
+    assert len(first.generated) == 5 and len(second.generated) == 5
+    assert engine_a.resumed_at >= engine_a.parked_at
