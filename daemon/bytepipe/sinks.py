@@ -32,7 +32,7 @@ __all__ = ["Checked", "Crcs", "DeviceCopy", "FileWriter", "InOrder", "Progress"]
 
 
 class Crcs:
-    """CRC32C per file from chunks in any order (the `RangeCrcs` of a staging with `verify_alg`)."""
+    """CRC32C per file from chunks in any order (also the loader's, staging with `verify_alg`)."""
 
     def __init__(self, chunk: int = 0) -> None:
         self._parts: dict[Path, list[tuple[int, int, int]]] = {}

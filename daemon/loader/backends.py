@@ -11,9 +11,9 @@ from typing import Any, Protocol
 
 from daemon.bytepipe.check import LoadCheck
 from daemon.bytepipe.expect import Expect
+from daemon.bytepipe.sinks import Crcs
 from daemon.handoff.descriptor import HOST_DEVICE, BufferRef, TensorSlot
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch
-from daemon.loader.crcs import RangeCrcs
 from daemon.loader.staging import (
     ChunkCheck,
     PinnedPool,
@@ -82,7 +82,7 @@ class StageCheck:
     `crcs`: also the CRC32C of every file (the daemon's verify staging here, `verify_alg`)."""
 
     def __init__(self, directory: Path, expect: Expect, threads: int, alg: str = DEFAULT_HASH_ALG,
-                 crcs: RangeCrcs | None = None) -> None:  # fmt: skip
+                 crcs: Crcs | None = None) -> None:  # fmt: skip
         self.directory = directory
         self.expect = expect
         self.threads = threads
@@ -116,7 +116,7 @@ class StageCheck:
 class _Tee:
     """Each staged chunk to the strong-hash check and to the CRC32C of its file."""
 
-    def __init__(self, check: LoadCheck, crcs: RangeCrcs) -> None:
+    def __init__(self, check: LoadCheck, crcs: Crcs) -> None:
         self.check, self.crcs = check, crcs
 
     def feed(self, file: Path, offset: int, data: Any) -> None:

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 from daemon.bytepipe.check import ensure_contained
 from daemon.bytepipe.expect import BadUpdateRequest, Expect
+from daemon.bytepipe.sinks import Crcs
 from daemon.formats.checkpoint import tensor_table, weight_files
 from daemon.handoff.descriptor import (
     ALIGN,
@@ -42,7 +43,6 @@ from daemon.loader.backends import (
     StoreError,
     _pid_alive,
 )
-from daemon.loader.crcs import RangeCrcs
 
 log = logging.getLogger("hotswap.loader")
 
@@ -169,7 +169,7 @@ class LoaderStore:
             self._make_room(entry.buffer_bytes, version)
             self._versions[version] = entry
         t0 = time.perf_counter()
-        crcs = RangeCrcs() if verify_alg is not None else None
+        crcs = Crcs() if verify_alg is not None else None
         check = StageCheck(directory, expect, self.hash_threads, verify_alg or DEFAULT_HASH_ALG, crcs)
         entry.verified = verify_alg is None
         try:

@@ -5,9 +5,10 @@
     worker_transport(request, store) -> WorkerTransport  (the worker's update path builds one per update)
 
 Interfaces: `daemon.transport.base`. Today: disk (`disk.py`: the directory is the request,
-written in place by the reader threads of `disk_read.py`) and ipc (`ipc_stage.py` stages in the
-loader and hands out its descriptor; `ipc.py` opens it in the worker, through the buffer cache of
-`ipc_open.py`, and copies or swaps).
+written in place by the reader threads of `disk_read.py`, on the byte pipeline `daemon.bytepipe`)
+and ipc (`ipc_stage.py` stages in the loader and hands out its descriptor, `ipc_verify.py` stages
+for the daemon's verify there; `ipc.py` opens it in the worker, through the buffer cache of
+`ipc_open.py`, and copies or swaps). The loader's client and the descriptor are in `daemon.handoff`.
 
 How to add a transport (e.g. `broadcast`): write `daemon/transport/broadcast.py` with a daemon
 side (a class taking `SenderOptions`, with `name`, `prepare`, `retain`, `close`) and a worker
