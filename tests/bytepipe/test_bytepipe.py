@@ -16,6 +16,8 @@ from daemon.bytepipe.engine import Buffer, BufferPool, Job, OpenFiles, pread_exa
 from daemon.bytepipe.files import plan, read_files
 from daemon.bytepipe.sinks import Crcs, FileWriter, InOrder
 
+pytestmark = pytest.mark.quick
+
 
 class _InFlight:
     """Counts buffers held at once (by this sink, from take until a later reader's release)."""
