@@ -1,6 +1,6 @@
 """Issue 41's tables from one bench/h200_session.sh call: read the JSON under OUT, print markdown.
 
-    python -m bench.h200_table OUT > OUT/table.md
+    python -m bench.h200_table $OUT > $OUT/table.md
 
 Phases (medians over the measured versions, bench/e2e_phases.py): detect + fetch + manifest +
 headers; the one read (crc32c: hashed and staged); finite; forward canary; verify_rest + compat +
