@@ -33,14 +33,13 @@ from typing import Any, Literal
 from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.checks import CheckSettings
 from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
+from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 from daemon.fleet.settings import FleetSettings, fleet_problem
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
 
-CONFIG_ENV = "HOTSWAP_CONFIG"
 EMBEDDED = "<embedded default>"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass

@@ -215,7 +215,7 @@ class Daemon:
             app.include_router(rollout_router(self.rollout, self.guard))
             app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard,
                                                self.config.checks))  # trainer broadcast
-            app.include_router(readiness_router(self.rollout))  # GET /v1/workers/{name}/ready
+            app.include_router(readiness_router(self.rollout))  # GET /ready, /v1/workers/{name}/ready
         return app
 
     def reload(self) -> ReloadResult:

@@ -13,10 +13,12 @@ from __future__ import annotations
 import argparse
 import tomllib
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from daemon.config import CONFIG_ENV, Config, ConfigError, load_config, parse_config
-from daemon.process.preflight import preflight_problems
+from daemon.common.cliconfig import CONFIG_ENV
+
+if TYPE_CHECKING:
+    from daemon.config import Config
 
 # Sections another section's checks read (a non-loopback listen needs [api] TLS; [fleet] enabled
 # needs a PostgreSQL [database]): parsed along with each section, when they parse on their own.
@@ -57,6 +59,9 @@ def check_cmd(args: argparse.Namespace) -> int:
 
 def config_problems(path: Path) -> tuple[list[str], Config | None]:
     """Every problem of the file, one line each; the parsed config when there is none."""
+    from daemon.config import ConfigError, load_config
+    from daemon.process.preflight import preflight_problems
+
     try:
         config = load_config(path)
     except ConfigError as whole:
@@ -82,6 +87,8 @@ def _section_problems(path: Path) -> list[str]:
 
 
 def _problems(doc: dict[str, Any], source: str) -> list[str]:
+    from daemon.config import ConfigError, parse_config
+
     try:
         parse_config(doc, source)
     except ConfigError as exc:

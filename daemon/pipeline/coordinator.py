@@ -185,7 +185,7 @@ class Coordinator:
                 known_id = known.id
                 if item.directory is not None and hosts.local_path(s, known.id) is None:
                     # registered by another host of the fleet: this host's copy of the same version
-                    hosts.set_location(s, known.id, str(item.directory))
+                    hosts.record_copy(s, known, str(item.directory), fp)
                     vlog.info("known to the fleet; this host's copy recorded", directory=str(item.directory))
                     return None
                 again = rediscovery.handle(s, known, item)
