@@ -216,7 +216,7 @@ class WorkerSpec:
     # managed: where its admin API is: "unix" = a 0600 socket in <state_dir>/run (0700), the TCP
     # port carrying only serving; "tcp" = on the port, the peer's identity proved before every token
     admin: Literal["unix", "tcp"] = "unix"
-    # Engine kinds only (vllm, sglang; README "Engines"): the engine's own pause mode used by
+    # Engine kinds only (vllm, sglang; docs/how-to/vllm.md): the engine's own pause mode used by
     # rollout mode "pause" ("" = keep for vLLM, retract for SGLang) and SGLang's admin key file.
     pause_mode: str = ""
     admin_token_file: str = ""  # sglang: its --admin-api-key file (the weight routes take only that key)

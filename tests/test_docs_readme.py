@@ -117,3 +117,42 @@ def test_every_page_is_in_the_nav() -> None:
     nav = (REPO / "mkdocs.yml").read_text()
     pages = [p.relative_to(DOCS).as_posix() for p in DOCS.rglob("*.md")]
     assert [p for p in pages if f": {p}" not in nav] == []
+
+
+def test_the_process_diagrams_labels_do_not_overlap() -> None:
+    """Issue 36: "verify" and "verdict" (registry <-> checks, a steep pair of arrows) were drawn
+    over each other. Each edge label's box (11 px text, ~0.56 em a character) is clear of the others."""
+    import re
+
+    svg = (DOCS / "assets" / "process.svg").read_text()
+    boxes = []
+    for m in re.finditer(r'<text x="([\d.]+)" y="([\d.]+)" text-anchor="(\w+)" font-size="11" fill="#333"[^>]*>([^<]*)</text>',
+                         svg):  # fmt: skip
+        x, y, anchor, label = float(m[1]), float(m[2]), m[3], m[4]
+        w = 0.56 * 11 * len(label)
+        left = {"start": x, "middle": x - w / 2, "end": x - w}[anchor]
+        boxes.append((label, left, left + w, y - 11, y + 2))
+    assert len(boxes) == len(diagrams.PROCESS_EDGES)
+    for i, a in enumerate(boxes):
+        for b in boxes[i + 1:]:
+            apart = a[2] <= b[1] or b[2] <= a[1] or a[4] <= b[3] or b[4] <= a[3]
+            assert apart, f"labels {a[0]!r} and {b[0]!r} overlap: {a[1:]} / {b[1:]}"
+
+
+def test_config_files_point_only_at_pages_and_sections_that_exist() -> None:
+    """config.example.toml and daemon/config.py name README sections and docs pages (issue 36:
+    three README sections they named did not exist): every one must be there."""
+    headings = {m.strip() for m in re.findall(r"^#+ (.+)$", README, re.M)}
+    refs = 0
+    for path in (REPO / "config.example.toml", REPO / "daemon" / "config.py"):
+        text = " ".join(path.read_text().split())
+        for section in re.findall(r'README "([^"]+)"', text):
+            refs += 1
+            assert section in headings, f"{path.name}: README has no section {section!r}"
+        for page, section in re.findall(r'(docs/[\w/.-]+\.md)(?:, "([^"]+)")?', text):
+            refs += 1
+            assert (REPO / page).is_file(), f"{path.name}: {page} does not exist"
+            if section:
+                titles = re.findall(r"^#+ (.+)$", (REPO / page).read_text(), re.M)
+                assert any(t.startswith(section) for t in titles), f"{path.name}: {page} has no section {section!r}"
+    assert refs >= 4

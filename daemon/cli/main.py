@@ -194,12 +194,14 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 def _cmd_daemon(args: argparse.Namespace) -> int:
     from daemon.common.statelock import StateDirLocked
     from daemon.config import load_config
-    from daemon.service import run_daemon
+    from daemon.service import exit_now, run_daemon
 
     config = load_config(args.config, daemon_overrides(args))
 
     try:
-        return run_daemon(config)
+        code = run_daemon(config)
+        exit_now(code)  # stopped: the interpreter's teardown would add seconds
+        return code
     except StateDirLocked as exc:
         print(f"hotswap daemon: {exc}", file=sys.stderr)
         return 2
