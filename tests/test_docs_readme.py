@@ -16,7 +16,7 @@ README = (REPO / "README.md").read_text()
 DOCS = REPO / "docs"
 QUICKSTART = [
     "./scripts/run-daemon.sh     # creates .venv (torch 2.13.0 first, then `pip install -e .`), runs `hotswap daemon`",
-    "./scripts/test.sh           # creates .venv with the dev extra, runs the test suite (pytest)",
+    "./scripts/test.sh           # creates .venv with the dev extra, runs the whole test suite: ~25 min on 2 cores",
 ]
 
 
@@ -30,6 +30,11 @@ def test_the_readme_is_a_front_page_that_opens_with_the_two_commands() -> None:
     headings = [line for line in lines if line.startswith("## ")]
     assert headings[0] == "## Quickstart"
     assert code_blocks(README)[0] == QUICKSTART
+
+
+def test_the_readme_says_how_long_the_suite_takes_and_names_the_quick_tier() -> None:
+    text = " ".join(README.split())
+    assert "~25 min on 2 cores" in QUICKSTART[1] and "./scripts/test.sh -m quick -q" in text
 
 
 def test_ci_runs_the_quickstart_test_command() -> None:
@@ -156,3 +161,13 @@ def test_config_files_point_only_at_pages_and_sections_that_exist() -> None:
                 titles = re.findall(r"^#+ (.+)$", (REPO / page).read_text(), re.M)
                 assert any(t.startswith(section) for t in titles), f"{path.name}: {page} has no section {section!r}"
     assert refs >= 4
+
+
+def test_the_happy_path_of_a_worker_comes_before_every_transition() -> None:
+    """Issue 36: the full worker-state diagram draws nearly every pair both ways; the page shows
+    the four states of an update that goes well first, the full diagram after."""
+    page = (DOCS / "concepts" / "workers.md").read_text()
+    assert page.index("<!-- gen:diagram:worker-happy-path -->") < page.index("<!-- gen:diagram:worker-states -->")
+    svg = diagrams.worker_happy_path()
+    assert sorted(re.findall(r'data-node="([^"]+)"', svg)) == ["DRAINING", "PAUSED", "RUNNING", "UPDATED"]
+    assert len(re.findall(r'class="edge"', svg)) == 5

@@ -151,7 +151,10 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--adapter", metavar="NAME", help="only the versions of this LoRA adapter")
     h.set_defaults(func=_cmd_history)
 
-    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"), True)
+    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers",
+                                   description="The daemon, its health, aliases, checkpoints by status and workers. "
+                                   "Exit status: 0 the daemon runs and answers; 3 it does not (what the registry "
+                                   "says is printed all the same); 2 a bad config or no database."), True)  # fmt: skip
     s.add_argument("--json", action="store_true", help="one JSON object with every field")
     s.add_argument("--fleet", action="store_true", help="every host of a fleet: serving version, state, lag")
     s.set_defaults(func=_cmd_status)

@@ -174,6 +174,16 @@ PROCESS_EDGES = [("trainer", "source", "checkpoint"), ("source", "registry", "di
                  ("rollout", "workers", "drain · pause · update"), ("trainer", "workers", "broadcast")]  # fmt: skip
 
 
+HAPPY_PATH = {"RUNNING": ["DRAINING", "PAUSED"], "DRAINING": ["UPDATED"], "PAUSED": ["UPDATED"], "UPDATED": ["RUNNING"]}
+
+
+def worker_happy_path() -> str:
+    """An update that goes well: the four states every worker walks, drained or paused."""
+    name = "worker-happy-path"
+    return _named(state_graph(name, "RUNNING", list(HAPPY_PATH), HAPPY_PATH,
+                              "A worker's update that goes well: drained or paused, updated, running again"), name)
+
+
 def process() -> str:
     """One checkpoint's way through the daemon, as boxes and arrows."""
     w, h, gx, gy = 150, 50, 60, 46
