@@ -96,7 +96,7 @@ MOVED = {
     "Fleets on PostgreSQL": ("how-to/fleets.md", "The fleet target"),
     "Commands": ("reference/cli.md", "manual control of the running daemon"),
     "Development": ("contributing.md", "HOTSWAP_TEST_HOLD_STATE"),
-    "Quickstart (the managed worker)": ("getting-started.md", "hands the listening socket to every worker"),
+    "Quickstart (the managed worker)": ("concepts/workers.md", "hands the listening socket to every worker"),
 }
 
 
