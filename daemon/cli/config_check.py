@@ -13,12 +13,9 @@ from __future__ import annotations
 import argparse
 import tomllib
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from daemon.common.cliconfig import CONFIG_ENV
-
-if TYPE_CHECKING:
-    from daemon.config import Config
 
 # Sections another section's checks read (a non-loopback listen needs [api] TLS; [fleet] enabled
 # needs a PostgreSQL [database]): parsed along with each section, when they parse on their own.
@@ -57,7 +54,7 @@ def check_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_problems(path: Path) -> tuple[list[str], Config | None]:
+def config_problems(path: Path) -> tuple[list[str], Any]:
     """Every problem of the file, one line each; the parsed config when there is none."""
     from daemon.config import ConfigError, load_config
     from daemon.process.preflight import preflight_problems

@@ -27,16 +27,13 @@ import json
 import os
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from daemon import __version__
 from daemon.cli.config_check import add_parser as add_config_parser
 from daemon.cli.show import add_parser as add_show_parser
 from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
 from daemon.common.typedtoml import ConfigError
-
-if TYPE_CHECKING:
-    from daemon.config import Config
 
 # Each command imports what it needs when it runs: `hotswap --version` and the parser import
 # neither FastAPI nor SQLAlchemy (tests/test_cli_speed.py).
@@ -176,7 +173,7 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args: argparse.Namespace) -> Config:
+def _config(args: argparse.Namespace) -> Any:  # daemon.config.Config (imported when a command runs)
     from daemon.config import load_config
 
     return load_config(args.config)
@@ -210,7 +207,7 @@ def _cmd_daemon(args: argparse.Namespace) -> int:
         return 2
 
 
-def _registry(config: Config, migrate: bool = False) -> Any:
+def _registry(config: Any, migrate: bool = False) -> Any:
     from daemon.registry import Registry
 
     reg = Registry(config.database_url, config.fleet.host or None)
