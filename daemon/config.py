@@ -32,15 +32,14 @@ from typing import Any, Literal
 
 from daemon.checks import CheckSettings
 from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
+from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 from daemon.engines import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.fleet.settings import FleetSettings, fleet_problem
 from daemon.sources import SOURCE_TYPES, source_type
 from daemon.transport import TRANSPORTS
 
-CONFIG_ENV = "HOTSWAP_CONFIG"
 EMBEDDED = "<embedded default>"
-LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 @dataclass
@@ -222,7 +221,7 @@ class WorkerSpec:
     # managed: where its admin API is: "unix" = a 0600 socket in <state_dir>/run (0700), the TCP
     # port carrying only serving; "tcp" = on the port, the peer's identity proved before every token
     admin: Literal["unix", "tcp"] = "unix"
-    # Engine kinds only (vllm, sglang; README "Engines"): the engine's own pause mode used by
+    # Engine kinds only (vllm, sglang; docs/how-to/vllm.md): the engine's own pause mode used by
     # rollout mode "pause" ("" = keep for vLLM, retract for SGLang) and SGLang's admin key file.
     pause_mode: str = ""
     admin_token_file: str = ""  # sglang: its --admin-api-key file (the weight routes take only that key)

@@ -1,4 +1,5 @@
-"""Tiny random Llama-style checkpoints: for tests, the quickstart and CPU benchmarks.
+"""Tiny random Llama-style checkpoints and LoRA adapters for them: for tests, the quickstart and
+CPU benchmarks (`make_tiny_checkpoint`, `make_tiny_adapter`).
 
 Nothing is downloaded: the config is written here and the weights are drawn from a
 seeded generator, so two calls with the same seed give identical files. With
@@ -147,4 +148,45 @@ def make_tiny_checkpoint(
     if tokenizer:
         write_tiny_tokenizer(d)
     (d / "config.json").write_text(json.dumps(cfg, indent=2))
+    return d
+
+
+def make_tiny_adapter(
+    directory: str | Path,
+    base: str | Path,
+    seed: int = 0,
+    *,
+    rank: int = 8,
+    alpha: float = 16.0,
+    targets: tuple[str, ...] = ("q_proj", "v_proj"),
+    std: float = 0.02,
+) -> Path:
+    """A LoRA adapter for the checkpoint in `base` (PEFT layout: adapter_config.json and
+    adapter_model.safetensors), its lora_A [rank, in] and lora_B [out, rank] drawn from a seeded
+    generator for every `targets` projection of every layer. Publish it with
+    `hotswap publish DIR --version NAME@1 --adapter NAME` (docs/how-to/adapters.md)."""
+    import torch
+    from safetensors.torch import save_file
+
+    from daemon.formats.checkpoint import tensor_table
+
+    d = Path(directory)
+    d.mkdir(parents=True, exist_ok=True)
+    table, _ = tensor_table(Path(base))
+    gen = torch.Generator().manual_seed(seed)
+    state: dict[str, torch.Tensor] = {}
+    for name, loc in sorted(table.items()):
+        module = name.removesuffix(".weight")
+        if name.endswith(".weight") and module.rsplit(".", 1)[-1] in targets:
+            out_f, in_f = loc.entry.shape
+            state[f"base_model.model.{module}.lora_A.weight"] = (torch.randn((rank, in_f), generator=gen) * std).contiguous()
+            state[f"base_model.model.{module}.lora_B.weight"] = (torch.randn((out_f, rank), generator=gen) * std).contiguous()
+    if not state:
+        raise ValueError(f"{base}: no {' or '.join(targets)} weights to adapt")
+    save_file(state, str(d / "adapter_model.safetensors"), metadata={"format": "pt"})
+    name_or_path = json.loads((Path(base) / "config.json").read_text()).get("_name_or_path") or str(base)
+    config = {"peft_type": "LORA", "r": rank, "lora_alpha": alpha, "target_modules": list(targets),
+              "base_model_name_or_path": name_or_path, "bias": "none", "fan_in_fan_out": False,
+              "lora_dropout": 0.0, "task_type": "CAUSAL_LM", "inference_mode": True}  # fmt: skip
+    (d / "adapter_config.json").write_text(json.dumps(config, indent=2))
     return d

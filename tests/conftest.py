@@ -71,7 +71,8 @@ T = TypeVar("T")
 ALONE = frozenset({"vllm"})
 XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_daemon.py": "vllm", "test_adapters_vllm.py": "vllm",
                 "test_fleet_daemons.py": "fleet-daemons", "test_fleet_converge_daemons.py": "fleet-daemons",
-                "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons"}
+                "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons",
+                "test_fleet_fingerprints_daemons.py": "fleet-daemons"}
 # The longest units go first, so no worker is left with a long one at the end (measured with
 # `--durations=0`: the duration table in tests/README.md).
 LONGEST_FIRST = ("test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",

@@ -6,6 +6,8 @@ GET  /health               200 {"ok": true} while no critical problem holds (dae
                            "problems": [...]} while one does. Warnings are listed with a 200.
 GET  /livez                200 {"ok": true} while the process answers (liveness, for systemd and
                            orchestrators: never restart a daemon because a source or worker is down)
+GET  /ready                200 while at least one worker of every group serves, whatever a source
+                           says; 503 otherwise (for load balancers: daemon.api.readiness)
 GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers
 GET  /metrics              Prometheus text format
 

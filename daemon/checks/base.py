@@ -71,6 +71,9 @@ class CheckSettings:
     # a checkpoint whose tensor shapes differ from the serving version (e.g. a resized vocabulary)
     # passes compat as "needs a restart rollout"; false rejects it. Set from [rollout] restart_rollouts.
     restart_rollouts: bool = True
+    # a checkpoint without the tokenizer files the serving version has (a worker launched on its
+    # folder refuses text prompts: 400 no_tokenizer): false passes compat with a warning, true rejects it
+    keep_tokenizer: bool = False
 
     def __post_init__(self) -> None:
         unknown = [n for n in self.enabled if n not in CHECK_NAMES]

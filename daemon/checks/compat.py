@@ -5,18 +5,44 @@ workers are relaunched on it: daemon.rollout.relaunch). With `checks.restart_rol
 `[rollout] restart_rollouts`, on by default) such a checkpoint passes, its detail saying
 `restart_rollout: true` and the differences; with it off it is rejected. A LoRA adapter
 checkpoint is checked against the serving base instead (daemon.checks.adapter, chosen by the runner).
+
+Tokenizers: a checkpoint without the tokenizer files the serving version has can be written in
+place (the worker keeps the tokenizer it loaded), but a worker launched on its folder (a crash's
+relaunch, a restart rollout) refuses every text prompt. compat says so in its detail
+(`tokenizer_dropped`, a warning in the log) and rejects it with `checks.keep_tokenizer = true`.
 """
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped
 from daemon.checks.headers import load_table
+from daemon.common.logging import get_logger
 from daemon.formats.checkpoint import LayoutError, tensor_table
 from daemon.formats.safetensors import HeaderError
 
+log = get_logger(__name__)
+
 MAX_LISTED = 3  # differences spelled out in the reason; the detail keeps up to 50
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # as the worker reads them
+
+
+def has_tokenizer(directory: Path) -> bool:
+    return any((directory / name).is_file() for name in TOKENIZER_FILES)
+
+
+def _tokenizer(ctx: CheckContext, ref_dir: Path) -> dict[str, Any]:
+    """{} when the candidate keeps what the serving version has; else the warning (or the rejection)."""
+    if not has_tokenizer(ref_dir) or has_tokenizer(ctx.directory):
+        return {}
+    why = (f"has no tokenizer ({', '.join(TOKENIZER_FILES)}) while the serving version has one: a worker "
+           "launched on its folder refuses text prompts (400 no_tokenizer)")  # fmt: skip
+    if ctx.settings.keep_tokenizer:
+        raise CheckFailed(f"{why}; checks.keep_tokenizer = true rejects it", {"reference": str(ref_dir)})
+    log.warning("tokenizer_dropped", directory=str(ctx.directory), reason=why)
+    return {"tokenizer_dropped": True, "warning": why}
 
 
 def check_compat(ctx: CheckContext) -> dict[str, Any]:
@@ -28,6 +54,7 @@ def check_compat(ctx: CheckContext) -> dict[str, Any]:
         ref_table, _ = tensor_table(ref_dir)
     except (LayoutError, HeaderError, OSError) as exc:
         raise CheckFailed(f"reference {ref_dir} unreadable: {exc}", {"reference": str(ref_dir)}) from None
+    tokenizer = _tokenizer(ctx, ref_dir)
     diffs: list[str] = []
     for name in sorted(set(ref_table) | set(table)):
         ref = ref_table.get(name)
@@ -48,7 +75,7 @@ def check_compat(ctx: CheckContext) -> dict[str, Any]:
         more = f"; and {len(diffs) - MAX_LISTED} more" if len(diffs) > MAX_LISTED else ""
         detail = {"reference": str(ref_dir), "differences": diffs[:50], "difference_count": len(diffs)}
         if ctx.settings.restart_rollouts:
-            return {**detail, "tensors": len(table), "restart_rollout": True,
+            return {**detail, **tokenizer, "tensors": len(table), "restart_rollout": True,
                     "note": f"cannot be written in place ({len(diffs)} differences: {shown}{more}): "
                             "rolled out by relaunching the workers on it"}  # fmt: skip
         raise CheckFailed(
@@ -56,4 +83,4 @@ def check_compat(ctx: CheckContext) -> dict[str, Any]:
             "needs a restart rollout, and [rollout] restart_rollouts = false forbids them",
             detail,
         )
-    return {"reference": str(ref_dir), "tensors": len(table)}
+    return {"reference": str(ref_dir), "tensors": len(table), **tokenizer}

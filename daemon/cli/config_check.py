@@ -15,8 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from daemon.config import CONFIG_ENV, Config, ConfigError, load_config, parse_config
-from daemon.process.preflight import preflight_problems
+from daemon.common.cliconfig import CONFIG_ENV
 
 # Sections another section's checks read (a non-loopback listen needs [api] TLS; [fleet] enabled
 # needs a PostgreSQL [database]): parsed along with each section, when they parse on their own.
@@ -55,8 +54,11 @@ def check_cmd(args: argparse.Namespace) -> int:
     return 0
 
 
-def config_problems(path: Path) -> tuple[list[str], Config | None]:
+def config_problems(path: Path) -> tuple[list[str], Any]:
     """Every problem of the file, one line each; the parsed config when there is none."""
+    from daemon.config import ConfigError, load_config
+    from daemon.process.preflight import preflight_problems
+
     try:
         config = load_config(path)
     except ConfigError as whole:
@@ -82,6 +84,8 @@ def _section_problems(path: Path) -> list[str]:
 
 
 def _problems(doc: dict[str, Any], source: str) -> list[str]:
+    from daemon.config import ConfigError, parse_config
+
     try:
         parse_config(doc, source)
     except ConfigError as exc:

@@ -24,7 +24,7 @@ from typing import Any
 
 from daemon.cli.read import open_existing_registry, read_config, safe
 from daemon.config import CONFIG_ENV, Config, ConfigError
-from daemon.fleet.stages import StageCommandRefused, command, status
+from daemon.fleet.stages import StageCommandRefused, command, stage_label, status
 from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
 from daemon.registry.db import RegistryError
 from daemon.registry.journal import Journal
@@ -127,12 +127,12 @@ def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
         return EXIT_OK
     why = f" ({doc['reason']})" if doc["reason"] else ""
     print(safe(f"staged rollout {doc['rollout_id']}: {doc['version']} (from {doc['previous']}), {doc['state']}{why}, "
-               f"stage {doc['stage'] + 1} of {len(doc['plan'])}"))  # fmt: skip
+               f"{stage_label(doc['stage'], len(doc['plan']))}"))  # fmt: skip
     for i, st in enumerate(doc["plan"]):
         size = st.get("names") or (f"{st['hosts']} hosts" if st.get("hosts") else f"{st.get('percent')} %")
         hosts = [h for h in doc["hosts"] if h["stage"] == i]
         line = ", ".join(f"{h['host']} {h['host_state']}" for h in hosts) or "no host yet"
-        print(safe(f"  stage {i + 1} ({size}, bake {st.get('bake_s', 0)} s): {line}"))
+        print(safe(f"  {stage_label(i, len(doc['plan']))} ({size}, bake {st.get('bake_s', 0)} s): {line}"))
     return EXIT_OK
 
 

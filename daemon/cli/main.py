@@ -24,25 +24,19 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from daemon import __version__
 from daemon.cli.config_check import add_parser as add_config_parser
-from daemon.cli.control import NotRunning, post_control
-from daemon.cli.publish import publish_main  # noqa: F401 - `hotswap publish` lives there
-from daemon.cli.read import (
-    history_cmd,
-    open_existing_registry,
-    read_config,
-    safe,
-    status_cmd,
-)
 from daemon.cli.show import add_parser as add_show_parser
-from daemon.common.statelock import StateDirLocked
-from daemon.config import CONFIG_ENV, LOG_LEVELS, Config, ConfigError, load_config
+from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
+from daemon.common.typedtoml import ConfigError
 
+# Each command imports what it needs when it runs: `hotswap --version` and the parser import
+# neither FastAPI nor SQLAlchemy (tests/test_cli_speed.py).
 # command -> "module:function" taking argv (list[str]) and returning an exit code
 DELEGATED: dict[str, tuple[str, str]] = {
     "worker": ("daemon.worker.server:main", "run the reference serving worker"),
@@ -63,7 +57,25 @@ EXIT_RUNTIME = 1
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args_list = list(sys.argv[1:] if argv is None else argv)
+    args_list = _config_after_command(list(sys.argv[1:] if argv is None else argv))
+    try:
+        return _main(args_list)
+    except BrokenPipeError:  # `hotswap show V | head`: the reader has gone; nothing to say
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())  # the interpreter's last flush must not fail again
+        return EXIT_RUNTIME
+
+
+def _config_after_command(args: list[str]) -> list[str]:
+    """`hotswap -c FILE status` is `hotswap status -c FILE` (-c before or after the command)."""
+    if len(args) >= 3 and args[0] in ("-c", "--config"):
+        return [args[2], args[0], args[1], *args[3:]]
+    if len(args) >= 2 and args[0].startswith("--config="):
+        return [args[1], args[0], *args[2:]]
+    return args
+
+
+def _main(args_list: list[str]) -> int:
     if args_list and args_list[0] in DELEGATED:
         return _delegate(args_list[0], args_list[1:])
     parser = _parser()
@@ -77,6 +89,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _fail(str(exc), EXIT_CONFIG)
     except KeyboardInterrupt:
         return 130
+    except BrokenPipeError:
+        raise
     except Exception as exc:  # the daemon logs details; the terminal gets one line
         from daemon.registry.db import RegistryError
 
@@ -134,7 +148,10 @@ def _parser() -> argparse.ArgumentParser:
     h.add_argument("--adapter", metavar="NAME", help="only the versions of this LoRA adapter")
     h.set_defaults(func=_cmd_history)
 
-    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers"), True)
+    s = with_config(sub.add_parser("status", help="daemon, checkpoints by status, workers",
+                                   description="The daemon, its health, aliases, checkpoints by status and workers. "
+                                   "Exit status: 0 the daemon runs and answers; 3 it does not (what the registry "
+                                   "says is printed all the same); 2 a bad config or no database."), True)  # fmt: skip
     s.add_argument("--json", action="store_true", help="one JSON object with every field")
     s.add_argument("--fleet", action="store_true", help="every host of a fleet: serving version, state, lag")
     s.set_defaults(func=_cmd_status)
@@ -156,7 +173,9 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _config(args: argparse.Namespace) -> Config:
+def _config(args: argparse.Namespace) -> Any:  # daemon.config.Config (imported when a command runs)
+    from daemon.config import load_config
+
     return load_config(args.config)
 
 
@@ -173,17 +192,22 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def _cmd_daemon(args: argparse.Namespace) -> int:
+    from daemon.common.statelock import StateDirLocked
+    from daemon.config import load_config
+    from daemon.service import exit_now, run_daemon
+
     config = load_config(args.config, daemon_overrides(args))
-    from daemon.service import run_daemon
 
     try:
-        return run_daemon(config)
+        code = run_daemon(config)
+        exit_now(code)  # stopped: the interpreter's teardown would add seconds
+        return code
     except StateDirLocked as exc:
         print(f"hotswap daemon: {exc}", file=sys.stderr)
         return 2
 
 
-def _registry(config: Config, migrate: bool = False) -> Any:
+def _registry(config: Any, migrate: bool = False) -> Any:
     from daemon.registry import Registry
 
     reg = Registry(config.database_url, config.fleet.host or None)
@@ -203,20 +227,32 @@ def _cmd_db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _cmd_db_current(args: argparse.Namespace) -> int:
+    from daemon.cli.read import open_existing_registry, read_config
+
     reg = open_existing_registry(read_config(args), upgrade=False)
     print(reg.current_revision() or "(empty database)")
     return 0
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
+    from daemon.cli.read import history_cmd
+
     return history_cmd(args)
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    from daemon.cli.read import status_cmd
+
     return status_cmd(args)
 
 
 # -- hotswap publish: daemon.cli.publish (re-exported: tests and scripts call it from here)
+def __getattr__(name: str) -> Any:
+    if name == "publish_main":
+        from daemon.cli.publish import publish_main
+
+        return publish_main
+    raise AttributeError(name)
 
 
 # -- hotswap rollback / pin / unpin: through the running daemon ----------------------------------
@@ -224,6 +260,9 @@ def _cmd_status(args: argparse.Namespace) -> int:
 
 def _post(args: argparse.Namespace, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
     """POST to the running daemon with its control token; the daemon waits up to `timeout_s`."""
+    from daemon.cli.control import post_control
+    from daemon.cli.read import read_config
+
     return post_control(read_config(args), path, {**body, "wait_s": timeout_s}, timeout_s + 30)
 
 
@@ -237,6 +276,9 @@ def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:
 
 
 def _control(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
+    from daemon.cli.control import NotRunning
+    from daemon.cli.read import safe
+
     try:
         doc = _post(args, path, body, args.timeout)
     except ConfigError as exc:

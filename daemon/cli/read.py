@@ -25,11 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from sqlalchemy.engine import make_url
-
 from daemon.common.apiconfig import client_tls
 from daemon.config import Config, ConfigError, load_config
-from daemon.fleet.target import fleet_rows
 
 API_TIMEOUT_S = 5.0
 
@@ -48,6 +45,8 @@ def read_config(args: argparse.Namespace) -> Config:
 
 def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
     """The registry, refusing (one line) to create an SQLite database that does not exist."""
+    from sqlalchemy.engine import make_url
+
     from daemon.registry import Registry
 
     url = make_url(config.database_url)
@@ -233,30 +232,36 @@ def fmt_bytes(n: int | None) -> str:
 # -- hotswap status -----------------------------------------------------------------------------
 
 
-def status_cmd(args: argparse.Namespace) -> int:
-    from daemon.api.app import ApiState, status_document
-    from daemon.common.metrics import DaemonMetrics
+EXIT_DAEMON_DOWN = 3  # `hotswap status`: the registry was read, but no daemon runs (or answers)
 
+
+def status_cmd(args: argparse.Namespace) -> int:
+    """Exit 0 while the daemon runs and answers, EXIT_DAEMON_DOWN (3) when it does not (what the
+    registry says is printed either way), 2 for a bad config or no database. A running daemon is
+    asked (its /status and /health); the registry is read here only when it does not answer."""
     config = read_config(args)
-    reg = open_existing_registry(config)
     if getattr(args, "fleet", False):
-        return fleet_status(reg, args.json)
-    doc = status_document(ApiState(reg, DaemonMetrics()))
+        return fleet_status(open_existing_registry(config), args.json)
     runtime = read_runtime_file(config)
     running = daemon_alive(runtime)
     health: dict[str, Any] | None = None
+    doc: dict[str, Any] | None = None
     if running and runtime and runtime.get("api_url"):
-        live, health = _ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
-        if live is not None:
-            doc = live
+        doc, health = _ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
+    if doc is None:
+        from daemon.api.app import ApiState, status_document
+        from daemon.common.metrics import DaemonMetrics
+
+        doc = status_document(ApiState(open_existing_registry(config), DaemonMetrics()))
     doc["daemon"] = {**doc.get("daemon", {}), "running": running, **(runtime or {})}
     doc["health"] = health
     if args.json:
         print(json.dumps(doc, default=plain))
-        return 0
-    for line in status_lines(doc, config):
-        print(line)
-    return 0
+    else:
+        for line in status_lines(doc, config):
+            print(line)
+    answers = running and (health is None or "does not answer" not in str(health.get("error", "")))
+    return 0 if answers else EXIT_DAEMON_DOWN
 
 
 def _ask_daemon(url: str, verify: Any = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
@@ -307,6 +312,10 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
     problems = doc.get("alias_problems") or {}
     for name in ("serving", "last_good", "pinned"):
         why = f"  (cannot be deployed here: {safe(problems[name])})" if name in problems else ""
+        if name == "pinned" and aliases.get(name) and not why:
+            waiting = [safe(r["version"]) for r in doc.get("latest") or [] if r.get("status") == "verified"]
+            which = f" ({', '.join(waiting[:3])})" if waiting else ""
+            why = f"  (newer versions wait for the pin{which}: `hotswap unpin` lets them deploy)"
         out.append(f"{name + ':':<12} {safe(aliases.get(name) or '-')}{why}")
     for name, a in sorted((doc.get("adapters") or {}).items()):  # LoRA adapters, each with its own aliases
         pin = f", pinned {safe(a['pinned'])}" if a.get("pinned") else ""
@@ -344,6 +353,8 @@ def fleet_status(reg: Any, as_json: bool) -> int:
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
+
+    from daemon.fleet.target import fleet_rows
 
     doc = fleet_rows(reg)
     if as_json:

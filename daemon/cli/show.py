@@ -14,8 +14,6 @@ import shutil
 import textwrap
 from typing import Any
 
-from daemon.cli.read import open_existing_registry, plain, read_config, safe, ts_full
-
 _FIELDS = (  # (key of version_history, label)
     ("status", "status"),
     ("status_message", "reason"),
@@ -50,6 +48,7 @@ def add_parser(sub: Any, with_config: Any) -> None:
 
 
 def show_cmd(args: argparse.Namespace) -> int:
+    from daemon.cli.read import open_existing_registry, plain, read_config, safe
     from daemon.registry import queries as q
 
     reg = open_existing_registry(read_config(args))
@@ -72,13 +71,15 @@ def show_cmd(args: argparse.Namespace) -> int:
 
 def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int) -> list[str]:
     """The record as `label: value` lines, long values wrapped under their label, then the checks."""
+    from daemon.cli.read import safe, ts_full
+
     width = max(width, 40)
     out = [f"version:        {safe(row.get('version'))}"]
     for key, label in _FIELDS:
         value = row.get(key)
         if value is None or value == "":
             continue
-        text = ts_full(value) if hasattr(value, "strftime") else safe(value)
+        text = ts_full(value) if hasattr(value, "strftime") else f"{value:.1f}" if isinstance(value, float) else safe(value)
         out += _wrapped(f"{label + ':':<15} ", text, width)
     out.append(f"checks:         {len(checks) or 'none recorded'}")
     for c in checks:

@@ -21,8 +21,10 @@ from typing import Any
 CRITICAL = "critical"
 WARNING = "warning"
 # what a kind's subject is, for one-line messages ("worker w0: ...", "source s3:b/p: ...")
-NOUNS = {"no_worker_serving": "group", "worker_launch_failed": "worker", "worker_out_of_rotation": "worker",
+NOUNS = {"no_worker_serving": "group", "worker_launch_failed": "worker", "worker_crashed": "worker",
+         "worker_out_of_rotation": "worker",
          "worker_stuck": "worker", "source_failing": "source", "serving_files_changed": "serving version",
+         "serving_without_tokenizer": "serving version",
          "database_unreachable": "database", "database_unwritable": "database", "state_disk_full": "state directory",
          "rollout_failed": "host", "host_behind": "host"}  # fmt: skip
 

@@ -168,6 +168,10 @@ class RolloutDecisions:
         self.journal.set_alias("last_good", target.id)
 
     def pin(self, version: str, force: bool = False) -> dict[str, Any]:
+        ref = self.journal.checkpoint_by_version(version)
+        if ref is not None and ref.status == C.REJECTED and not ref.verified:
+            raise CommandError(f"version {version!r} was rejected by its checks (see `hotswap show {version}`): "
+                               "it was never verified, so it cannot be pinned, even with --force")  # fmt: skip
         target = self._deployable(version)
         if target.status == C.REJECTED and not force:
             raise CommandError(f"version {version!r} was rejected (see `hotswap history`): "

@@ -8,6 +8,8 @@ Read from the controller's own observation on every pass, never from a memory of
                                       SIGSTOPped say, keeps them forever); a managed worker whose
                                       process is gone serves nobody, whatever it last reported
     worker_launch_failed    critical  a managed worker that failed to launch and is not healthy again
+    worker_crashed          warning   a managed worker that died while serving, being relaunched
+                                      (the host's outage, if any, is no_worker_serving)
     worker_out_of_rotation  warning   a worker not RUNNING that no rollout is driving
     worker_stuck            warning   a worker a rollout has held in one state for longer than the
                                       steps that state can take allow (STEP_BOUNDS)
@@ -43,6 +45,7 @@ FAILED_OUTCOMES = ("failed", "rolled_back")
 
 class Launches(Protocol):
     def launch_problems(self) -> list[tuple[str, str]]: ...
+    def crash_problems(self) -> list[tuple[str, str]]: ...
 
 
 class Controlled(Protocol):
@@ -78,6 +81,9 @@ class WorkerProbe:
             return out  # start-up: where its workers are is being found out; only "serving" is known
         launch = dict(s.supervisor.launch_problems())
         out += [Problem("worker_launch_failed", name, why) for name, why in launch.items()]
+        crashed = dict(s.supervisor.crash_problems())
+        out += [Problem("worker_crashed", name, why, WARNING) for name, why in crashed.items()]
+        launch.update(crashed)
         now = time.monotonic()
         for h in s.fleet:
             if h.state is WorkerState.RUNNING or h.name in launch:
@@ -95,11 +101,26 @@ class WorkerProbe:
 
     @staticmethod
     def _serves(h: WorkerHandle) -> bool:
-        if _gone(h):
-            return False  # killed inside an update, say: the engine and the supervisor learn it later
-        if h.state is WorkerState.RUNNING:
-            return True
-        return h.state in HELD_BY_UPDATE and h.driven and time.monotonic() - h.left_running_at <= PAUSE_SERVES_S
+        return serves(h)
+
+
+def serves(h: WorkerHandle) -> bool:
+    """`h` answers its clients now: RUNNING, or held briefly by an update (its requests wait)."""
+    if _gone(h):
+        return False  # killed inside an update, say: the engine and the supervisor learn it later
+    if h.state is WorkerState.RUNNING:
+        return True
+    return h.state in HELD_BY_UPDATE and h.driven and time.monotonic() - h.left_running_at <= PAUSE_SERVES_S
+
+
+def groups_serving(fleet: Fleet) -> dict[str, list[str]]:
+    """group -> the names of its workers that serve now (an empty list: none does)."""
+    out: dict[str, list[str]] = {}
+    for h in fleet:
+        out.setdefault(h.spec.group, [])
+        if serves(h):
+            out[h.spec.group].append(h.name)
+    return out
 
 
 def step_bound(st: RolloutSettings, state: WorkerState | None) -> float:

@@ -4,7 +4,8 @@ A thread looks at every `launch = "managed"` worker a few times a second. A chil
 (or relaunched by the rollout engine, or adopted) is LAUNCHING until its admin API answers
 RUNNING; one that exits first, or is not healthy within `restart_timeout_s`, has failed. A
 failure is recorded at once through the state machine (UNHEALTHY, an `events` row with
-`action = "launch_failed"`) with `workers.last_error` = one line of cause, then the last lines
+`action = "launch_failed"`, or `action = "crashed"` for a worker that was healthy and died: no
+launch failed, so the problem is `worker_crashed`, not `worker_launch_failed`) with `workers.last_error` = one line of cause, then the last lines
 of that launch's log. The next launch waits `relaunch_backoff_s`, doubling per consecutive
 failure up to `relaunch_backoff_max_s` (daemon/common/backoff.py); a worker healthy for
 `relaunch_reset_s` starts again from the base.
@@ -64,6 +65,7 @@ class Watch:
     launches_seen: int = 0
     error: str | None = None  # the failure reported while not healthy (daemon /health)
     fell_back: tuple[str, str] | None = None  # (wanted, using) of the launch being watched
+    crashed: bool = False  # the failure is a healthy worker's death, not a launch's
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,7 +182,9 @@ class Supervisor:
                     self._tick_one(h, time.monotonic())
             w = self.watches[h.name]
             seen = h.managed is None or h.managed.launches == w.launches_seen
-            if seen and w.phase != Phase.LAUNCHING:
+            # IDLE and meant to run: adopted at start-up and not looked at yet (not settled)
+            adopted = h.managed is not None and h.managed.should_run and w.phase == Phase.IDLE
+            if seen and w.phase != Phase.LAUNCHING and not adopted:
                 return w.phase == Phase.HEALTHY
             time.sleep(TICK_S / 2)
         return False
@@ -191,8 +195,17 @@ class Supervisor:
         return w is not None and w.phase in (Phase.LAUNCHING, Phase.WAITING)
 
     def launch_problems(self) -> list[tuple[str, str]]:
-        """(worker, first line of the cause) per managed worker that failed and is not healthy again."""
-        return [(name, w.error.splitlines()[0]) for name, w in self.watches.items()
+        """(worker, first line of the cause) per managed worker whose launch failed and that is not
+        healthy again."""
+        return [(name, (w.error or "").splitlines()[0]) for name, w in self._failing() if not w.crashed]
+
+    def crash_problems(self) -> list[tuple[str, str]]:
+        """(worker, first line of the cause) per managed worker that died while healthy and is being
+        relaunched (no launch has failed since)."""
+        return [(name, (w.error or "").splitlines()[0]) for name, w in self._failing() if w.crashed]
+
+    def _failing(self) -> list[tuple[str, Watch]]:
+        return [(name, w) for name, w in self.watches.items()
                 if w.phase in (Phase.WAITING, Phase.LAUNCHING) and w.error]  # fmt: skip
 
     # -- the watch ---------------------------------------------------------------------------
@@ -224,7 +237,8 @@ class Supervisor:
         if w.phase == Phase.IDLE:  # adopted at start-up: watched like a launch
             w.phase, w.since = Phase.LAUNCHING, now
         if not m.alive():
-            self._failed(h, w, now, _describe_exit(m))
+            crashed = w.phase == Phase.HEALTHY  # it served: no launch failed
+            self._failed(h, w, now, _describe_exit(m) + (" while serving" if crashed else ""), crashed=crashed)
             return
         if w.phase == Phase.HEALTHY:
             w.backoff.healthy_for(now - w.since)
@@ -256,13 +270,13 @@ class Supervisor:
         if fell_back is not None and version == fell_back[1]:
             self.on_fallback(fell_back[1])
 
-    def _failed(self, h: WorkerHandle, w: Watch, now: float, cause: str) -> None:
+    def _failed(self, h: WorkerHandle, w: Watch, now: float, cause: str, *, crashed: bool = False) -> None:
         m = h.managed
         assert m is not None
         delay = w.backoff.failed()
         tail = log_tail(m.log_file, m.log_offset)
         self._unhealthy(h, w, f"{cause}; relaunch in {delay:g} s (failure {w.backoff.failures})", tail, {
-            "action": "launch_failed", "cause": cause, "exit_code": m.exit_code(), "version": m.version,
+            "action": "crashed" if crashed else "launch_failed", "cause": cause, "exit_code": m.exit_code(), "version": m.version,
             "log_file": str(m.log_file), "log_tail": tail, "retry_in_s": delay, "failures": w.backoff.failures,
         })  # fmt: skip
         w.phase, w.since, w.retry_at, w.fell_back = Phase.WAITING, now, now + delay, None
@@ -274,8 +288,8 @@ class Supervisor:
         assert h.managed is not None
         error = line + (f"\n--- last lines of {h.managed.log_file} ---\n{tail}" if tail else "")
         error += f"\nafter: {after}" if after else ""
-        w.error = error
-        log.error("managed_worker_failed", worker=h.name, error=line, log_file=str(h.managed.log_file))
+        w.error, w.crashed = error, detail.get("action") == "crashed"
+        log.error("managed_worker_crashed" if w.crashed else "managed_worker_failed", worker=h.name, error=line, log_file=str(h.managed.log_file))
         self.driver.move(h, None, WorkerState.UNHEALTHY, duration_ms=None, detail=detail, error=error)
 
     def _launch(self, h: WorkerHandle, w: Watch, now: float) -> None:
@@ -308,7 +322,7 @@ class Supervisor:
             delay = w.backoff.failed()
             line = f"not launched: {exc}; tried again in {delay:g} s"
             if isinstance(exc, PortTaken):  # something else answers on its port: not our worker at all
-                w.error = line
+                w.error, w.crashed = line, False
                 log.error("managed_worker_port_taken", worker=h.name, error=line)
                 self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=line)
                 h.observed(None)

@@ -5,12 +5,14 @@ host's location. Called by the fleet agent (`daemon.fleet.FleetAgent.fetch`)."""
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
 
 from daemon.common.logging import bind_version, get_logger
 from daemon.registry import hosts
 from daemon.registry import queries as q
 from daemon.registry.db import Registry
 from daemon.sources.base import FetchItem, Source
+from daemon.sources.commit import fingerprint
 
 log = get_logger(__name__)
 
@@ -33,6 +35,9 @@ def fetch_here(registry: Registry, sources: Mapping[str, Source], checkpoint_id:
         vlog.warning("fetching this host's copy failed", reason=str(exc))
         return False
     with registry.session() as s:
-        hosts.set_location(s, checkpoint_id, str(directory))
+        ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+        if ckpt is None:
+            return False
+        hosts.record_copy(s, ckpt, str(directory), fingerprint(Path(directory)))
     vlog.info("fetched this host's copy", directory=str(directory))
     return True

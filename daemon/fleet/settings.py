@@ -23,8 +23,6 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
-from sqlalchemy.engine import make_url
-
 
 @dataclass
 class StageSpec:
@@ -83,6 +81,8 @@ def fleet_problem(fleet: FleetSettings, database_url: str) -> str | None:
     """Why fleet mode cannot run on this database (one line), else None."""
     if not fleet.enabled:
         return "fleet.stages: staged rollouts need fleet mode ([fleet] enabled = true)" if fleet.stages else None
+    from sqlalchemy.engine import make_url  # here: reading a config file needs no SQLAlchemy otherwise
+
     if make_url(database_url).get_backend_name() != "postgresql":
         return ("fleet.enabled: fleet mode needs a PostgreSQL registry ([database] url = "
                 "\"postgresql+psycopg://...\"); SQLite is a single host's file")  # fmt: skip

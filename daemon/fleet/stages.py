@@ -55,6 +55,12 @@ ACTIVE = ("running", "paused")
 ENDED = ("done", "superseded")
 
 
+def stage_label(index: int, stages: int) -> str:
+    """How every reason, answer and status line names a stage: counted from 1 ("stage 1 of 2");
+    the rows and JSON keep the 0-based index (`fleet_rollouts.stage`)."""
+    return f"stage {index + 1} of {stages}"
+
+
 class StageCommandRefused(ValueError):
     """An operator command that does not apply (no staged rollout in progress, already paused)."""
 
@@ -186,7 +192,7 @@ def step(journal: Journal, now: datetime | None = None) -> list[str]:
         ckpt = s.get(Checkpoint, r.checkpoint_id)
         version = ckpt.version if ckpt else None
         if ckpt is None or ckpt.status == CheckpointStatus.REJECTED.value:
-            why = f"{ckpt.version if ckpt else 'the version'} was rejected at stage {r.stage}"
+            why = f"{ckpt.version if ckpt else 'the version'} was rejected at {stage_label(r.stage, len(r.plan))}"
             _end(s, r, "halted", f"{why}: {ckpt.status_message if ckpt else 'its row is gone'}", now, decided)
             return decided
         if r.state == "paused":
@@ -289,13 +295,13 @@ def command(journal: Journal, action: str, by: str) -> str:
             r.state, r.reason, r.stage_ready_at, r.updated_at = "running", None, None, now  # bake again
             _event(s, r, "fleet_rollout_resumed", {"by": by}, decided)
         elif action == "abort":
-            _end(s, r, "aborted", f"aborted by {by} at stage {r.stage}", now, decided)
+            _end(s, r, "aborted", f"aborted by {by} at {stage_label(r.stage, len(r.plan))}", now, decided)
         else:
             raise StageCommandRefused(f"unknown action {action!r}: pause, resume or abort")
-        ckpt_id, stage = r.checkpoint_id, r.stage
+        ckpt_id, stage = r.checkpoint_id, stage_label(r.stage, len(r.plan))
     if action == "abort":
-        _reject(journal, ckpt_id, f"fleet rollout aborted by {by} at stage {stage}")
-    return f"{action}: the staged rollout of {version} ({'stage ' + str(stage)})"
+        _reject(journal, ckpt_id, f"fleet rollout aborted by {by} at {stage}")
+    return f"{action}: the staged rollout of {version} ({stage})"
 
 
 def _reject(journal: Journal, checkpoint_id: int, message: str) -> None:

@@ -71,6 +71,7 @@ class Coordinator:
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
+        self._warming = threading.Event()
         self._retries: set[threading.Timer] = set()
         self._retries_lock = threading.Lock()
         # Run first on the coordinator's thread (e.g. importing torch for the forward check):
@@ -96,8 +97,12 @@ class Coordinator:
                 timer.cancel()
             self._retries.clear()
         self._queue.put(None)
-        if self._thread is not None:
-            self._thread.join(timeout)
+        if self._thread is not None:  # never waits for the warm-up (daemon.pipeline.warmup)
+            self._thread.join(0.2 if self.warming() else timeout)
+
+    def warming(self) -> bool:
+        """The warm-up (the forward check's imports) is still running."""
+        return self._warming.is_set()
 
     def set_heartbeat(self, beat: Callable[[], object], interval_s: float) -> None:
         """Call `beat` from this loop at least every `interval_s` while it is not stuck in a step."""
@@ -112,7 +117,9 @@ class Coordinator:
 
     def _run(self) -> None:
         if self.warmup is not None:
-            warm_up(self.warmup, self._heartbeat, self._heartbeat_s)
+            warm_up(self.warmup, self._heartbeat, self._heartbeat_s, self._warming)
+            if self._stopping.is_set():
+                return
         while True:
             if self._heartbeat is not None:
                 self._heartbeat()
@@ -185,7 +192,7 @@ class Coordinator:
                 known_id = known.id
                 if item.directory is not None and hosts.local_path(s, known.id) is None:
                     # registered by another host of the fleet: this host's copy of the same version
-                    hosts.set_location(s, known.id, str(item.directory))
+                    hosts.record_copy(s, known, str(item.directory), fp)
                     vlog.info("known to the fleet; this host's copy recorded", directory=str(item.directory))
                     return None
                 again = rediscovery.handle(s, known, item)

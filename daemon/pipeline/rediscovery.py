@@ -1,7 +1,11 @@
 """A source handed on a version label that is already registered: what does it mean?
 
 Every registration records a fingerprint of the directory's files (name, size, mtime of each;
-stat only) in its `discovered` event. When the same label arrives again:
+stat only) in its `discovered` event; in a fleet, each host records its own copy's (a `copy`
+event, when it finds or fetches the version another host registered). A fingerprint is a host's
+own: it is compared only with those that host recorded (events carry their host), never with
+another host's copy, whose times differ though its bytes are the same. When the same label
+arrives again:
 
 * from the same place, unchanged (every daemon start re-discovers its folder): nothing.
 * from the same place, files changed: a `rejected` or `duplicate` checkpoint is verified again
@@ -18,19 +22,20 @@ stat only) in its `discovered` event. When the same label arrives again:
 
 from __future__ import annotations
 
-import hashlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from sqlalchemy import select
+from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from daemon.registry import status
+from daemon.registry import hosts, status
 from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus
 from daemon.sources.base import DiscoveredCheckpoint
-from daemon.sources.commit import snapshot
+from daemon.sources.commit import fingerprint
+
+__all__ = ["fingerprint", "handle", "changed_since_verdict", "request_reverify"]
 
 C = CheckpointStatus
 # The reason recorded when an operator asks for it (hotswap reverify, POST /v1/checkpoints/reverify).
@@ -45,19 +50,13 @@ class Rediscovered:
     message: str = ""
 
 
-def fingerprint(directory: Path | None) -> str | None:
-    """A short digest of what the directory holds (names, sizes, mtimes); None without a directory."""
-    if directory is None or not directory.is_dir():
-        return None
-    h = hashlib.sha256()
-    for name, size, mtime in snapshot(directory):
-        h.update(f"{name}\0{size}\0{mtime}\n".encode(errors="surrogateescape"))
-    return h.hexdigest()[:32]
-
-
 def _details(s: Session, checkpoint_id: int) -> list[dict[str, Any]]:
+    """The checkpoint's own events written by this host (rows from before hosts were recorded too),
+    newest first."""
+    mine = or_(Event.host == hosts.host_of(s), Event.host.is_(None))
     rows = s.scalars(
-        select(Event.detail).where(Event.checkpoint_id == checkpoint_id, Event.worker.is_(None)).order_by(Event.id.desc())
+        select(Event.detail).where(Event.checkpoint_id == checkpoint_id, Event.worker.is_(None), mine)
+        .order_by(Event.id.desc())
     ).all()
     return [d for d in rows if isinstance(d, dict)]
 
@@ -86,7 +85,8 @@ def handle(s: Session, ckpt: Checkpoint, item: DiscoveredCheckpoint) -> Rediscov
     fp = fingerprint(item.directory)
     details = _details(s, ckpt.id)
     where = str(item.directory) if item.directory is not None else item.uri
-    if item.uri != ckpt.uri:
+    here = item.directory is not None and hosts.local_path(s, ckpt.id) == str(item.directory)
+    if item.uri != ckpt.uri and not here:  # this host's own copy of a fleet version is the same place
         seen = any((d.get("conflict") or {}).get("uri") == item.uri for d in details)
         if seen:
             return Rediscovered("unchanged")

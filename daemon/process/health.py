@@ -18,6 +18,9 @@ stat files run on the tick and their last answer is used):
                                       of rotation, stuck or failing to launch, last rollout failed
     serving_files_changed   warning   the serving version's files are gone, resized, or differ
                                       from what its verdict was made on
+    serving_without_tokenizer warning the serving version's folder has no tokenizer while the
+                                      version served before it had one: a worker launched on it
+                                      refuses text prompts (400 no_tokenizer)
     host_behind             warning   (fleet) this host does not serve the fleet target, and why
 """
 
@@ -34,6 +37,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
+from daemon.checks.compat import has_tokenizer
 from daemon.common.logging import get_logger
 from daemon.common.problems import WARNING, Changes, Problem, ProblemBook
 from daemon.controller.problems import Controlled, WorkerProbe, alias_problems, last_rollout_problem
@@ -113,7 +117,14 @@ class HealthMonitor:
             with self.registry.session() as s:
                 if changed_since_verdict(s, ref.id, Path(ref.local_path)):
                     why = f"its files in {ref.local_path} changed after it was verified (names, sizes or times)"
-        return [Problem("serving_files_changed", ref.version, why, WARNING)] if why else []
+        out = [Problem("serving_files_changed", ref.version, why, WARNING)] if why else []
+        before = self.journal.previous_deployed(ref.id)
+        if (ref.local_path and before is not None and before.local_path and has_tokenizer(Path(before.local_path))
+                and Path(ref.local_path).is_dir() and not has_tokenizer(Path(ref.local_path))):  # fmt: skip
+            out.append(Problem("serving_without_tokenizer", ref.version,
+                               f"{ref.local_path} has no tokenizer while {before.version}, served before it, had "
+                               "one: a worker launched on it refuses text prompts (400 no_tokenizer)", WARNING))  # fmt: skip
+        return out
 
     def _last_rollout(self) -> list[Problem]:
         p = last_rollout_problem(self.journal)

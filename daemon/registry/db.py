@@ -257,6 +257,9 @@ class Registry:
         database (daemon.registry.migratelock): the lock is taken before the migration's
         transaction begins and released after it committed, so processes started together on a
         fresh database all succeed (the first migrates, the others then find it at head)."""
+        if revision == HEAD_REVISION and self._at_newest():
+            self._adopt_single_host()  # nothing to migrate: no Alembic (every CLI call asks)
+            return
         from alembic import command
 
         try:
@@ -277,6 +280,18 @@ class Registry:
         except Exception as exc:
             raise RegistryError(f"migrating database {redact_url(self.url)} failed: {one_line(exc)}") from exc
         self._adopt_single_host()
+
+    def _at_newest(self) -> bool:
+        """The database is at this release's newest migration (one SELECT; revision ids are the
+        scripts' file names). False whenever unsure: Alembic then decides."""
+        names = sorted(p.name[:-3] for p in MIGRATIONS.joinpath("versions").iterdir()
+                       if p.name[:4].isdigit() and p.name.endswith(".py"))  # fmt: skip
+        try:
+            with self.engine.connect() as conn:
+                rows = conn.execute(text("SELECT version_num FROM alembic_version")).scalars().all()
+        except Exception:  # noqa: BLE001 - no table yet (a new database), or not reachable: Alembic says
+            return False
+        return bool(names) and list(rows) == [names[-1]]
 
     def current_revision(self) -> str | None:
         from alembic.runtime.migration import MigrationContext

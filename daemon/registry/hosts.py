@@ -68,6 +68,16 @@ def set_location(s: Session, checkpoint_id: int, path: str | None, *, connection
         run(table.insert().values(checkpoint_id=checkpoint_id, host=host, local_path=path, recorded_at=utcnow()))
 
 
+def record_copy(s: Session, ckpt: Checkpoint, path: str, fingerprint: str | None) -> None:
+    """This host's copy of a version another host registered: its location, and (an event of
+    this host's) the fingerprint its files had, which is what this host compares its copy with
+    later (daemon.pipeline.rediscovery), never another host's."""
+    set_location(s, ckpt.id, path)
+    if fingerprint is not None:
+        s.add(Event(checkpoint_id=ckpt.id, from_state=ckpt.status, to_state=ckpt.status,
+                    detail={"fingerprint": fingerprint, "copy": path}))  # fmt: skip
+
+
 def local_path(s: Session, checkpoint_id: int) -> str | None:
     """Where `checkpoint_id`'s bytes are on this session's host (None: not here)."""
     return s.scalar(

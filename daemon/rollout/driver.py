@@ -121,6 +121,8 @@ class WorkerDriver:
             error=error,
         )
         h.moved(to)
+        if to is S.RUNNING and version is not None and h.managed is not None:
+            h.managed.record_serving(version)
         log.info(
             "worker_transition",
             worker=h.name,

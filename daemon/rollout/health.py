@@ -11,6 +11,12 @@ the probe is deterministic), or a worker that stops answering, the verdict is "r
 one-line reason naming the worker and the figures. A worker that stops answering is flagged
 `infra`: the service rolls back but treats it like a crashed worker in a rollout (retried,
 bounded; see daemon.rollout.attribution).
+
+The counts add up: a worker counts a request when it arrives and its failure when it ends, so
+one that was in flight when the window opened may fail inside it; a sample's failures are then
+counted as requests too (failed <= requests, always). The daemon's probes are counted beside the
+worker's requests in both figures (the reference worker's probe is an admin call, not in its
+counters), and a reason shows exactly the figures its rate is: faults / requests.
 """
 
 from __future__ import annotations
@@ -50,8 +56,10 @@ class _Tally:
         if total < self.last_total or failed < self.last_failed:
             # The counters went backwards: the worker restarted and counts from zero again.
             self.last_total = self.last_failed = 0
-        self.total += total - self.last_total
-        self.failed += failed - self.last_failed
+        new_failed = failed - self.last_failed
+        # a request in flight when the window opened (counted before it) may fail inside it
+        self.total += max(total - self.last_total, new_failed)
+        self.failed += new_failed
         self.last_total, self.last_failed = total, failed
 
     def probed(self, ok: bool) -> None:
@@ -69,6 +77,13 @@ class _Tally:
     @property
     def rate(self) -> float:
         return self.faults / self.requests if self.requests else 0.0
+
+    def counts(self) -> str:
+        """The figures the rate is made of, in words: faults of requests, probes included."""
+        if not self.probes:
+            return f"{self.failed} of {self.total} requests failed"
+        return (f"{self.faults} of {self.requests} failed: {self.failed} of {self.total} requests, "
+                f"{self.probes_failed} of {self.probes} probes")  # fmt: skip
 
 
 def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> str | None:
@@ -137,11 +152,8 @@ def watch(
     summary = _summary(tallies)
     for name, t in tallies.items():
         if t.requests >= settings.min_window_requests and t.rate > settings.max_error_rate:
-            probes = f", {t.probes_failed} of {t.probes} probes" if t.probes_failed else ""
-            reason = (
-                f"worker {name} error rate {t.rate:.1%} ({t.failed} of {t.total} requests failed{probes}) "
-                f"> {settings.max_error_rate:.1%} over {window:g} s after deploy"
-            )
+            reason = (f"worker {name} error rate {t.rate:.1%} ({t.counts()}) "
+                      f"> {settings.max_error_rate:.1%} over {window:g} s after deploy")  # fmt: skip
             return WindowVerdict(False, reason, workers=summary)
     return WindowVerdict(True, None, workers=summary)
 

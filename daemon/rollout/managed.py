@@ -167,7 +167,7 @@ class ManagedWorker:
             return False
         self.pid = pid
         self.should_run = True
-        self.model, self.version = doc.get("model"), doc.get("version")
+        self.model, self.version = doc.get("model"), doc.get("launched_version", doc.get("version"))
         log.info("managed_worker_adopted", worker=self.spec.name, pid=pid, port=port)
         return True
 
@@ -245,11 +245,25 @@ class ManagedWorker:
         self.pid = self._proc.pid
         self.launches += 1
         self.model, self.version = model, version
-        doc = {"pid": self.pid, "port": self.port, "model": model, "version": version,
+        doc = {"pid": self.pid, "port": self.port, "model": model, "version": version, "launched_version": version,
                "admin_socket": str(self.admin_socket) if self.admin_socket else None}
         write_private(self.runtime_file, json.dumps(doc).encode())
         log.info("managed_worker_launched", worker=self.spec.name, pid=self.pid, port=self.port, version=version)
         return self.pid
+
+    def record_serving(self, version: str) -> None:
+        """`worker-NAME.json`'s `version` is what the worker serves now (an in-place update moves
+        it); `model` stays the folder it was launched on."""
+        if self.pid is None:
+            return
+        try:
+            doc = json.loads(self.runtime_file.read_text())
+        except (OSError, ValueError):
+            return
+        if not isinstance(doc, dict) or doc.get("pid") != self.pid or doc.get("version") == version:
+            return
+        doc["version"] = version
+        write_private(self.runtime_file, json.dumps(doc).encode())
 
     def needs_relaunch(self) -> bool:
         """Meant to be running (launched or adopted, not stopped by the daemon) but not alive."""

@@ -26,6 +26,7 @@ regular files (a FIFO in place of the manifest is "not there", never a hang).
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from collections.abc import Callable
@@ -205,6 +206,18 @@ def snapshot(directory: Path) -> Snapshot:
             out.append((os.path.relpath(p, directory), st.st_size, st.st_mtime_ns))
     out.sort()
     return tuple(out)
+
+
+def fingerprint(directory: Path | None) -> str | None:
+    """A short digest of what the directory holds (names, sizes, mtimes); None without a directory.
+    It changes only when the bytes could have: a file written, added, removed or resized. Each
+    host's copy has its own (its files' times are its own): compare it only with that host's."""
+    if directory is None or not directory.is_dir():
+        return None
+    h = hashlib.sha256()
+    for name, size, mtime in snapshot(directory):
+        h.update(f"{name}\0{size}\0{mtime}\n".encode(errors="surrogateescape"))
+    return h.hexdigest()[:32]
 
 
 def escapes(directory: Path, root: Path) -> str | None:

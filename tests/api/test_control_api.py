@@ -173,6 +173,17 @@ def test_pin_refuses_a_rejected_version_unless_forced(daemon: DaemonProcess, tmp
     cfg = str(daemon.config_path)
     refused = hotswap_cli("pin", "bad", "-c", cfg)
     assert refused.returncode == 1 and "'bad' was rejected" in refused.stderr, refused.stderr
+    # rejected by its checks (never verified): the answer names --force too, and why it cannot help
+    checked = tmp_path / "corrupt"
+    checked.mkdir()
+    with daemon.registry.session() as s, s.begin():
+        ckpt = st.create(s, version="corrupt", source="test", uri=f"file://{checked}", local_path=str(checked),
+                         commit_signal="manifest")  # fmt: skip
+        assert ckpt is not None
+        st.move(s, ckpt, C.VERIFYING)
+        st.move(s, ckpt, C.REJECTED, "crc32c: model.safetensors does not match its manifest")
+    never = hotswap_cli("pin", "corrupt", "-c", cfg)
+    assert never.returncode == 1 and "cannot be pinned, even with --force" in never.stderr, never.stderr
     forced = hotswap_cli("pin", "bad", "--force", "--timeout", "5", "-c", cfg)
     assert "was rejected" not in forced.stderr, forced.stderr
     from support_rollout import rollouts

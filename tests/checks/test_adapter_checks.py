@@ -132,3 +132,16 @@ def test_a_full_checkpoint_still_passes_compat_without_a_restart(tmp_path: Path,
     publish(d, version="same")
     report = run_checks(d, CheckSettings(enabled=("manifest", "headers", "crc32c", "compat")), reference=base)
     assert report.ok and "restart_rollout" not in report.results[-1].detail
+
+
+def test_the_documented_demo_adapter_passes_every_check(tmp_path: Path, base: Path) -> None:
+    """`daemon.tinymodel.make_tiny_adapter` (docs/how-to/adapters.md) makes an adapter for a tiny
+    base that every check accepts (issue 36: the only helper was in tests/)."""
+    from daemon.tinymodel import make_tiny_adapter
+
+    made = publish_adapter(tmp_path / "watch", "demo@1", "demo", lambda d: make_tiny_adapter(d, base, seed=1))
+    report = run_checks(made, ALL, reference=base)
+    assert report.ok, report.reason
+    compat = next(r for r in report.results if r.name == "compat").detail
+    assert compat["adapter"] == "demo" and compat["base_model"] == BASE_NAME and compat["rank"] == 8
+    assert compat["modules"] == 4

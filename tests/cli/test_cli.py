@@ -103,10 +103,35 @@ def test_status_says_when_an_alias_names_a_version_whose_files_are_gone(tmp_path
     reg.close()
     shutil.rmtree(tmp_path / "ckpts" / "v2")
     cfg = make_config_file(tmp_path / "c.toml", daemon={"state_dir": str(state)})
-    assert main(["status", "-c", str(cfg)]) == 0
+    assert main(["status", "-c", str(cfg)]) == 3  # the registry read; no daemon runs (documented)
     lines = capsys.readouterr().out.splitlines()
     gone = str(tmp_path / "ckpts" / "v2")
     assert f"pinned:      v2  (cannot be deployed here: its directory {gone} is missing)" in lines, lines
     assert "serving:     v1" in lines and "last_good:   v1" in lines
-    assert main(["status", "--json", "-c", str(cfg)]) == 0
+    assert main(["status", "--json", "-c", str(cfg)]) == 3
     assert json.loads(capsys.readouterr().out)["alias_problems"] == {"pinned": f"its directory {gone} is missing"}
+
+
+def test_status_says_that_newer_versions_wait_for_the_pin(tmp_path, capsys):
+    """While pinned, `hotswap status` says what waits (issue 36): the verified versions the pin holds."""
+    from support_fleet import seed_versions
+
+    from daemon.registry import Registry
+    from daemon.registry.journal import Journal
+    from daemon.registry.status import CheckpointStatus as S
+
+    state = tmp_path / "state"
+    state.mkdir()
+    reg = Registry(f"sqlite:///{state / 'hotswap.db'}")
+    reg.upgrade()
+    ids = seed_versions(reg, tmp_path / "ckpts", {"v1": S.DEPLOYED, "v2": S.VERIFIED, "v3": S.VERIFIED})
+    journal = Journal(reg)
+    for alias in ("serving", "last_good", "pinned"):
+        journal.set_alias(alias, ids["v1"])
+    reg.close()
+    cfg = make_config_file(tmp_path / "c.toml", daemon={"state_dir": str(state)})
+    main(["status", "-c", str(cfg)])
+    lines = capsys.readouterr().out.splitlines()
+    pinned = next(ln for ln in lines if ln.startswith("pinned:"))
+    assert pinned.startswith("pinned:      v1  (newer versions wait for the pin (v3, v2)"), pinned
+    assert "`hotswap unpin`" in pinned

@@ -120,6 +120,7 @@ def _chromium(args: list[str], tmp: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(("page", "diagram", "states"), [
     ("concepts/checkpoints.html", "checkpoint-statuses", [s.value for s in CheckpointStatus]),
     ("concepts/workers.html", "worker-states", [s.value for s in WorkerState]),
+    ("concepts/workers.html", "worker-happy-path", ["RUNNING", "DRAINING", "PAUSED", "UPDATED"]),
 ])  # fmt: skip
 def test_chromium_draws_the_state_diagrams(site: Path, tmp_path: Path, page: str, diagram: str,
                                            states: list[str]) -> None:  # fmt: skip

@@ -166,7 +166,7 @@ def test_a_bad_canary_halts_the_rollout_and_an_abort_takes_the_canary_back(
         publish_into(d[i].watch_dir, "bad", seed=1, fault="nan")
     wait_until(lambda: status(pg_url)["state"] == "halted", 240, 0.3, "the halt")
     doc = status(pg_url)
-    assert "rejected at stage 0" in doc["reason"], doc
+    assert "rejected at stage 1 of 2" in doc["reason"], doc
     assert "halted" in rollout_cli(tmp_path, pg_url)
     pool.workers[1].wait_running(120, version="v0")
     wait_until(lambda: aliases_of(pg_url, "host-1")["serving"] == "v0", 60, 0.2, "the canary back on v0")

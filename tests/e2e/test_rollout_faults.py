@@ -34,6 +34,7 @@ from support_rollout import (
     worker_paths,
     worker_row,
 )
+from test_health_counts import assert_counts_add_up
 
 from bench.loadgen import LoadGen
 
@@ -261,6 +262,7 @@ def test_error_rate_spike_after_deploy_rolls_back(
         load.wait_requests(10)  # v0 serves them again
     assert load.stats.errors, "the spike was real: requests failed under v1"
     assert "error rate" in row["status_message"] and "rolled back to v0" in row["status_message"]
+    assert_counts_add_up(row["status_message"])  # failed <= total, rate = failed / total (issue 36)
     assert row["rolled_back_at"] is not None and row["deployed_at"] is not None
     r = rollout_of(d, "v1")
     assert r["outcome"] == "rolled_back" and r["detail"]["health_window"]["ok"] is False

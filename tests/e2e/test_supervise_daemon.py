@@ -76,6 +76,9 @@ def test_missing_serving_checkpoint_is_reported_and_the_worker_falls_back_to_a_p
         publish_into(d.watch_dir, version, seed=i)
         wait_until(lambda v=version: aliases(d.registry).get("last_good") == v, 180, what=f"{version} deployed")
     assert served(d) == "v2"
+    # worker-local.json says what it serves now (launched on the seed, updated in place since)
+    doc = runtime(d)
+    assert (doc["version"], doc["launched_version"]) == ("v2", "tiny-seed"), doc
     # on this host: v2 (serving) is gone, v1 has a changed byte (same size), the seed is intact
     shutil.rmtree(d.watch_dir / "v2")
     table, _ = tensor_table(d.watch_dir / "v1")
@@ -93,8 +96,13 @@ def test_missing_serving_checkpoint_is_reported_and_the_worker_falls_back_to_a_p
     assert tail and tail[0] == f"--- last lines of {log_file} ---", row["last_error"]
     logged = log_file.read_text().splitlines()
     assert 1 <= len(tail[1:]) <= 20 and set(tail[1:]) <= set(logged), row["last_error"]
-    (failed,) = supervisor_events(d, "launch_failed")
+    # it died while serving: a crash, not a failed launch (issue 36: no worker_launch_failed)
+    (failed,) = supervisor_events(d, "crashed")
     assert failed["to"] == "UNHEALTHY" and failed["detail"]["exit_code"] == -9 and failed["detail"]["log_tail"]
+    assert "while serving" in failed["detail"]["cause"], failed
+    assert not supervisor_events(d, "launch_failed")
+    kinds = {p["kind"] for p in d.get("/health").json().get("problems", [])}
+    assert "worker_launch_failed" not in kinds, kinds
 
     # the relaunch skips both unusable versions, says why (the failure and its log lines kept under it)
     row = wait_until(lambda: (r := worker_row(d.registry, "local"))["last_error"].startswith("v2 cannot be launched")
@@ -114,7 +122,37 @@ def test_missing_serving_checkpoint_is_reported_and_the_worker_falls_back_to_a_p
     r = httpx.post(f"http://127.0.0.1:{runtime(d)['port']}/v1/completions", json={"prompt": "Hi", "max_tokens": 2},
                    timeout=60)  # fmt: skip
     assert r.status_code == 200 and r.json()["weight_version"] == "tiny-seed", r.text
-    assert len(supervisor_events(d, "launch_failed")) == 1  # one failure, one relaunch: no loop
+    assert len(supervisor_events(d, "crashed")) == 1  # one failure, one relaunch: no loop
+    assert not supervisor_events(d, "launch_failed")
+    assert runtime(d)["version"] == "tiny-seed"
+
+
+def test_a_crash_is_worker_crashed_and_an_adopted_worker_is_not_reported_not_ready(managed: Any) -> None:
+    """kill -9 of a serving worker: the problem is `worker_crashed` (a warning; the outage itself
+    is no_worker_serving), never `worker_launch_failed`. A daemon started beside a healthy worker
+    it adopts logs it healthy, never `managed_worker_not_ready` at error level first."""
+    d: DaemonProcess = managed()
+    wait_until(lambda: served(d) == "tiny-seed", 180, what="the worker serving the seed")
+    wait_until(lambda: "managed_worker_healthy" in d.log(), 60, what="the launch seen healthy")
+    pid = runtime(d)["pid"]
+    os.kill(pid, signal.SIGKILL)
+    problems = wait_until(lambda: {p["kind"]: p for p in d.get("/health").json().get("problems", [])
+                                   if p["kind"] in ("worker_crashed", "worker_launch_failed")} or None,
+                          REPORT_S, interval=0.02, what="the crash as a problem")  # fmt: skip
+    assert set(problems) == {"worker_crashed"}, problems
+    assert problems["worker_crashed"]["severity"] == "warning" and "killed by signal 9" in problems["worker_crashed"]["reason"]
+    wait_until(lambda: served(d) == "tiny-seed" and runtime(d)["pid"] != pid, 180, what="the relaunch")
+    wait_until(lambda: d.get("/health").status_code == 200, 60, what="healthy again")
+    # the daemon dies; its worker lives on and the next daemon adopts it
+    pid = runtime(d)["pid"]
+    d.kill()
+    d.launch()
+    d.wait_started(90)
+    wait_until(lambda: "managed_worker_healthy" in d.log().split("managed_worker_adopted", 1)[-1], 60,
+               what="the adopted worker logged healthy")  # fmt: skip
+    after = d.log().split("managed_worker_adopted", 1)[-1]
+    assert runtime(d)["pid"] == pid
+    assert "managed_worker_not_ready" not in after, after[-3000:]
 
 
 def test_a_worker_that_can_never_start_backs_off_and_stays_unhealthy_with_its_log_tail(

@@ -124,7 +124,7 @@ def test_a_rejected_version_halts_the_rollout_and_its_hosts_go_back(fleet: Fleet
     j["host-1"].move_status(fleet.ids["v1"], C.REJECTED, "rolled back to v0 after deploy: error rate 0.5")
     assert stages.step(j["host-3"]) == ["fleet_rollout_halted"]
     doc = stages.status(fleet.regs["host-0"])
-    assert doc is not None and doc["state"] == "halted" and "rejected at stage 0" in doc["reason"]
+    assert doc is not None and doc["state"] == "halted" and "rejected at stage 1 of 3" in doc["reason"]
     assert fleet.wants("host-1") == "v0"  # back to the previous fleet version
     assert "v1" not in [fleet.wants(h) for h in ("host-0", "host-2", "host-3")]  # (the verified v2 is next)
     assert not fleet.agents["host-0"].admits(v1)
@@ -143,8 +143,11 @@ def test_pause_resume_abort_and_a_newer_version(fleet: Fleet) -> None:
     assert stages.step(j["host-1"]) == []  # no stage moves while paused
     stages.command(j["host-3"], "resume", by="ops")
     assert stages.step(j["host-1"]) == ["fleet_stage_ready"]
-    assert stages.command(j["host-3"], "abort", by="ops").startswith("abort")
+    # stages are counted one way everywhere: from 1, as the status lines do ("stage 1 of 3")
+    assert stages.command(j["host-3"], "abort", by="ops") == "abort: the staged rollout of v1 (stage 1 of 3)"
     assert j["host-0"].checkpoint(fleet.ids["v1"]).status == C.REJECTED  # type: ignore[union-attr]
+    ended = stages.status(fleet.regs["host-0"])
+    assert ended is not None and ended["reason"] == "aborted by ops at stage 1 of 3", ended
     assert fleet.wants("host-0") == "v0"
     with pytest.raises(stages.StageCommandRefused, match="no staged fleet rollout in progress"):
         stages.command(j["host-3"], "resume", by="ops")

@@ -174,6 +174,16 @@ PROCESS_EDGES = [("trainer", "source", "checkpoint"), ("source", "registry", "di
                  ("rollout", "workers", "drain · pause · update"), ("trainer", "workers", "broadcast")]  # fmt: skip
 
 
+HAPPY_PATH = {"RUNNING": ["DRAINING", "PAUSED"], "DRAINING": ["UPDATED"], "PAUSED": ["UPDATED"], "UPDATED": ["RUNNING"]}
+
+
+def worker_happy_path() -> str:
+    """An update that goes well: the four states every worker walks, drained or paused."""
+    name = "worker-happy-path"
+    return _named(state_graph(name, "RUNNING", list(HAPPY_PATH), HAPPY_PATH,
+                              "A worker's update that goes well: drained or paused, updated, running again"), name)
+
+
 def process() -> str:
     """One checkpoint's way through the daemon, as boxes and arrows."""
     w, h, gx, gy = 150, 50, 60, 46
@@ -197,8 +207,13 @@ def process() -> str:
             ex, ey = _box_edge(x2, y2, x1, y1, w, h)
             d = f"M{sx + ox:.1f},{sy + oy:.1f} L{ex + ox:.1f},{ey + oy:.1f}"
             lx, ly = (sx + ex) / 2 + ox * 2.2, (sy + ey) / 2 + oy * 2.2 - 4
+        anchor = "middle"
+        if a != "trainer" and abs(x2 - x1) < abs(y2 - y1):  # steep: beside the line (a pair: each on its side)
+            side = 1 if ox >= 0 else -1
+            anchor, lx, ly = ("start" if side > 0 else "end"), (sx + ex) / 2 + ox + side * 6, (sy + ey) / 2 + 4
         parts.append(_path(d, STROKE, "", "fwd", f"{a}->{b}").replace("{owner}", name))
-        parts.append(f'<text x="{lx:.1f}" y="{ly:.1f}" text-anchor="middle" font-size="11" fill="#333">{escape(label)}</text>')
+        parts.append(f'<text x="{lx:.1f}" y="{ly:.1f}" text-anchor="{anchor}" font-size="11" fill="#333" '
+                     f'stroke="#fff" stroke-width="3" paint-order="stroke">{escape(label)}</text>')  # fmt: skip
     for i, label, sub, _, _ in PROCESS:
         x, y = pos[i]
         parts.append(f'<g class="node" data-node="{escape(i)}"><rect x="{x - w / 2:.1f}" y="{y - h / 2:.1f}" '

@@ -5,7 +5,7 @@ A page asks for a generated part with an HTML comment on a line of its own:
     <!-- gen:config -->                     every config key (tools.docsgen.config_ref)
     <!-- gen:cli -->                        every command's --help (tools.docsgen.cli_ref)
     <!-- gen:http -->                       every HTTP route (tools.docsgen.http_ref)
-    <!-- gen:diagram:NAME -->               checkpoint-statuses | worker-states | process (SVG)
+    <!-- gen:diagram:NAME -->               checkpoint-statuses | worker-states | worker-happy-path | process (SVG)
     <!-- gen:transitions:KIND -->           checkpoint | worker: the transition table as text
 
 An unknown name fails the build (mkdocs build --strict turns the error into a failure anyway).
@@ -29,7 +29,8 @@ def _diagram(name: str) -> str:
     from tools.docsgen import diagrams
 
     draw: dict[str, Callable[[], str]] = {"checkpoint-statuses": diagrams.checkpoint_statuses,
-                                          "worker-states": diagrams.worker_states, "process": diagrams.process}  # fmt: skip
+                                          "worker-states": diagrams.worker_states, "process": diagrams.process,
+                                          "worker-happy-path": diagrams.worker_happy_path}  # fmt: skip
     return f'<div class="hotswap-diagram" markdown="0">{draw[name]()}</div>'
 
 
