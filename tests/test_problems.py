@@ -65,6 +65,9 @@ class Service:
     def launch_problems(self) -> list[tuple[str, str]]:
         return self.launches
 
+    def adapter_problems(self) -> list[tuple[str, str]]:
+        return []
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.ready
 

@@ -8,6 +8,9 @@ Read from the controller's own observation on every pass, never from a memory of
                                       SIGSTOPped say, keeps them forever); a managed worker whose
                                       process is gone serves nobody, whatever it last reported
     worker_launch_failed    critical  a managed worker that failed to launch and is not healthy again
+    adapter_not_on_base     warning   a LoRA adapter unloaded because it failed its re-verify on the
+                                      new serving base (daemon.controller.adapter_base); ends when a
+                                      version of it serves again
     worker_out_of_rotation  warning   a worker not RUNNING that no rollout is driving
     worker_stuck            warning   a worker a rollout has held in one state for longer than the
                                       steps that state can take allow (STEP_BOUNDS)
@@ -59,6 +62,8 @@ class Controlled(Protocol):
 
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
+    def adapter_problems(self) -> list[tuple[str, str]]: ...
+
 
 class WorkerProbe:
     def __init__(self, service: Controlled) -> None:
@@ -78,6 +83,7 @@ class WorkerProbe:
             return out  # start-up: where its workers are is being found out; only "serving" is known
         launch = dict(s.supervisor.launch_problems())
         out += [Problem("worker_launch_failed", name, why) for name, why in launch.items()]
+        out += [Problem("adapter_not_on_base", name, why, WARNING) for name, why in s.adapter_problems()]
         now = time.monotonic()
         for h in s.fleet:
             if h.state is WorkerState.RUNNING or h.name in launch:
