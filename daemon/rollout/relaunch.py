@@ -39,6 +39,8 @@ from daemon.config import RolloutMode, RolloutSettings
 from daemon.formats.checkpoint import LayoutError, tensor_table
 from daemon.formats.safetensors import HeaderError
 from daemon.registry.journal import Journal
+from daemon.rollout import handover
+from daemon.rollout.handover import overlap_room, start_beside
 from daemon.rollout.managed import Restarter
 from daemon.rollout.stage import Target, registry_expect
 from daemon.rollout.states import WorkerHandle, WorkerState, parse_state
@@ -89,6 +91,13 @@ def layout_difference(current: str, target: str) -> str | None:
     return f"cannot be written in place: {'; '.join(diffs[:MAX_LISTED])}{more}"
 
 
+def _weight_bytes(directory: str | None) -> int:
+    try:
+        return sum(p.stat().st_size for p in Path(directory).glob("*.safetensors")) if directory else 0
+    except OSError:
+        return 0
+
+
 class Relauncher:
     def __init__(self, journal: Journal, settings: RolloutSettings, restarter: Restarter) -> None:
         self.journal = journal
@@ -113,14 +122,61 @@ class Relauncher:
             return f"worker {h.name}: {target.version} needs a restart rollout ({why}), and it has no restart_command"
         return None
 
-    def relaunch(self, driver: Driver, h: WorkerHandle, rid: int, target: Target, mode: RolloutMode, why: str) -> None:
-        """The worker's turn of a restart rollout (module docstring); raises the driver's StepFailed."""
+    def relaunch(self, driver: Driver, h: WorkerHandle, rid: int, target: Target, mode: RolloutMode,
+                 why: str) -> str | None:  # fmt: skip
+        """The worker's turn of a restart rollout (module docstring); raises the driver's StepFailed.
+        Returns a refusal (the worker never left RUNNING) when a new process beside it failed."""
+        stop_first: str | None = None
+        if h.managed is not None:
+            stop_first = ("[rollout] restart_overlap = \"off\"" if self.settings.restart_overlap == "off"
+                          else overlap_room(h.managed, _weight_bytes(target.checkpoint.local_path)))  # fmt: skip
+            if stop_first is None:
+                return self._beside(driver, h, rid, target, why)
+            log.warning("restart_rollout_stop_first", worker=h.name, version=target.version, reason=stop_first)
+        self._stop_first(driver, h, rid, target, mode, why, stop_first)
+        return None
+
+    def _beside(self, driver: Driver, h: WorkerHandle, rid: int, target: Target, why: str) -> str | None:
+        """The new process beside the old one, then the handover (daemon.rollout.handover)."""
+        m = h.managed
+        assert m is not None
+        t1 = time.perf_counter()
+        path, version = target.checkpoint.local_path or "", target.version
+        try:
+            prev = start_beside(m, path, version, registry_expect(self.journal, target.checkpoint))
+        except (RuntimeError, OSError) as exc:  # nothing started: the old child serves
+            return f"worker {h.name}: relaunch beside: {exc}"
+        if not handover.wait_ready(m, self.settings.restart_timeout_s):
+            exited = not m.alive()
+            tail = f"exited ({m.exit_code()})" if exited else f"was not ready {self.settings.restart_timeout_s:g} s after launch"
+            handover.abandon(m, prev)
+            return f"worker {h.name}: relaunch beside: the new worker on {version} {tail}; the old one serves on"
+        driver.move(h, rid, S.PAUSED, duration_ms=(time.perf_counter() - t1) * 1e3, target_version=target.version,
+                    detail={"mode": "beside", "restart": why, "how": "the new process started beside the old one and "
+                            "serves on the same listening socket; the old one finishes what it holds and exits",
+                            "old_pid": prev.pid, "pid": m.pid})  # fmt: skip
+        t2 = time.perf_counter()
+        stopped_s = handover.hand_over(m, prev)
+        if self._wait_up(h, version) is None:
+            raise driver.fail(h, rid, "relaunch", f"worker {h.name}: relaunch: the new worker does not report "
+                              f"{version} after the handover", t2)  # fmt: skip
+        driver.move(h, rid, S.UPDATED, duration_ms=(time.perf_counter() - t2) * 1e3, version=version,
+                    detail={"version": version, "how": "managed relaunch beside", "restart": why, "pid": m.pid,
+                            "old_stopped_s": round(stopped_s, 3)})  # fmt: skip
+        log.info("worker_relaunched", worker=h.name, version=version, how="beside",
+                 ms=round((time.perf_counter() - t1) * 1e3), old_stopped_s=round(stopped_s, 3))  # fmt: skip
+        driver.finish(h, rid, target, {"restart": True})
+        return None
+
+    def _stop_first(self, driver: Driver, h: WorkerHandle, rid: int, target: Target, mode: RolloutMode, why: str,
+                    stop_first: str | None) -> None:  # fmt: skip
         t0 = time.perf_counter()
         held = mode == "pause" and h.managed is not None
         if held:  # the daemon's listening socket holds new connections while the child is replaced
             driver.move(h, rid, S.PAUSED, duration_ms=0.0, target_version=target.version,
                         detail={"mode": "pause", "restart": why, "how": "new connections wait in the listening "
-                                "socket the daemon holds; the child finishes what it holds and exits"})  # fmt: skip
+                                "socket the daemon holds; the child finishes what it holds and exits",
+                                "stop_first": stop_first})  # fmt: skip
         else:
             note = "" if mode == "drain" else "; an external worker is drained: a pause cannot outlive its process"
             driver.begin(h, rid, "drain", target.version, why=f"restart rollout: {why}{note}")
