@@ -27,6 +27,7 @@ from conftest import DaemonProcess, wait_until
 from support_engines import publish_ckpt
 from support_rollout import LoadGen, rollouts, worker_events
 
+from daemon.common.identity import socket_dir
 from daemon.tinymodel import make_tiny_checkpoint
 
 pytestmark = pytest.mark.timeout(900)
@@ -91,7 +92,7 @@ def test_a_lone_workers_restart_rollout_starts_the_new_process_beside_the_old_on
         late_old = [a for a in load.stats.answered if a[2] == "tiny-seed" and a[0] > born]
         assert late_old, f"no request sent after the new process started was answered by the old one: {born}"
         # the new process's admin socket took the worker's path (the post-check reached it); none left over
-        run = d.state_dir / "run"
+        run = socket_dir(d.state_dir)
         assert (run / "worker-local.sock").is_socket() and not (run / "worker-local.next.sock").exists()
     finally:
         d.close()

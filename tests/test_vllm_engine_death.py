@@ -5,8 +5,10 @@ attention kernel cannot run it). It starts and answers /health; its first forwar
 daemon's post-update probe) kills the engine core, after which vLLM answers HTTP 500
 "EngineCore encountered an issue" and /health 503. That is a crashed worker
 (daemon/adapters/engine_common.py `engine_died`): the rollout fails with kind `unreachable`, the
-version stays verified ("not the checkpoint's fault"), and only after `max_infra_retries` more
-such rollouts is it rejected, naming the retries. The fast version: test_engine_deaths.py.
+version stays verified ("not the checkpoint's fault", tried again once the worker is back). Its
+restart command here does nothing (a relaunched engine would die again in the next probe), so
+the rollout ends with the worker not recovered after `restart_timeout_s`. At d23160d the same
+death rejected the version at once. The fast version: test_engine_deaths.py.
 
 Skipped only with HOTSWAP_SKIP_VLLM=1 (refused under CI).
 """
@@ -42,10 +44,10 @@ def test_an_engine_that_dies_in_the_probe_is_a_crashed_worker_and_never_rejects_
     url = f"http://127.0.0.1:{port}"
     (tmp_path / "vllm.key").write_text(TOKEN + "\n")
     pidfile, log = tmp_path / "vllm.pid", tmp_path / "vllm.log"
-    restart = restart_command(pidfile, log, vllm_command(python, "{path}", port))
+    start = restart_command(pidfile, log, vllm_command(python, str(v0), port))
     d: DaemonProcess | None = None
     try:
-        subprocess.run([a.replace("{path}", str(v0)) for a in restart], check=True, timeout=60, capture_output=True)
+        subprocess.run(start, check=True, timeout=60, capture_output=True)
 
         def up() -> bool:
             try:
@@ -62,25 +64,22 @@ def test_an_engine_that_dies_in_the_probe_is_a_crashed_worker_and_never_rejects_
             sources=[{"path": str(watch), "rescan_interval_s": 1.0, "quiet_period_s": 0.3}],
             checks=FEW_CHECKS,
             rollout={"mode": "pause", "health_window_s": 2.0, "health_poll_s": 2.0, "request_timeout_s": 60.0,
-                     "restart_timeout_s": START_S, "max_infra_retries": 1, "restart_rollouts": False},  # fmt: skip
-            workers=[engine_worker("vllm0", "vllm", url, tmp_path / "vllm.key", restart)],
+                     "restart_timeout_s": 20.0, "max_infra_retries": 1, "restart_rollouts": False},  # fmt: skip
+            workers=[engine_worker("vllm0", "vllm", url, tmp_path / "vllm.key", ["/bin/true"])],
         )
         d = DaemonProcess(tmp_path, cfg, f"sqlite:///{tmp_path / 'hotswap.db'}", watch, state, {})
         d.start(timeout=90)
         publish_ckpt(watch, "v1", lambda x: make_tiny_checkpoint(x, seed=2, dtype="bfloat16", config_overrides=HEAD_DIM_16))
         first = wait_until(lambda: next((r for r in rollouts(d.registry) if r["version"] == "v1"  # type: ignore[union-attr]
-                                         and r["outcome"] is not None), None), START_S + 300, 0.5,
+                                         and r["outcome"] is not None), None), 300, 0.5,
                            "the first rollout of v1 to finish")  # fmt: skip
         assert "EngineCore encountered an issue" in log.read_text(errors="replace") or "EngineDeadError" in \
             log.read_text(errors="replace"), "vLLM's engine core did not die: the test proves nothing"  # fmt: skip
         assert first["outcome"] == "failed" and first["detail"]["kind"] == "unreachable", first
-        row = d.row("v1")
-        assert row is not None and row["status"] != "rejected", row
-        # after max_infra_retries (1) more rollouts that kill it, v1 is rejected, naming the retries
-        row = d.wait_status("v1", "rejected", timeout=3 * START_S)
-        assert "rollout.max_infra_retries" in row["status_message"], row["status_message"]
-        assert all(r["detail"].get("kind") == "unreachable"
-                   for r in rollouts(d.registry) if r["version"] == "v1" and r["outcome"] == "failed")  # fmt: skip
+        assert "the engine died" in first["detail"]["reason"], first
+        row = wait_until(lambda: (r := d.row("v1")) and "not the checkpoint's fault" in (r["status_message"] or "")  # type: ignore[union-attr]
+                         and r, 60, 0.2, "v1's verdict")  # fmt: skip
+        assert row["status"] == "verified", row
     finally:
         if d is not None:
             d.close()
