@@ -13,8 +13,8 @@ on its first pass):
                         each worker's probe under the adapter is recorded again on the new base
     failed, or "unload" the name is unloaded on every worker (an `adapter_unloaded` event per
                         worker, an `adapter_unbound` event on the version), the version retired,
-                        `last_good` moved to the newest version of the name verified on the serving
-                        base (deployed, when there is one) or cleared; the problem
+                        `last_good` moved to the newest version of the name already verified on the
+                        serving base (deployed, when there is one) or cleared; the problem
                         `adapter_not_on_base` names the adapter until a version of it serves again
 """
 
@@ -135,8 +135,9 @@ class BaseBinding:
         fresh = self.journal.checkpoint(av.checkpoint.id)
         if fresh is not None and fresh.status == C.DEPLOYED:
             self.journal.move_status(av.checkpoint.id, C.RETIRED, f"adapter {name}: unloaded: {why}")
-        good = next((v for v in self.adapters.versions_of(name)
-                     if v.checkpoint.id != av.checkpoint.id and self.fits(v) is None), None)  # fmt: skip
+        # only a version already verified on this base (re-verifying each old one would run a canary apiece)
+        good = next((v for v in self.adapters.versions_of(name) if v.checkpoint.id != av.checkpoint.id
+                     and bases_of(base) & self.adapters.verified_bases(v.checkpoint.id)), None)  # fmt: skip
         self.adapters.set_alias(name, "last_good", good.checkpoint.id if good else None)
         self.unbound[name] = (f"adapter {name} {av.version} unloaded from every worker"
                               + (f" (not from {', '.join(failed)})" if failed else "") + f": {why}")  # fmt: skip
