@@ -1,4 +1,4 @@
-"""A one-worker group's restart rollout with no outage (daemon/rollout/handover.py), real processes.
+"""A one-worker group's restart rollout with no outage (daemon/rollout/relaunch.py, the handover), real processes.
 
 The embedded default's shape: one managed reference worker, the default group (pause mode), under
 client load. A checkpoint with a resized vocabulary (256 -> 320) needs a restart rollout:

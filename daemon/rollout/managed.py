@@ -258,7 +258,7 @@ class ManagedWorker:
         return self._proc
 
     def forget_child(self) -> None:
-        """Let go of the running child without stopping it (daemon.rollout.handover starts another beside it)."""
+        """Let go of the running child without stopping it (a restart rollout starts another beside it: daemon.rollout.relaunch)."""
         self.pid, self._proc = None, None
 
     def adopt_child(self, pid: int, proc: subprocess.Popen[bytes] | None, model: str | None, version: str | None,
