@@ -149,8 +149,9 @@ class RolloutSettings:
     # a resized vocabulary) is rolled out by relaunching workers on it, batch by batch: managed ones
     # by the daemon (port kept), external ones by restart_command ({path}, {version}); false: rejected.
     restart_rollouts: bool = True
-    # A managed worker's restart rollout: "auto" starts the new process beside the old one when the
-    # host has memory for both (then hands over and stops the old one: no outage); "off" always stops first.
+    # A restart rollout of a managed worker in a pause group (a lone worker's): "auto" starts the new
+    # process beside the old one when the host has memory for both (then hands over and stops the old
+    # one: no outage); "off" always stops first.
     restart_overlap: str = "auto"
 
     def validate(self, key: str) -> None:

@@ -9,8 +9,9 @@ batches, `max_unavailable`, drain or pause, post-check, failure path and health 
 - managed workers: the new directory is checked against its verified digests first (a mismatch
   refuses the step with the old child still serving). The daemon holds the serving port's
   listening socket and hands it to each child (`--listen-fd`), so the port is never free.
-  With room for a second worker (`overlap_room`: RAM, GPU memory on CUDA, the admin API on its
-  Unix socket) and `restart_overlap = "auto"`, the new child starts BESIDE the old one on that
+  In a "pause" group (a lone worker's: no other worker serves meanwhile), with room for a second
+  worker (`overlap_room`: RAM, GPU memory on CUDA, the admin API on its Unix socket) and
+  `restart_overlap = "auto"`, the new child starts BESIDE the old one on that
   socket, its admin API on `<name>.next.sock`; the old one serves (RUNNING) while the new one
   loads; once the new one's /ready is 200 its admin socket is renamed onto the worker's and the
   old one is stopped (SIGTERM: it finishes what it holds; queued connections are the new one's).
@@ -142,7 +143,7 @@ class Relauncher:
         """The worker's turn of a restart rollout (module docstring); raises the driver's StepFailed.
         Returns a refusal (the worker never left RUNNING) when a new process beside it failed."""
         stop_first: str | None = None
-        if h.managed is not None:
+        if h.managed is not None and mode == "pause":  # drain: the group's other workers serve meanwhile
             stop_first = ("[rollout] restart_overlap = \"off\"" if self.settings.restart_overlap == "off"
                           else overlap_room(h.managed, _weight_bytes(target.checkpoint.local_path)))  # fmt: skip
             if stop_first is None:
