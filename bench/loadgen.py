@@ -30,6 +30,13 @@ class LoadStats:
     errors: list[str] = field(default_factory=list)  # the first MAX_KEPT_ERRORS failures, one line each
     versions: Counter[str] = field(default_factory=Counter)  # weight_version of each success
     latencies: list[float] = field(default_factory=list)  # seconds per successful request
+    answered: list[tuple[float, float, str]] = field(default_factory=list)  # (sent, answered) Unix times, version
+
+    def longest_silence(self, start: float, end: float) -> float:
+        """The longest stretch of [start, end] (Unix times) in which no request was answered."""
+        times = sorted(t for _, t, _ in self.answered if start <= t <= end)
+        edges = [start, *times, end]
+        return max(b - a for a, b in zip(edges, edges[1:], strict=False))
 
 
 class LoadGen:
@@ -130,7 +137,7 @@ class LoadGen:
                 self._one(client)
 
     def _one(self, client: httpx.Client) -> None:
-        t0 = time.perf_counter()
+        t0, sent_at = time.perf_counter(), time.time()
         last = ""
         for attempt, url in enumerate(self._order()):
             try:
@@ -147,7 +154,9 @@ class LoadGen:
                 with self._lock:
                     self.stats.ok += 1
                     self.stats.latencies.append(time.perf_counter() - t0)
-                    self.stats.versions[str(r.json().get("weight_version", "?"))] += 1
+                    version = str(r.json().get("weight_version", "?"))
+                    self.stats.versions[version] += 1
+                    self.stats.answered.append((sent_at, time.time(), version))
                 return
             last = f"{url}: HTTP {r.status_code} {r.text[:200]}"
             break

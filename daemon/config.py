@@ -153,6 +153,10 @@ class RolloutSettings:
     # the version it served and fails the rollout. false: the probe runs inside the pause (requests
     # held), so a version that passed the checks but fails the probe never serves a request.
     probe_after_resume: bool = True
+    # A restart rollout of a managed worker in a pause group (a lone worker's): "auto" starts the new
+    # process beside the old one when the host has memory for both (then hands over and stops the old
+    # one: no outage); "off" always stops first.
+    restart_overlap: str = "auto"
 
     def validate(self, key: str) -> None:
         if self.transport not in TRANSPORTS:
@@ -182,6 +186,8 @@ class RolloutSettings:
             raise _error(key, f"health_window_s: must be >= 0 (0 = no window), got {self.health_window_s}")
         if not 0 <= self.max_error_rate <= 1:
             raise _error(key, f"max_error_rate: must be between 0 and 1 (a share, 0.01 = 1 %), got {self.max_error_rate}")
+        if self.restart_overlap not in ("auto", "off"):
+            raise _error(key, f"restart_overlap: must be \"auto\" or \"off\", got {self.restart_overlap!r}")
         if self.max_infra_retries < 0:
             raise _error(key, f"max_infra_retries: must be >= 0, got {self.max_infra_retries}")
         if self.health_probe_s < 0:

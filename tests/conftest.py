@@ -70,6 +70,7 @@ T = TypeVar("T")
 # it missed their 90 s and 300 s waits; outside that window the load average was 4-6.
 ALONE = frozenset({"vllm"})
 XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_daemon.py": "vllm", "test_adapters_vllm.py": "vllm",
+                "test_vllm_engine_death.py": "vllm",
                 "test_fleet_daemons.py": "fleet-daemons", "test_fleet_converge_daemons.py": "fleet-daemons",
                 "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons",
                 "test_fleet_fingerprints_daemons.py": "fleet-daemons"}

@@ -68,6 +68,9 @@ class CheckSettings:
     # LoRA adapters: the forward canary of base + adapter must stay this close to the base alone
     adapter_kl_max: float | None = 5.0  # mean KL(base || base with the adapter) per position, nats (a large value: no bound)
     adapter_top1_min: float | None = None  # e.g. 0.5: share of positions whose argmax the adapter leaves unchanged
+    # when the serving base changes, each served adapter not verified on the new base is either
+    # checked again on it ("reverify": compat + forward, kept only if they pass) or "unload"ed at once
+    adapter_on_base_change: str = "reverify"
     # a checkpoint whose tensor shapes differ from the serving version (e.g. a resized vocabulary)
     # passes compat as "needs a restart rollout"; false rejects it. Set from [rollout] restart_rollouts.
     restart_rollouts: bool = True
@@ -93,6 +96,8 @@ class CheckSettings:
             raise ValueError(f"checks.adapter_kl_max must be >= 0, got {self.adapter_kl_max}")
         if self.adapter_top1_min is not None and not 0.0 <= self.adapter_top1_min <= 1.0:
             raise ValueError(f"checks.adapter_top1_min must be in [0, 1], got {self.adapter_top1_min}")
+        if self.adapter_on_base_change not in ("reverify", "unload"):
+            raise ValueError(f"checks.adapter_on_base_change must be reverify or unload, got {self.adapter_on_base_change!r}")
         if not self.forward_prompts or any(not p for p in self.forward_prompts):
             raise ValueError("checks.forward_prompts must be a non-empty list of non-empty token id lists")
         if not re.fullmatch(r"auto|off|cpu|cuda(:\d+)?", self.stage_device):

@@ -148,6 +148,18 @@ class AdapterRollout:
                                     "this worker served it before: not the verified adapter", FailureKind.MISMATCH)  # fmt: skip
         return tokens
 
+    def forget_probes(self, name: str) -> None:
+        """The probes recorded under `name` were on another base: the next check records them again."""
+        for key in [k for k in self._tokens if k[1] == name]:
+            del self._tokens[key]
+
+    def recheck(self, h: WorkerHandle, av: AdapterVersion) -> list[int]:
+        """The post-check of a loaded adapter again (its probe recorded when forgotten)."""
+        try:
+            return self._post_check(h, av)
+        except WorkerError as exc:
+            raise AdapterStepFailed(h.name, str(exc), FailureKind.ERROR) from None
+
     def _fail(self, rid: int, av: AdapterVersion, previous: AdapterVersion | None, h: WorkerHandle,
               failed: AdapterStepFailed, moved: list[WorkerHandle]) -> RolloutResult:  # fmt: skip
         """Everyone this rollout moved (and the failed worker, unless it kept what it served)

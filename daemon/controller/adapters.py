@@ -23,8 +23,10 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from daemon.checks.base import CheckSettings
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.controller.adapter_base import BaseBinding
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.queue import CommandError
 from daemon.registry.adapters import AdapterJournal, AdapterVersion
@@ -45,12 +47,14 @@ C, T = CheckpointStatus, RolloutTrigger
 
 class AdapterDecisions:
     def __init__(self, journal: Journal, adapters: AdapterJournal, rollout: AdapterRollout, settings: RolloutSettings,
-                 interrupted: Callable[[], bool]) -> None:  # fmt: skip
+                 interrupted: Callable[[], bool], checks: CheckSettings | None = None) -> None:  # fmt: skip
         self.journal = journal
         self.adapters = adapters
         self.rollout = rollout
         self.settings = settings
         self.interrupted = interrupted  # shutdown: a health window decides nothing
+        # each served adapter held to the serving base (daemon/controller/adapter_base.py)
+        self.binding = BaseBinding(journal, adapters, rollout, checks or CheckSettings(), self.mark_serving)
 
     # -- jobs ------------------------------------------------------------------------------
     def deploy_new(self, checkpoint_id: int) -> dict[str, Any]:
@@ -70,6 +74,10 @@ class AdapterDecisions:
             self.journal.note(av.checkpoint.id, f"adapter {av.name} is pinned to {pinned.version}: waits for "
                                                 f"`hotswap unpin --adapter {av.name}`")  # fmt: skip
             return {"version": av.version, "outcome": "waiting", "pinned": pinned.version}
+        off_base = self.binding.fits(av)
+        if off_base is not None:
+            self.journal.move_status(av.checkpoint.id, C.REJECTED, f"adapter {av.name}: {off_base}")
+            return {"version": av.version, "outcome": "rejected", "reason": off_base}
         result = self.rollout.deploy(av, trigger=T.NEW, previous=serving)
         out: dict[str, Any] = {"rollout_id": result.rollout_id, "adapter": av.name, "version": av.version,
                                "outcome": result.outcome.value, "reason": result.reason}  # fmt: skip
@@ -131,6 +139,9 @@ class AdapterDecisions:
             raise CommandError(f"adapter version {version!r} is {av.checkpoint.status}: only verified versions can be deployed")
         if not av.checkpoint.local_path:
             raise CommandError(f"adapter version {version!r} has no local copy on this host")
+        off_base = self.binding.fits(av)
+        if off_base is not None:
+            raise CommandError(f"adapter version {version!r}: {off_base}")
         return av
 
     def rollback(self, name: str | None, to: str | None) -> dict[str, Any]:
@@ -191,6 +202,7 @@ class AdapterDecisions:
     def reconcile(self) -> dict[str, Any]:
         """Every adapter-serving worker onto each name's serving version; newer waiting versions
         (held back by an unreachable worker) are deployed."""
+        rebased = self.binding.rebase()  # the base may have changed while the daemon was down
         loaded: dict[str, list[str]] = {}
         for name in self.adapters.names():
             serving = self.adapters.alias(name, "serving")
@@ -213,7 +225,7 @@ class AdapterDecisions:
             if waiting is not None and self.adapters.alias(name, "pinned") is None and (
                     serving is None or newer(waiting.checkpoint, serving.checkpoint)):
                 self.deploy_new(waiting.checkpoint.id)
-        return {"outcome": "reconciled" if loaded else "in sync", "loaded": loaded}
+        return {"outcome": "reconciled" if loaded or rebased else "in sync", "loaded": loaded, "rebased": rebased}
 
     def drifted(self) -> bool:
         """Some adapter-serving worker does not serve a name's serving version (for the health poll)."""
@@ -232,6 +244,7 @@ class AdapterDecisions:
     # -- registry ----------------------------------------------------------------------------
     def mark_serving(self, av: AdapterVersion, previous: AdapterVersion | None, message: str) -> None:
         self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
+        self.binding.served(av.name)
         fresh = self.journal.checkpoint(av.checkpoint.id)
         if fresh is not None and fresh.status != C.DEPLOYED:
             self.journal.move_status(av.checkpoint.id, C.DEPLOYED, message)

@@ -10,6 +10,9 @@ Read from the controller's own observation on every pass, never from a memory of
     worker_launch_failed    critical  a managed worker that failed to launch and is not healthy again
     worker_crashed          warning   a managed worker that died while serving, being relaunched
                                       (the host's outage, if any, is no_worker_serving)
+    adapter_not_on_base     warning   a LoRA adapter unloaded because it failed its re-verify on the
+                                      new serving base (daemon.controller.adapter_base); ends when a
+                                      version of it serves again
     worker_out_of_rotation  warning   a worker not RUNNING that no rollout is driving
     worker_stuck            warning   a worker a rollout has held in one state for longer than the
                                       steps that state can take allow (STEP_BOUNDS)
@@ -62,6 +65,8 @@ class Controlled(Protocol):
 
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
+    def adapter_problems(self) -> list[tuple[str, str]]: ...
+
 
 class WorkerProbe:
     def __init__(self, service: Controlled) -> None:
@@ -84,6 +89,7 @@ class WorkerProbe:
         crashed = dict(s.supervisor.crash_problems())
         out += [Problem("worker_crashed", name, why, WARNING) for name, why in crashed.items()]
         launch.update(crashed)
+        out += [Problem("adapter_not_on_base", name, why, WARNING) for name, why in s.adapter_problems()]
         now = time.monotonic()
         for h in s.fleet:
             if h.state is WorkerState.RUNNING or h.name in launch:

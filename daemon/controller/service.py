@@ -29,6 +29,7 @@ from typing import Any
 
 from apscheduler.schedulers.base import BaseScheduler
 
+from daemon.checks.base import CheckSettings
 from daemon.common.logging import get_logger
 from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.controller.adapter_rollout import AdapterRollout
@@ -69,6 +70,7 @@ class RolloutService:
         observers: Iterable[TransitionObserver] = (),
         restarter: Restarter | None = None,
         fleet: FleetSettings | None = None,
+        checks: CheckSettings | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = state_dir
@@ -112,7 +114,7 @@ class RolloutService:
         self.adapter_journal = AdapterJournal(registry)
         self.adapters = AdapterDecisions(self.journal, self.adapter_journal,
                                          AdapterRollout(self.journal, self.adapter_journal, self.fleet), settings,
-                                         interrupted=self._stopping.is_set)  # fmt: skip
+                                         interrupted=self._stopping.is_set, checks=checks)  # fmt: skip
         self.startup = Startup(self.journal, self.fleet, settings, state_dir, self.state, self.queue, self.supervisor,
                                self.leases, self._stopping, self.engine, self.driver, self.decisions,
                                submit=self.submit, observe=self._observe_all)  # fmt: skip
@@ -126,7 +128,7 @@ class RolloutService:
     ) -> RolloutService:
         try:
             return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers,
-                       fleet=config.fleet)  # fmt: skip
+                       fleet=config.fleet, checks=config.checks)  # fmt: skip
         except ConfigError as exc:
             raise ConfigError(f"{config.source_file}: {exc}") from None
 
@@ -300,6 +302,15 @@ class RolloutService:
     def _execute(self, job: Job) -> dict[str, Any]:
         if job.kind.startswith("adapter"):
             return self._execute_adapter(job)
+        out = self._execute_base(job)
+        rebased = self.adapters.binding.rebase()  # adapters belong to a base (daemon/controller/adapter_base.py)
+        return {**out, "adapters_rebased": rebased} if rebased else out
+
+    def adapter_problems(self) -> list[tuple[str, str]]:
+        """Adapters unloaded because they do not fit the serving base (the problem adapter_not_on_base)."""
+        return self.adapters.binding.problems()
+
+    def _execute_base(self, job: Job) -> dict[str, Any]:
         if job.kind == "deploy":
             assert job.checkpoint is not None
             return self.decisions.deploy_new(job.checkpoint)

@@ -66,6 +66,7 @@ class Watch:
     error: str | None = None  # the failure reported while not healthy (daemon /health)
     fell_back: tuple[str, str] | None = None  # (wanted, using) of the launch being watched
     crashed: bool = False  # the failure is a healthy worker's death, not a launch's
+    stat_only: bool = False  # the next launch follows a healthy worker's first crash: its files are only stat'ed
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +142,8 @@ class Supervisor:
         self.watches = {h.name: Watch(self._backoff()) for h in self.handles}
         self._lock = threading.Lock()  # one tick at a time (thread and wait_settled)
         self._stop = threading.Event()
+        self._wake = threading.Event()  # a child exited: tick now, not at the next TICK_S
+        self._waited: set[int] = set()  # pids a thread waits on
         self.passes = 0  # ticks finished: what a caller waiting for "the next tick" counts
         self._thread: threading.Thread | None = None
 
@@ -160,7 +163,11 @@ class Supervisor:
             self._thread.join(10)
 
     def _run(self) -> None:
-        while not self._stop.wait(TICK_S):
+        while not self._stop.is_set():
+            self._wake.wait(TICK_S)
+            self._wake.clear()
+            if self._stop.is_set():
+                return
             try:
                 self.tick()
             except Exception:
@@ -227,6 +234,7 @@ class Supervisor:
                             self.settings.relaunch_reset_s)  # fmt: skip
         if m.launches != w.launches_seen:  # launched since we last looked (here, or by the engine)
             w.launches_seen, w.phase, w.since = m.launches, Phase.LAUNCHING, now
+            self._watch_exit(m)
         if not m.should_run:
             w.phase = Phase.IDLE
             return
@@ -237,8 +245,10 @@ class Supervisor:
         if w.phase == Phase.IDLE:  # adopted at start-up: watched like a launch
             w.phase, w.since = Phase.LAUNCHING, now
         if not m.alive():
-            crashed = w.phase == Phase.HEALTHY  # it served: no launch failed
-            self._failed(h, w, now, _describe_exit(m) + (" while serving" if crashed else ""), crashed=crashed)
+            if w.phase == Phase.HEALTHY:  # it served: no launch failed
+                self._crashed(h, w, now)
+                return
+            self._failed(h, w, now, _describe_exit(m))
             return
         if w.phase == Phase.HEALTHY:
             w.backoff.healthy_for(now - w.since)
@@ -270,12 +280,46 @@ class Supervisor:
         if fell_back is not None and version == fell_back[1]:
             self.on_fallback(fell_back[1])
 
-    def _failed(self, h: WorkerHandle, w: Watch, now: float, cause: str, *, crashed: bool = False) -> None:
+    def _watch_exit(self, m: ManagedWorker) -> None:
+        """A thread that waits on the child and wakes the supervisor the moment it exits (a crash
+        is seen at once, not at the next tick)."""
+        proc = m.proc
+        if proc is None or proc.pid in self._waited:
+            return
+        self._waited.add(proc.pid)
+
+        def wait() -> None:
+            with contextlib.suppress(Exception):
+                proc.wait()
+            self._waited.discard(proc.pid)
+            self._wake.set()
+
+        threading.Thread(target=wait, name=f"supervise-wait-{proc.pid}", daemon=True).start()
+
+    def _crashed(self, h: WorkerHandle, w: Watch, now: float) -> None:
+        """A worker that was healthy died (kill -9, OOM, a segfault): recorded as a failure, and
+        relaunched at once when it is the first since it was last healthy for relaunch_reset_s (a
+        crash loop waits relaunch_backoff_s, doubling, as launch failures do). The relaunch only
+        stats the serving version's files: the child itself checks every byte it loads against
+        the verified digests (--expect-file), and a mismatch fails that launch, after which the
+        next one hashes them here (choose_launch deep)."""
+        first = w.backoff.failures == 0
+        cause = (_describe_exit(h.managed) if h.managed is not None else "exited") + " while serving"
+        self._failed(h, w, now, cause, crashed=True, at_once=first)
+        if first:
+            w.stat_only = True
+            self._launch(h, w, now)
+
+    def _failed(self, h: WorkerHandle, w: Watch, now: float, cause: str, *, crashed: bool = False,
+                at_once: bool = False) -> None:
         m = h.managed
         assert m is not None
-        delay = w.backoff.failed()
+        delay = 0.0 if at_once else w.backoff.failed()
+        if at_once:
+            w.backoff.failures += 1  # counted: a second crash before relaunch_reset_s waits relaunch_backoff_s
         tail = log_tail(m.log_file, m.log_offset)
-        self._unhealthy(h, w, f"{cause}; relaunch in {delay:g} s (failure {w.backoff.failures})", tail, {
+        when = "relaunched at once" if at_once else f"relaunch in {delay:g} s"
+        self._unhealthy(h, w, f"{cause}; {when} (failure {w.backoff.failures})", tail, {
             "action": "crashed" if crashed else "launch_failed", "cause": cause, "exit_code": m.exit_code(), "version": m.version,
             "log_file": str(m.log_file), "log_tail": tail, "retry_in_s": delay, "failures": w.backoff.failures,
         })  # fmt: skip
@@ -295,7 +339,8 @@ class Supervisor:
     def _launch(self, h: WorkerHandle, w: Watch, now: float) -> None:
         m = h.managed
         assert m is not None
-        choice = choose_launch(self.journal, h.spec.model, deep=w.backoff.failures > 0)
+        stat_only, w.stat_only = w.stat_only, False
+        choice = choose_launch(self.journal, h.spec.model, deep=w.backoff.failures > (1 if stat_only else 0))
         if choice.model is None:
             delay = w.backoff.failed()
             why = "; ".join(f"{v}: {p}" for v, p in choice.skipped.items())

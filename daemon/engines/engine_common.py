@@ -105,13 +105,37 @@ def checked_files(request: UpdateRequest, worker: str, path: str) -> CheckedFile
         raise UpdateRefused(f"worker {worker}: update: {exc} (nothing was loaded)") from None
 
 
-def engine_call(worker: str, step: str, fn: Callable[[], T]) -> T:
-    """Run one engine call; its failure becomes a WorkerError naming the worker and step."""
+# What an engine's reply says when its engine core (the process doing the forward passes) died:
+# vLLM's EngineDeadError ("EngineCore encountered an issue. See stack trace (above) for the root
+# cause."), answered as HTTP 500 to every call after the core died.
+ENGINE_DEATH_MARKS = ("EngineDeadError", "EngineCore encountered an issue")
+
+
+def engine_died(exc: EngineAPIError, alive: Callable[[], bool] | None) -> bool:
+    """True when a failed call was the engine dying, not a refusal: a 5xx whose reply names an
+    engine death, or a 5xx after which the engine's own /health no longer says 200. A 5xx while
+    /health stays 200 is the engine refusing the request (vLLM answers 500 for a reload of a
+    directory it cannot read, and stays up): that one is the checkpoint's."""
+    if exc.status is None or exc.status < 500:
+        return False
+    if any(mark in exc.reply for mark in ENGINE_DEATH_MARKS):
+        return True
+    return alive is not None and not alive()
+
+
+def engine_call(worker: str, step: str, fn: Callable[[], T], alive: Callable[[], bool] | None = None) -> T:
+    """Run one engine call; its failure becomes a WorkerError naming the worker and step.
+
+    No answer, or an engine that died answering (`engine_died`, `alive` being its health call),
+    is WorkerUnreachable: infrastructure, counted against `rollout.max_infra_retries`, never a
+    verdict on the version being installed (daemon/rollout/attribution.py)."""
     try:
         return fn()
     except EngineUnreachable as exc:
         raise WorkerUnreachable(f"worker {worker}: {step}: {exc}") from None
     except EngineAPIError as exc:
+        if engine_died(exc, alive):
+            raise WorkerUnreachable(f"worker {worker}: {step}: the engine died: {exc}") from None
         raise WorkerError(f"worker {worker}: {step}: {exc}") from None
 
 

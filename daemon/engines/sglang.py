@@ -59,6 +59,7 @@ from daemon.engines.engine_common import (
     Installed,
     checked_files,
     engine_call,
+    engine_died,
     install_path,
     verified_adapter_path,
 )
@@ -118,7 +119,7 @@ class SGLangWorkerClient:
         self._adapter_versions: dict[tuple[str, str], str] = {}  # (name, path) -> version this client loaded there
 
     def _call(self, step: str, fn: Any) -> Any:
-        return engine_call(self.name, step, fn)
+        return engine_call(self.name, step, fn, alive=self.api.health)
 
     # -- state ----------------------------------------------------------------------------
     def health(self) -> bool:
@@ -279,6 +280,8 @@ class SGLangWorkerClient:
         except EngineUnreachable as exc:
             raise WorkerUnreachable(f"worker {self.name}: load adapter: {exc}") from None
         except EngineAPIError as exc:
+            if engine_died(exc, self.api.health):
+                raise WorkerUnreachable(f"worker {self.name}: load adapter: the engine died: {exc}") from None
             what = f"worker {self.name}: load adapter {request.name} {request.version}: {exc}"
             if unloaded:  # the name serves nothing now: the rollout puts the previous version back
                 raise WorkerError(what + " (the previous version was unloaded)") from None

@@ -62,6 +62,7 @@ from daemon.engines.engine_common import (
     Installed,
     checked_files,
     engine_call,
+    engine_died,
     install_path,
     verified_adapter_path,
 )
@@ -118,7 +119,7 @@ class VLLMWorkerClient:
 
     # -- state ----------------------------------------------------------------------------
     def _call(self, step: str, fn: Any) -> Any:
-        return engine_call(self.name, step, fn)
+        return engine_call(self.name, step, fn, alive=self.api.health)
 
     def health(self) -> bool:
         return self.api.health()
@@ -246,7 +247,9 @@ class VLLMWorkerClient:
             self.api.load_lora_adapter(request.name, path, load_inplace=request.replace)
         except EngineUnreachable as exc:
             raise WorkerUnreachable(f"worker {self.name}: load adapter: {exc}") from None
-        except EngineAPIError as exc:  # vLLM swaps the name only after a successful load: nothing changed
+        except EngineAPIError as exc:
+            if engine_died(exc, self.api.health):
+                raise WorkerUnreachable(f"worker {self.name}: load adapter: the engine died: {exc}") from None  # vLLM swaps the name only after a successful load: nothing changed
             raise UpdateRefused(f"worker {self.name}: load adapter {request.name} {request.version}: {exc}") from None
         self._adapter_versions[(request.name, path)] = request.version
         ms = (time.perf_counter() - t0) * 1000.0

@@ -27,12 +27,13 @@ from sqlalchemy import delete, func, select
 from daemon.registry import hosts
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, _ref
-from daemon.registry.models import AdapterAlias, Checkpoint, WorkerAdapter, utcnow
+from daemon.registry.models import AdapterAlias, Check, Checkpoint, Event, WorkerAdapter, utcnow
 from daemon.registry.queries import adapter_aliases, record_event
 from daemon.registry.status import WAITING, CheckpointStatus
 
 C = CheckpointStatus
 ADAPTER = "adapter"
+BASE_VERIFIED = "adapter_base_verified"  # events.to_state: an adapter version passed compat + forward on a base
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,6 +107,37 @@ class AdapterJournal:
                 .limit(1)
             ).one_or_none()  # fmt: skip
             return AdapterVersion(_ref(s, c), name, c.base_model) if c else None
+
+    # -- the bases a version was verified on -------------------------------------------------
+    def verified_bases(self, checkpoint_id: int) -> set[str]:
+        """The base versions (and digests) `checkpoint_id` passed compat + forward on: its verify
+        (the compat check's `serving_base`) and every re-verify since (`adapter_base_verified`)."""
+        out: set[str] = set()
+        with self.registry.session() as s:
+            for detail in s.scalars(select(Check.detail).where(Check.checkpoint_id == checkpoint_id, Check.name == "compat",
+                                                               Check.ok.is_(True))):  # fmt: skip
+                if isinstance((detail or {}).get("serving_base"), str):
+                    out.add(detail["serving_base"])
+            for detail in s.scalars(select(Event.detail).where(Event.checkpoint_id == checkpoint_id,
+                                                               Event.to_state == BASE_VERIFIED)):  # fmt: skip
+                out.update(str(detail[k]) for k in ("base", "base_digest") if (detail or {}).get(k))
+        return out
+
+    def record_base_verified(self, checkpoint_id: int, base: str, base_digest: str | None, detail: dict[str, Any]) -> None:
+        with self.registry.session() as s:
+            record_event(s, checkpoint_id=checkpoint_id, to_state=BASE_VERIFIED,
+                         detail={"base": base, "base_digest": base_digest, **detail})  # fmt: skip
+
+    def versions_of(self, name: str) -> list[AdapterVersion]:
+        """Every version of `name` that served here (deployed or retired), newest first."""
+        with self.registry.session() as s:
+            rows = s.scalars(
+                select(Checkpoint)
+                .where(Checkpoint.kind == ADAPTER, Checkpoint.adapter_name == name, Checkpoint.deployed_at.is_not(None),
+                       Checkpoint.status.in_((C.DEPLOYED, C.RETIRED)))
+                .order_by(func.coalesce(Checkpoint.step, -1).desc(), Checkpoint.id.desc())
+            ).all()  # fmt: skip
+            return [AdapterVersion(_ref(s, c), name, c.base_model) for c in rows]
 
     # -- aliases ---------------------------------------------------------------------------
     def alias(self, name: str, alias: str) -> AdapterVersion | None:

@@ -186,11 +186,12 @@ class WorkerDriver:
         restart = self.relauncher.needed(info, target)
         if restart is not None:  # other shapes than it serves: relaunched on the target instead
             refusal = self.relauncher.refusal(h, target, restart)
+            if refusal is None:  # relaunched (a refusal here: a new process beside it failed, it serves on)
+                refusal = self.relauncher.relaunch(self, h, rollout_id, target, mode, restart)
             if refusal is not None:
                 failed = StepFailed(h.name, "update", refusal, kind=FailureKind.REFUSED)
                 failed.kept_serving = True  # it never left RUNNING
                 raise failed
-            self.relauncher.relaunch(self, h, rollout_id, target, mode, restart)
             return True
         if prepare:
             self.prepare(h, target)

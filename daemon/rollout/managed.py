@@ -204,7 +204,8 @@ class ManagedWorker:
             self._listener.close()
             self._listener = None
 
-    def command(self, model: str, version: str | None, listen_fd: int | None = None) -> list[str]:
+    def command(self, model: str, version: str | None, listen_fd: int | None = None,
+                admin_socket: Path | None = None) -> list[str]:  # fmt: skip
         argv = [
             sys.executable, "-m", "daemon.cli.main", "worker",
             "--model", model,
@@ -214,15 +215,16 @@ class ManagedWorker:
             "--token-file", str(self.token_file),
             "--device", self.spec.device,
         ]  # fmt: skip
-        if self.admin_socket is not None:
-            argv += ["--admin-uds", str(self.admin_socket)]
+        if admin_socket or self.admin_socket:
+            argv += ["--admin-uds", str(admin_socket or self.admin_socket)]
         if version:
             argv += ["--version", version]
         if self.expect is not None and self.expect.files:
             argv += ["--expect-file", str(self.expect_file())]
         return argv
 
-    def launch(self, model: str, version: str | None, expect: Expect | None = None) -> int:
+    def launch(self, model: str, version: str | None, expect: Expect | None = None,
+               admin_socket: Path | None = None) -> int:  # fmt: skip
         """Start the child on `model`; with `expect` (the registry's per-file digests) the child
         checks its initial load against them and refuses to start on a mismatch. Raises PortTaken
         when another process holds its port (it would be that process, not our worker, that
@@ -235,7 +237,7 @@ class ManagedWorker:
         self.expect = expect
         if expect is not None and expect.files:
             write_private(self.expect_file(), json.dumps(expect.to_json()).encode())
-        argv = self.command(model, version, listener.fileno())
+        argv = self.command(model, version, listener.fileno(), admin_socket)  # a socket of its own beside an old child
         with os.fdopen(open_private(self.log_file, os.O_WRONLY | os.O_APPEND), "ab") as logf:
             self.log_offset = logf.tell()
             # Own session: a Ctrl-C in the daemon's terminal does not hit the worker first;
@@ -264,6 +266,19 @@ class ManagedWorker:
             return
         doc["version"] = version
         write_private(self.runtime_file, json.dumps(doc).encode())
+    @property
+    def proc(self) -> subprocess.Popen[bytes] | None:
+        return self._proc
+
+    def forget_child(self) -> None:
+        """Let go of the running child without stopping it (a restart rollout starts another beside it: daemon.rollout.relaunch)."""
+        self.pid, self._proc = None, None
+
+    def adopt_child(self, pid: int, proc: subprocess.Popen[bytes] | None, model: str | None, version: str | None,
+                    expect: Expect | None) -> None:  # fmt: skip
+        """The child let go by `forget_child` is the worker again (a handover abandoned)."""
+        self.pid, self._proc, self.model, self.version, self.expect = pid, proc, model, version, expect
+        self.should_run = True
 
     def needs_relaunch(self) -> bool:
         """Meant to be running (launched or adopted, not stopped by the daemon) but not alive."""

@@ -229,6 +229,7 @@ class AdminServer:
     def __init__(self, app: Any, sock: socket.socket, path: Path) -> None:
         self.path = path
         self._sock = sock
+        self._inode = _inode(path)  # the socket file it made (a newer worker's may take the path)
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 backlog=64,
                                 http=guarded_protocol(ListenerLimits(max_connections=64), "worker admin"))
@@ -248,5 +249,15 @@ class AdminServer:
         self._server.should_exit = True
         self._thread.join(10)
         self._sock.close()
-        with contextlib.suppress(OSError):
-            self.path.unlink()
+        # Only its own socket file: in a restart rollout's handover the path is the new worker's by now.
+        if self._inode is not None and _inode(self.path) == self._inode:
+            with contextlib.suppress(OSError):
+                self.path.unlink()
+
+
+def _inode(path: Path) -> tuple[int, int] | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino

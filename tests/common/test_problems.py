@@ -71,6 +71,9 @@ class Service:
     def crash_problems(self) -> list[tuple[str, str]]:
         return []
 
+    def adapter_problems(self) -> list[tuple[str, str]]:
+        return []
+
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.ready
 

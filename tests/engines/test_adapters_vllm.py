@@ -241,3 +241,28 @@ def test_an_adapter_changed_after_verify_is_not_loaded_and_both_keep_serving(env
     with pytest.raises(UpdateRefused, match="changed since verify"):
         client.load_adapter(AdapterRequest("sql", "sql@2", str(env.watch / "sql@2"), expect, replace=True))
     env.serving("sql@1")
+
+
+def test_a_new_base_unloads_from_vllm_an_adapter_that_fails_its_reverify_on_it(env: Env) -> None:
+    """Adapters belong to a base (daemon/controller/adapter_base.py): `old` was trained for the
+    version base-v0 itself; once base-v1 serves, its compat fails on it, and vLLM (like the
+    reference worker) no longer serves it, with the events and the problem naming it."""
+    publish_adapter(env.watch, "old@1", "old", lambda x: make_adapter(x, env.base, seed=9, dtype="bfloat16",
+                                                                      base_model="base-v0"))  # fmt: skip
+    env.settled("old@1", "deployed")
+    assert "old" in {c["id"] for c in httpx.get(env.vllm_url + "/v1/models", headers=AUTH, timeout=30).json()["data"]}
+    publish_ckpt(env.watch, "base-v1", lambda d: make_base(d, seed=1, dtype="bfloat16", overrides=VLLM_TINY,
+                                                           lm_head_scale=LM_HEAD_SCALE))  # fmt: skip
+    env.daemon.wait_status("base-v1", "deployed", timeout=420)
+    wait_until(lambda: "old" not in {c["id"] for c in httpx.get(env.vllm_url + "/v1/models", headers=AUTH,
+                                                                timeout=30).json()["data"]} or None,
+               120, 0.5, "old to leave vLLM")  # fmt: skip
+    r = httpx.post(env.vllm_url + "/v1/completions", headers=AUTH, timeout=60,
+                   json={"model": "old", "prompt": PROMPT, "max_tokens": 2})  # fmt: skip
+    assert r.status_code == 404, r.text
+    unloaded = {e["worker"] for e in worker_events(env.daemon.registry) if e["to"] == "adapter_unloaded"
+                and e["detail"].get("adapter") == "old"}  # fmt: skip
+    assert unloaded == {"local", "vllm0"}, unloaded
+    problems = env.daemon.get("/health").json().get("problems") or []
+    assert [p["subject"] for p in problems if p["kind"] == "adapter_not_on_base"] == ["old"], problems
+    assert env.daemon.row("old@1")["status"] == "retired"  # type: ignore[index]

@@ -1,0 +1,153 @@
+"""LoRA adapters belong to a base: what happens to each served adapter when the serving base changes.
+
+An adapter version is verified against the base that served when it arrived (its compat check
+records that base); each later base it passes on is an `adapter_base_verified` event
+(daemon.registry.adapters). After every base job, and before an adapter is deployed, each served
+adapter name is held to the serving base (level-triggered: a daemon restarted half way does it
+on its first pass):
+
+    verified on it      nothing to do
+    checks.adapter_on_base_change = "reverify" (default)
+                        compat and the forward canary (KL and top-1 bounds of the adapter over the
+                        base) run again, with the serving base as reference; passed: recorded, and
+                        each worker's probe under the adapter is recorded again on the new base
+    failed, or "unload" the name is unloaded on every worker (an `adapter_unloaded` event per
+                        worker, an `adapter_unbound` event on the version), the version retired,
+                        `last_good` moved to the newest version of the name already verified on the
+                        serving base (deployed, when there is one) or cleared; the problem
+                        `adapter_not_on_base` names the adapter until a version of it serves again
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from daemon.checks.base import CheckSettings
+from daemon.common.logging import get_logger
+from daemon.controller.adapter_rollout import AdapterRollout
+from daemon.registry.adapters import AdapterJournal, AdapterVersion
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
+
+log = get_logger(__name__)
+ON_BASE_CHANGE = ("reverify", "unload")
+C = CheckpointStatus
+
+
+def bases_of(ref: CheckpointRef) -> set[str]:
+    return {ref.version} | ({ref.digest} if ref.digest else set())
+
+
+class BaseBinding:
+    """Holds every served adapter to the serving base (see the module docstring)."""
+
+    def __init__(self, journal: Journal, adapters: AdapterJournal, rollout: AdapterRollout, checks: CheckSettings,
+                 mark_serving: Callable[[AdapterVersion, AdapterVersion | None, str], None]) -> None:  # fmt: skip
+        self.journal = journal
+        self.adapters = adapters
+        self.rollout = rollout
+        self.checks = checks
+        self.mark_serving = mark_serving
+        self.unbound: dict[str, str] = {}  # adapter name -> why it serves nothing (the problem)
+
+    def problems(self) -> list[tuple[str, str]]:
+        return sorted(self.unbound.items())
+
+    def served(self, name: str) -> None:
+        """A version of `name` serves again: its problem ends."""
+        self.unbound.pop(name, None)
+
+    def fits(self, av: AdapterVersion) -> str | None:
+        """None when `av` may serve on the serving base (verified on it, or re-verified now and
+        recorded); else why not."""
+        base = self.journal.alias("serving")
+        if base is None or bases_of(base) & self.adapters.verified_bases(av.checkpoint.id):
+            return None
+        if self.checks.adapter_on_base_change == "unload":
+            return (f"verified on base {', '.join(sorted(self.adapters.verified_bases(av.checkpoint.id))) or '?'}, "
+                    f"not on the serving base {base.version} (checks.adapter_on_base_change = \"unload\")")  # fmt: skip
+        return self._reverify(av, base)
+
+    def _reverify(self, av: AdapterVersion, base: CheckpointRef) -> str | None:
+        from daemon.checks.runner import (
+            run_checks,  # the forward canary's imports only when an adapter needs them
+        )
+
+        if not av.checkpoint.local_path or not base.local_path:
+            return f"no local copy of {av.version if not av.checkpoint.local_path else base.version} to check"
+        forward = ("forward",) if "forward" in self.checks.enabled else ()
+        settings = dataclasses.replace(self.checks, enabled=("headers", "compat", *forward), hmac_keys={},
+                                       ed25519_keys={}, require_manifest=False, stage_device="off")  # fmt: skip
+        report = run_checks(Path(av.checkpoint.local_path), settings, reference=Path(base.local_path))
+        detail: dict[str, Any] = {r.name: r.detail for r in report.results if r.name in ("compat", "forward")}
+        log.info("adapter_reverified", adapter=av.name, version=av.version, base=base.version, ok=report.ok,
+                 reason=report.reason)  # fmt: skip
+        if not report.ok:
+            return f"re-verified on the serving base {base.version}: {report.reason}"
+        self.adapters.record_base_verified(av.checkpoint.id, base.version, base.digest, {"checks": detail})
+        return None
+
+    def rebase(self) -> dict[str, Any]:
+        """Every served adapter name onto the serving base: kept (re-verified) or unloaded."""
+        out: dict[str, Any] = {}
+        for name in self.adapters.names():
+            serving = self.adapters.alias(name, "serving")
+            if serving is None:
+                continue
+            base = self.journal.alias("serving")
+            if base is None or bases_of(base) & self.adapters.verified_bases(serving.checkpoint.id):
+                continue
+            why = self.fits(serving)
+            if why is None:
+                self._reprobe(serving)
+                out[name] = "kept"
+            else:
+                out[name] = self._unbind(serving, base, why)
+        return out
+
+    def _reprobe(self, av: AdapterVersion) -> None:
+        """The probe under the adapter changed with the base: record it again on each worker."""
+        self.rollout.forget_probes(av.name)
+        for h in self.rollout.workers():
+            try:
+                with h.busy:
+                    self.rollout.recheck(h, av)
+            except Exception as exc:  # noqa: BLE001 - a worker not answering is reconciled when it is back
+                log.warning("adapter_reprobe_failed", worker=h.name, adapter=av.name, error=str(exc))
+
+    def _unbind(self, av: AdapterVersion, base: CheckpointRef, why: str) -> str:
+        name = av.name
+        log.warning("adapter_not_on_base", adapter=name, version=av.version, base=base.version, reason=why)
+        failed: list[str] = []
+        for h in self.rollout.workers():
+            try:
+                with h.busy:
+                    self.rollout.restore(h, None, name, None)  # unload, an `adapter_unloaded` event
+            except Exception as exc:  # noqa: BLE001 - said in the event and the problem
+                failed.append(h.name)
+                log.error("adapter_unload_failed", worker=h.name, adapter=name, error=str(exc))
+        self.adapters.set_alias(name, "serving", None)
+        self.journal.checkpoint_event(av.checkpoint.id, "adapter_unbound",
+                                      {"adapter": name, "base": base.version, "reason": why, "not_unloaded": failed}, None)  # fmt: skip
+        fresh = self.journal.checkpoint(av.checkpoint.id)
+        if fresh is not None and fresh.status == C.DEPLOYED:
+            self.journal.move_status(av.checkpoint.id, C.RETIRED, f"adapter {name}: unloaded: {why}")
+        # only a version already verified on this base (re-verifying each old one would run a canary apiece)
+        good = next((v for v in self.adapters.versions_of(name) if v.checkpoint.id != av.checkpoint.id
+                     and bases_of(base) & self.adapters.verified_bases(v.checkpoint.id)), None)  # fmt: skip
+        self.adapters.set_alias(name, "last_good", good.checkpoint.id if good else None)
+        self.unbound[name] = (f"adapter {name} {av.version} unloaded from every worker"
+                              + (f" (not from {', '.join(failed)})" if failed else "") + f": {why}")  # fmt: skip
+        if good is None:
+            return "unloaded"
+        result = self.rollout.deploy(good, trigger=RolloutTrigger.ROLLBACK, previous=None,
+                                     detail={"by": "base_change", "base": base.version})  # fmt: skip
+        if result.outcome != RolloutOutcome.SUCCEEDED:
+            return "unloaded"
+        self.mark_serving(good, None, f"adapter {name}: {good.version} (verified on base {base.version}) "
+                                      f"replaces {av.version} (rollout {result.rollout_id})")  # fmt: skip
+        self.served(name)
+        return f"replaced by {good.version}"
