@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 41's GPU figures in one device call (the session's device time is short). Each step has its own
 # time cap so one that hangs or fails cannot eat the others; every step's log lands in $OUT as it runs.
-# The caps add up to 540 s (plus ~15 s of set-up): one device call of 600 s holds the whole session.
+# The caps add up to 545 s (plus ~15 s of set-up): one device call of 600 s holds the whole session.
 # Only 8 files come back from a device call: at the end everything is packed into session.tar.gz, beside
 # table.md and session.txt (this script's own output).
 #
@@ -52,14 +52,14 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a cap, its output in $OUT/NAM
 step stage_smoke 40 $PY -m bench.stage_smoke --device "$DEV"
 # the whole path: 8B, both transports, 5 updates each under load, bad versions rejected before any pause,
 # then (ipc) the flip-back after a probe that fails after resume, on w0 with the daemon stopped
-TAIL=45 step gpu_e2e 320 $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk \
+TAIL=45 step gpu_e2e 310 $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk \
     --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s 140 --start-timeout 150 --update-timeout 60 \
     --flip-back 3 --keep-logs --out "$OUT"
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
 # checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
-step ipc_update 110 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
+step ipc_update 130 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
 # ours from host memory (page cache) into the GPU: no checks, and with the digests checked
-step disk_reload_check 70 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
+step disk_reload_check 65 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
     --sweep '' --skip-cold --check-sweep 16x32x3x4 --worker-path --out "$OUT/disk_reload_check.json"
 $PY -m bench.h200_table "$OUT" > "$OUT/table.md" 2>&1
 cat "$OUT/table.md"

@@ -17,13 +17,18 @@ A run's copy also covers the gaps between its tensors: in the destination those 
 no tensor (alignment padding of the worker's own buffer: nothing is between two neighbours in
 address order), in the source they are read only. Everything else is copied tensor by tensor.
 The result is bit for bit what one `copy_` per tensor gives (tests/transport/test_copyplan.py).
+
+`checksum` is what the ipc copy compares after the copy (issue 41): the source's is taken before
+the pause, the destination's inside it; `parameter_places` says whether a plan made before the
+pause still fits the parameters.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 
@@ -113,3 +118,28 @@ def run_copies(plan: CopyPlan, dst_base: torch.Tensor | None, src_base: torch.Te
             dst_base[r.dst : r.dst + r.nbytes].copy_(src_base[r.src : r.src + r.nbytes])
     for d, s in plan.singles:
         d.copy_(s)
+
+
+def parameter_places(params: Mapping[str, torch.Tensor]) -> tuple[tuple[str, int], ...]:
+    """Where each parameter's storage is: a prepared copy plan holds while this is unchanged."""
+    return tuple((n, p.data_ptr()) for n, p in params.items())
+
+
+def as_bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).view(torch.uint8)
+
+
+def checksum(segments: list[torch.Tensor], words: list[bool], unit: int) -> torch.Tensor | int:
+    """A checksum of `segments` (uint8 views): the same bytes give the same value, and a copy that
+    skipped, truncated or misplaced a run does not, short of a coincidence. On a GPU the sum of
+    4-byte words (int64, on the device, no synchronisation: one reduction kernel per segment at
+    memory speed); on a CPU the XOR of 8-byte words with numpy (torch's CPU byte sums run at a
+    fraction of memory speed). `words[i]` False: segment i is read byte by byte instead."""
+    if segments[0].device.type == "cpu":
+        x = 0
+        for seg, w in zip(segments, words, strict=True):
+            a = seg.numpy()
+            x ^= int(np.bitwise_xor.reduce(a.view(np.uint64) if w else a)) if a.size else 0
+        return x
+    return torch.stack([seg.view(torch.int32).sum(dtype=torch.int64) if w else seg.sum(dtype=torch.int64)
+                        for seg, w in zip(segments, words, strict=True)]).sum()  # fmt: skip
