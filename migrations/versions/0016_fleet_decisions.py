@@ -46,14 +46,11 @@ def upgrade() -> None:
         sa.Column("host", sa.String(255)),
         sa.Column("decided_at", TS),
     )
-    with op.batch_alter_table("fleet_rollout_hosts") as b:
-        b.add_column(sa.Column("decided_by", sa.String(255)))
-        b.add_column(sa.Column("tick", sa.BigInteger))
-        b.add_column(sa.Column("signature", sa.Text))
-    with op.batch_alter_table("fleet_target") as b:
-        b.add_column(sa.Column("signature", sa.Text))
-    with op.batch_alter_table("fleet_rollouts") as b:
-        b.add_column(sa.Column("stalled", sa.Text))
+    op.add_column("fleet_rollout_hosts", sa.Column("decided_by", sa.String(255)))
+    op.add_column("fleet_rollout_hosts", sa.Column("tick", sa.BigInteger))
+    op.add_column("fleet_rollout_hosts", sa.Column("signature", sa.Text))
+    op.add_column("fleet_target", sa.Column("signature", sa.Text))
+    op.add_column("fleet_rollouts", sa.Column("stalled", sa.Text))
     conn = op.get_bind()
     conn.execute(sa.text("INSERT INTO fleet_decider (id, tick) VALUES (1, 0)"))
     _adopt_admissions(conn)
@@ -89,12 +86,9 @@ def _adopt_target(conn: sa.Connection) -> None:
 
 
 def downgrade() -> None:
-    with op.batch_alter_table("fleet_rollouts") as b:
-        b.drop_column("stalled")
-    with op.batch_alter_table("fleet_target") as b:
-        b.drop_column("signature")
-    with op.batch_alter_table("fleet_rollout_hosts") as b:
-        b.drop_column("signature")
-        b.drop_column("tick")
-        b.drop_column("decided_by")
+    # plain ALTER TABLE ... DROP COLUMN (SQLite >= 3.35): a batch copy would break the views on these tables
+    for table, column in (("fleet_rollouts", "stalled"), ("fleet_target", "signature"),
+                          ("fleet_rollout_hosts", "signature"), ("fleet_rollout_hosts", "tick"),
+                          ("fleet_rollout_hosts", "decided_by")):  # fmt: skip
+        op.execute(f"ALTER TABLE {table} DROP COLUMN {column}")
     op.drop_table("fleet_decider")
