@@ -24,7 +24,8 @@ WARNING = "warning"
 NOUNS = {"no_worker_serving": "group", "worker_launch_failed": "worker", "worker_out_of_rotation": "worker",
          "worker_stuck": "worker", "source_failing": "source", "serving_files_changed": "serving version",
          "database_unreachable": "database", "database_unwritable": "database", "state_disk_full": "state directory",
-         "rollout_failed": "host", "host_behind": "host"}  # fmt: skip
+         "rollout_failed": "host", "host_behind": "host",
+         "fleet_stalled": "host", "fleet_decision_refused": "host"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
