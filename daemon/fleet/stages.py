@@ -180,6 +180,7 @@ class _Decider:
     host: str
     tick: int  # fleet_decider.tick once this pass's decisions are taken
     trust: Trust
+    dry: bool = False  # a pass that only finds what is due (the lock held elsewhere), rolled back
 
 
 def step(journal: Journal, now: datetime | None = None, *, trust: Trust | None = None,
@@ -197,7 +198,7 @@ def step(journal: Journal, now: datetime | None = None, *, trust: Trust | None =
         if r is None:
             return decided
         now = now or utcnow()
-        who = _Decider(host, int(lock.tick) + 1 if lock is not None else 0, trust or Trust())
+        who = _Decider(host, int(lock.tick) + 1 if lock is not None else 0, trust or Trust(), dry=lock is None)
         if lock is None:
             if blocked is not None:
                 try:
@@ -275,7 +276,8 @@ def _admit(s: Session, r: FleetRollout, now: datetime, decided: list[str], who: 
                   f"refused: {why}")  # fmt: skip
         s.execute(delete(FleetRolloutHost).where(FleetRolloutHost.rollout_id == r.id, FleetRolloutHost.host == row.host))
         _event(s, r, "fleet_admission_refused", {"host": row.host, "reason": reason}, decided)
-        log.warning("fleet_admission_refused", rollout_id=r.id, host=row.host, reason=reason)
+        if not who.dry:
+            log.warning("fleet_admission_refused", rollout_id=r.id, host=row.host, reason=reason)
     known = sorted({h for h in s.scalars(select(Worker.host).distinct()) if h})
     order = sorted((h for h in known if h not in members), key=lambda h: (h != r.created_by, h))
     added: list[str] = []
