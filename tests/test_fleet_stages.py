@@ -15,7 +15,7 @@ from support_fleet import HOSTS, Fleet
 
 from daemon.fleet import stages
 from daemon.fleet.settings import FleetSettings, StageSpec
-from daemon.fleet.target import fleet_rows
+from daemon.fleet.target import fleet_rows, set_fleet_target
 from daemon.registry.models import utcnow
 from daemon.registry.status import CheckpointStatus as C
 
@@ -121,3 +121,16 @@ def test_bad_stages_name_the_key() -> None:
         {"hosts": 1, "bake_s": 5},
         {"percent": 100, "bake_s": 0},
     ]
+
+
+def test_a_host_behind_with_a_worker_down_is_degraded(fleet: Fleet) -> None:
+    """`hotswap status --fleet`'s `degraded`: not on the target, and not every worker RUNNING (a
+    host on the target stays `in sync` whatever its workers do: the serving version is right)."""
+    set_fleet_target(fleet.regs["host-0"], "v1", by="ops")
+    fleet.on("host-0", "v1")
+    for h in ("host-0", "host-3"):
+        fleet.j[h].register_workers([("w1", "builtin", f"http://{h}:2", "cpu")])
+        fleet.j[h].observe("w1", state="UNHEALTHY", weight_version=None, error="exited 1", device="cpu")
+    rows = {r["host"]: (r["state"], r["workers_running"], r["workers"]) for r in fleet_rows(fleet.regs["host-1"])["hosts"]}
+    assert rows == {"host-0": ("in sync", 1, 2), "host-1": ("behind", 1, 1), "host-2": ("behind", 1, 1),
+                    "host-3": ("degraded", 1, 2)}, rows  # fmt: skip
