@@ -92,7 +92,7 @@ QUICK = frozenset({
     "test_detokenize", "test_disk_ahead", "test_docs_config_reference", "test_docs_readme",
     "test_e2e_versions", "test_engine_adapters", "test_engine_clients", "test_engine_files",
     "test_engine_routes", "test_fleet_agent", "test_fleet_behind", "test_fleet_cmd", "test_fleet_lag",
-    "test_fleet_stages", "test_fleet_trust", "test_loadgen", "test_registry_jit",
+    "test_fleet_stages", "test_fleet_trust", "test_fleet_roles", "test_loadgen", "test_registry_jit",
     "test_fleet_lease", "test_fleet_migration", "test_forgery", "test_forward_build", "test_hashing",
     "test_ipc_descriptor", "test_ipc_transport", "test_json_bodies", "test_layout", "test_listener_limits",
     "test_loader", "test_manifest", "test_migration_file_hashes", "test_migration_schema",
