@@ -53,6 +53,7 @@ from daemon.registry.status import TRANSITIONS, CheckpointStatus
 
 log = get_logger(__name__)
 ACTIVE = ("running", "paused")
+BEGIN_WAIT_S = 5.0  # the host that begins a rollout waits this long for the lock to admit its canary
 ENDED = ("done", "superseded")
 
 
@@ -135,7 +136,7 @@ def admitted(journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, pre
         if not settings.stages or previous is None or previous.id == ckpt.id:
             return True
         begin(journal, ckpt, previous, plan_of(settings.stages))
-        step(journal, trust=trust)
+        step(journal, trust=trust, wait_s=BEGIN_WAIT_S)
         row = _rollout_of(journal.registry, ckpt.id)
         if row is None:
             return True
@@ -184,15 +185,15 @@ class _Decider:
 
 
 def step(journal: Journal, now: datetime | None = None, *, trust: Trust | None = None,
-         blocked: list[str] | None = None) -> list[str]:  # fmt: skip
+         blocked: list[str] | None = None, wait_s: float = 0.0) -> list[str]:  # fmt: skip
     """One decision pass over the staged rollout in progress; the decisions taken (event names).
-    When another session holds the decision lock, `blocked` gets the decisions this pass would
-    have taken (found in a transaction rolled back at once), and nothing is decided."""
+    When another session holds the decision lock (after `wait_s`), `blocked` gets the decisions
+    this pass would have taken (found in a transaction rolled back at once), and nothing is decided."""
     decided: list[str] = []
     version = None
     host = journal.registry.host
     with journal.registry.session() as s:
-        lock = take_lock(s)
+        lock = take_lock(s, wait_s)
         r = s.scalars(select(FleetRollout).where(FleetRollout.state.in_(ACTIVE))
                       .order_by(FleetRollout.id.desc()).limit(1)).first()  # fmt: skip
         if r is None:

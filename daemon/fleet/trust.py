@@ -32,8 +32,8 @@ from typing import Any
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-from sqlalchemy import select
-from sqlalchemy.exc import IntegrityError
+from sqlalchemy import select, text
+from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
 from daemon.checks.signatures import read_ed25519_private
@@ -141,9 +141,17 @@ def refused_target(s: Session, trust: Trust) -> tuple[FleetTarget | None, str | 
     return row, f"fleet_target {ckpt.version if ckpt else row.checkpoint_id} set by {row.set_by!r}: refused ({why})"
 
 
-def take_lock(s: Session) -> FleetDecider | None:
+def take_lock(s: Session, wait_s: float = 0.0) -> FleetDecider | None:
     """The decision lock (the `fleet_decider` row, locked until the transaction ends); None when
-    another session holds it."""
+    another session holds it (after waiting up to `wait_s` for it: the host that begins a rollout
+    decides its canary itself rather than leave it to the next tick elsewhere)."""
+    if wait_s > 0 and s.get_bind().dialect.name == "postgresql":
+        try:
+            s.execute(text(f"SET LOCAL lock_timeout = '{int(wait_s * 1000)}ms'"))
+            return s.scalars(select(FleetDecider).where(FleetDecider.id == 1).with_for_update()).first()
+        except OperationalError:  # lock_timeout: held all that while
+            s.rollback()
+            return None
     row = s.scalars(select(FleetDecider).where(FleetDecider.id == 1).with_for_update(skip_locked=True)).first()
     if row is not None:
         return row
