@@ -72,6 +72,8 @@ def test_a_stalled_lock_is_named_and_forged_admissions_and_targets_are_refused(
         try:
             holder.execute(text("SELECT * FROM fleet_decider FOR UPDATE"))  # a fleet-role session holds the lock
             publish_into(d[1].watch_dir, "v1", seed=1)  # host-1 verifies it first: its canary, once decided
+            wait_until(lambda: one(pg_url, "SELECT count(*) FROM fleet_rollouts") == 1, 240, 0.05,
+                       "the staged rollout of v1 begun by host-1")  # fmt: skip
             publish_into(d[0].watch_dir, "v1", seed=1)
             wait_until(lambda: all("fleet_stalled" in problems(x) for x in d), 240, 0.3, "fleet_stalled on both")
             assert d[0].get("/health").status_code == 200  # a warning: both keep serving v0
@@ -85,6 +87,7 @@ def test_a_stalled_lock_is_named_and_forged_admissions_and_targets_are_refused(
         wait_until(lambda: aliases_of(pg_url, "host-1") == {"serving": "v1", "last_good": "v1"}, 240, 0.2,
                    "the canary on v1")  # fmt: skip
         wait_until(lambda: not any("fleet_stalled" in problems(x) for x in d), 60, 0.3, "fleet_stalled gone")
+    assert one(pg_url, "SELECT created_by FROM fleet_rollouts") == "host-1"
     rid = one(pg_url, "SELECT id FROM fleet_rollouts")
     v0 = one(pg_url, "SELECT id FROM checkpoints WHERE version = 'v0'")
     forged_at = one(pg_url, "SELECT now()")
