@@ -4,8 +4,9 @@ Client threads send short completions round-robin across workers. Before each re
 client skips workers whose last `/ready` answer (polled every 50 ms) was not 200, as a load
 balancer's health check would; a request a worker answers 503 (it started draining meanwhile)
 is retried on the next worker, like nginx `proxy_next_upstream http_503`, and counted in
-`retried_503`. Anything else without a 200 (another status, a connection error, a timeout, or
-503 on every worker) is a failed request. Bounded in request count and in time; loopback only.
+`retried_503`. Anything else is a failed request: another status, a connection error, a timeout,
+503 on every worker, or a 200 whose body is not a completion (not a JSON object with a non-empty
+`choices` list). Bounded in request count and in time; loopback only.
 """
 
 from __future__ import annotations
@@ -37,6 +38,15 @@ class LoadStats:
         times = sorted(t for _, t, _ in self.answered if start <= t <= end)
         edges = [start, *times, end]
         return max(b - a for a, b in zip(edges, edges[1:], strict=False))
+
+
+def completion(r: httpx.Response) -> dict[str, Any] | None:
+    """The body of a 200 when it is a completion (a JSON object with a non-empty `choices` list)."""
+    try:
+        doc = r.json()
+    except ValueError:
+        return None
+    return doc if isinstance(doc, dict) and isinstance(doc.get("choices"), list) and doc["choices"] else None
 
 
 class LoadGen:
@@ -151,10 +161,14 @@ class LoadGen:
                     self.stats.retried_503 += 1
                 continue
             if r.status_code == 200:
+                doc = completion(r)
+                if doc is None:
+                    last = f"{url}: HTTP 200 without a completion: {r.text[:200]!r}"
+                    break
                 with self._lock:
                     self.stats.ok += 1
                     self.stats.latencies.append(time.perf_counter() - t0)
-                    version = str(r.json().get("weight_version", "?"))
+                    version = str(doc.get("weight_version", "?"))
                     self.stats.versions[version] += 1
                     self.stats.answered.append((sent_at, time.time(), version))
                 return

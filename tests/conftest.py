@@ -42,6 +42,7 @@ import secrets
 import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
@@ -73,7 +74,8 @@ XDIST_GROUPS = {"test_vllm_api.py": "vllm", "test_vllm_daemon.py": "vllm", "test
                 "test_vllm_engine_death.py": "vllm",
                 "test_fleet_daemons.py": "fleet-daemons", "test_fleet_converge_daemons.py": "fleet-daemons",
                 "test_fleet_stages_daemons.py": "fleet-daemons", "test_fleet_late_joiner_s3.py": "fleet-daemons",
-                "test_fleet_fingerprints_daemons.py": "fleet-daemons"}
+                "test_fleet_fingerprints_daemons.py": "fleet-daemons",
+                "test_fleet_trust_daemons.py": "fleet-daemons"}
 # The longest units go first, so no worker is left with a long one at the end (measured with
 # `--durations=0`: the duration table in tests/README.md).
 LONGEST_FIRST = ("test_rollout_faults.py", "test_rollout_e2e.py", "test_daemon_e2e.py",
@@ -130,6 +132,55 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         return LONGEST_FIRST.index(u) if u in LONGEST_FIRST else len(LONGEST_FIRST)
 
     items.sort(key=rank)  # stable: a module's tests keep their order and stay together
+
+
+# --------------------------------------------------------------------------- helper threads
+
+
+class ThreadErrors:
+    """Exceptions raised in threads while a test runs (threading.excepthook). pytest alone only
+    warns about them, so an assert inside a poller thread would leave the test green."""
+
+    def __init__(self) -> None:
+        self.errors: list[tuple[str, BaseException]] = []
+        self._lock = threading.Lock()
+        self._previous = threading.excepthook
+
+    def hook(self, args: threading.ExceptHookArgs) -> None:
+        if args.exc_value is not None:
+            with self._lock:
+                self.errors.append((args.thread.name if args.thread else "?", args.exc_value))
+        self._previous(args)
+
+    def check(self) -> None:
+        """Raise the first exception a thread raised (naming how many there were)."""
+        with self._lock:
+            errors = list(self.errors)
+        if errors:
+            name, exc = errors[0]
+            raise AssertionError(f"{len(errors)} exception(s) in helper threads; the first, in {name}: "
+                                 f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
+
+
+@pytest.fixture
+def thread_errors() -> Iterator[ThreadErrors]:
+    """Ask for it in a test that starts threads: an exception in any of them fails the test (after
+    its body ran, in `pytest_runtest_call`), with the thread's name and traceback."""
+    collector = ThreadErrors()
+    threading.excepthook = collector.hook
+    try:
+        yield collector
+    finally:
+        threading.excepthook = collector._previous
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    result = yield
+    collector = getattr(item, "funcargs", {}).get("thread_errors")
+    if isinstance(collector, ThreadErrors):
+        collector.check()
+    return result
 
 
 # --------------------------------------------------------------------------- skips under CI

@@ -26,6 +26,7 @@ from daemon.cli.read import open_existing_registry, read_config, safe
 from daemon.config import CONFIG_ENV, Config, ConfigError
 from daemon.fleet.stages import StageCommandRefused, command, stage_label, status
 from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
+from daemon.fleet.trust import Trust
 from daemon.registry.db import RegistryError
 from daemon.registry.journal import Journal
 
@@ -92,8 +93,9 @@ def _cmd_target(args: argparse.Namespace, config: Config) -> int:
     registry = open_existing_registry(config)
     try:
         if args.clear or args.version is not None:
-            set_fleet_target(registry, None if args.clear else args.version, by=_operator())
-        doc = _describe(Journal(registry))
+            set_fleet_target(registry, None if args.clear else args.version, by=_operator(),
+                             trust=Trust.from_file(config.fleet.signing_key))  # fmt: skip
+        doc = _describe(Journal(registry), Trust.from_file(config.fleet.signing_key))
     finally:
         registry.close()
     if args.json:
@@ -125,6 +127,8 @@ def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
             "no staged fleet rollout yet ([fleet] stages: a new version reaches one stage of hosts at a time)"
         )
         return EXIT_OK
+    if doc.get("stalled"):
+        print(safe(f"stalled: {doc['stalled']}"))
     why = f" ({doc['reason']})" if doc["reason"] else ""
     print(safe(f"staged rollout {doc['rollout_id']}: {doc['version']} (from {doc['previous']}), {doc['state']}{why}, "
                f"{stage_label(doc['stage'], len(doc['plan']))}"))  # fmt: skip
@@ -136,8 +140,8 @@ def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
     return EXIT_OK
 
 
-def _describe(journal: Journal) -> dict[str, Any]:
-    target = fleet_target(journal)
+def _describe(journal: Journal, trust: Trust) -> dict[str, Any]:
+    target = fleet_target(journal, trust)
     if target is None:
         return {"version": None, "explicit": False, "set_by": None, "set_at": None}
     return {"version": target.checkpoint.version, "explicit": target.explicit,

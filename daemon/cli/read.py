@@ -241,7 +241,7 @@ def status_cmd(args: argparse.Namespace) -> int:
     asked (its /status and /health); the registry is read here only when it does not answer."""
     config = read_config(args)
     if getattr(args, "fleet", False):
-        return fleet_status(open_existing_registry(config), args.json)
+        return fleet_status(open_existing_registry(config), args.json, config.fleet.signing_key)
     runtime = read_runtime_file(config)
     running = daemon_alive(runtime)
     health: dict[str, Any] | None = None
@@ -348,15 +348,17 @@ _FLEET_STYLES = {"in sync": "green", "updating": "yellow", "behind": "red", "deg
                  "silent": "red", "ahead": "yellow", "held": "cyan"}  # fmt: skip
 
 
-def fleet_status(reg: Any, as_json: bool) -> int:
-    """`hotswap status --fleet`: every host's serving version, state and lag."""
+def fleet_status(reg: Any, as_json: bool, signing_key: str = "") -> int:
+    """`hotswap status --fleet`: every host's serving version, state and lag; a stalled staged
+    rollout and a refused (forged) fleet target, named below the table."""
     from rich.console import Console
     from rich.table import Table
     from rich.text import Text
 
     from daemon.fleet.target import fleet_rows
+    from daemon.fleet.trust import Trust
 
-    doc = fleet_rows(reg)
+    doc = fleet_rows(reg, Trust.from_file(signing_key))
     if as_json:
         print(json.dumps(doc, default=plain))
         return 0
@@ -382,4 +384,8 @@ def fleet_status(reg: Any, as_json: bool) -> int:
         if r.get("behind_reason") and r.get("state") not in ("in sync", "ahead"):
             console.print(Text(textwrap.fill(safe(r["behind_reason"]), 80, initial_indent=f"{safe(r['host'])}: ",
                                              subsequent_indent="  ", break_on_hyphens=False)))  # fmt: skip
+    for what in ("stalled", "target_refused"):  # fleet-wide trouble (daemon.fleet.trust)
+        if doc.get(what):
+            console.print(Text(textwrap.fill(safe(f"fleet {what.replace('_', ' ')}: {doc[what]}"), 80,
+                                             subsequent_indent="  ", break_on_hyphens=False), style="red"))  # fmt: skip
     return 0

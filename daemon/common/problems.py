@@ -26,7 +26,8 @@ NOUNS = {"no_worker_serving": "group", "worker_launch_failed": "worker", "worker
          "worker_stuck": "worker", "source_failing": "source", "serving_files_changed": "serving version",
          "serving_without_tokenizer": "serving version",
          "database_unreachable": "database", "database_unwritable": "database", "state_disk_full": "state directory",
-         "rollout_failed": "host", "host_behind": "host", "adapter_not_on_base": "adapter"}  # fmt: skip
+         "rollout_failed": "host", "host_behind": "host", "adapter_not_on_base": "adapter",
+         "fleet_stalled": "host", "fleet_decision_refused": "host"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

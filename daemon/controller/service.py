@@ -226,7 +226,8 @@ class RolloutService:
             "last_good": last_good.version if last_good else None,
             "transport": self.settings.transport,
             "adapters": self.adapter_journal.aliases(),  # adapter name -> serving, last_good, pinned
-            "passes": {"health_poll": self.polls, "supervisor": self.supervisor.passes},  # the loops are alive
+            "passes": {"health_poll": self.polls, "supervisor": self.supervisor.passes,  # the loops are alive
+                       **({"fleet_agent": self.fleet_agent.looks} if self.fleet_agent is not None else {})},  # fmt: skip
             "workers": [
                 {"name": h.name, "url": h.url, "group": h.spec.group, "launch": h.spec.launch,
                  "state": h.state.value if h.state else None}

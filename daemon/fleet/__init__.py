@@ -7,6 +7,8 @@ fleet converges to, and each host's copy of a version.
     agent     per host: converge to the target under a lease (the controller's fleet job)
     behind    why this host is not on the target: its host_behind warning, its fleet_host_reasons row
     fetch     a version registered by another host: this host's copy through its own source
+    stages    staged rollouts: which stage admits which host, decided by whichever host locks it
+    trust     the decision lock (a row lock), who decided each admission and target, signed and verified
 
 Above rollout (an agent drives daemon.rollout.engine); below the controller, which runs the agent.
 """

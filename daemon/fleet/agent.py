@@ -29,7 +29,7 @@ from typing import Any
 from daemon.common.logging import get_logger
 from daemon.common.problems import Problem
 from daemon.fleet import behind as why
-from daemon.fleet import stages
+from daemon.fleet import stages, trust
 from daemon.fleet.lease import FleetLeases, holders
 from daemon.fleet.settings import FleetSettings
 from daemon.fleet.target import Target, fleet_mark, fleet_target
@@ -100,6 +100,10 @@ class FleetAgent:
         self._quiet: tuple[Any, ...] | None = None  # fleet_mark at the last look that found this host in sync
         self._looked = -FULL_LOOK_S  # time.monotonic() of the last full look
         self._staging = False  # a staged rollout was in progress at the last look
+        self.trust = trust.Trust.from_file(settings.signing_key)  # how decisions are signed and checked
+        self.stall = trust.Stall()  # polls in a row a due decision waited for a lock held elsewhere
+        self.refused: list[str] = []  # forged admissions or target seen at the last look
+        self.looks = 0  # full looks taken (a test's positive signal that a tick happened)
 
     def wanted(self) -> tuple[CheckpointRef, bool] | None:
         """What this host should do now: (version, True) converge to the fleet target, (version,
@@ -122,10 +126,10 @@ class FleetAgent:
 
     def target(self, serving: CheckpointRef | None) -> tuple[Target | None, stages.HostStage | None]:
         """The fleet target for this host, with the staged rollout in progress (if any) applied."""
-        target = fleet_target(self.journal)
+        target = fleet_target(self.journal, self.trust)
         if target is not None and target.explicit:
             return target, None  # an operator's target holds the fleet, stages or not
-        plan = self._plan if self._plan_read else stages.for_host(self.journal, self.journal.registry.host)
+        plan = self._plan if self._plan_read else stages.for_host(self.journal, self.journal.registry.host, self.trust)
         if plan is None:
             return target, None
         if plan.state in stages.ACTIVE and plan.version.status != CheckpointStatus.REJECTED:
@@ -143,16 +147,16 @@ class FleetAgent:
         """May this host deploy `ckpt`, which it verified itself (begins its staged rollout)?"""
         if self.pinned() is not None:
             return True  # the rollout service holds it anyway; nothing to decide
-        target = fleet_target(self.journal)
+        target = fleet_target(self.journal, self.trust)
         previous = target.checkpoint if target is not None and newer(ckpt, target.checkpoint) else None
-        ok = stages.admitted(self.journal, ckpt, self.settings, previous)
+        ok = stages.admitted(self.journal, ckpt, self.settings, previous, self.trust)
         if not ok:
             log.info("fleet_stage_holds", version=ckpt.version, host=self.journal.registry.host)
         return ok
 
     def staged(self, ckpt: CheckpointRef) -> bool:
         """`ckpt` is the version of the staged rollout in progress: converging to it runs a health window."""
-        plan = stages.for_host(self.journal, self.journal.registry.host)
+        plan = stages.for_host(self.journal, self.journal.registry.host, self.trust)
         return plan is not None and plan.state in stages.ACTIVE and plan.version.id == ckpt.id
 
     def _here(self, ckpt: CheckpointRef) -> bool:
@@ -195,12 +199,20 @@ class FleetAgent:
             return None
 
     def _look(self) -> str | None:
+        self.looks += 1
+        host = self.journal.registry.host
         try:
             # one read of the staged rollout per tick (none in progress: that one query is all it costs)
-            self._plan, self._plan_read = stages.for_host(self.journal, self.journal.registry.host), True
+            self._plan, self._plan_read = stages.for_host(self.journal, host, self.trust), True
             self._staging = self._plan is not None and self._plan.state in stages.ACTIVE  # its passes go on each tick
-            if self._plan is not None and self._plan.state in stages.ACTIVE and stages.step(self.journal):
-                self._plan = stages.for_host(self.journal, self.journal.registry.host)  # it moved: read again
+            due: list[str] = []
+            if self._plan is not None and self._plan.state in stages.ACTIVE:
+                if stages.step(self.journal, trust=self.trust, blocked=due):
+                    self._plan = stages.for_host(self.journal, host, self.trust)  # it moved: read again
+                self._note_stall(due)
+            else:
+                self.stall.observe(None, [], "")
+            self._refusals()
         except Exception as exc:  # noqa: BLE001 - a database blip: the next tick (here or elsewhere) decides
             log.warning("fleet_stage_step_failed", error=str(exc))
         try:
@@ -212,6 +224,23 @@ class FleetAgent:
         finally:
             self._plan, self._plan_read = None, False
         return asked
+
+    def _note_stall(self, due: list[str]) -> None:
+        """A decision due while another session holds the lock: after STALL_POLLS polls, a problem
+        here and a line on the rollout's row (`status --fleet`, `fleet rollout status`)."""
+        plan = self._plan
+        assert plan is not None
+        before = self.stall.reason
+        mark = (plan.rollout_id, plan.stage, plan.state)
+        reason = self.stall.observe(mark, due, f"staged rollout of {plan.version.version}, stage {plan.stage}")
+        if reason is not None and (before is None or plan.stalled is None):
+            stages.note_stalled(self.journal.registry, plan.rollout_id, reason)
+            log.warning("fleet_stalled", rollout_id=plan.rollout_id, reason=reason)
+
+    def _refusals(self) -> None:
+        with self.journal.registry.session() as s:
+            _, target = trust.refused_target(s, self.trust)
+        self.refused = [*(self._plan.refused if self._plan is not None else ()), *([target] if target else [])]
 
     def observe(self) -> why.Behind | None:
         """Why this host is not on the fleet target now (None: it is, or it is ahead of it)."""
@@ -235,8 +264,10 @@ class FleetAgent:
         return behind
 
     def problems(self) -> list[Problem]:
-        """The daemon's `host_behind` warning (a probe of daemon.process.health.HealthMonitor)."""
-        return why.problem(self.journal.registry.host, self.behind)
+        """The daemon's `host_behind`, `fleet_stalled` and `fleet_decision_refused` warnings (a probe
+        of daemon.process.health.HealthMonitor)."""
+        host = self.journal.registry.host
+        return why.problem(host, self.behind) + trust.problems(host, self.stall.reason, self.refused)
 
     def _act(self) -> str | None:
         wanted = self.wanted()

@@ -6,6 +6,7 @@
     max_updating_hosts = 1     # hosts rolling out at once, fleet-wide
     lease_s = 60               # a lease not renewed for this long is free again (its daemon died)
     poll_s = 5                 # how often a host looks at the fleet target
+    signing_key = "/etc/hotswap/fleet-ed25519.pem"   # sign stage admissions and the target (optional)
 
     [[fleet.stages]]           # staged rollouts (daemon.fleet.stages): a canary host first ...
     hosts = 1
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass, field
+from pathlib import Path
 
 
 @dataclass
@@ -52,6 +54,10 @@ class FleetSettings:
     lease_s: float = 60.0  # a lease its daemon stopped renewing is free again after this long
     poll_s: float = 5.0  # how often a host checks the fleet target version
     stages: list[StageSpec] = field(default_factory=list)  # staged rollouts (daemon.fleet.stages); none: all at once
+    # Ed25519 private key (PEM or 32 raw bytes), the same on every host and operator machine: stage
+    # admissions and the fleet target are signed with it and hosts act only on verified ones
+    # (daemon.fleet.trust); "" = unsigned (the decider must be a known host that recorded the event)
+    signing_key: str = ""
 
     def validate(self, key: str) -> None:
         # ConfigError lives in daemon.config, which imports this module: plain ValueError here is
@@ -64,6 +70,10 @@ class FleetSettings:
             raise ValueError(f"{key}.poll_s: must be > 0")
         for i, st in enumerate(self.stages):
             st.validate(f"{key}.stages[{i}]")
+        if self.signing_key:
+            from daemon.checks.signatures import read_ed25519_private
+
+            read_ed25519_private(Path(self.signing_key))  # SignatureError (a ValueError) names the file
         if len(self.host) > 255 or any(c.isspace() for c in self.host):
             raise ValueError(f"{key}.host: {self.host!r} must be a name without spaces (at most 255 characters)")
 

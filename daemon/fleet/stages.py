@@ -14,10 +14,11 @@ host follows the same one. Each stage admits hosts (`fleet_rollout_hosts`: the c
 then by name); only admitted hosts take the version (`admitted`, asked by the rollout service
 before it deploys and by the fleet agent before it converges). Nothing else moves a host onto it.
 
-`step` is level-triggered and run by every host's fleet agent each tick; the one that gets the
-transaction-scoped advisory lock decides, so no host is special and the death of any one costs
-nothing (the next tick elsewhere decides). Each pass compares the stage with what the registry
-says of its hosts:
+`step` is level-triggered and run by every host's fleet agent each tick; the one that locks the
+`fleet_decider` row decides (daemon.fleet.trust: a row lock only the fleet role can take, and who
+decided each admission), so no host is special and the death of any one costs nothing (the next
+tick elsewhere decides). Hosts act only on admissions that verify. Each pass compares the stage
+with what the registry says of its hosts:
 
 - the version was rejected (a stage host's health window, or its rollout, found it bad: the same
   verdict a single host acts on) -> **halted**: no host outside the stage is ever admitted, and
@@ -37,21 +38,22 @@ from dataclasses import asdict, dataclass
 from datetime import datetime
 from typing import Any
 
-from sqlalchemy import select, text, update
+from sqlalchemy import delete, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
 from daemon.common.logging import get_logger
 from daemon.fleet.settings import FleetSettings, StageSpec
+from daemon.fleet.trust import Trust, admission_message, take_lock
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import Alias, Checkpoint, FleetRollout, FleetRolloutHost, Worker, utcnow
+from daemon.registry.models import Alias, Checkpoint, Event, FleetRollout, FleetRolloutHost, Worker, utcnow
 from daemon.registry.queries import record_event
 from daemon.registry.status import TRANSITIONS, CheckpointStatus
 
 log = get_logger(__name__)
-LOCK_KEY = 0x686F7473  # pg_try_advisory_xact_lock: one host decides each pass
 ACTIVE = ("running", "paused")
+BEGIN_WAIT_S = 5.0  # the host that begins a rollout waits this long for the lock to admit its canary
 ENDED = ("done", "superseded")
 
 
@@ -83,16 +85,25 @@ class HostStage:
     state: str  # running, paused, halted, aborted
     stage: int  # the rollout's stage now
     stages: int
-    admitted: bool  # this host is in a stage already admitted
+    admitted: bool  # this host is in a stage already admitted (by an admission that verifies)
+    refused: tuple[str, ...] = ()  # forged admissions seen in it (this host's own, or deleted by a decider)
+    stalled: str | None = None  # a decision due and the lock held elsewhere (fleet_stalled)
 
 
-def for_host(journal: Journal, host: str) -> HostStage | None:
+def for_host(journal: Journal, host: str, trust: Trust | None = None) -> HostStage | None:
     """The newest staged rollout, when it is not over (done or superseded): None otherwise."""
     with journal.registry.session() as s:
         r = s.scalars(select(FleetRollout).order_by(FleetRollout.id.desc()).limit(1)).first()
         if r is None or r.state in ENDED:
             return None
-        admitted = s.get(FleetRolloutHost, (r.id, host)) is not None
+        row = s.get(FleetRolloutHost, (r.id, host))
+        mine = (trust or Trust()).admission(s, r, row) if row is not None else None
+        admitted = row is not None and mine is None
+        refused = [f"admission of {host} to stage {row.stage}: {mine}"] if row is not None and mine else []
+        refused += [str((e or {}).get("reason")) for e in s.scalars(
+            select(Event.detail).where(Event.to_state == "fleet_admission_refused", Event.checkpoint_id == r.checkpoint_id)
+            .order_by(Event.id.desc()).limit(5))]  # fmt: skip
+        stalled = r.stalled
         rid, ckpt_id, prev_id, state, stage, n = (
             r.id,
             r.checkpoint_id,
@@ -105,7 +116,7 @@ def for_host(journal: Journal, host: str) -> HostStage | None:
     if version is None:
         return None
     previous = journal.checkpoint(prev_id) if prev_id is not None else None
-    return HostStage(rid, version, previous, state, stage, n, admitted)
+    return HostStage(rid, version, previous, state, stage, n, admitted, tuple(refused), stalled)
 
 
 def held_back(registry: Registry) -> tuple[str, set[str]] | None:
@@ -121,9 +132,8 @@ def held_back(registry: Registry) -> tuple[str, set[str]] | None:
         return (ckpt.version if ckpt else "", hosts)
 
 
-def admitted(
-    journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, previous: CheckpointRef | None
-) -> bool:
+def admitted(journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, previous: CheckpointRef | None,
+             trust: Trust | None = None) -> bool:  # fmt: skip
     """May this host deploy `ckpt` now? Begins its staged rollout when none exists and stages are
     configured (`previous`: the fleet target it replaces; none: nothing to protect, no stages)."""
     host = journal.registry.host
@@ -132,7 +142,7 @@ def admitted(
         if not settings.stages or previous is None or previous.id == ckpt.id:
             return True
         begin(journal, ckpt, previous, plan_of(settings.stages))
-        step(journal)
+        step(journal, trust=trust, wait_s=BEGIN_WAIT_S)
         row = _rollout_of(journal.registry, ckpt.id)
         if row is None:
             return True
@@ -142,7 +152,8 @@ def admitted(
     if state != "running":
         return False
     with journal.registry.session() as s:
-        return s.get(FleetRolloutHost, (rid, host)) is not None
+        r, mine = s.get(FleetRollout, rid), s.get(FleetRolloutHost, (rid, host))
+        return r is not None and mine is not None and (trust or Trust()).admission(s, r, mine) is None
 
 
 def _rollout_of(registry: Registry, checkpoint_id: int) -> tuple[str, int] | None:
@@ -171,50 +182,79 @@ def begin(journal: Journal, ckpt: CheckpointRef, previous: CheckpointRef, plan: 
     log.info("fleet_rollout_started", version=ckpt.version, previous=previous.version, stages=len(plan))
 
 
-def _locked(s: Session) -> bool:
-    if s.get_bind().dialect.name != "postgresql":
-        return True  # SQLite is one host's file
-    return bool(s.execute(text("SELECT pg_try_advisory_xact_lock(:k)"), {"k": LOCK_KEY}).scalar())
+@dataclass(frozen=True)
+class _Decider:
+    host: str
+    tick: int  # fleet_decider.tick once this pass's decisions are taken
+    trust: Trust
+    dry: bool = False  # a pass that only finds what is due (the lock held elsewhere), rolled back
 
 
-def step(journal: Journal, now: datetime | None = None) -> list[str]:
-    """One decision pass over the staged rollout in progress; the decisions taken (event names)."""
+def step(journal: Journal, now: datetime | None = None, *, trust: Trust | None = None,
+         blocked: list[str] | None = None, wait_s: float = 0.0) -> list[str]:  # fmt: skip
+    """One decision pass over the staged rollout in progress; the decisions taken (event names).
+    When another session holds the decision lock (after `wait_s`), `blocked` gets the decisions
+    this pass would have taken (found in a transaction rolled back at once), and nothing is decided."""
     decided: list[str] = []
     version = None
+    host = journal.registry.host
     with journal.registry.session() as s:
-        if not _locked(s):
-            return decided
+        lock = take_lock(s, wait_s)
         r = s.scalars(select(FleetRollout).where(FleetRollout.state.in_(ACTIVE))
                       .order_by(FleetRollout.id.desc()).limit(1)).first()  # fmt: skip
         if r is None:
             return decided
         now = now or utcnow()
-        ckpt = s.get(Checkpoint, r.checkpoint_id)
-        version = ckpt.version if ckpt else None
-        if ckpt is None or ckpt.status == CheckpointStatus.REJECTED.value:
-            why = f"{ckpt.version if ckpt else 'the version'} was rejected at {stage_label(r.stage, len(r.plan))}"
-            _end(s, r, "halted", f"{why}: {ckpt.status_message if ckpt else 'its row is gone'}", now, decided)
+        who = _Decider(host, int(lock.tick) + 1 if lock is not None else 0, trust or Trust(), dry=lock is None)
+        if lock is None:
+            if blocked is not None:
+                try:
+                    _decide(s, r, now, blocked, who)
+                except Exception:  # noqa: BLE001 - a decider at work meanwhile (its rows conflict): not stalled
+                    blocked.clear()
+                s.rollback()
             return decided
-        if r.state == "paused":
-            return decided
-        members = _admit(s, r, now, decided)
-        stage_hosts = [h for h, st in members.items() if st <= r.stage]
-        if _ready(s, r.checkpoint_id, stage_hosts):
-            if r.stage_ready_at is None:
-                r.stage_ready_at = r.updated_at = now
-                _event(s, r, "fleet_stage_ready", {"hosts": sorted(stage_hosts)}, decided)
-            elif (now - r.stage_ready_at).total_seconds() >= float(r.plan[r.stage].get("bake_s", 0)):
-                if r.stage + 1 >= len(r.plan):
-                    _end(s, r, "done", None, now, decided)
-                else:
-                    r.stage, r.stage_started_at, r.stage_ready_at, r.updated_at = r.stage + 1, now, None, now
-                    _event(s, r, "fleet_stage_advanced", {}, decided)
-                    _admit(s, r, now, decided)
-        elif r.stage_ready_at is not None:
-            r.stage_ready_at, r.updated_at = None, now  # a host left the version: bake again once back
+        version = _decide(s, r, now, decided, who)
+        if decided:
+            lock.tick, lock.host, lock.decided_at = who.tick, host, now
+        if r.stalled is not None:
+            r.stalled = None
     for d in decided:
-        log.info(d, version=version, host=journal.registry.host)
+        log.info(d, version=version, host=host)
     return decided
+
+
+def _decide(s: Session, r: FleetRollout, now: datetime, decided: list[str], who: _Decider) -> str | None:
+    ckpt = s.get(Checkpoint, r.checkpoint_id)
+    version = ckpt.version if ckpt else None
+    if ckpt is None or ckpt.status == CheckpointStatus.REJECTED.value:
+        why = f"{ckpt.version if ckpt else 'the version'} was rejected at {stage_label(r.stage, len(r.plan))}"
+        _end(s, r, "halted", f"{why}: {ckpt.status_message if ckpt else 'its row is gone'}", now, decided)
+        return version
+    if r.state == "paused":
+        return version
+    members = _admit(s, r, now, decided, who)
+    stage_hosts = [h for h, st in members.items() if st <= r.stage]
+    if _ready(s, r.checkpoint_id, stage_hosts):
+        if r.stage_ready_at is None:
+            r.stage_ready_at = r.updated_at = now
+            _event(s, r, "fleet_stage_ready", {"hosts": sorted(stage_hosts)}, decided)
+        elif (now - r.stage_ready_at).total_seconds() >= float(r.plan[r.stage].get("bake_s", 0)):
+            if r.stage + 1 >= len(r.plan):
+                _end(s, r, "done", None, now, decided)
+            else:
+                r.stage, r.stage_started_at, r.stage_ready_at, r.updated_at = r.stage + 1, now, None, now
+                _event(s, r, "fleet_stage_advanced", {}, decided)
+                _admit(s, r, now, decided, who)
+    elif r.stage_ready_at is not None:
+        r.stage_ready_at, r.updated_at = None, now  # a host left the version: bake again once back
+    return version
+
+
+def note_stalled(registry: Registry, rollout_id: int, reason: str) -> None:
+    """Why the rollout's due decision waits (its row's `stalled`; the next pass that decides clears it)."""
+    with registry.session() as s:
+        s.execute(update(FleetRollout).where(FleetRollout.id == rollout_id).values(stalled=reason))
 
 
 def _event(s: Session, r: FleetRollout, name: str, detail: dict[str, Any], decided: list[str]) -> None:
@@ -230,12 +270,21 @@ def _end(
     _event(s, r, f"fleet_rollout_{state}", {"reason": reason} if reason else {}, decided)
 
 
-def _admit(s: Session, r: FleetRollout, now: datetime, decided: list[str]) -> dict[str, int]:
-    """Every stage up to the current one holds its hosts (admitted once, never taken back)."""
-    members = {
-        h.host: h.stage
-        for h in s.scalars(select(FleetRolloutHost).where(FleetRolloutHost.rollout_id == r.id))
-    }
+def _admit(s: Session, r: FleetRollout, now: datetime, decided: list[str], who: _Decider) -> dict[str, int]:
+    """Every stage up to the current one holds its hosts (admitted once, never taken back). An
+    admission that does not verify (daemon.fleet.trust) is deleted, with an event saying why."""
+    members: dict[str, int] = {}
+    for row in list(s.scalars(select(FleetRolloutHost).where(FleetRolloutHost.rollout_id == r.id))):
+        why = who.trust.admission(s, r, row)
+        if why is None:
+            members[row.host] = row.stage
+            continue
+        reason = (f"admission of {row.host} to stage {row.stage} (decided_by {row.decided_by!r}, tick {row.tick}) "
+                  f"refused: {why}")  # fmt: skip
+        s.execute(delete(FleetRolloutHost).where(FleetRolloutHost.rollout_id == r.id, FleetRolloutHost.host == row.host))
+        _event(s, r, "fleet_admission_refused", {"host": row.host, "reason": reason}, decided)
+        if not who.dry:
+            log.warning("fleet_admission_refused", rollout_id=r.id, host=row.host, reason=reason)
     known = sorted({h for h in s.scalars(select(Worker.host).distinct()) if h})
     order = sorted((h for h in known if h not in members), key=lambda h: (h != r.created_by, h))
     added: list[str] = []
@@ -253,11 +302,13 @@ def _admit(s: Session, r: FleetRollout, now: datetime, decided: list[str]) -> di
         for h in new:
             members[h] = k
             order.remove(h)
-            s.add(FleetRolloutHost(rollout_id=r.id, host=h, stage=k, admitted_at=now))
+            sig = who.trust.sign(admission_message(r.id, r.checkpoint_id, h, k, who.host, who.tick))
+            s.add(FleetRolloutHost(rollout_id=r.id, host=h, stage=k, admitted_at=now, decided_by=who.host,
+                                   tick=who.tick, signature=sig))  # fmt: skip
         added += new
     if added:
         s.flush()
-        _event(s, r, "fleet_stage_admitted", {"hosts": added}, decided)
+        _event(s, r, "fleet_stage_admitted", {"hosts": added, "tick": who.tick}, decided)
     return members
 
 
@@ -326,6 +377,6 @@ def status(registry: Registry) -> dict[str, Any] | None:
             {"r": r.id}).mappings()]  # fmt: skip
         return {"rollout_id": r.id, "version": version.version if version else None,
                 "previous": previous.version if previous else None, "state": r.state, "reason": r.reason,
-                "stage": r.stage, "plan": r.plan, "created_by": r.created_by,
+                "stage": r.stage, "plan": r.plan, "created_by": r.created_by, "stalled": r.stalled,
                 "stage_started_at": r.stage_started_at.isoformat(),
                 "stage_ready_at": r.stage_ready_at.isoformat() if r.stage_ready_at else None, "hosts": hosts}  # fmt: skip

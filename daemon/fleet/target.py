@@ -23,6 +23,7 @@ from sqlalchemy.orm import Session
 
 from daemon.fleet.lease import holders
 from daemon.fleet.stages import held_back
+from daemon.fleet.trust import Trust, refused_target, target_message
 from daemon.registry.db import Registry
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import (
@@ -34,6 +35,7 @@ from daemon.registry.models import (
     FleetTarget,
     utcnow,
 )
+from daemon.registry.queries import record_event
 from daemon.registry.status import DEPLOYABLE, CheckpointStatus
 
 SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: the host is "silent"
@@ -52,11 +54,12 @@ class TargetRefused(ValueError):
     """A version that cannot be the fleet's target (unknown, never verified, rejected)."""
 
 
-def fleet_target(journal: Journal) -> Target | None:
+def fleet_target(journal: Journal, trust: Trust | None = None) -> Target | None:
+    """An explicit row counts only when it verifies (daemon.fleet.trust); else the newest good."""
     reg = journal.registry
     with reg.session() as s:
-        explicit = s.get(FleetTarget, 1)
-        if explicit is not None:
+        explicit, refused = refused_target(s, trust or Trust())
+        if explicit is not None and refused is None:
             ref = journal.checkpoint(explicit.checkpoint_id)
             return Target(ref, True, explicit.set_by, explicit.set_at) if ref is not None else None
         best = newest_good(s)
@@ -126,14 +129,17 @@ def fleet_mark(registry: Registry) -> tuple[Any, ...]:
         return tuple(conn.execute(select(*(m.scalar_subquery() for m in marks))).one())
 
 
-def set_fleet_target(registry: Registry, version: str | None, by: str) -> None:
+def set_fleet_target(registry: Registry, version: str | None, by: str, trust: Trust | None = None) -> None:
     """Hold the whole fleet on `version` (None: back to the newest good version). Only a version whose
-    checks passed and that is not rejected: every host would otherwise converge to it."""
+    checks passed and that is not rejected: every host would otherwise converge to it. Signed with
+    `trust`'s key when it has one, and recorded as an event (what unsigned verification reads)."""
+    trust = trust or Trust()
     with registry.session() as s:
         row = s.get(FleetTarget, 1)
         if version is None:
             if row is not None:
                 s.delete(row)
+                record_event(s, to_state="fleet_target_cleared", checkpoint_id=row.checkpoint_id, detail={"by": by})
             return
         ckpt = s.scalars(select(Checkpoint).where(Checkpoint.version == version)).one_or_none()
         if ckpt is None:
@@ -144,21 +150,31 @@ def set_fleet_target(registry: Registry, version: str | None, by: str) -> None:
                 f"version {version!r} is {status.value}{f' ({ckpt.status_message})' if ckpt.status_message else ''}: "
                 "a fleet target must be a version whose checks passed and that is not rejected"
             )
+        now = utcnow()
+        sig = trust.sign(target_message(ckpt.id, by, now))
         if row is None:
-            s.add(FleetTarget(id=1, checkpoint_id=ckpt.id, set_by=by, set_at=utcnow()))
+            s.add(FleetTarget(id=1, checkpoint_id=ckpt.id, set_by=by, set_at=now, signature=sig))
         else:
-            row.checkpoint_id, row.set_by, row.set_at = ckpt.id, by, utcnow()
+            row.checkpoint_id, row.set_by, row.set_at, row.signature = ckpt.id, by, now, sig
+        record_event(s, to_state="fleet_target_set", checkpoint_id=ckpt.id,
+                     detail={"version": version, "by": by, "set_at": now.isoformat()})  # fmt: skip
 
 
-def fleet_rows(registry: Registry) -> dict[str, Any]:
-    """Every host's row of `fleet_versions`, the fleet target and the lease holders now."""
+def fleet_rows(registry: Registry, trust: Trust | None = None) -> dict[str, Any]:
+    """Every host's row of `fleet_versions`, the fleet target and the lease holders now; a refused
+    explicit target (daemon.fleet.trust) and a stalled staged rollout, named."""
     journal = Journal(registry)
-    target = fleet_target(journal)
+    target = fleet_target(journal, trust)
     with registry.session() as s:  # with target, lag and why each host is behind (daemon.fleet.behind)
         rows = [dict(r) for r in s.execute(text("SELECT * FROM fleet_versions ORDER BY host")).mappings()]
+        _, refused = refused_target(s, trust or Trust())
+        stalled = s.scalars(select(FleetRollout.stalled).where(FleetRollout.state.in_(("running", "paused")))
+                            .order_by(FleetRollout.id.desc()).limit(1)).first()  # fmt: skip
     busy = {h["host"]: h for h in holders(registry)}
     staged = held_back(registry)
     for r in rows:
+        if refused is not None:  # the view follows the row: what hosts follow is the verified target
+            r["target"], r["lag"] = (target.checkpoint.version if target else None), None
         if isinstance(r["behind_since"], datetime):  # SQLite: text already
             r["behind_since"] = r["behind_since"].isoformat()
         held = busy.get(r["host"])
@@ -170,7 +186,8 @@ def fleet_rows(registry: Registry) -> dict[str, Any]:
             r["state"] = "held"  # a staged rollout keeps it on the previous version until its stage comes
         r["last_seen"] = r["last_seen"].isoformat() if isinstance(r["last_seen"], datetime) else r["last_seen"]
     return {"host": registry.host, "target": target.checkpoint.version if target else None,
-            "target_explicit": bool(target and target.explicit), "hosts": rows}  # fmt: skip
+            "target_explicit": bool(target and target.explicit), "target_refused": refused, "stalled": stalled,
+            "hosts": rows}  # fmt: skip
 
 
 def _state(row: dict[str, Any], updating: bool, explicit: bool) -> str:

@@ -22,6 +22,9 @@ stat files run on the tick and their last answer is used):
                                       version served before it had one: a worker launched on it
                                       refuses text prompts (400 no_tokenizer)
     host_behind             warning   (fleet) this host does not serve the fleet target, and why
+    fleet_stalled           warning   (fleet) a staged-rollout decision due for several polls while
+                                      another session holds the decision lock (daemon.fleet.trust)
+    fleet_decision_refused  warning   (fleet) a forged admission or fleet target, refused
 """
 
 from __future__ import annotations

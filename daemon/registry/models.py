@@ -352,6 +352,7 @@ class FleetTarget(Base):
     checkpoint_id: Mapped[int] = mapped_column(ForeignKey("checkpoints.id"))
     set_at: Mapped[datetime] = mapped_column(default=utcnow)
     set_by: Mapped[str | None] = mapped_column(String(255))
+    signature: Mapped[str | None] = mapped_column(Text)  # Ed25519 by [fleet] signing_key (daemon.fleet.trust)
 
 
 class FleetHostReason(Base):
@@ -416,6 +417,7 @@ class FleetRollout(Base):
     updated_at: Mapped[datetime] = mapped_column(default=utcnow)
     stage_started_at: Mapped[datetime] = mapped_column(default=utcnow)
     stage_ready_at: Mapped[datetime | None]  # every host of the stage passed: its bake time runs from here
+    stalled: Mapped[str | None] = mapped_column(Text)  # a decision due and the lock held elsewhere (fleet_stalled)
 
 
 class FleetRolloutHost(Base):
@@ -428,3 +430,18 @@ class FleetRolloutHost(Base):
     host: Mapped[str] = mapped_column(String(255))
     stage: Mapped[int] = mapped_column(Integer)
     admitted_at: Mapped[datetime] = mapped_column(default=utcnow)
+    decided_by: Mapped[str | None] = mapped_column(String(255))  # the deciding host (daemon.fleet.trust)
+    tick: Mapped[int | None] = mapped_column(BigInteger)  # its decision number (fleet_decider.tick)
+    signature: Mapped[str | None] = mapped_column(Text)  # Ed25519 by [fleet] signing_key
+
+
+class FleetDecider(Base):
+    """One row (id 1): the staged-rollout decision lock (a row lock: only a role that may UPDATE
+    this table can hold it) and the last decision taken under it."""
+
+    __tablename__ = "fleet_decider"
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=False)
+    tick: Mapped[int] = mapped_column(BigInteger, default=0)  # decisions taken so far, fleet-wide
+    host: Mapped[str | None] = mapped_column(String(255))  # the host that took the last one
+    decided_at: Mapped[datetime | None]

@@ -30,6 +30,7 @@ from support_rollout import (
     rollouts,
     spawn_worker,
     start_fleet,
+    wait_passes,
     worker_events,
     worker_paths,
     worker_row,
@@ -383,7 +384,10 @@ def test_manual_rollback_pin_unpin_through_the_daemon(
         assert f"worker:      {w.name} RUNNING v1 {w.url}" in lines, status.stdout
     publish_into(d.watch_dir, "v2", seed=2)
     d.wait_status("v2", "verified", timeout=180)
-    time.sleep(1.5)  # a pinned fleet does not move
+    # a pinned fleet does not move: v2 reached the rollout queue (its job waits there), and the
+    # runner took further passes without deploying it
+    wait_until(lambda: d.get("/v1/rollout").json()["pending"] == "v2", 60, 0.1, "v2 queued behind the pin")
+    wait_passes(d, "health_poll", 2)
     assert d.row("v2")["status"] == "verified"
     assert_fleet_on(pool.workers, "v1", timeout=5)
     refused = hotswap_cli("rollback", "--to", "v0", "-c", cfg)

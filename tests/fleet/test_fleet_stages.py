@@ -11,57 +11,15 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import text
-from support_fleet import seed_versions
+from support_fleet import HOSTS, Fleet
 
 from daemon.fleet import stages
-from daemon.fleet.agent import FleetAgent
 from daemon.fleet.settings import FleetSettings, StageSpec
-from daemon.fleet.target import fleet_rows
-from daemon.registry import Registry, hosts
-from daemon.registry.journal import Journal
+from daemon.fleet.target import fleet_rows, set_fleet_target
 from daemon.registry.models import utcnow
 from daemon.registry.status import CheckpointStatus as C
 
 pytestmark = pytest.mark.quick
-
-HOSTS = ("host-0", "host-1", "host-2", "host-3")
-PLAN = [StageSpec(hosts=1, bake_s=30), StageSpec(percent=50, bake_s=0)]
-
-
-class Fleet:
-    def __init__(self, url: str, root: Path) -> None:
-        self.regs = {h: Registry(url, h) for h in HOSTS}
-        self.regs["host-0"].upgrade()
-        self.j = {h: Journal(r) for h, r in self.regs.items()}
-        for h, j in self.j.items():
-            j.register_workers([("w0", "builtin", f"http://{h}", "cpu")])
-            j.observe("w0", state="RUNNING", weight_version="v0", error=None, device="cpu")
-        self.ids = seed_versions(
-            self.regs["host-0"], root, {"v0": C.DEPLOYED, "v1": C.VERIFIED, "v2": C.VERIFIED}
-        )
-        for h in HOSTS[1:]:  # every host has its own copy of each version
-            for v, i in self.ids.items():
-                (root / h / v).mkdir(parents=True)
-                with self.regs[h].session() as s:
-                    hosts.set_location(s, i, str(root / h / v))
-        for h in HOSTS:
-            self.on(h, "v0")
-        self.settings = FleetSettings(enabled=True, stages=PLAN)
-        self.agents = {h: FleetAgent(j, self.settings, idle=lambda: True, pinned=lambda: None, converge=print,
-                                     submit=print) for h, j in self.j.items()}  # fmt: skip
-
-    def on(self, host: str, version: str, passed: bool = True) -> None:
-        self.j[host].set_alias("serving", self.ids[version])
-        if passed:
-            self.j[host].set_alias("last_good", self.ids[version])
-
-    def wants(self, host: str) -> str | None:
-        w = self.agents[host].wanted()
-        return w[0].version if w is not None else None
-
-    def close(self) -> None:
-        for r in self.regs.values():
-            r.close()
 
 
 @pytest.fixture
@@ -168,3 +126,16 @@ def test_bad_stages_name_the_key() -> None:
         {"hosts": 1, "bake_s": 5},
         {"percent": 100, "bake_s": 0},
     ]
+
+
+def test_a_host_behind_with_a_worker_down_is_degraded(fleet: Fleet) -> None:
+    """`hotswap status --fleet`'s `degraded`: not on the target, and not every worker RUNNING (a
+    host on the target stays `in sync` whatever its workers do: the serving version is right)."""
+    set_fleet_target(fleet.regs["host-0"], "v1", by="ops")
+    fleet.on("host-0", "v1")
+    for h in ("host-0", "host-3"):
+        fleet.j[h].register_workers([("w1", "builtin", f"http://{h}:2", "cpu")])
+        fleet.j[h].observe("w1", state="UNHEALTHY", weight_version=None, error="exited 1", device="cpu")
+    rows = {r["host"]: (r["state"], r["workers_running"], r["workers"]) for r in fleet_rows(fleet.regs["host-1"])["hosts"]}
+    assert rows == {"host-0": ("in sync", 1, 2), "host-1": ("behind", 1, 1), "host-2": ("behind", 1, 1),
+                    "host-3": ("degraded", 1, 2)}, rows  # fmt: skip
