@@ -19,7 +19,8 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO, hotswap_cli, publish_tiny, wait_until
-from test_cli_first_hour import Daemon
+
+from tests.cli.test_cli_first_hour import Daemon
 
 pytestmark = pytest.mark.timeout(300)
 

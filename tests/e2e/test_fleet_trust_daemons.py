@@ -21,7 +21,8 @@ from conftest import POSTGRES_ENV, DaemonProcess, hotswap_cli, make_config_file,
 from sqlalchemy import create_engine, text
 from support_fleet_daemons import aliases_of, host_daemon
 from support_rollout import WorkerPool, publish_into
-from test_fleet_trust import OLD_LOCK_KEY, role
+
+from tests.fleet.test_fleet_trust import OLD_LOCK_KEY, role
 
 pytestmark = [pytest.mark.timeout(900),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip

@@ -35,9 +35,9 @@ from support_rollout import (
     worker_paths,
     worker_row,
 )
-from test_health_counts import assert_counts_add_up
 
 from bench.loadgen import LoadGen
+from tests.controller.test_health_counts import assert_counts_add_up
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import httpx
 import pytest
-from test_engine_clients import SGLANG_REPLIES, VLLM_REPLIES, Recorder
 
 from daemon.engines.base import WorkerError, WorkerUnreachable
 from daemon.engines.sglang import SGLangWorkerClient
 from daemon.engines.sglang_api import SGLangAPI
 from daemon.engines.vllm import VLLMWorkerClient
 from daemon.engines.vllm_api import VLLMAPI
+from tests.engines.test_engine_clients import SGLANG_REPLIES, VLLM_REPLIES, Recorder
 
 pytestmark = pytest.mark.quick
 
