@@ -9,7 +9,7 @@ from typing import Protocol
 from daemon.hashing import FileDigest
 from daemon.manifest import ManifestFile
 
-__all__ = ["Staged", "Stager"]
+__all__ = ["Staged", "VerifyStager"]
 
 
 class Staged(Protocol):
@@ -23,7 +23,7 @@ class Staged(Protocol):
     def release(self) -> None: ...
 
 
-class Stager(Protocol):
+class VerifyStager(Protocol):
     """Where the crc32c pass stages the weight files instead of this process (the ipc loader:
     daemon.transport.ipc_verify.LoaderStager); run_checks calls `finish` once the checks are over."""
 

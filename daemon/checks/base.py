@@ -9,7 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from daemon.bytepipe.protocols import Staged, Stager
+from daemon.bytepipe.protocols import Staged, VerifyStager
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS
@@ -239,7 +239,7 @@ class CheckContext:
     headers: list[SafetensorsHeader] | None = None
     table: dict[str, TensorLocation] | None = None
     staged: Staged | None = None  # the hashed bytes on the staging device; released by run_checks
-    stager: Stager | None = None  # stage in the loader (ipc) rather than in this process
+    stager: VerifyStager | None = None  # stage in the loader (ipc) rather than in this process
 
     @property
     def total_bytes(self) -> int:

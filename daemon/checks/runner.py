@@ -17,8 +17,8 @@ from daemon.checks.base import (
     CheckResult,
     CheckSettings,
     CheckSkipped,
-    Stager,
     VerifyReport,
+    VerifyStager,
 )
 from daemon.formats.adapter import is_adapter
 from daemon.manifest import ManifestFile
@@ -56,7 +56,7 @@ def run_checks(
     reference: Path | None = None,
     on_result: Callable[[CheckResult], None] | None = None,
     recorded: Iterable[Any] | None = None,
-    stager: Stager | None = None,
+    stager: VerifyStager | None = None,
 ) -> VerifyReport:
     """Run every enabled check on `directory`; `reference` is the serving version's directory.
 

@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from structlog.stdlib import BoundLogger
 
 from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
-from daemon.checks.base import Stager
+from daemon.checks.base import VerifyStager
 from daemon.common.logging import bind_version, get_logger
 from daemon.common.metrics import DaemonMetrics
 from daemon.formats.adapter import AdapterLayoutError, identity, is_adapter
@@ -80,7 +80,7 @@ class Coordinator:
         self.warmup: Callable[[], None] | None = None
         self._heartbeat: Callable[[], object] | None = None  # systemd's watchdog ping
         # (version, device) -> where the crc32c pass stages the weights (ipc: the loader), or None
-        self.verify_stager: Callable[[str, str], Stager | None] | None = None
+        self.verify_stager: Callable[[str, str], VerifyStager | None] | None = None
         self._heartbeat_s = 0.0
 
     # -- plumbing -------------------------------------------------------------------------
@@ -362,7 +362,7 @@ class Coordinator:
         directory: Path,
         reference: Path | None,
         vlog: BoundLogger,
-        stager: Stager | None = None,
+        stager: VerifyStager | None = None,
     ) -> VerifyReport:
         def on_result(result: CheckResult) -> None:
             with self.registry.session() as s:
