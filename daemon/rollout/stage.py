@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daemon.checks.base import Stager as CheckStager
+from daemon.checks.base import VerifyStager
 from daemon.engines.base import WeightInfo
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.transport import daemon_transport
@@ -83,7 +83,7 @@ class Stager:
     def expected_files(self, ckpt: CheckpointRef) -> tuple[ExpectedFile, ...]:
         return registry_expect(self.journal, ckpt).files if self.journal is not None else ()
 
-    def verify_stager(self, version: str, device: str) -> CheckStager | None:
+    def verify_stager(self, version: str, device: str) -> VerifyStager | None:
         """Where the verify stage's crc32c pass stages `version` when the transport has a staging
         area of its own (ipc: the loader), so the bytes are read once; None otherwise."""
         make = getattr(self.sender, "verify_stager", None)
