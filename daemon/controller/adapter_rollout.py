@@ -43,7 +43,7 @@ from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
 from daemon.rollout import health
 from daemon.rollout.engine import RolloutResult
 from daemon.rollout.stage import registry_expect
-from daemon.rollout.states import Fleet, WorkerHandle
+from daemon.rollout.states import WorkerHandle, WorkerSet
 
 log = get_logger(__name__)
 TRANSPORT = "adapter"  # `rollouts.transport` of an adapter rollout (crash recovery leaves them to the reconcile)
@@ -56,7 +56,7 @@ class AdapterStepFailed(Exception):
 
 
 class AdapterRollout:
-    def __init__(self, journal: Journal, adapters: AdapterJournal, fleet: Fleet) -> None:
+    def __init__(self, journal: Journal, adapters: AdapterJournal, fleet: WorkerSet) -> None:
         self.journal = journal
         self.adapters = adapters
         self.fleet = fleet
@@ -194,7 +194,7 @@ class AdapterRollout:
         the engine counts per adapter) and its greedy probes (finite, the recorded tokens)."""
         views = [WorkerHandle(spec=h.spec, client=cast(WorkerClient, _AdapterView(h, av, self._tokens)), url=h.url)
                  for h in self.workers()]  # fmt: skip
-        return health.watch(Fleet(views), settings, interrupted, av.version)
+        return health.watch(WorkerSet(views), settings, interrupted, av.version)
 
 
 @dataclass

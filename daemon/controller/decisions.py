@@ -42,7 +42,7 @@ from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.planner import newer
 from daemon.rollout.recovery import recover_uncertain
 from daemon.rollout.stage import Stager
-from daemon.rollout.states import Fleet, WorkerState
+from daemon.rollout.states import WorkerSet, WorkerState
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
@@ -58,7 +58,7 @@ class RolloutDecisions:
     def __init__(
         self,
         journal: Journal,
-        fleet: Fleet,
+        fleet: WorkerSet,
         settings: RolloutSettings,
         engine: RolloutEngine,
         driver: WorkerDriver,

@@ -29,7 +29,7 @@ from daemon.rollout import health
 from daemon.rollout.attribution import attribute
 from daemon.rollout.engine import RolloutEngine
 from daemon.rollout.recovery import fleet_version
-from daemon.rollout.states import Fleet
+from daemon.rollout.states import WorkerSet
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
@@ -40,7 +40,7 @@ class HealthWindow:
     """Watches a freshly deployed version and acts on the verdict (see the module docstring)."""
 
     journal: Journal
-    fleet: Fleet
+    fleet: WorkerSet
     settings: RolloutSettings
     engine: RolloutEngine
     state: RolloutState

@@ -36,7 +36,7 @@ from daemon.registry import Registry
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint, Rollout
 from daemon.rollout.stage import registry_expect
-from daemon.rollout.states import Fleet, WorkerHandle, WorkerState
+from daemon.rollout.states import WorkerHandle, WorkerSet, WorkerState
 from daemon.transport.check import files_problem
 
 HELD_BY_UPDATE = (WorkerState.PAUSED, WorkerState.UPDATED)  # paused requests wait; none is refused
@@ -55,7 +55,7 @@ class Controlled(Protocol):
     """What the probe reads of the controller (daemon.controller.service.RolloutService)."""
 
     @property
-    def fleet(self) -> Fleet: ...
+    def fleet(self) -> WorkerSet: ...
     @property
     def journal(self) -> Journal: ...
     @property
@@ -119,7 +119,7 @@ def serves(h: WorkerHandle) -> bool:
     return h.state in HELD_BY_UPDATE and h.driven and time.monotonic() - h.left_running_at <= PAUSE_SERVES_S
 
 
-def groups_serving(fleet: Fleet) -> dict[str, list[str]]:
+def groups_serving(fleet: WorkerSet) -> dict[str, list[str]]:
     """group -> the names of its workers that serve now (an empty list: none does)."""
     out: dict[str, list[str]] = {}
     for h in fleet:

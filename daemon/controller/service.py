@@ -53,7 +53,7 @@ from daemon.rollout.engine import RolloutEngine
 from daemon.rollout.managed import ManagedWorker, Restarter
 from daemon.rollout.recovery import check_worker
 from daemon.rollout.stage import Stager, registry_expect
-from daemon.rollout.states import Fleet, TransitionObserver, WorkerHandle, WorkerState, parse_state
+from daemon.rollout.states import TransitionObserver, WorkerHandle, WorkerSet, WorkerState, parse_state
 from daemon.transport.base import SenderOptions
 
 log = get_logger(__name__)
@@ -88,7 +88,7 @@ class RolloutService:
                                   f"{' or '.join(map(repr, client.capabilities.transports))}, not "
                                   f"[rollout].transport = {settings.transport!r}")  # fmt: skip
             handles.append(WorkerHandle(spec=spec, client=client, url=url, managed=managed))
-        self.fleet = Fleet(handles)
+        self.fleet = WorkerSet(handles)
         self.driver = WorkerDriver(self.journal, settings, restarter or Restarter(partial(registry_expect, self.journal)), observers)
         options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
                                 loader.socket if loader else "")  # fmt: skip

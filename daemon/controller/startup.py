@@ -32,7 +32,7 @@ from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.managed import ensure_seed
 from daemon.rollout.planner import newer, newest
 from daemon.rollout.recovery import Recovery
-from daemon.rollout.states import Fleet, WorkerState, parse_state
+from daemon.rollout.states import WorkerSet, WorkerState, parse_state
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
@@ -44,7 +44,7 @@ class Startup:
     """What the service does once, at start, before any queued checkpoint."""
 
     journal: Journal
-    fleet: Fleet
+    fleet: WorkerSet
     settings: RolloutSettings
     state_dir: Path
     state: RolloutState

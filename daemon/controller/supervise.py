@@ -38,7 +38,7 @@ from daemon.registry.journal import CheckpointRef, Journal
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.managed import ManagedWorker, PortTaken, target_problem
 from daemon.rollout.stage import registry_expect
-from daemon.rollout.states import FAILED, Fleet, WorkerHandle, WorkerState, parse_state
+from daemon.rollout.states import FAILED, WorkerHandle, WorkerSet, WorkerState, parse_state
 from daemon.transport.base import Expect
 from daemon.transport.check import files_problem
 
@@ -133,7 +133,7 @@ class Supervisor:
     """`on_fallback(version)`: a managed worker now serves `version` instead of the serving one."""
 
     def __init__(
-        self, journal: Journal, fleet: Fleet, driver: WorkerDriver, settings: RolloutSettings,
+        self, journal: Journal, fleet: WorkerSet, driver: WorkerDriver, settings: RolloutSettings,
         on_fallback: Callable[[str], None] = lambda _v: None,
     ) -> None:  # fmt: skip
         self.journal, self.fleet, self.driver, self.settings = journal, fleet, driver, settings

@@ -4,7 +4,7 @@ machine, rolling updates, rollback, health window and crash recovery.
 Modules, in the order the data flows:
 
     states    the worker state machine (WorkerState, ALLOWED) and the handles carrying each
-              worker's position in it (WorkerHandle, Fleet)
+              worker's position in it (WorkerHandle, WorkerSet)
     planner   which workers leave RUNNING together, in which mode (batches)
     stage     a checkpoint -> the update request workers get, by the configured transport
     driver    one worker through the state machine: the normal path, a refused update, a

@@ -26,7 +26,7 @@ from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.failure import FailurePath
 from daemon.rollout.planner import Batch, modes_of, pauses_safely, plan
 from daemon.rollout.stage import StageError, Stager, Target
-from daemon.rollout.states import FAILED, Fleet, WorkerHandle, WorkerState, parse_state
+from daemon.rollout.states import FAILED, WorkerHandle, WorkerSet, WorkerState, parse_state
 
 log = get_logger(__name__)
 
@@ -45,7 +45,7 @@ Outcome = tuple[RolloutResult, dict[str, Any]]  # a rollout's result and its `ro
 
 
 class RolloutEngine:
-    def __init__(self, journal: Journal, fleet: Fleet, settings: RolloutSettings, driver: WorkerDriver, stager: Stager):
+    def __init__(self, journal: Journal, fleet: WorkerSet, settings: RolloutSettings, driver: WorkerDriver, stager: Stager):
         self.journal = journal
         self.fleet = fleet
         self.settings = settings
@@ -320,7 +320,7 @@ class PreparedAhead:
     paid once per worker, one after the other (issue 15). A worker already on the target, or
     not RUNNING, is left to its own turn (which checks and prepares it as before)."""
 
-    def __init__(self, driver: WorkerDriver, fleet: Fleet, later: list[Batch], target: Target) -> None:
+    def __init__(self, driver: WorkerDriver, fleet: WorkerSet, later: list[Batch], target: Target) -> None:
         self.driver, self.fleet, self.target = driver, fleet, target
         names = [n for b in later for n in b.workers if isinstance(fleet[n].client, PreparesUpdates)]
         self._pool = ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="prepare") if names else None

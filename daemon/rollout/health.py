@@ -29,7 +29,7 @@ from typing import Any
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.engines.base import NonFiniteOutput, WorkerError, WorkerUnreachable
-from daemon.rollout.states import Fleet, WorkerHandle
+from daemon.rollout.states import WorkerHandle, WorkerSet
 
 log = get_logger(__name__)
 
@@ -108,7 +108,7 @@ def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> str | None:
 
 
 def watch(
-    fleet: Fleet, settings: RolloutSettings, should_abort: Callable[[], bool], version: str | None = None
+    fleet: WorkerSet, settings: RolloutSettings, should_abort: Callable[[], bool], version: str | None = None
 ) -> WindowVerdict:
     """Watch the fleet for `health_window_s`; `version` is what the probes must be served by."""
     window = settings.health_window_s

@@ -153,7 +153,9 @@ class WorkerHandle:
         self._state = state
 
 
-class Fleet:
+class WorkerSet:
+    """One host's workers, by name (a fleet, daemon/fleet/, is many hosts)."""
+
     def __init__(self, handles: list[WorkerHandle]) -> None:
         self._handles = {h.name: h for h in handles}
         self.specs = [h.spec for h in handles]

@@ -23,7 +23,7 @@ from daemon.registry.journal import Journal
 from daemon.registry.status import CheckpointStatus as C
 from daemon.registry.status import RolloutOutcome, RolloutTrigger
 from daemon.rollout.managed import ManagedWorker
-from daemon.rollout.states import Fleet, WorkerHandle, WorkerState
+from daemon.rollout.states import WorkerHandle, WorkerSet, WorkerState
 
 pytestmark = pytest.mark.quick
 
@@ -55,7 +55,7 @@ def test_health_is_503_only_while_a_critical_problem_holds_and_lists_warnings_ei
 class Service:
     """What the probe reads of a RolloutService."""
 
-    fleet: Fleet
+    fleet: WorkerSet
     journal: Journal
     settings: RolloutSettings = field(default_factory=RolloutSettings)
     ready: bool = True
@@ -78,13 +78,13 @@ class Service:
         return self.ready
 
 
-def _fleet(*workers: tuple[str, str, WorkerState | None]) -> Fleet:
+def _fleet(*workers: tuple[str, str, WorkerState | None]) -> WorkerSet:
     handles = []
     for name, group, state in workers:
         h = WorkerHandle(WorkerSpec(name=name, url=f"http://fake/{name}", group=group), FakeWorkerClient(name), "")
         h.observed(state)
         handles.append(h)
-    return Fleet(handles)
+    return WorkerSet(handles)
 
 
 def _kinds(problems: list[Problem]) -> set[tuple[str, str]]:

@@ -30,7 +30,7 @@ from daemon.registry import Registry, status
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.journal import Journal
 from daemon.registry.status import CheckpointStatus as C
-from daemon.rollout.states import Fleet, WorkerHandle
+from daemon.rollout.states import WorkerHandle, WorkerSet
 
 pytestmark = pytest.mark.quick
 
@@ -99,7 +99,7 @@ def adapter(reg: Registry, tmp_path: Path, version: str, name: str = "sql") -> i
 
 def rig(reg: Registry, *workers: FakeAdapterWorker, **settings: float) -> tuple[AdapterDecisions, AdapterJournal]:
     journal, aj = Journal(reg), AdapterJournal(reg)
-    fleet = Fleet([WorkerHandle(WorkerSpec(name=w.name, url=f"http://fake/{w.name}"), w, f"http://fake/{w.name}")  # type: ignore[arg-type]
+    fleet = WorkerSet([WorkerHandle(WorkerSpec(name=w.name, url=f"http://fake/{w.name}"), w, f"http://fake/{w.name}")  # type: ignore[arg-type]
                    for w in workers])  # fmt: skip
     journal.register_workers((h.name, "builtin", h.url, "cpu") for h in fleet)
     cfg = RolloutSettings(**{"health_window_s": 0.0, **settings})  # type: ignore[arg-type]

@@ -15,7 +15,7 @@ from fake_worker import FakeWorkerClient
 
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.rollout import health
-from daemon.rollout.states import Fleet, WorkerHandle
+from daemon.rollout.states import WorkerHandle, WorkerSet
 
 pytestmark = pytest.mark.quick
 
@@ -36,8 +36,8 @@ def assert_counts_add_up(reason: str) -> tuple[int, int]:
     return failed, total
 
 
-def _fleet(*fakes: FakeWorkerClient) -> Fleet:
-    return Fleet([WorkerHandle(WorkerSpec(name=f.name, url=f"http://fake/{f.name}"), f, f"http://fake/{f.name}")
+def _fleet(*fakes: FakeWorkerClient) -> WorkerSet:
+    return WorkerSet([WorkerHandle(WorkerSpec(name=f.name, url=f"http://fake/{f.name}"), f, f"http://fake/{f.name}")
                   for f in fakes])  # fmt: skip
 
 

@@ -19,7 +19,7 @@ from daemon.engines.base import WorkerError
 from daemon.registry.journal import Journal
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.managed import ManagedWorker, Restarter
-from daemon.rollout.states import Fleet, WorkerHandle, WorkerState
+from daemon.rollout.states import WorkerHandle, WorkerSet, WorkerState
 
 pytestmark = pytest.mark.quick
 
@@ -48,7 +48,7 @@ def test_a_worker_never_healthy_is_killed_reported_and_backed_off(registry: Any,
     journal.register_workers([("m0", "builtin", m.url, "cpu")])
     settings = RolloutSettings(restart_timeout_s=0.5, relaunch_backoff_s=30.0, relaunch_backoff_max_s=60.0)
     h = WorkerHandle(spec=spec, client=Silent(), url=m.url, managed=m)  # type: ignore[arg-type]
-    sup = Supervisor(journal, Fleet([h]), WorkerDriver(journal, settings, Restarter()), settings)
+    sup = Supervisor(journal, WorkerSet([h]), WorkerDriver(journal, settings, Restarter()), settings)
     try:
         sup.tick()
         assert sup.watches["m0"].phase == Phase.LAUNCHING

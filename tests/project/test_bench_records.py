@@ -55,6 +55,8 @@ DAEMON_RUNS = ["h200-2026-12-01b/gpu_e2e-llama3-8b.json", "h200-2026-12-03/gpu_e
 ADMIN = ("admin_latency-2core.json", "admin_latency-2core-switch1ms.json")
 REG_SQLITE = "registry_scale-2026-12-03/after-0015-sqlite.json"
 REG_PG = "registry_scale-2026-12-03/after-0015-postgresql.json"
+VERIFY = "verify-pipeline-2core-2026-12-04.json"
+ONE_WORKER = "one_worker-2core-2026-12-04.json"
 
 
 def _admin(key: str, stat: str) -> list[float]:
@@ -155,6 +157,23 @@ FIGURES: dict[str, list[tuple[str, Value]]] = {
         ("{18.6} s (300)", lambda: at("fleet_sim-2026-12-03/staged.json", "staged[1].halted_s")),
         ("{1} host ever rolled it out", lambda: max(len(at("fleet_sim-2026-12-03/staged.json", f"staged[{i}].{k}"))
                                                    for i in (0, 1) for k in ("hosts_that_rolled_out_bad", "hosts_that_served_bad"))),
+    ],
+    "the one byte pipeline against today's `hash_files`": [
+        ("{1.442} s pipeline", lambda: at(VERIFY, "rows[0].median_s")),
+        ("{1.980} s reference", lambda: at(VERIFY, "rows[1].median_s")),
+        ("÷ reference {1.37}", lambda: at(VERIFY, "pipeline_over_reference")),
+    ],
+    "restart rollout of a lone managed worker under load": [
+        ("and of {468}", lambda: at(ONE_WORKER, "results[0].sent") - at(ONE_WORKER, "results[0].failed")),
+        ("between answers {1.21}–", lambda: at(ONE_WORKER, "results[0].longest_no_answer_s")),
+        ("/ {8.59} s without", lambda: at(ONE_WORKER, "results[1].longest_no_answer_s")),
+        ("/ {0.74} s of it", lambda: at(ONE_WORKER, "results[1].health_ok_in_it_s")),
+    ],
+    "`kill -9` of a lone managed worker under load": [
+        ("{5.18}–", lambda: min(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
+        ("–{6.15} s without", lambda: max(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
+        ("(median {5.58})", lambda: statistics.median(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
+        ("≤ {0.37} s of it", lambda: max(r["health_ok_in_it_s"] for r in at(ONE_WORKER, "results[2].runs"))),
     ],
     "base-model requests during adapter updates": [
         ("reference p50 {21.7}", lambda: at("adapter_update-2core.json", "workers.reference.during_update.p50_ms")),

@@ -37,7 +37,7 @@ from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine
 from daemon.rollout.recovery import Recovery
 from daemon.rollout.stage import Stager
-from daemon.rollout.states import Fleet, Transition, WorkerHandle, WorkerState
+from daemon.rollout.states import Transition, WorkerHandle, WorkerSet, WorkerState
 from daemon.transport.base import SenderOptions
 
 pytestmark = pytest.mark.quick
@@ -79,7 +79,7 @@ def verified(reg: Registry, version: str, digest: str | None = None, step: int |
 class Rig:
     reg: Registry
     journal: Journal
-    fleet: Fleet
+    fleet: WorkerSet
     fakes: dict[str, FakeWorkerClient]
     driver: WorkerDriver
     engine: RolloutEngine
@@ -105,7 +105,7 @@ def rig(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, mode: str = "dr
     handles = [WorkerHandle(WorkerSpec(name=f.name, url=f"http://fake/{f.name}",
                                        group=(groups or {}).get(f.name, "default")), f, f"http://fake/{f.name}")
                for f in fakes]  # fmt: skip
-    fleet = Fleet(handles)
+    fleet = WorkerSet(handles)
     journal.register_workers((h.name, "builtin", h.url, "cpu") for h in fleet)
     restarts = Restarts({f.name: f for f in fakes})
     seen: list[Transition] = []
