@@ -21,7 +21,7 @@ import httpx
 import pytest
 from conftest import DaemonProcess, wait_until
 from support_managed import close_managed, managed_daemon
-from support_rollout import worker_events, worker_row
+from support_rollout import wait_passes, worker_events, worker_row
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -48,7 +48,10 @@ def test_a_sigstopped_managed_worker_is_red_at_once_then_killed_and_relaunched(t
     try:
         d = managed_daemon(tmp_path, started, rollout={"request_timeout_s": 2.0})
         wait_until(lambda: worker_row(d.registry, "local")["state"] == "RUNNING", 240, what="the worker RUNNING")
+        d.wait_status("tiny-seed", "deployed", timeout=120)
         wait_until(lambda: d.get("/health").status_code == 200, 60, what="/health green")
+        wait_until(lambda: d.get("/v1/rollout").json()["current"] is None, 60, what="no rollout job running")
+        wait_passes(d, "health_poll", 2)  # idle: the passes look at the worker
         rt = _runtime(d)
         port, stopped_pid = rt["port"], int(rt["pid"])
         before = _polls(d)
@@ -69,7 +72,7 @@ def test_a_sigstopped_managed_worker_is_red_at_once_then_killed_and_relaunched(t
 
         wait_until(lambda: d.get("/health").status_code == 503, 60, what="/health red", interval=0.05)
         red_at = _polls(d)
-        assert red_at <= before + 2, f"/health went red only after {red_at - before} polls"
+        assert red_at <= before + 2, f"/health went red only after {red_at - before} polls: {d.get('/v1/rollout').text}"
         doc = d.get("/health").json()
         assert "no_worker_serving" in json.dumps(doc), doc
         row = worker_row(d.registry, "local")

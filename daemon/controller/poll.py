@@ -5,7 +5,8 @@ A SIGSTOPped worker held the poll job on its /weight_info: APScheduler skipped t
 ("maximum number of running instances reached") and `/health` said ok for about 30 s while every
 request failed. Now:
 
-    a worker that does not answer within the bound is UNREACHABLE at once (its `workers` row and
+    a worker whose admin API does not answer (its call failed or timed out, or the pass's
+    bound passed first) is UNREACHABLE at once (its `workers` row and
     the state the problem probe reads), and its call is left to finish on its own: while it
     hangs no second call is sent, each pass counts one more miss
     a managed worker that misses HUNG_POLLS passes in a row is killed (SIGKILL works on a stopped
@@ -55,6 +56,10 @@ def serving_port_problem(url: str, timeout_s: float) -> str | None:
     return None
 
 
+class Unanswered(Exception):
+    """A worker's admin API did not answer its poll (already recorded UNREACHABLE): one miss."""
+
+
 class BoundedPoll:
     """One pass over the fleet, bounded as a whole (`run`), and the count of passes skipped."""
 
@@ -89,7 +94,11 @@ class BoundedPoll:
                 out[h.name] = fut.result(timeout=max(deadline - time.monotonic(), 0.0))
             except FutureTimeout:
                 self._inflight[h.name] = fut
-                self._missed(h, bound)
+                self._missed(h, bound, f"did not answer its health poll within {bound:g} s")
+                continue
+            except Unanswered as exc:
+                self._inflight.pop(h.name, None)
+                self._missed(h, bound, str(exc), recorded=True)
                 continue
             except Exception:
                 log.exception("health_poll_failed", worker=h.name)
@@ -97,13 +106,13 @@ class BoundedPoll:
             self.missed[h.name] = 0
         return out
 
-    def _missed(self, h: WorkerHandle, bound: float) -> None:
+    def _missed(self, h: WorkerHandle, bound: float, why: str, recorded: bool = False) -> None:
         n = self.missed.get(h.name, 0) + 1
         self.missed[h.name] = n
-        why = f"did not answer its health poll within {bound:g} s ({n} in a row)"
-        log.warning("health_poll_missed", worker=h.name, missed=n, bound_s=bound)
-        self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=why)
-        h.observed(None)
+        log.warning("health_poll_missed", worker=h.name, missed=n, bound_s=bound, error=why)
+        if not recorded:
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=f"{why} ({n} in a row)")
+            h.observed(None)
         m = h.managed
         if m is not None and n >= HUNG_POLLS and m.alive():
             m.kill(f"killed after it missed {n} health polls in a row (hung: each waited {bound:g} s)")

@@ -37,7 +37,7 @@ from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, 
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.adapters import AdapterDecisions
 from daemon.controller.decisions import RolloutDecisions
-from daemon.controller.poll import BoundedPoll, serving_port_problem
+from daemon.controller.poll import BoundedPoll, Unanswered, serving_port_problem
 from daemon.controller.queue import CommandError, Job, RolloutQueue, RolloutState
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
@@ -379,6 +379,8 @@ class RolloutService:
             with h.busy:
                 try:
                     self._poll_one(h)
+                except Unanswered:
+                    pass  # recorded UNREACHABLE
                 except Exception:
                     log.exception("health_poll_failed", worker=h.name)
 
@@ -401,7 +403,7 @@ class RolloutService:
         except WorkerError as exc:
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
             h.observed(None)
-            return False
+            raise Unanswered(str(exc)) from None
         info = self._back_in_rotation(h, info) or info
         if check_worker(self.journal, self.driver, h, info) is not None:  # reports what the registry does not
             self.journal.observe(h.name, state=WorkerState.UNCERTAIN.value, weight_version=info.version,
