@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import posixpath
 import re
 import shlex
 import tomllib
@@ -255,6 +256,9 @@ class WorkerSpec:
             argv = self.restart_argv()
         except ValueError as exc:
             raise _error(key, f"restart_command: {exc}") from None
+        if (shell := _shell_of(argv)) is not None:
+            raise _error(key, f"restart_command: runs the shell {shell!r}: a {{version}} or {{path}} placeholder "
+                              "would become shell code; give the command and its arguments directly")  # fmt: skip
         for arg in argv:
             for ph in re.findall(r"{([^{}]*)}", arg):
                 if ph not in RESTART_PLACEHOLDERS:
@@ -271,6 +275,23 @@ class WorkerSpec:
         if isinstance(self.restart_command, list):
             return list(self.restart_command)
         return shlex.split(self.restart_command) if self.restart_command else []
+
+
+SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "csh", "tcsh", "fish", "busybox", "rbash",
+                    "pwsh", "python", "python3", "perl", "ruby", "node"})  # fmt: skip
+
+
+def _shell_of(argv: list[str]) -> str | None:
+    """The shell (or interpreter) a restart command's first word runs, directly or through `env`."""
+    words = list(argv)
+    while words:
+        word = posixpath.basename(words[0])
+        if word != "env":
+            return word if word in SHELLS or re.fullmatch(r"(python|perl|ruby)[0-9.]*", word) else None
+        words = words[1:]
+        while words and (words[0].startswith("-") or "=" in words[0]):  # env's options and VAR=value
+            words = words[1:]
+    return None
 
 
 def default_workers() -> list[WorkerSpec]:

@@ -84,9 +84,8 @@ def test_late_bodies_give_up_their_slots_to_a_client_that_sends_at_once() -> Non
 
 def test_one_address_holds_its_share_and_everyone_else_gets_in() -> None:
     limits = ListenerLimits(max_connections=200, header_timeout_s=30.0, max_per_address=8)
-    with serving(limits) as (_, _, port):
-        with _closing(_slow_bodies(port, 50, "127.0.0.4", 10_000_000)) as flood:
-            wait_until(lambda: sum(not _closed(s) for s in flood) <= 8, 10, what="the address's share enforced")
-            assert _answered(port), "a client from another address was not answered"
-            held = [s for s in flood if not _closed(s)]
-            assert len(held) == 8, f"{len(held)} held from one address"
+    with serving(limits) as (_, _, port), _closing(_slow_bodies(port, 50, "127.0.0.4", 10_000_000)) as flood:
+        wait_until(lambda: sum(not _closed(s) for s in flood) <= 8, 10, what="the address's share enforced")
+        assert _answered(port), "a client from another address was not answered"
+        held = [s for s in flood if not _closed(s)]
+        assert len(held) == 8, f"{len(held)} held from one address"
