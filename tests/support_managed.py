@@ -20,14 +20,15 @@ FEW_CHECKS = {"enabled": ["manifest", "headers", "crc32c"]}
 
 
 def managed_daemon(tmp_path: Path, started: list[DaemonProcess], rollout: dict[str, Any] | None = None,
-                   sources: list[dict[str, Any]] | None = None, **worker: Any) -> DaemonProcess:  # fmt: skip
+                   sources: list[dict[str, Any]] | None = None, checks: dict[str, Any] | None = None,
+                   **worker: Any) -> DaemonProcess:  # fmt: skip
     state, watch = tmp_path / "state", tmp_path / "checkpoints"
     watch.mkdir(exist_ok=True)
     cfg = make_config_file(
         tmp_path / "config.toml",
         daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "keep_workers_on_stop": False},
         sources=sources or [{"path": str(watch)}],
-        checks=FEW_CHECKS,
+        checks=checks or FEW_CHECKS,
         rollout={"health_window_s": 0.3, "health_poll_s": 0.5, "relaunch_backoff_s": 1.0, **(rollout or {})},
         workers=[{"name": "local", "launch": "managed", "device": "cpu", **worker}],
     )
