@@ -44,7 +44,7 @@ def test_publish_refuses_such_a_label_before_writing_anything(tmp_path: Path) ->
     assert done.returncode != 0
     assert "a label is letters" in done.stderr, done.stderr
     assert not (tmp_path / "ckpt" / "hotswap-manifest.json").exists()
-    done = hotswap_cli("publish", str(tmp_path / "ckpt"), "--version", "-rf")
+    done = hotswap_cli("publish", str(tmp_path / "ckpt"), "--version=-rf")
     assert done.returncode != 0 and "starts with '-'" in done.stderr + done.stdout, done.stderr
 
 
@@ -58,7 +58,7 @@ def test_publish_refuses_such_a_label_before_writing_anything(tmp_path: Path) ->
 def test_a_restart_command_that_runs_a_shell_is_refused_at_load(tmp_path: Path, command: object) -> None:
     cfg = make_config_file(tmp_path / "config.toml", daemon={"state_dir": str(tmp_path / "state")},
                            workers=[{"name": "w0", "url": "http://127.0.0.1:9", "restart_command": command}])  # fmt: skip
-    done = hotswap_cli("config", "check", "-c", str(cfg))
+    done = hotswap_cli("config", "check", str(cfg))
     out = (done.stderr + done.stdout).strip()
     assert done.returncode != 0, out
     line = next(line for line in out.splitlines() if "restart_command" in line)
@@ -69,5 +69,5 @@ def test_a_restart_command_without_a_shell_is_accepted(tmp_path: Path) -> None:
     cfg = make_config_file(tmp_path / "config.toml", daemon={"state_dir": str(tmp_path / "state")},
                            workers=[{"name": "w0", "url": "http://127.0.0.1:9",
                                      "restart_command": "systemctl restart vllm@{name}"}])  # fmt: skip
-    done = hotswap_cli("config", "check", "-c", str(cfg))
+    done = hotswap_cli("config", "check", str(cfg))
     assert "restart_command" not in done.stderr + done.stdout, done.stderr + done.stdout

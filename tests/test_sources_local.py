@@ -316,8 +316,8 @@ def test_labels_a_shell_or_a_command_would_read_are_refused(source, tmp_path):
         make_tiny_checkpoint(tmp_path / f"x{seed}", seed=seed)
         (tmp_path / f"x{seed}" / "_SUCCESS").write_text("")
         os.replace(tmp_path / f"x{seed}", src.root / name)
-    publish_tiny(tmp_path / "ok", seed=4)
-    os.replace(tmp_path / "ok", src.root / "run-1@v2+3")
+    publish_tiny(tmp_path / "run-1@v2+3", seed=4)
+    os.replace(tmp_path / "run-1@v2+3", src.root / "run-1@v2+3")
     assert got.items.get(timeout=10).version == "run-1@v2+3"
     wait_until(lambda: len(src._refused) == 3, 10, what=f"all three refused (so far: {src._refused})")
     refused = src.describe()["refused"]

@@ -149,9 +149,11 @@ def test_labels_with_control_characters_are_refused_and_the_source_goes_on(moto_
 
 def test_labels_a_shell_or_a_command_would_read_are_refused(moto_server, s3, tmp_path):
     """Issue 37, item 6: S3 takes `$(id)` and `-rf` as key prefixes; as labels they are refused."""
-    for i, name in enumerate(("v$(id)", "-rf", "good")):
-        publish_tiny(tmp_path / "x" / str(i), seed=i + 1)
-        upload_dir(s3, BUCKET, f"run-1/{name}/", tmp_path / "x" / str(i))
+    for i, name in enumerate(("v$(id)", "-rf")):  # valid manifests, uploaded under the bad folder names
+        publish_tiny(tmp_path / "x" / f"bad{i}", seed=i + 1)
+        upload_dir(s3, BUCKET, f"run-1/{name}/", tmp_path / "x" / f"bad{i}")
+    publish_tiny(tmp_path / "z" / "good", seed=3)
+    upload_dir(s3, BUCKET, "run-1/good/", tmp_path / "z" / "good")
     src, _ = make_source(moto_server, tmp_path)
     found = src.scan()
     assert [i.version for i in found] == ["good"]
