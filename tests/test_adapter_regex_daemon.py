@@ -5,7 +5,8 @@ dropped into the watched folder.
 `.*q_proj|mod(.+)+X` made compat backtrack for 81 s holding the GIL: `/livez` did not answer for
 63 s and the adapter was then deployed. Now the pattern is judged before anything matches it (no
 repeated group, a bounded length and number of repetitions): the adapter is rejected naming why,
-and `/livez` answers within 1 s throughout.
+and `/livez` answers within 1 s throughout. An adapter whose scale (lora_alpha / r) is 2.5e29 is
+rejected by compat too (item 7).
 """
 
 from __future__ import annotations
@@ -62,6 +63,10 @@ def test_a_backtracking_target_modules_regex_is_refused_and_livez_keeps_answerin
         assert row["status"] == "rejected", row
         assert "target_modules" in row["status_message"] and "nested quantifier" in row["status_message"], row
         assert not slow, f"/livez did not answer within 1 s: {slow[:3]}"
+        # issue 37, item 7: lora_alpha = 1e30 (scale 2.5e29) passed every check; now compat bounds it
+        publish_adapter(watch, "sql@2", "sql", lambda x: make_adapter(x, base, seed=2, alpha=1e30))
+        row = d.wait_status("sql@2", ("rejected", "deployed", "verified"), timeout=300)
+        assert row["status"] == "rejected" and "checks.adapter_scale_max" in row["status_message"], row
         wait_until(lambda: d.get("/health").status_code == 200, 60, what="/health green: the base still serves")
     finally:
         stop.set()

@@ -51,3 +51,22 @@ def test_the_audit_name_is_the_credential_not_logname(fleet: tuple[Path, Registr
     done = hotswap_cli("fleet", "target", "v0", "-c", str(config), env=forged)
     assert done.returncode == 0, done.stderr
     assert _set_by(reg).startswith("cli:control-token@"), _set_by(reg)
+
+
+def test_a_forged_lease_row_neither_crashes_status_nor_blocks_a_slot(fleet: tuple[Path, Registry]) -> None:
+    """A lease expiring at 'infinity' crashed `status --fleet`; one a century ahead blocked every
+    host. Both are read as no lease: status answers, and a host takes the slot."""
+    from sqlalchemy import text
+
+    from daemon.fleet.lease import FleetLeases
+    from daemon.fleet.settings import FleetSettings
+
+    config, reg = fleet
+    with reg.session() as s:
+        s.execute(text("INSERT INTO fleet_leases (slot, host, version, acquired_at, expires_at) VALUES "
+                       "(0, 'mallory', 'v1', now(), 'infinity'), (1, 'mallory', 'v1', now(), now() + interval '100 years')"))  # fmt: skip
+    done = hotswap_cli("status", "--fleet", "-c", str(config))
+    assert done.returncode == 0 and "Traceback" not in done.stderr, done.stderr
+    leases = FleetLeases(reg, FleetSettings(enabled=True, host="host-a", max_updating_hosts=2))
+    first = leases.try_acquire("v1")
+    assert first in (0, 1), first
