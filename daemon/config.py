@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import posixpath
 import re
 import shlex
 import tomllib
@@ -34,6 +33,7 @@ from typing import Any, Literal
 from daemon.adapters import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.checks import CheckSettings
 from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
+from daemon.common.commands import shell_of
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 from daemon.fleet.settings import FleetSettings, fleet_problem
 from daemon.sources import SOURCE_TYPES, source_type
@@ -256,7 +256,7 @@ class WorkerSpec:
             argv = self.restart_argv()
         except ValueError as exc:
             raise _error(key, f"restart_command: {exc}") from None
-        if (shell := _shell_of(argv)) is not None:
+        if (shell := shell_of(argv)) is not None:
             raise _error(key, f"restart_command: runs the shell {shell!r}: a {{version}} or {{path}} placeholder "
                               "would become shell code; give the command and its arguments directly")  # fmt: skip
         for arg in argv:
@@ -275,23 +275,6 @@ class WorkerSpec:
         if isinstance(self.restart_command, list):
             return list(self.restart_command)
         return shlex.split(self.restart_command) if self.restart_command else []
-
-
-SHELLS = frozenset({"sh", "bash", "dash", "zsh", "ksh", "mksh", "ash", "csh", "tcsh", "fish", "busybox", "rbash",
-                    "pwsh", "python", "python3", "perl", "ruby", "node"})  # fmt: skip
-
-
-def _shell_of(argv: list[str]) -> str | None:
-    """The shell (or interpreter) a restart command's first word runs, directly or through `env`."""
-    words = list(argv)
-    while words:
-        word = posixpath.basename(words[0])
-        if word != "env":
-            return word if word in SHELLS or re.fullmatch(r"(python|perl|ruby)[0-9.]*", word) else None
-        words = words[1:]
-        while words and (words[0].startswith("-") or "=" in words[0]):  # env's options and VAR=value
-            words = words[1:]
-    return None
 
 
 def default_workers() -> list[WorkerSpec]:
