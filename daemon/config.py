@@ -33,6 +33,7 @@ from typing import Any, Literal
 from daemon.checks import CheckSettings
 from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
 from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
+from daemon.common.commands import shell_of
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 from daemon.engines import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.fleet.settings import FleetSettings, fleet_problem
@@ -265,6 +266,9 @@ class WorkerSpec:
             argv = self.restart_argv()
         except ValueError as exc:
             raise _error(key, f"restart_command: {exc}") from None
+        if (shell := shell_of(argv)) is not None:
+            raise _error(key, f"restart_command: runs the shell {shell!r}: a {{version}} or {{path}} placeholder "
+                              "would become shell code; give the command and its arguments directly")  # fmt: skip
         for arg in argv:
             for ph in re.findall(r"{([^{}]*)}", arg):
                 if ph not in RESTART_PLACEHOLDERS:

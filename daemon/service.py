@@ -50,6 +50,7 @@ from daemon.common.private import private_dir, write_private
 from daemon.common.problems import Problem
 from daemon.common.statelock import StateDirLock
 from daemon.config import Config, ConfigError
+from daemon.controller.poll import PollCollector
 from daemon.controller.service import RolloutService
 from daemon.fleet.fetch import fetch_here
 from daemon.pipeline.coordinator import Coordinator, StatusObserver
@@ -129,6 +130,7 @@ class Daemon:
         if self.rollout is not None:  # stage -> roll out -> watch
             rollout = self.rollout
             self.rollout.start(self.scheduler)
+            self.metrics.registry.register(PollCollector(rollout.poller))
             # managed workers keep serving across a daemon restart (adopted on the next start)
             keep = cfg.daemon.keep_workers_on_stop
             self._started("rollout", lambda: rollout.stop(stop_managed=not keep))

@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import uvicorn
-from fastapi import FastAPI
+from fastapi import FastAPI, Request
 
 from daemon.common.httpguard import ListenerLimits, guarded_protocol
 from daemon.common.tcplisten import tcp_listener
@@ -22,6 +22,10 @@ def serving(limits: ListenerLimits) -> Iterator[tuple[uvicorn.Server, threading.
     @app.get("/ping")
     def ping() -> dict[str, bool]:
         return {"ok": True}
+
+    @app.post("/echo")
+    async def echo(request: Request) -> dict[str, int]:
+        return {"bytes": len(await request.body())}
 
     sock = tcp_listener("127.0.0.1", 0)
     config = uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",

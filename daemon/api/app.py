@@ -67,7 +67,7 @@ from daemon.registry.db import redact_url
 
 DEFAULT_WAIT_S = 900.0
 # operators, the CLI, Prometheus and load balancers: a few dozen at most; a flood is refused
-CONTROL_LIMITS = ListenerLimits(max_connections=256, header_timeout_s=5.0)
+CONTROL_LIMITS = ListenerLimits(max_connections=256, header_timeout_s=5.0, max_per_address=64)
 
 
 @dataclass

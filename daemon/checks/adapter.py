@@ -76,6 +76,9 @@ def _reference(ctx: CheckContext) -> Path:
 
 def check_adapter_compat(ctx: CheckContext) -> dict[str, Any]:
     cfg, pairs, name, base = adapter_facts(ctx)
+    if cfg.scale > ctx.settings.adapter_scale_max:
+        raise CheckFailed(f"adapter scale {cfg.scale:.6g} (lora_alpha {cfg.alpha:g} / r {cfg.r}) is over "
+                          f"checks.adapter_scale_max {ctx.settings.adapter_scale_max:g}", {"scale": cfg.scale})  # fmt: skip
     ref = _reference(ctx)
     known = base_identities(ref)
     if base is None:

@@ -71,6 +71,8 @@ class CheckSettings:
     # when the serving base changes, each served adapter not verified on the new base is either
     # checked again on it ("reverify": compat + forward, kept only if they pass) or "unload"ed at once
     adapter_on_base_change: str = "reverify"
+    # largest LoRA scale (lora_alpha / r, or / sqrt(r) with rslora) compat accepts: 1e30 passed every check
+    adapter_scale_max: float = 64.0
     # a checkpoint whose tensor shapes differ from the serving version (e.g. a resized vocabulary)
     # passes compat as "needs a restart rollout"; false rejects it. Set from [rollout] restart_rollouts.
     restart_rollouts: bool = True
@@ -94,6 +96,8 @@ class CheckSettings:
             raise ValueError(f"checks.forward_kl_max must be >= 0, got {self.forward_kl_max}")
         if self.adapter_kl_max is not None and self.adapter_kl_max < 0:
             raise ValueError(f"checks.adapter_kl_max must be >= 0, got {self.adapter_kl_max}")
+        if not 0.0 < self.adapter_scale_max < float("inf"):
+            raise ValueError(f"checks.adapter_scale_max must be a positive number, got {self.adapter_scale_max}")
         if self.adapter_top1_min is not None and not 0.0 <= self.adapter_top1_min <= 1.0:
             raise ValueError(f"checks.adapter_top1_min must be in [0, 1], got {self.adapter_top1_min}")
         if self.adapter_on_base_change not in ("reverify", "unload"):

@@ -15,14 +15,16 @@ know, one never verified, or a rejected one (a single host can still be pinned t
 from __future__ import annotations
 
 import argparse
-import getpass
 import json
+import os
+import pwd
 import socket
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 from daemon.cli.read import open_existing_registry, read_config, safe
+from daemon.common.auth import TokenFileError, control_token_path, read_token_file
 from daemon.config import CONFIG_ENV, Config, ConfigError
 from daemon.fleet.stages import StageCommandRefused, command, stage_label, status
 from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
@@ -93,7 +95,7 @@ def _cmd_target(args: argparse.Namespace, config: Config) -> int:
     registry = open_existing_registry(config)
     try:
         if args.clear or args.version is not None:
-            set_fleet_target(registry, None if args.clear else args.version, by=_operator(),
+            set_fleet_target(registry, None if args.clear else args.version, by=_operator(config),
                              trust=Trust.from_file(config.fleet.signing_key))  # fmt: skip
         doc = _describe(Journal(registry), Trust.from_file(config.fleet.signing_key))
     finally:
@@ -113,7 +115,7 @@ def _cmd_target(args: argparse.Namespace, config: Config) -> int:
 def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
     registry = open_existing_registry(config)
     try:
-        done = command(Journal(registry), args.action, by=_operator()) if args.action != "status" else None
+        done = command(Journal(registry), args.action, by=_operator(config)) if args.action != "status" else None
         doc = status(registry)
     finally:
         registry.close()
@@ -148,12 +150,20 @@ def _describe(journal: Journal, trust: Trust) -> dict[str, Any]:
             "set_by": target.set_by, "set_at": target.set_at.isoformat() if target.set_at else None}  # fmt: skip
 
 
-def _operator() -> str:
+def _operator(config: Config) -> str:
+    """Who decided, for the audit row: the credential used, never the environment (`LOGNAME` is
+    whatever the caller sets). The control token (the one operator token today) when this user
+    can read it, "control-token"; else the kernel's uid (its passwd name when it has one)."""
     try:
-        user = getpass.getuser()
-    except (KeyError, OSError):  # no passwd entry (a container's arbitrary uid)
-        user = "unknown"
-    return f"cli:{user}@{socket.gethostname()}"
+        read_token_file(control_token_path(config.state_dir))
+        who = "control-token"
+    except TokenFileError:
+        uid = os.getuid()
+        try:
+            who = f"uid:{uid}({pwd.getpwuid(uid).pw_name})"
+        except KeyError:  # no passwd entry (a container's arbitrary uid)
+            who = f"uid:{uid}"
+    return f"cli:{who}@{socket.gethostname()}"
 
 
 def _fail(message: str, code: int) -> int:

@@ -10,6 +10,15 @@ worker was taken for dead. Each listener runs its protocol through `guarded_prot
                       with a request, is closed itself; a log line per burst says how many
     header_timeout_s  a connection must deliver each request's headers within this long of
                       opening (or of its previous response); otherwise it is closed (5 s)
+    min_body_rate     a request's body must be in within header_timeout_s plus its length at this
+                      many bytes a second (a chunked body: what has arrived so far at that rate); a
+                      body later than that makes its connection evictable like one waiting for
+                      headers (1,100 connections each sending a header, then a body byte every 2 s,
+                      held every slot of a worker's serving port)
+    max_per_address   at most this many open from one client address (TCP peers; a Unix socket's
+                      peers are one user): a new one beyond it closes that address's oldest
+                      evictable connection, or is closed itself, so one client cannot take the
+                      listener from the others
 
 On shutdown (a worker stopped for a relaunch, the daemon stopping) a keep-alive connection that
 answered within the last `shutdown_grace_s` (1 s) stays open that long: its client reuses it at
@@ -37,6 +46,8 @@ log = logging.getLogger("hotswap.httpguard")
 class ListenerLimits:
     max_connections: int = 256
     header_timeout_s: float = 5.0
+    min_body_rate: float = 32 * 1024  # bytes a second
+    max_per_address: int = 64
     # how long after its last answer an idle keep-alive connection may still carry a request
     shutdown_grace_s: float = 1.0
 
@@ -51,7 +62,23 @@ class ListenerLimits:
 class _Refusals:
     count: int = 0
     logged_at: float = 0.0
-    waiting: dict[Any, None] = field(default_factory=dict)  # connections before headers, oldest first
+    waiting: dict[Any, None] = field(default_factory=dict)  # evictable connections, oldest first
+    by_address: dict[str, dict[Any, None]] = field(default_factory=dict)  # open connections per TCP peer
+
+    def note(self, name: str, limits: ListenerLimits, what: str) -> None:
+        self.count += 1
+        now = time.monotonic()
+        if now - self.logged_at >= 10.0:
+            log.warning("%s: %s: closing idle or late ones (%d so far)", name, what, self.count)
+            self.logged_at = now
+
+    def evictable_of(self, address: str) -> Any:
+        return next((c for c in self.waiting if c._address == address), None)
+
+
+def _peer_address(transport: asyncio.BaseTransport) -> str | None:
+    peer = transport.get_extra_info("peername")
+    return str(peer[0]) if isinstance(peer, tuple) and peer else None
 
 
 def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol]:
@@ -61,19 +88,31 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
 
     class Guarded(base):
         _deadline: asyncio.TimerHandle | None = None
+        _body_deadline: asyncio.TimerHandle | None = None
+        _body_due = 0.0  # loop time the request's body must be in by (Content-Length)
+        _body_chunked = False
+        _body_seen = 0  # bytes received since the request's headers
+        _address: str | None = None
         _cycle_seen: Any = None
         _idle_since = 0.0  # loop time of the connection's opening or its last answer
         _stopping = False
 
         def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
+            self._address = _peer_address(transport)
+            if self._address is not None:
+                mine = refusals.by_address.setdefault(self._address, {})
+                if len(mine) >= limits.max_per_address:
+                    refusals.note(name, limits, f"over {limits.max_per_address} connections from {self._address}")
+                    oldest = refusals.evictable_of(self._address)
+                    if oldest is None:
+                        self._address = None
+                        transport.abort()  # this address holds its share, all busy: it waits outside
+                        return
+                    oldest._drop()
+                mine[self] = None
             if len(self.connections) > limits.max_connections:
-                refusals.count += 1
-                now = time.monotonic()
-                if now - refusals.logged_at >= 10.0:
-                    log.warning("%s: over %d connections open: closing idle ones (%d so far)", name,
-                                limits.max_connections, refusals.count)
-                    refusals.logged_at = now
+                refusals.note(name, limits, f"over {limits.max_connections} connections open")
                 oldest = next(iter(refusals.waiting), None)
                 if oldest is None:
                     transport.abort()  # every open connection is serving a request: this one waits outside
@@ -89,9 +128,16 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
                 self._disarm()
                 if self._stopping:
                     _last_on_connection(self.cycle)
+                if self.cycle.more_body:
+                    self._arm_body()
+            elif self._body_deadline is not None:
+                self._body_seen += len(data)
+            if self._body_deadline is not None and self.cycle is not None and not self.cycle.more_body:
+                self._disarm_body()  # the whole body is in
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
+            self._disarm_body()  # answered before its body was read (a 413, say)
             self._idle_since = self.loop.time()
             self._arm()  # the next request's headers are due within the timeout too
             if self._stopping and self.cycle is not None and not self.cycle.response_complete:
@@ -114,7 +160,40 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
 
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
+            self._disarm_body()
+            if self._address is not None:
+                mine = refusals.by_address.get(self._address, {})
+                mine.pop(self, None)
+                if not mine:
+                    refusals.by_address.pop(self._address, None)
             super().connection_lost(exc)
+
+        def _arm_body(self) -> None:
+            """The body is due within the header timeout plus its length at `min_body_rate`,
+            counted from the request's start (the connection's opening or its last answer)."""
+            length = _content_length(self.headers)
+            self._body_chunked, self._body_seen = length is None, 0
+            self._body_due = self._idle_since + limits.header_timeout_s + (length or 0) / limits.min_body_rate
+            self._body_deadline = self.loop.call_at(max(self._body_due, self.loop.time()), self._body_late)
+
+        def _disarm_body(self) -> None:
+            if self._body_deadline is not None:
+                self._body_deadline.cancel()
+                self._body_deadline = None
+                refusals.waiting.pop(self, None)
+
+        def _body_late(self) -> None:
+            cycle = self.cycle
+            if cycle is None or cycle is not self._cycle_seen or not cycle.more_body:
+                self._body_deadline = None
+                return
+            if self._body_chunked:  # no length said: what has arrived so far earns its time
+                due = self._body_due + self._body_seen / limits.min_body_rate
+                if due > self.loop.time():
+                    self._body_deadline = self.loop.call_at(due, self._body_late)
+                    return
+            self._body_deadline = None
+            refusals.waiting[self] = None  # late: the next connection over a cap closes it first
 
         def _arm(self) -> None:
             self._disarm()
@@ -141,6 +220,17 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
     return Guarded
+
+
+def _content_length(headers: list[tuple[bytes, bytes]] | None) -> int | None:
+    """The request's Content-Length (None: chunked or not said)."""
+    for key, value in headers or ():
+        if key == b"content-length":
+            try:
+                return max(int(value), 0)
+            except ValueError:
+                return None
+    return None
 
 
 def _last_on_connection(cycle: Any) -> None:

@@ -16,6 +16,7 @@ Read from the controller's own observation on every pass, never from a memory of
     worker_out_of_rotation  warning   a worker not RUNNING that no rollout is driving
     worker_stuck            warning   a worker a rollout has held in one state for longer than the
                                       steps that state can take allow (STEP_BOUNDS)
+    health_poll_skipped     warning   several health poll passes in a row skipped: the previous still ran
     rollout_failed          warning   the host's last finished rollout failed or was rolled back
                                       (clears when a later one succeeds)
 
@@ -84,6 +85,9 @@ class WorkerProbe:
                 out.append(Problem("no_worker_serving", group, f"no worker of group {group!r} serves ({states})"))
         if not s.wait_ready(0):
             return out  # start-up: where its workers are is being found out; only "serving" is known
+        poller = getattr(s, "poller", None)  # passes skipped in a row (daemon/controller/poll.py)
+        if poller is not None:
+            out += poller.problems()
         launch = dict(s.supervisor.launch_problems())
         out += [Problem("worker_launch_failed", name, why) for name, why in launch.items()]
         crashed = dict(s.supervisor.crash_problems())

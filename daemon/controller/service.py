@@ -27,6 +27,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from apscheduler.events import EVENT_JOB_MAX_INSTANCES
 from apscheduler.schedulers.base import BaseScheduler
 
 from daemon.checks.base import CheckSettings
@@ -35,6 +36,7 @@ from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, 
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.adapters import AdapterDecisions
 from daemon.controller.decisions import RolloutDecisions
+from daemon.controller.poll import BoundedPoll, Unanswered, serving_port_problem
 from daemon.controller.queue import CommandError, Job, RolloutQueue, RolloutState
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
@@ -120,6 +122,8 @@ class RolloutService:
                                submit=self.submit, observe=self._observe_all)  # fmt: skip
         self._ready = threading.Event()
         self.polls = 0  # health poll passes finished (GET /v1/rollout shows them)
+        # each pass bounded as a whole; hung managed workers killed (daemon/controller/poll.py)
+        self.poller = BoundedPoll(self.journal, lambda: self.settings.request_timeout_s)
         self._thread: threading.Thread | None = None
 
     @classmethod
@@ -149,6 +153,11 @@ class RolloutService:
         if scheduler is not None:
             scheduler.add_job(self.poll, "interval", seconds=self.settings.health_poll_s, id="worker-health",
                               max_instances=1, coalesce=True)  # fmt: skip
+            scheduler.add_listener(self._poll_skipped, EVENT_JOB_MAX_INSTANCES)
+
+    def _poll_skipped(self, event: Any) -> None:
+        if getattr(event, "job_id", None) == "worker-health":
+            self.poller.skip()  # the previous pass still ran (a metric; a problem past a bound)
 
     def stop(self, stop_managed: bool = True, timeout: float = 30.0) -> None:
         self._stopping.set()
@@ -156,6 +165,7 @@ class RolloutService:
         if self._thread is not None:
             self._thread.join(timeout)
         self.supervisor.stop()
+        self.poller.close()
         if stop_managed:
             for h in self.fleet:
                 if h.managed is not None:
@@ -361,18 +371,8 @@ class RolloutService:
             # a worker on the version it was just moved to would look drifted and be moved back.
             self._all_back_in_rotation()
             return
-        drift = False
-        running = 0
-        for h in self.fleet:
-            if not h.busy.acquire(blocking=False):
-                continue
-            try:
-                drift |= self._poll_one(h)
-                running += h.state == WorkerState.RUNNING
-            except Exception:
-                log.exception("health_poll_failed", worker=h.name)
-            finally:
-                h.busy.release()
+        drift = any(self.poller.run(self.fleet, self._poll_held).values())
+        running = sum(h.state == WorkerState.RUNNING for h in self.fleet)
         if self._busy():
             return
         if drift:
@@ -391,8 +391,18 @@ class RolloutService:
             with h.busy:
                 try:
                     self._poll_one(h)
+                except Unanswered:
+                    pass  # recorded UNREACHABLE
                 except Exception:
                     log.exception("health_poll_failed", worker=h.name)
+
+    def _poll_held(self, h: WorkerHandle) -> bool:
+        if not h.busy.acquire(blocking=False):
+            return False  # the engine drives it and records every change itself
+        try:
+            return self._poll_one(h)
+        finally:
+            h.busy.release()
 
     def _busy(self) -> bool:
         return self.state.current_job is not None
@@ -405,13 +415,18 @@ class RolloutService:
         except WorkerError as exc:
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
             h.observed(None)
-            return False
+            raise Unanswered(str(exc)) from None
         info = self._back_in_rotation(h, info) or info
         if check_worker(self.journal, self.driver, h, info) is not None:  # reports what the registry does not
             self.journal.observe(h.name, state=WorkerState.UNCERTAIN.value, weight_version=info.version,
                                  error="its report does not match the registry", device=info.device)  # fmt: skip
             return True
         state = info.state if info.state in WORKER_STATES else "UNKNOWN"
+        if state == WorkerState.RUNNING.value and (why := serving_port_problem(h.url, self.settings.request_timeout_s / 2)):
+            log.warning("serving_port_unanswered", worker=h.name, error=why)  # its clients see no worker at all
+            self.journal.observe(h.name, state="UNREACHABLE", weight_version=info.version, error=why, device=info.device)
+            h.observed(None)
+            return False
         self.journal.observe(h.name, state=state, weight_version=info.version, error=None, device=info.device)
         h.observed(parse_state(info.state))
         serving_version = self.state.serving

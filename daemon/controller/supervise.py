@@ -121,6 +121,8 @@ def choose_launch(journal: Journal, default_model: str, deep: bool) -> Choice:
 
 
 def _describe_exit(m: ManagedWorker) -> str:
+    if m.kill_reason:
+        return f"the worker process was {m.kill_reason}"
     code = m.exit_code()
     if code is None:
         return "the worker process exited"

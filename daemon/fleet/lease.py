@@ -39,6 +39,12 @@ from daemon.registry.models import FleetLease
 from daemon.registry.queries import record_event
 
 log = get_logger(__name__)
+
+# A lease is written `lease_s` ahead and renewed well before it runs out; one further ahead than
+# LEASE_AHEAD_FACTOR times that was not written by a daemon and is taken as free (a slot is never
+# blocked by a forged or corrupt row); readers that know no lease_s bound what they load by a day.
+LEASE_AHEAD_FACTOR = 3
+LEASE_READ_MAX_S = 24 * 3600
 WAIT_POLL_S = 0.5  # a waiting host's first ask again; then doubling (FleetLeases.wait_cap_s)
 STOP_CHECK_S = 0.5  # a waiting host notices its daemon stopping within this
 
@@ -89,7 +95,9 @@ class FleetLeases:
                 select(FleetLease.slot)
                 .where(
                     FleetLease.slot < n,
-                    or_(FleetLease.host.is_(None), FleetLease.host == self.host, FleetLease.expires_at < func.now()),
+                    or_(FleetLease.host.is_(None), FleetLease.host == self.host, FleetLease.expires_at < func.now(),
+                        # further ahead than any renewal writes ('infinity', a century): not a lease
+                        FleetLease.expires_at > func.now() + timedelta(seconds=LEASE_AHEAD_FACTOR * self.settings.lease_s)),
                 )
                 .order_by((FleetLease.host == self.host).desc(), FleetLease.slot)
                 .limit(1)
@@ -212,10 +220,13 @@ class FleetLeases:
 
 
 def holders(registry: Registry) -> list[dict[str, Any]]:
-    """Slots held now (not expired): slot, host, version, acquired_at, expires_at."""
+    """Slots held now (not expired): slot, host, version, acquired_at, expires_at. A row expiring
+    further ahead than LEASE_READ_MAX_S ('infinity' crashed `status --fleet`; a century ahead
+    blocked every host) is no holder: no daemon writes one."""
     with registry.session() as s:
         rows = s.scalars(
-            select(FleetLease).where(FleetLease.host.is_not(None), FleetLease.expires_at >= func.now())
+            select(FleetLease).where(FleetLease.host.is_not(None), FleetLease.expires_at >= func.now(),
+                                     FleetLease.expires_at <= func.now() + timedelta(seconds=LEASE_READ_MAX_S))
             .order_by(FleetLease.slot)
         ).all()  # fmt: skip
         return [{"slot": r.slot, "host": r.host, "version": r.version, "acquired_at": r.acquired_at,

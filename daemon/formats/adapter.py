@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import re
+import re._parser as _sre  # the stdlib's own parse of a pattern: what regex_problem walks
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,10 +115,9 @@ def parse_config(doc: Mapping[str, Any]) -> AdapterConfig:
         raise bad("bias", f"{doc['bias']!r}: trained biases are not served (\"none\" only)")
     targets = doc.get("target_modules")
     if isinstance(targets, str):
-        try:
-            re.compile(targets)
-        except re.error as exc:
-            raise bad("target_modules", f"{targets!r} is not a regular expression ({exc})") from None
+        problem = regex_problem(targets)
+        if problem is not None:
+            raise bad("target_modules", problem)
         target_modules, regex = (targets,), True
     elif isinstance(targets, list) and targets and all(isinstance(t, str) and t for t in targets):
         target_modules, regex = tuple(targets), False
@@ -127,6 +127,57 @@ def parse_config(doc: Mapping[str, Any]) -> AdapterConfig:
     if base is not None and not isinstance(base, str):
         raise bad("base_model_name_or_path", f"{base!r:.80} must be a string")
     return AdapterConfig(r, float(alpha), target_modules, regex, base or None, bool(doc.get("use_rslora", False)))
+
+
+_ATOMS = (_sre.LITERAL, _sre.NOT_LITERAL, _sre.ANY, _sre.IN, _sre.CATEGORY)
+REGEX_MAX_CHARS = 256
+REGEX_MAX_REPEATS = 3  # repetitions (*, +, {n,m}) in one pattern: backtracking is at most n**3 per name
+
+
+def regex_problem(pattern: str) -> str | None:
+    """Why `target_modules` given as one regex could run long in the daemon, or None.
+
+    Python's `re` backtracks while it holds the GIL: `.*q_proj|mod(.+)+X` took 81 s on one module
+    name and froze the daemon's API meanwhile. Accepted: at most REGEX_MAX_CHARS characters, no
+    repeated group (the nested quantifier behind that), no backreference, at most
+    REGEX_MAX_REPEATS repetitions; PEFT's usual forms (`.*\\.(q_proj|v_proj)`,
+    `model\\.layers\\.\\d+\\.self_attn\\.(q|v)_proj`) pass."""
+    if len(pattern) > REGEX_MAX_CHARS:
+        return f"a regex of {len(pattern)} characters, over {REGEX_MAX_CHARS} (give a list of module names instead)"
+    try:
+        parsed = _sre.parse(pattern)
+    except re.error as exc:
+        return f"{pattern!r} is not a regular expression ({exc})"
+    repeats = 0
+
+    def walk(items: Any, inside_repeat: bool) -> str | None:
+        nonlocal repeats
+        for op, arg in items:
+            if op in (_sre.MAX_REPEAT, _sre.MIN_REPEAT, _sre.POSSESSIVE_REPEAT):
+                _lo, hi, sub = arg
+                many = hi is _sre.MAXREPEAT or hi > 1  # `?` (at most once) nests nothing
+                if many and (inside_repeat or any(o not in _ATOMS for o, _ in sub)):
+                    return f"{pattern!r:.80} repeats a group (a nested quantifier backtracks exponentially)"
+                repeats += many
+                why = walk(sub, inside_repeat or many)
+            elif op in (_sre.GROUPREF, _sre.GROUPREF_EXISTS):
+                return f"{pattern!r:.80} uses a backreference"
+            elif op == _sre.SUBPATTERN:
+                why = walk(arg[-1], inside_repeat)
+            elif op == _sre.BRANCH:
+                why = next((w for b in arg[1] if (w := walk(b, inside_repeat))), None)
+            elif op in (_sre.ASSERT, _sre.ASSERT_NOT, _sre.ATOMIC_GROUP):
+                why = walk(arg[-1], inside_repeat)
+            else:
+                why = None
+            if why:
+                return why
+        return None
+
+    why = walk(parsed, False)
+    if why is None and repeats > REGEX_MAX_REPEATS:
+        why = f"{pattern!r:.80} has {repeats} repetitions, over {REGEX_MAX_REPEATS}"
+    return why
 
 
 def lora_pairs(names: list[str]) -> dict[str, LoraPair]:

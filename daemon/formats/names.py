@@ -6,8 +6,9 @@
 
 Both become names on disk (`<path>/<version>/`, `<cache>/<version>/<file>`) and a version label
 also goes into the registry, every log line of its checkpoint and workers' responses, so the rules
-are the filesystem's and the log's: a label is one printable folder name of at most 200 bytes, not
-starting with "." (folders being assembled are ".partial-..." and ".incoming"); a path is
+are the filesystem's, the log's and the shell's: a label is at most 200 bytes of `[A-Za-z0-9._@+-]`,
+not starting with "." (folders being assembled are ".partial-..." and ".incoming") or "-" (an
+option to any command it is passed to); labels already in a registry are never re-judged; a path is
 relative, normalised, at most 32 levels and 1024 bytes, each component at most 255 bytes. Every
 reader (the manifest parser, the push routes, the local and S3 sources) applies the same rules, so
 a name is refused with its reason before anything touches the filesystem.
@@ -24,6 +25,9 @@ NAME_MAX_BYTES = 255  # one path component (NAME_MAX on Linux)
 PATH_MAX_BYTES = 1024  # a file's relative path inside a checkpoint
 PATH_MAX_DEPTH = 32  # folders deep
 _LINE_BREAKS = "\n\r\u2028\u2029"
+# what a label may hold: it is substituted into restart commands ({version}) and becomes a folder
+# name, so no shell metacharacter, space or non-ASCII letter (issue 37: `$(...)`, `;`, `-rf`)
+LABEL_CHARS = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789._@+-")
 
 
 class ManifestError(ValueError):
@@ -51,6 +55,11 @@ def version_problem(version: object) -> str | None:
         return f"version {version!r} contains a slash: a label is one folder name"
     if version.startswith("."):
         return f"version {version!r} starts with '.' (reserved for folders being assembled, and '..')"
+    if version.startswith("-"):
+        return f"version {version!r:.80} starts with '-' (a command it is passed to would read it as an option)"
+    bad = "".join(sorted({c for c in version if c not in LABEL_CHARS}))
+    if bad:
+        return f"version {version!r:.80} contains {bad!r:.40}: a label is letters, digits and . _ @ + - only"
     return None
 
 

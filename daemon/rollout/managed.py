@@ -134,6 +134,7 @@ class ManagedWorker:
         # (another local user's server would answer clients under our version label).
         self._listener: socket.socket | None = None
         self.log_offset = 0  # where this launch's lines start in the log file
+        self.kill_reason: str | None = None  # why the daemon killed this launch (a hung worker)
         ensure_token_file(self.token_file)
         for path, mode in ((self.log_file.parent, DIR_MODE), (self.log_file, FILE_MODE)):  # an install from before
             if (was := tighten(path, mode)) is not None:
@@ -245,6 +246,7 @@ class ManagedWorker:
             self._proc = subprocess.Popen(argv, stdout=logf, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                           start_new_session=True, pass_fds=(listener.fileno(),))  # fmt: skip
         self.pid = self._proc.pid
+        self.kill_reason = None
         self.launches += 1
         self.model, self.version = model, version
         doc = {"pid": self.pid, "port": self.port, "model": model, "version": version, "launched_version": version,
@@ -313,6 +315,15 @@ class ManagedWorker:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self._proc.wait(timeout=5)
         self.pid, self._proc = None, None
+
+    def kill(self, reason: str) -> None:
+        """SIGKILL the child (it answers nothing: a SIGTERM would wait for it); still meant to run,
+        so the supervisor relaunches it, on the port the daemon holds."""
+        self.kill_reason = reason
+        log.error("managed_worker_killed", worker=self.spec.name, pid=self.pid, reason=reason)
+        if self.pid is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.pid, signal.SIGKILL)
 
     def relaunch(self, model: str | None, version: str | None, expect: Expect | None = None) -> int:
         """Stop the child and start it on `model`. Refused (RuntimeError, the child left running)

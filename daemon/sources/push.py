@@ -97,7 +97,7 @@ class PushSourceConfig:
         return self.name or f"push:{self.listen}"
 
 
-PUSH_LIMITS = ListenerLimits(max_connections=64, header_timeout_s=5.0)  # a few trainers, each one upload at a time
+PUSH_LIMITS = ListenerLimits(max_connections=64, header_timeout_s=5.0, max_per_address=16)  # a few trainers, each one upload at a time
 
 
 class PushServer:

@@ -232,7 +232,7 @@ class AdminServer:
         self._inode = _inode(path)  # the socket file it made (a newer worker's may take the path)
         config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False, lifespan="off",
                                 backlog=64,
-                                http=guarded_protocol(ListenerLimits(max_connections=64), "worker admin"))
+                                http=guarded_protocol(ListenerLimits(max_connections=64, max_per_address=16), "worker admin"))
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]},
                                         name="hotswap-admin", daemon=True)  # fmt: skip

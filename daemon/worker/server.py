@@ -263,7 +263,7 @@ def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ())
 
 
 # serving: 200 concurrent completions and more; each held connection is one file descriptor
-SERVING_LIMITS = ListenerLimits(max_connections=1024, header_timeout_s=5.0)
+SERVING_LIMITS = ListenerLimits(max_connections=1024, header_timeout_s=5.0, max_per_address=256)
 
 
 def inherited_tcp(fd: int, port: int) -> socket.socket:

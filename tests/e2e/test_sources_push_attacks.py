@@ -82,6 +82,9 @@ BAD_NAMES = [
     ("/v1/push/v%0D%0AX-Forged:%201/files/a.bin", "contains a newline"),
     ("/v1/push/v%1B%5B2J/files/a.bin", "contains a control character"),
     ("/v1/push/../files/a.bin", "starts with '.'"),
+    ("/v1/push/-rf/files/a.bin", "starts with '-'"),  # issue 37: an option to a restart command
+    ("/v1/push/v%24%28id%29/files/a.bin", "a label is letters, digits and . _ @ + - only"),  # $(id)
+    ("/v1/push/a%3Bb%20c/files/a.bin", "a label is letters, digits and . _ @ + - only"),  # "a;b c"
     ("/v1/push/v1/files/a/../../b.bin", "contains '..'"),
     ("/v1/push/v1/files//etc/passwd", "is absolute"),
 ]

@@ -308,3 +308,21 @@ def test_a_checkpoint_whose_label_cannot_be_used_is_refused_and_the_source_goes_
     manifest.write_text(good_doc)  # fixed: its files changed, looked at again
     assert got.items.get(timeout=10).version == "nl"
     wait_until(lambda: set(src.describe().get("refused", {})) == {escape}, 10, what="only the escape still refused")
+
+
+def test_labels_a_shell_or_a_command_would_read_are_refused(source, tmp_path):
+    """Issue 37, item 6: a label is `[A-Za-z0-9._@+-]`, not starting with '-'; a folder named
+    `$(id)` or `-rf` (committed by its marker, so the name is the label) is refused, naming why."""
+    src, got = source()
+    for name, seed in (("v$(id)", 1), ("-rf", 2), ("a b;c", 3)):
+        make_tiny_checkpoint(tmp_path / f"x{seed}", seed=seed)
+        (tmp_path / f"x{seed}" / "_SUCCESS").write_text("")
+        os.replace(tmp_path / f"x{seed}", src.root / name)
+    publish_tiny(tmp_path / "run-1@v2+3", seed=4)
+    os.replace(tmp_path / "run-1@v2+3", src.root / "run-1@v2+3")
+    assert got.items.get(timeout=10).version == "run-1@v2+3"
+    wait_until(lambda: len(src._refused) == 3, 10, what=f"all three refused (so far: {src._refused})")
+    refused = src.describe()["refused"]
+    assert "starts with '-'" in refused["-rf"], refused
+    assert "a label is letters" in refused["v$(id)"] and "a label is letters" in refused["a b;c"], refused
+    assert got.all() == []

@@ -142,6 +142,20 @@ def test_labels_with_control_characters_are_refused_and_the_source_goes_on(moto_
     assert (fetch(src, good.version, good.uri) / MANIFEST_NAME).is_file()
 
 
+def test_labels_a_shell_or_a_command_would_read_are_refused(moto_server, s3, tmp_path):
+    """Issue 37, item 6: S3 takes `$(id)` and `-rf` as key prefixes; as labels they are refused."""
+    for i, name in enumerate(("v$(id)", "-rf")):  # valid manifests, uploaded under the bad folder names
+        publish_tiny(tmp_path / "x" / f"bad{i}", seed=i + 1)
+        upload_dir(s3, BUCKET, f"run-1/{name}/", tmp_path / "x" / f"bad{i}")
+    publish_tiny(tmp_path / "z" / "good", seed=3)
+    upload_dir(s3, BUCKET, "run-1/good/", tmp_path / "z" / "good")
+    src, _ = make_source(moto_server, tmp_path)
+    found = src.scan()
+    assert [i.version for i in found] == ["good"]
+    refused = src.describe()["refused"]
+    assert "starts with '-'" in refused["-rf"] and "a label is letters" in refused["v$(id)"], refused
+
+
 def test_a_manifest_that_does_not_parse_is_logged_with_its_own_parse_error(moto_server, s3, tmp_path):
     publish_tiny(tmp_path / "y" / "bad-digest", seed=2)
     manifest = tmp_path / "y" / "bad-digest" / MANIFEST_NAME
