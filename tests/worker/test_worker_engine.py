@@ -210,8 +210,8 @@ def test_pause_waits_for_one_forward_not_for_the_whole_step(engine_a: Engine) ->
             return
         try:
             t = threading.Thread(target=engine_a.pause)
-            pauser.append(t)
             t.start()
+            pauser.append(t)  # after start: the test thread joins it as soon as it sees it
             while not engine_a.paused:  # positive signal: the pause is asked and waits for the step
                 t.join(0.001)
         except BaseException as exc:  # re-raised in the test thread
