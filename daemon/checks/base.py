@@ -7,13 +7,35 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
-from daemon.bytepipe.protocols import Staged, VerifyStager
 from daemon.formats.checkpoint import TensorLocation
 from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
-from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS
+from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, FileDigest
 from daemon.manifest import Manifest, ManifestFile
+
+
+class Staged(Protocol):
+    """A checkpoint's bytes staged by the crc32c pass (daemon.bytepipe.staged.StagedCopy), read by
+    finite and forward; declared here, where its readers are, so the pipeline imports no check."""
+
+    device: str
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def release(self) -> None: ...
+
+
+class VerifyStager(Protocol):
+    """Where the crc32c pass stages the weight files instead of this process (the ipc loader:
+    daemon.transport.ipc_verify.LoaderStager, which matches it without importing it); run_checks
+    calls `finish` once the checks are over."""
+
+    def stage(self, root: Path, rels: list[str], alg: str) -> tuple[list[FileDigest], Staged] | None: ...
+
+    def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None: ...
+
 
 # cheap to dear, the order they run in (docs/concepts/pipeline.md "Checks")
 CHECK_NAMES: tuple[str, ...] = ("manifest", "headers", "crc32c", "compat", "finite", "headroom", "forward")

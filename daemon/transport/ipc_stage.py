@@ -8,7 +8,8 @@ worker can need any more (everything but serving and last good) are dropped from
 
 from __future__ import annotations
 
-from daemon.bytepipe.protocols import VerifyStager
+from typing import Any
+
 from daemon.common.logging import get_logger
 from daemon.handoff.loader_client import LoaderClient, LoaderError, LoaderUnavailable
 from daemon.transport.base import (
@@ -63,7 +64,7 @@ class IpcSender:
         request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
 
-    def verify_stager(self, version: str, device: str) -> VerifyStager:
+    def verify_stager(self, version: str, device: str) -> Any:  # a LoaderStager (daemon.checks.base.VerifyStager's shape)
         """For the daemon's verify: the crc32c pass stages `version` in the loader (one read);
         once verified it counts as staged here (prepare finds it, retain may drop it)."""
         # imported here: it needs torch, which a daemon without checks that use it never loads

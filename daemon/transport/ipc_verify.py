@@ -77,7 +77,7 @@ class LoaderStaged(StagedTensors):
 
 
 class LoaderStager:
-    """The crc32c pass's staging in the loader for one version (daemon.bytepipe.protocols.VerifyStager)."""
+    """The crc32c pass's staging in the loader for one version (it matches daemon.checks.base.VerifyStager)."""
 
     def __init__(self, loader: LoaderClient, version: str, device: str,
                  on_verified: Callable[[str], None] | None = None) -> None:  # fmt: skip

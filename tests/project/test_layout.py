@@ -287,3 +287,23 @@ def test_comments_cite_only_files_the_repository_has() -> None:
             if not any((base / name).exists() for base in (REPO, REPO / "docs", p.parent)):
                 missing.append(f"{p.relative_to(REPO)}: {name}")
     assert missing == []
+
+
+def _folder(module: str) -> str:
+    return ".".join(module.split(".")[:2])
+
+
+def folder_cycles(modules: dict[str, Path]) -> list[list[str]]:
+    """Cycles between top-level folders (and root modules) of the package: an import that runs back up."""
+    graph: dict[str, set[str]] = {}
+    for m, p in modules.items():
+        for d in _imports(m, p):
+            if _folder(m) != _folder(d):
+                graph.setdefault(_folder(m), set()).add(_folder(d))
+    return _cycles(graph)
+
+
+def test_at_most_one_cycle_between_folders() -> None:
+    # The one left: config reads the fleet's settings table (daemon.fleet.settings, layer 2), the
+    # fleet builds on the rollout, and the rollout reads the config's sections.
+    assert folder_cycles(MODULES) == [["daemon.config", "daemon.fleet", "daemon.rollout"]]
