@@ -102,7 +102,7 @@ def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
 LAYERS: dict[str, int] = {
     # 0 leaves: import nothing of the daemon's but other leaves
     "daemon": 0, "daemon.common": 0, "daemon.formats": 0, "daemon.crc": 0, "daemon.hashing": 0,
-    "daemon.manifest": 0, "daemon.tinymodel": 0,
+    "daemon.manifest": 0, "daemon.tinymodel": 0, "daemon.delta": 0,
     # 1 parts: the registry, what moves and checks bytes, the processes beside the daemon
     "daemon.registry": 1, "daemon.transport": 1, "daemon.checks": 1, "daemon.loader": 1,
     "daemon.engines": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1,
