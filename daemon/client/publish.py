@@ -3,6 +3,7 @@
     publish_s3(directory, "s3://bucket/prefix/version")      files first, the manifest last
     push(directory, "https://host:8781", token, key)          streamed PUTs, then the signed commit
 
+`publish_delta` (daemon.delta.build) writes a delta checkpoint against a base into a new folder.
 Both write (or reuse) `hotswap-manifest.json` (daemon.manifest.publish: CRC32C + BLAKE3 per file).
 `publish_s3` uploads files in parallel (multipart with CRC32C part checksums and the file's
 FULL_OBJECT CRC32C from the manifest, so S3 itself refuses bytes that differ), then the manifest:
@@ -32,8 +33,12 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from daemon.checks.signatures import HmacSigner, read_hmac_key
 from daemon.client.tls_diagnosis import tls_diagnosis, tls_problem
+from daemon.delta.anchors import AnchorRule
+from daemon.delta.build import Published, publish_delta
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, Signature, Signer, load_manifest, publish
+
+__all__ = ["AnchorRule", "PushError", "Published", "ensure_manifest", "parse_s3_url", "publish_delta", "publish_s3", "push"]
 
 MIB = 1024 * 1024
 RETRY_STATUSES = {429, 500, 502, 503, 504}
