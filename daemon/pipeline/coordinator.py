@@ -34,7 +34,7 @@ from daemon.checks.base import Stager
 from daemon.common.logging import bind_version, get_logger
 from daemon.common.metrics import DaemonMetrics
 from daemon.formats.adapter import AdapterLayoutError, identity, is_adapter
-from daemon.pipeline import rediscovery
+from daemon.pipeline import deltas, rediscovery
 from daemon.pipeline.warmup import warm_up
 from daemon.registry import Checkpoint, Registry, hosts, status
 from daemon.registry import queries as q
@@ -81,6 +81,7 @@ class Coordinator:
         # (version, device) -> where the crc32c pass stages the weights (ipc: the loader), or None
         self.verify_stager: Callable[[str, str], Stager | None] | None = None
         self._heartbeat_s = 0.0
+        self.delta_dir = Path("deltas")  # where delta checkpoints are rebuilt (the service: <state_dir>/deltas)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -254,8 +255,8 @@ class Coordinator:
     # -- the pipeline, one checkpoint --------------------------------------------------------
 
     def process(self, checkpoint_id: int) -> None:
-        """fetch -> verify -> on_verified."""
-        if not self.fetch(checkpoint_id):
+        """fetch -> rebuild (a delta) -> verify -> on_verified."""
+        if not self.fetch(checkpoint_id) or not self.rebuild(checkpoint_id):
             return
         if self.verify(checkpoint_id) and self.on_verified is not None:
             self.on_verified(checkpoint_id)
@@ -323,6 +324,11 @@ class Coordinator:
         if retry is not None:
             self._retry_later(checkpoint_id, retry)
         return False
+
+    def rebuild(self, checkpoint_id: int) -> bool:
+        """A delta checkpoint: rebuilt from its base (daemon.pipeline.deltas); True when verify may go on."""
+        go_on, version, err = deltas.run_step(self.registry, checkpoint_id, self.delta_dir)
+        return go_on if err is None else self._fetch_failed(checkpoint_id, err, bind_version(log, version))
 
     # -- step: verify --------------------------------------------------------------------
 

@@ -163,6 +163,12 @@ class Checkpoint(Base):
     kind: Mapped[str] = mapped_column(String(16), default="full", server_default="full")
     adapter_name: Mapped[str | None] = mapped_column(String(255), index=True)  # what clients send as `model`
     base_model: Mapped[str | None] = mapped_column(Text)  # the base an adapter was trained for
+    # how it arrived (daemon.delta): "full" or "delta" (None: before migration 0016, or not fetched yet),
+    # the base a delta was rebuilt from, bytes read from the source, delta bytes / full result bytes
+    encoding: Mapped[str | None] = mapped_column(String(16))
+    delta_base: Mapped[str | None] = mapped_column(String(255))
+    fetched_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    delta_ratio: Mapped[float | None] = mapped_column(Float)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"

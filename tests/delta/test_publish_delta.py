@@ -9,9 +9,8 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-import torch
 from conftest import hotswap_cli, publish_tiny
-from safetensors.torch import load_file, save_file
+from support_delta import step
 
 from daemon.client import publish_delta
 from daemon.delta.anchors import AnchorRule
@@ -21,19 +20,6 @@ from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import ManifestError, load_manifest
 
 pytestmark = pytest.mark.quick
-
-
-def step(src: Path, dst: Path, lr: float, seed: int, share: float = 0.02) -> None:
-    """dst: src's checkpoint after a small update of `share` of the elements of every float tensor."""
-    dst.mkdir()
-    g = torch.Generator().manual_seed(seed)
-    for f in src.iterdir():
-        if f.suffix == ".safetensors":
-            t = load_file(f)
-            save_file({k: (v.float() + lr * torch.randn(v.shape, generator=g) * (torch.rand(v.shape, generator=g) < share)
-                           ).to(v.dtype) if v.is_floating_point() else v for k, v in t.items()}, dst / f.name)  # fmt: skip
-        elif f.name != MANIFEST_NAME:
-            (dst / f.name).write_bytes(f.read_bytes())
 
 
 def rebuilt_equals(out: Path, base: Path, new: Path, tmp: Path) -> bool:
