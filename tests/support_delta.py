@@ -12,7 +12,7 @@ from daemon.formats.checkpoint import MANIFEST_NAME
 
 def step(src: Path, dst: Path, lr: float, seed: int, share: float = 0.02) -> None:
     """dst: src's checkpoint after a small update of `share` of the elements of every float tensor."""
-    dst.mkdir()
+    dst.mkdir(parents=True)
     g = torch.Generator().manual_seed(seed)
     for f in src.iterdir():
         if f.suffix == ".safetensors":
