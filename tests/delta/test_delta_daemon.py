@@ -6,6 +6,7 @@ its reason, and nothing half-written is left behind.
 from __future__ import annotations
 
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +17,8 @@ from daemon.client import publish_delta
 from daemon.delta.anchors import AnchorRule
 from daemon.delta.section import DELTA_DIR
 from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.hashing import hash_files
+from daemon.manifest import load_manifest
 
 RULE = AnchorRule(share=100.0)  # always a delta: the test decides what it ships
 
@@ -85,6 +88,24 @@ def test_a_delta_is_rebuilt_verified_and_recorded_and_bad_ones_are_refused(
     hsd.write_bytes(bytes(raw))
     shutil.copytree(staging, d.watch_dir / "v4")
     refused("v4", "delta refused: delta file hotswap-delta/model.safetensors.hsd")
+
+    # consistent and signed-looking, but the delta rebuilds other bytes than the result hashes say
+    step(trainer / "v3", trainer / "v5", 1e-4, 8)
+    step(trainer / "v3", tmp_path / "liar", 1e-4, 9)
+    staging = tmp_path / "staging" / "v5"
+    publish_delta(trainer / "v5", trainer / "v3", staging, rule=RULE)
+    other = tmp_path / "staging" / "liar"
+    publish_delta(tmp_path / "liar", trainer / "v3", other, version="v5", rule=RULE)
+    m = load_manifest(staging)
+    hsd = f"{DELTA_DIR}/model.safetensors.hsd"
+    shutil.copyfile(other / hsd, staging / hsd)
+    (d_,) = hash_files([staging / hsd])
+    doc = dict(m.extra["delta"])
+    doc["files"] = [{**doc["files"][0], "bytes": d_.bytes, "crc32c": d_.crc32c, "blake3": d_.hash}]
+    (staging / MANIFEST_NAME).write_text(replace(m, extra={"delta": doc}).to_json())
+    shutil.copytree(staging, d.watch_dir / "v5")
+    r = d.wait_status("v5", "rejected")
+    assert "model.safetensors" in r["status_message"] and "delta" not in r["status_message"], r["status_message"]
 
     # the verified versions are untouched, and history/show say how each arrived
     assert d.row("v3")["status"] == "verified"

@@ -6,6 +6,7 @@ the manifest's signed delta section, anchors (every N, adaptive), and what is re
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -13,6 +14,7 @@ from conftest import hotswap_cli, publish_tiny
 from support_delta import step
 
 from daemon.client import publish_delta
+from daemon.delta import DeltaError
 from daemon.delta.anchors import AnchorRule
 from daemon.delta.rebuild import rebuild
 from daemon.delta.section import DELTA_DIR, parse
@@ -89,3 +91,13 @@ def test_a_base_that_is_itself_a_shipped_delta_is_refused(tmp_path: Path) -> Non
     assert not (tmp_path / "w" / "v3").exists()  # nothing half-written
     r = hotswap_cli("publish", str(tmp_path / "v3"), "--delta-from", str(tmp_path / "v2"))
     assert r.returncode == 2 and "--delta-from needs --out" in r.stderr
+
+
+def test_a_delta_naming_itself_as_its_base_is_a_loop(tmp_path: Path) -> None:
+    publish_tiny(tmp_path / "v1", seed=1)
+    step(tmp_path / "v1", tmp_path / "v2", 1e-5, 2)
+    m = publish_delta(tmp_path / "v2", tmp_path / "v1", tmp_path / "w" / "v2").manifest
+    doc = dict(m.extra["delta"])
+    doc["base"] = {**doc["base"], "version": "v2"}
+    with pytest.raises(DeltaError, match="names itself .* a loop"):
+        parse(replace(m, extra={"delta": doc}), "t")
