@@ -33,12 +33,10 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from daemon.checks.signatures import HmacSigner, read_hmac_key
 from daemon.client.tls_diagnosis import tls_diagnosis, tls_problem
-from daemon.delta.anchors import AnchorRule
-from daemon.delta.build import Published, publish_delta
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, Signature, Signer, load_manifest, publish
 
-__all__ = ["AnchorRule", "PushError", "Published", "ensure_manifest", "parse_s3_url", "publish_delta", "publish_s3", "push"]
+__all__ = ["PushError", "ensure_manifest", "parse_s3_url", "publish_delta", "publish_s3", "push"]
 
 MIB = 1024 * 1024
 RETRY_STATUSES = {429, 500, 502, 503, 504}
@@ -60,6 +58,14 @@ def ensure_manifest(directory: Path, version: str | None = None, signer: Signer 
             raise ManifestError(f"{directory}: its manifest says version {manifest.version!r}, not {version!r}")
         return manifest
     return publish(directory, version=version, signer=signer)
+
+
+def publish_delta(directory: str | os.PathLike[str], base: str | os.PathLike[str], out: str | os.PathLike[str],
+                  **options: Any) -> Any:  # fmt: skip
+    """daemon.delta.build.publish_delta (imported when called: `hotswap push` loads no numpy)."""
+    from daemon.delta.build import publish_delta as build
+
+    return build(directory, base, out, **options)
 
 
 def _b64crc(hex8: str) -> str:
