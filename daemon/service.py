@@ -291,6 +291,7 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     scheduler = BackgroundScheduler(daemon=True)
     # register -> fetch -> verify: the coordinator (its queue is what the sources feed)
     coordinator = Coordinator(registry, config.checks, metrics, observers=seen.statuses)
+    coordinator.delta_dir = config.state_dir / "deltas"  # delta checkpoints rebuilt into full versions
     # discover: one source per [[sources]] entry, by its type
     sources = [build_source(c, coordinator.intake, scheduler) for c in config.sources]
     coordinator.sources = {s.label: s for s in sources}  # the fetch step asks a checkpoint's source

@@ -37,6 +37,17 @@ def publish_parser() -> argparse.ArgumentParser:
     ap.add_argument("--hash", choices=list(HASH_ALGORITHMS), default=DEFAULT_HASH_ALG,
                     help=f"per-file strong hash (default {DEFAULT_HASH_ALG}: fastest, uses every core)")  # fmt: skip
     ap.add_argument("--threads", type=int, help="hashing threads (default: one per CPU core)")
+    de = ap.add_argument_group("delta (ship only what changed since a base; daemon.delta)")
+    de.add_argument("--delta-from", metavar="BASE", type=Path,
+                    help="the base's folder (full files and its manifest): encode DIR against it and write "
+                    "the delta checkpoint into --out (DIR keeps its full files and gets the manifest too)")
+    de.add_argument("--out", metavar="OUT", type=Path, help="with --delta-from: the new folder the delta goes to "
+                    "(e.g. WATCHED/VERSION); the manifest is written there last")
+    de.add_argument("--anchor-every", metavar="N", type=int, default=0,
+                    help="a full checkpoint every N versions (default 0: adaptive, see --anchor-share)")
+    de.add_argument("--anchor-share", metavar="F", type=float, default=0.5,
+                    help="adaptive anchors: ship a full checkpoint once the chain's delta bytes since the last "
+                    "one pass F of a full checkpoint (default 0.5)")
     up = ap.add_argument_group("upload (after writing the manifest)")
     up.add_argument("--to", metavar="s3://BUCKET/PREFIX/VERSION", help="upload: the files first, the manifest last")
     up.add_argument("--endpoint-url", metavar="URL", help="an S3-compatible store (default: AWS)")
@@ -48,6 +59,8 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
     """`hotswap publish DIR [--version V] [--step N] [--parent P] [--adapter NAME [--base-model B]] [--hash blake3|sha256]
     [--key-file F --key-id ID [--alg A]] [--to s3://BUCKET/PREFIX/VERSION]`."""
     args = publish_parser().parse_args(list(sys.argv[1:] if argv is None else argv))
+    if args.delta_from is not None:
+        return write_delta(args)
     if args.to is None:
         return write_manifest(args)
     return upload_s3(args)
@@ -76,6 +89,45 @@ def write_manifest(args: argparse.Namespace) -> int:
         return 1
     signed = f", signed {m.signature.alg}/{m.signature.key_id}" if m.signature else ""
     print(f"published {m.version}: {len(m.files)} files, {m.total_bytes} bytes, digest {m.digest}{signed}")
+    return 0
+
+
+def write_delta(args: argparse.Namespace) -> int:
+    """`hotswap publish DIR --delta-from BASE --out OUT`: the delta (or a full anchor) into OUT, manifest last."""
+    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
+    from daemon.delta import DeltaError
+    from daemon.delta.anchors import AnchorRule
+    from daemon.delta.build import publish_delta
+    from daemon.manifest import ManifestError
+
+    if args.out is None or args.to is not None or args.adapter:
+        print("hotswap publish: --delta-from needs --out (the new folder the delta is written to), and goes "
+              "without --to and --adapter", file=sys.stderr)  # fmt: skip
+        return 2
+    if (args.key_file is None) != (args.key_id is None):
+        print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
+        return 2
+    try:
+        rule = AnchorRule(args.anchor_every, args.anchor_share)
+        signer = load_signer(args.alg, args.key_id, args.key_file) if args.key_file is not None else None
+        p = publish_delta(args.directory, args.delta_from, args.out, version=args.version or args.out.name,
+                          step=args.step, parent=args.parent, signer=signer, hash_alg=args.hash,
+                          threads=args.threads, rule=rule)  # fmt: skip
+    except (ValueError, SignatureError) as exc:
+        print(f"hotswap publish: {exc}", file=sys.stderr)
+        return 2 if not isinstance(exc, ManifestError | DeltaError) else 1
+    except OSError as exc:
+        print(f"hotswap publish: {exc}", file=sys.stderr)
+        return 1
+    m = p.manifest
+    if p.spec is None:
+        print(f"published {m.version} as a full checkpoint (an anchor: {p.anchor_reason}): {len(m.files)} files, "
+              f"{m.total_bytes} bytes, digest {m.digest}")  # fmt: skip
+        return 0
+    s = p.spec
+    print(f"published {m.version} as a delta of {s.base_version}: {len(s.files)} delta files, {s.delta_bytes} of "
+          f"{s.full_bytes} bytes ({100 * s.ratio:.2f} %), chain since anchor {s.anchor}: {s.chain_length} deltas, "
+          f"digest {m.digest}")  # fmt: skip
     return 0
 
 

@@ -104,6 +104,7 @@ _COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("ended", "rolled back / superseded", 4),
     ("updates", "worker updates", 7),
     ("bytes", "bytes", 3),
+    ("delta", "delta of (delta/full)", 5),  # delta checkpoints: the base and the share of full bytes fetched
     ("reason", "reason", 1),
 )
 _SHRINKS = {"version": 12, "reason": 12, "ended": 14}  # may end in "…" down to this width
@@ -130,6 +131,8 @@ def history_cells(row: dict[str, Any], ts: Callable[[datetime | None], str]) -> 
         "ended": ended,
         "updates": safe(row.get("worker_update_ms") or ""),
         "bytes": fmt_bytes(row.get("total_bytes")),
+        "delta": (f"{safe(row['delta_base'])} ({100 * (row.get('delta_ratio') or 0):.1f} %)"
+                  if row.get("encoding") == "delta" and row.get("delta_base") else ""),
         "reason": safe(row.get("status_message") or ""),
     }
 

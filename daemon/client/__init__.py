@@ -5,4 +5,4 @@ the broadcast (`daemon.client.broadcast.BroadcastPush`) needs torch.distributed 
 from its own module, so `hotswap publish` and `hotswap push` never load torch.
 """
 
-from daemon.client.publish import PushError, publish_s3, push  # noqa: F401
+from daemon.client.publish import PushError, publish_delta, publish_s3, push  # noqa: F401

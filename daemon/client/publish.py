@@ -3,6 +3,7 @@
     publish_s3(directory, "s3://bucket/prefix/version")      files first, the manifest last
     push(directory, "https://host:8781", token, key)          streamed PUTs, then the signed commit
 
+`publish_delta` (daemon.delta.build) writes a delta checkpoint against a base into a new folder.
 Both write (or reuse) `hotswap-manifest.json` (daemon.manifest.publish: CRC32C + BLAKE3 per file).
 `publish_s3` uploads files in parallel (multipart with CRC32C part checksums and the file's
 FULL_OBJECT CRC32C from the manifest, so S3 itself refuses bytes that differ), then the manifest:
@@ -35,6 +36,8 @@ from daemon.client.tls_diagnosis import tls_diagnosis, tls_problem
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, Signature, Signer, load_manifest, publish
 
+__all__ = ["PushError", "ensure_manifest", "parse_s3_url", "publish_delta", "publish_s3", "push"]
+
 MIB = 1024 * 1024
 RETRY_STATUSES = {429, 500, 502, 503, 504}
 
@@ -55,6 +58,14 @@ def ensure_manifest(directory: Path, version: str | None = None, signer: Signer 
             raise ManifestError(f"{directory}: its manifest says version {manifest.version!r}, not {version!r}")
         return manifest
     return publish(directory, version=version, signer=signer)
+
+
+def publish_delta(directory: str | os.PathLike[str], base: str | os.PathLike[str], out: str | os.PathLike[str],
+                  **options: Any) -> Any:  # fmt: skip
+    """daemon.delta.build.publish_delta (imported when called: `hotswap push` loads no numpy)."""
+    from daemon.delta.build import publish_delta as build
+
+    return build(directory, base, out, **options)
 
 
 def _b64crc(hex8: str) -> str:

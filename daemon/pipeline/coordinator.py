@@ -33,10 +33,10 @@ from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
 from daemon.checks.base import VerifyStager
 from daemon.common.logging import bind_version, get_logger
 from daemon.common.metrics import DaemonMetrics
-from daemon.formats.adapter import AdapterLayoutError, identity, is_adapter
-from daemon.pipeline import rediscovery
+from daemon.pipeline import deltas, rediscovery
+from daemon.pipeline.kinds import record_kind
 from daemon.pipeline.warmup import warm_up
-from daemon.registry import Checkpoint, Registry, hosts, status
+from daemon.registry import Registry, hosts, status
 from daemon.registry import queries as q
 from daemon.registry.outbox import unreachable
 from daemon.registry.status import UNFINISHED, CheckpointStatus
@@ -82,6 +82,7 @@ class Coordinator:
         # (version, device) -> where the crc32c pass stages the weights (ipc: the loader), or None
         self.verify_stager: Callable[[str, str], VerifyStager | None] | None = None
         self._heartbeat_s = 0.0
+        self.delta_dir = Path("deltas")  # where delta checkpoints are rebuilt (the service: <state_dir>/deltas)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -261,8 +262,8 @@ class Coordinator:
     # -- the pipeline, one checkpoint --------------------------------------------------------
 
     def process(self, checkpoint_id: int) -> None:
-        """fetch -> verify -> on_verified."""
-        if not self.fetch(checkpoint_id):
+        """fetch -> rebuild (a delta) -> verify -> on_verified."""
+        if not self.fetch(checkpoint_id) or not self.rebuild(checkpoint_id):
             return
         if self.verify(checkpoint_id) and self.on_verified is not None:
             self.on_verified(checkpoint_id)
@@ -331,6 +332,11 @@ class Coordinator:
             self._retry_later(checkpoint_id, retry)
         return False
 
+    def rebuild(self, checkpoint_id: int) -> bool:
+        """A delta checkpoint: rebuilt from its base (daemon.pipeline.deltas); True when verify may go on."""
+        go_on, version, err = deltas.run_step(self.registry, checkpoint_id, self.delta_dir)
+        return go_on if err is None else self._fetch_failed(checkpoint_id, err, bind_version(log, version))
+
     # -- step: verify --------------------------------------------------------------------
 
     def verify(self, checkpoint_id: int) -> bool:
@@ -394,7 +400,7 @@ class Coordinator:
             ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
             assert ckpt is not None
             ckpt.digest = report.digest
-            _record_kind(ckpt, report)
+            record_kind(ckpt, report)
             ckpt.total_bytes = report.total_bytes or None
             ckpt.tensor_count = report.tensor_count or None
             if report.manifest is not None:
@@ -435,15 +441,3 @@ class Coordinator:
             return None
         return Path(path)
 
-
-def _record_kind(ckpt: Checkpoint, report: VerifyReport) -> None:
-    """A LoRA adapter (PEFT layout) is recorded with its name and base, rejected or not, so
-    `hotswap history --adapter NAME` shows every version that came in under that name."""
-    directory = Path(ckpt.local_path or "")
-    if not ckpt.local_path or not is_adapter(directory):
-        return
-    ckpt.kind = "adapter"
-    try:
-        ckpt.adapter_name, ckpt.base_model = identity(directory, ckpt.version, report.manifest.extra if report.manifest else None)
-    except (AdapterLayoutError, ValueError):  # the compat check said why, in the status message
-        ckpt.adapter_name = None

@@ -32,8 +32,6 @@ from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column, relationship, validates
 from sqlalchemy.types import TypeDecorator
 
-from daemon.engines import WORKER_KINDS as ADAPTER_KINDS
-
 
 class CheckpointStatus(StrEnum):
     DISCOVERED = "discovered"  # registered; nothing read past a listing
@@ -163,6 +161,12 @@ class Checkpoint(Base):
     kind: Mapped[str] = mapped_column(String(16), default="full", server_default="full")
     adapter_name: Mapped[str | None] = mapped_column(String(255), index=True)  # what clients send as `model`
     base_model: Mapped[str | None] = mapped_column(Text)  # the base an adapter was trained for
+    # how it arrived (daemon.delta): "full" or "delta" (None: before migration 0017, or not fetched yet),
+    # the base a delta was rebuilt from, bytes read from the source, delta bytes / full result bytes
+    encoding: Mapped[str | None] = mapped_column(String(16))
+    delta_base: Mapped[str | None] = mapped_column(String(255))
+    fetched_bytes: Mapped[int | None] = mapped_column(BigInteger)
+    delta_ratio: Mapped[float | None] = mapped_column(Float)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"
@@ -232,18 +236,13 @@ class Worker(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     host: Mapped[str] = mapped_column(String(255), index=True)  # the daemon's host (daemon.fleet.settings)
     name: Mapped[str] = mapped_column(String(255))
-    kind: Mapped[str] = mapped_column(String(32), default="builtin")
+    kind: Mapped[str] = mapped_column(String(32), default="builtin")  # validated by the config (daemon.engines)
     url: Mapped[str] = mapped_column(Text)
     device: Mapped[str | None] = mapped_column(String(64))
     state: Mapped[str] = mapped_column(String(32), default="UNKNOWN")
     weight_version: Mapped[str | None] = mapped_column(String(255))
     last_error: Mapped[str | None] = mapped_column(Text)
     updated_at: Mapped[datetime] = mapped_column(default=utcnow, onupdate=utcnow)
-
-    @validates("kind")
-    def _validate_kind(self, _key: str, value: str) -> str:
-        # the one table of kinds (daemon.engines.WORKER_KINDS), read when the row is written
-        return _check_choice("workers.kind", value, tuple(ADAPTER_KINDS))  # type: ignore[return-value]
 
     @validates("state")
     def _validate_state(self, _key: str, value: str) -> str:

@@ -14,6 +14,9 @@ than listed the directory is "pending". It waits for the files, up to the commit
 it with the exact file named. A listed file that is longer than listed (being rewritten,
 or not the file the manifest describes) waits for the quiet period, then is handed on.
 
+A delta checkpoint's manifest (daemon.delta) lists the result files; what arrives are its delta
+files, listed in its `delta` section: those are the files waited for.
+
 A committed Decision's `version` is the manifest's `version`, else the directory's name; the
 source refuses one that cannot be a label (daemon.formats.names.version_problem: a newline, a
 control character, a slash, ...) with that reason, before anything is registered.
@@ -117,6 +120,8 @@ class CommitDetector:
         version = doc.get("version") if isinstance(doc.get("version"), str) and doc.get("version") else None
         label = version or directory.name
         files = doc.get("files")
+        if isinstance(doc.get("delta"), dict):  # a delta checkpoint: its delta files are what arrives
+            files = doc["delta"].get("files")
         if isinstance(files, list):
             for item in files:
                 if not isinstance(item, dict) or not isinstance(item.get("path"), str):

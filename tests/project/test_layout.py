@@ -104,7 +104,7 @@ LAYERS: dict[str, int] = {
     "daemon": 0, "daemon.common": 0, "daemon.formats": 0, "daemon.crc": 0, "daemon.hashing": 0,
     "daemon.manifest": 0, "daemon.tinymodel": 0,
     # the one byte pipeline, and what a staged version is between processes (both leaves)
-    "daemon.bytepipe": 0, "daemon.handoff": 0,
+    "daemon.bytepipe": 0, "daemon.handoff": 0, "daemon.delta": 0,
     # 1 parts: the registry, what moves and checks bytes, the processes beside the daemon
     "daemon.registry": 1, "daemon.transport": 1, "daemon.checks": 1, "daemon.loader": 1,
     "daemon.engines": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1,
@@ -307,3 +307,9 @@ def test_at_most_one_cycle_between_folders() -> None:
     # The one left: config reads the fleet's settings table (daemon.fleet.settings, layer 2), the
     # fleet builds on the rollout, and the rollout reads the config's sections.
     assert folder_cycles(MODULES) == [["daemon.config", "daemon.fleet", "daemon.rollout"]]
+
+
+def test_the_registry_imports_no_engine_client_and_no_check() -> None:
+    # the registry stores what the config validated; it never reads the engines' or the checks' tables
+    assert [f"{m} -> {d}" for m, p in MODULES.items() if m.startswith("daemon.registry")
+            for d in _imports(m, p) if d.startswith(("daemon.engines", "daemon.checks"))] == []

@@ -75,8 +75,6 @@ def test_unique_version_is_enforced_by_the_database(registry):
 def test_statuses_are_validated_in_python(registry):
     with pytest.raises(ValueError, match="checkpoints.status='verfied' is not one of"):
         Checkpoint(version="x", source="t", uri="u", status="verfied")
-    with pytest.raises(ValueError, match="workers.kind"):
-        Worker(name="w", kind="tgi", url="http://x")
     with pytest.raises(ValueError, match="rollouts.outcome"):
         Rollout(checkpoint_id=1, outcome="meh")
 

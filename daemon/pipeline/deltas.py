@@ -1,0 +1,140 @@
+"""The rebuild step, between fetch and verify: a delta checkpoint becomes a full version directory.
+
+A fetched checkpoint whose manifest has a `delta` section (daemon.delta) names its base by version
+and content digest. The base must be registered, not rejected, verified with that very digest,
+and have a copy on this host; the chain (base of base ...) must not lead back to the version
+itself. The delta is then rebuilt from the base's files, re-hashed against the digests they were
+verified with, into `<state_dir>/deltas/<version>` (whole or absent), and that directory is what
+the checks verify and the rollout serves. Every refusal is one line naming the problem, and the
+checkpoint is rejected with it; a base still being verified makes it wait and try again.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from daemon.common.logging import get_logger
+from daemon.delta import DeltaError
+from daemon.delta.rebuild import rebuild
+from daemon.delta.section import DeltaSpec, parse
+from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
+from daemon.registry import Checkpoint, Registry, hosts, status
+from daemon.registry import queries as q
+from daemon.registry.models import CheckpointFile
+from daemon.registry.status import UNFINISHED, CheckpointStatus
+from daemon.sources.base import FetchError
+
+C = CheckpointStatus
+log = get_logger(__name__)
+BASE_PENDING_RETRY_S = 2.0  # the base is still being verified: look again this much later
+CHAIN_LIMIT = 10_000
+
+
+class BasePending(Exception):
+    """The base is registered but not verified yet: try again later."""
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    directory: Path
+    spec: DeltaSpec
+    seconds: float
+
+
+def read_delta(directory: Path) -> tuple[Manifest, DeltaSpec] | None:
+    """The manifest and delta section of a fetched checkpoint; None for a full one. Raises DeltaError."""
+    try:
+        m = load_manifest(directory)
+    except ManifestError:
+        return None  # not a delta we can read: the manifest check says why
+    spec = parse(m, str(directory))
+    return (m, spec) if spec is not None else None
+
+
+def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, dict[str, ManifestFile]]:
+    base = q.get_checkpoint(s, spec.base_version)
+    if base is None:
+        raise DeltaError(f"base {spec.base_version} is not known here: a gap in the chain (publish or fetch "
+                         "the base, or a full version)")  # fmt: skip
+    if base.status == C.REJECTED:
+        raise DeltaError(f"base {spec.base_version} was rejected ({base.status_message or 'see its checks'}): "
+                         "a delta of a rejected version is refused")  # fmt: skip
+    if base.status in UNFINISHED or base.status == C.DEFERRED:
+        raise BasePending(f"base {spec.base_version} is {base.status}")
+    if base.digest != spec.base_digest:
+        raise DeltaError(f"base {spec.base_version} has digest {base.digest}, the delta was made against "
+                         f"{spec.base_digest}: wrong base")  # fmt: skip
+    seen = {version}
+    link: Checkpoint | None = base
+    while link is not None and link.delta_base is not None:  # a chain leading back is a loop
+        if link.version in seen or len(seen) > CHAIN_LIMIT:
+            raise DeltaError(f"the chain of {version} loops through {link.version}")
+        seen.add(link.version)
+        if link.delta_base in seen:
+            raise DeltaError(f"the chain of {version} loops: {link.version} is a delta of {link.delta_base}")
+        link = q.get_checkpoint(s, link.delta_base)
+    path = hosts.local_path(s, base.id)
+    if not path or not Path(path).is_dir():
+        raise DeltaError(f"base {spec.base_version} has no copy on this host (was {path}): a gap in the chain")
+    rows = s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == base.id)).all()
+    files = {r.path: ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in rows}
+    if not files or any(not f.hash for f in files.values()):
+        raise DeltaError(f"base {spec.base_version} has no verified strong hashes to rebuild from")
+    return base, Path(path), files
+
+
+def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path) -> Outcome | None:
+    """Rebuild `ckpt` (in the caller's transaction: its row is updated) when it is a delta; None when
+    it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending."""
+    directory = Path(ckpt.local_path or "")
+    if not ckpt.local_path or directory.resolve().is_relative_to(delta_root.resolve()):
+        return None  # no directory yet, or this is the rebuilt one (a resumed checkpoint)
+    found = read_delta(directory)
+    if found is None:
+        if ckpt.encoding is None:
+            ckpt.encoding = "full"
+        return None
+    manifest, spec = found
+    if manifest.version is not None and manifest.version != ckpt.version:
+        raise DeltaError(f"its manifest says version {manifest.version}, registered as {ckpt.version}")
+    base, base_dir, files = _base(s, ckpt.version, spec)
+    t0 = time.perf_counter()
+    done = rebuild(directory, manifest, spec, base_dir, files, delta_root / ckpt.version)
+    ckpt.local_path = str(done.directory)
+    ckpt.encoding = "delta"
+    ckpt.delta_base = base.version
+    ckpt.fetched_bytes = done.delta_bytes
+    ckpt.delta_ratio = round(spec.ratio, 6)
+    return Outcome(done.directory, spec, time.perf_counter() - t0)
+
+
+def run_step(registry: Registry, checkpoint_id: int, delta_root: Path) -> tuple[bool, str, FetchError | None]:
+    """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait)."""
+    with registry.session() as s:
+        ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+        if ckpt is None or ckpt.status not in UNFINISHED:
+            return False, "", None
+        version, was = ckpt.version, ckpt.status
+        try:
+            done = rebuild_checkpoint(s, ckpt, delta_root)
+        except BasePending as exc:
+            err = FetchError(f"{exc}: waiting for it", retry_after_s=BASE_PENDING_RETRY_S)
+        except (DeltaError, OSError) as exc:
+            err = FetchError(f"delta refused: {exc}")
+        else:
+            if done is not None:
+                log.info("rebuilt from a delta", version=version, base=done.spec.base_version,
+                         directory=str(done.directory), delta_bytes=done.spec.delta_bytes,
+                         ratio=round(done.spec.ratio, 4), seconds=round(done.seconds, 2))  # fmt: skip
+            return True, version, None
+    if was == C.DISCOVERED:  # the failure is recorded from `fetching`, the step it failed in
+        with registry.session() as s:
+            row = q.get_checkpoint_by_id(s, checkpoint_id)
+            if row is not None:
+                status.move(s, row, C.FETCHING, "rebuilding from a delta")
+    return False, version, err
