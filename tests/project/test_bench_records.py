@@ -57,6 +57,7 @@ REG_SQLITE = "registry_scale-2026-12-03/after-0015-sqlite.json"
 REG_PG = "registry_scale-2026-12-03/after-0015-postgresql.json"
 VERIFY = "verify-pipeline-2core-2026-12-04.json"
 ONE_WORKER = "one_worker-2core-2026-12-04.json"
+CLI_STOP = "cli_stop-2core-2026-12-04.json"
 
 
 def _admin(key: str, stat: str) -> list[float]:
@@ -174,6 +175,20 @@ FIGURES: dict[str, list[tuple[str, Value]]] = {
         ("–{6.15} s without", lambda: max(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
         ("(median {5.58})", lambda: statistics.median(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
         ("≤ {0.37} s of it", lambda: max(r["health_ok_in_it_s"] for r in at(ONE_WORKER, "results[2].runs"))),
+    ],
+    "`hotswap` operator commands, wall clock": [
+        ("`--version` {0.072} s median", lambda: at(CLI_STOP, "cli.--version.median_s")),
+        ("({0.096} max)", lambda: at(CLI_STOP, "cli.--version.max_s")),
+        ("`status` {0.45} s", lambda: at(CLI_STOP, "cli.status.median_s")),
+        ("`history` {0.78} s", lambda: at(CLI_STOP, "cli.history.median_s")),
+    ],
+    "`hotswap daemon` stop on SIGTERM": [
+        ("{0.42}–0.58 s during", lambda: min(at(CLI_STOP, "stop_during_warmup_s"))),
+        ("0.42–{0.58} s during", lambda: max(at(CLI_STOP, "stop_during_warmup_s"))),
+        ("{0.22} s after it", lambda: at(CLI_STOP, "stop_after_warmup_s")),
+        ("too {0.42}–0.77", lambda: min(at(CLI_STOP, "stop_managed_worker_stopped_s"))),
+        ("too 0.42–{0.77} s", lambda: max(at(CLI_STOP, "stop_managed_worker_stopped_s"))),
+        ("kept {0.27} s", lambda: max(at(CLI_STOP, "stop_managed_worker_kept_s"))),
     ],
     "base-model requests during adapter updates": [
         ("reference p50 {21.7}", lambda: at("adapter_update-2core.json", "workers.reference.during_update.p50_ms")),
