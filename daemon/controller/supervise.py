@@ -334,7 +334,9 @@ class Supervisor:
         assert h.managed is not None
         error = line + (f"\n--- last lines of {h.managed.log_file} ---\n{tail}" if tail else "")
         error += f"\nafter: {after}" if after else ""
-        w.error, w.crashed = error, detail.get("action") == "crashed"
+        w.error = error
+        if detail.get("action") != "fallback":  # a fallback follows the failure it names: its kind stays
+            w.crashed = detail.get("action") == "crashed"
         log.error("managed_worker_crashed" if w.crashed else "managed_worker_failed", worker=h.name, error=line, log_file=str(h.managed.log_file))
         self.driver.move(h, None, WorkerState.UNHEALTHY, duration_ms=None, detail=detail, error=error)
 
