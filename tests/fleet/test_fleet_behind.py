@@ -76,7 +76,7 @@ def test_a_host_says_why_it_is_not_on_the_fleet_target(db_url: str, tmp_path: Pa
     copy_on_b("v1")
     with ra.session() as s:  # host c holds the only lease slot
         s.add(FleetLease(slot=0, host="host-c", version="v1", acquired_at=utcnow(),
-                         expires_at=utcnow() + timedelta(hours=1)))  # fmt: skip
+                         expires_at=utcnow() + timedelta(seconds=60)))  # fmt: skip  (one lease_s: a real holder's)
     behind("waiting", "fleet lease", "host-c updating to v1")
     assert len(asked) == 1  # it asked to converge, once
     with ra.session() as s:

@@ -26,7 +26,7 @@ pytestmark = [pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"need
 
 def layout(sfx: str) -> list[str]:
     """The page's SQL block, its names suffixed, as statements (`\\connect` kept as one)."""
-    sql = (REPO / "docs" / "security.md").read_text().split("```sql\n", 1)[1].split("```", 1)[0]
+    sql = (REPO / "docs" / "security.md").read_text().split("```postgresql\n", 1)[1].split("```", 1)[0]
     sql = re.sub(r"--[^\n]*", "", sql)
     sql = re.sub(r"\bhotswap(_owner|_fleet|_read)?\b", lambda m: f"hs{m.group(1) or '_db'}_{sfx}", sql)
     out: list[str] = []
