@@ -35,7 +35,7 @@ from sqlalchemy.dialects.postgresql import insert as pg_insert
 from daemon.common.logging import get_logger
 from daemon.fleet.settings import FleetSettings
 from daemon.registry.db import Registry
-from daemon.registry.models import FleetLease
+from daemon.registry.models import FleetLease, utcnow
 from daemon.registry.queries import record_event
 
 log = get_logger(__name__)
@@ -97,7 +97,7 @@ class FleetLeases:
                     FleetLease.slot < n,
                     or_(FleetLease.host.is_(None), FleetLease.host == self.host, FleetLease.expires_at < func.now(),
                         # further ahead than any renewal writes ('infinity', a century): not a lease
-                        FleetLease.expires_at > func.now() + timedelta(seconds=LEASE_AHEAD_FACTOR * self.settings.lease_s)),
+                        FleetLease.expires_at > utcnow() + timedelta(seconds=LEASE_AHEAD_FACTOR * self.settings.lease_s)),
                 )
                 .order_by((FleetLease.host == self.host).desc(), FleetLease.slot)
                 .limit(1)
@@ -222,11 +222,12 @@ class FleetLeases:
 def holders(registry: Registry) -> list[dict[str, Any]]:
     """Slots held now (not expired): slot, host, version, acquired_at, expires_at. A row expiring
     further ahead than LEASE_READ_MAX_S ('infinity' crashed `status --fleet`; a century ahead
-    blocked every host) is no holder: no daemon writes one."""
+    blocked every host) is no holder: no daemon writes one. The bound is this host's clock (a
+    bound parameter: `now() + interval` is no date arithmetic on SQLite)."""
     with registry.session() as s:
         rows = s.scalars(
             select(FleetLease).where(FleetLease.host.is_not(None), FleetLease.expires_at >= func.now(),
-                                     FleetLease.expires_at <= func.now() + timedelta(seconds=LEASE_READ_MAX_S))
+                                     FleetLease.expires_at <= utcnow() + timedelta(seconds=LEASE_READ_MAX_S))
             .order_by(FleetLease.slot)
         ).all()  # fmt: skip
         return [{"slot": r.slot, "host": r.host, "version": r.version, "acquired_at": r.acquired_at,
