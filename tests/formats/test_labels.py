@@ -13,7 +13,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from conftest import hotswap_cli, make_config_file
+from conftest import free_port, hotswap_cli, make_config_file
 
 from daemon.formats.names import version_problem
 from daemon.tinymodel import make_tiny_checkpoint
@@ -66,7 +66,8 @@ def test_a_restart_command_that_runs_a_shell_is_refused_at_load(tmp_path: Path, 
 
 
 def test_a_restart_command_without_a_shell_is_accepted(tmp_path: Path) -> None:
-    cfg = make_config_file(tmp_path / "config.toml", daemon={"state_dir": str(tmp_path / "state")},
+    cfg = make_config_file(tmp_path / "config.toml",  # its own port: a daemon on 8780 would fail the check
+                           daemon={"state_dir": str(tmp_path / "state"), "listen": f"127.0.0.1:{free_port()}"},
                            workers=[{"name": "w0", "url": "http://127.0.0.1:9",
                                      "restart_command": "systemctl restart vllm@{name}"}])  # fmt: skip
     done = hotswap_cli("config", "check", str(cfg))
