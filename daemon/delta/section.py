@@ -131,3 +131,10 @@ def parse(manifest: Manifest, where: str) -> DeltaSpec | None:
     delta_bytes, full_bytes, chain_bytes, chain_length = (n if isinstance(n, int) else 0 for n in numbers)
     return DeltaSpec(base["version"], base["digest"], tuple(files), delta_bytes, full_bytes, anchor, chain_bytes,
                      chain_length)  # fmt: skip
+
+
+def fetched_files(manifest: Manifest, where: str) -> list[ManifestFile]:
+    """What a source moves for this checkpoint: a delta's own files (the result files are rebuilt on
+    the host from its base, daemon.pipeline.deltas), or a full checkpoint's files. Raises DeltaError."""
+    spec = parse(manifest, where)
+    return list(manifest.files) if spec is None else [f.file for f in spec.files]

@@ -12,6 +12,7 @@ checkpoint is rejected with it; a base still being verified makes it wait and tr
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -35,6 +36,13 @@ BASE_PENDING_RETRY_S = 2.0  # the base is still being verified: look again this 
 CHAIN_LIMIT = 10_000
 
 
+Fetched = Callable[[str, str, int], None]  # (source, "delta" | "full", bytes)
+
+
+def _no_count(source: str, encoding: str, n: int) -> None:
+    pass
+
+
 class BasePending(Exception):
     """The base is registered but not verified yet: try again later."""
 
@@ -46,14 +54,14 @@ class Outcome:
     seconds: float
 
 
-def read_delta(directory: Path) -> tuple[Manifest, DeltaSpec] | None:
-    """The manifest and delta section of a fetched checkpoint; None for a full one. Raises DeltaError."""
+def read_delta(directory: Path) -> tuple[Manifest | None, DeltaSpec | None]:
+    """The manifest (None when unreadable: the manifest check says why) and its delta section (None for
+    a full checkpoint) of a fetched checkpoint. Raises DeltaError."""
     try:
         m = load_manifest(directory)
     except ManifestError:
-        return None  # not a delta we can read: the manifest check says why
-    spec = parse(m, str(directory))
-    return (m, spec) if spec is not None else None
+        return None, None
+    return m, parse(m, str(directory))
 
 
 def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, dict[str, ManifestFile]]:
@@ -88,18 +96,21 @@ def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, 
     return base, Path(path), files
 
 
-def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path) -> Outcome | None:
+def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetched: Fetched = _no_count) -> Outcome | None:
     """Rebuild `ckpt` (in the caller's transaction: its row is updated) when it is a delta; None when
-    it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending."""
+    it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending.
+    `on_fetched(source, encoding, bytes)` counts what its source moved, once per checkpoint."""
     directory = Path(ckpt.local_path or "")
     if not ckpt.local_path or directory.resolve().is_relative_to(delta_root.resolve()):
         return None  # no directory yet, or this is the rebuilt one (a resumed checkpoint)
-    found = read_delta(directory)
-    if found is None:
+    manifest, spec = read_delta(directory)
+    if manifest is None or spec is None:
         if ckpt.encoding is None:
             ckpt.encoding = "full"
+            if manifest is not None:
+                ckpt.fetched_bytes = manifest.total_bytes
+                on_fetched(ckpt.source, "full", manifest.total_bytes)
         return None
-    manifest, spec = found
     if manifest.version is not None and manifest.version != ckpt.version:
         raise DeltaError(f"its manifest says version {manifest.version}, registered as {ckpt.version}")
     base, base_dir, files = _base(s, ckpt.version, spec)
@@ -110,10 +121,12 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path) -> Outcom
     ckpt.delta_base = base.version
     ckpt.fetched_bytes = done.delta_bytes
     ckpt.delta_ratio = round(spec.ratio, 6)
+    on_fetched(ckpt.source, "delta", done.delta_bytes)
     return Outcome(done.directory, spec, time.perf_counter() - t0)
 
 
-def run_step(registry: Registry, checkpoint_id: int, delta_root: Path) -> tuple[bool, str, FetchError | None]:
+def run_step(registry: Registry, checkpoint_id: int, delta_root: Path,
+             on_fetched: Fetched = _no_count) -> tuple[bool, str, FetchError | None]:  # fmt: skip
     """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait)."""
     with registry.session() as s:
         ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
@@ -121,7 +134,7 @@ def run_step(registry: Registry, checkpoint_id: int, delta_root: Path) -> tuple[
             return False, "", None
         version, was = ckpt.version, ckpt.status
         try:
-            done = rebuild_checkpoint(s, ckpt, delta_root)
+            done = rebuild_checkpoint(s, ckpt, delta_root, on_fetched)
         except BasePending as exc:
             err = FetchError(f"{exc}: waiting for it", retry_after_s=BASE_PENDING_RETRY_S)
         except (DeltaError, OSError) as exc:

@@ -41,6 +41,8 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from daemon.common.logging import get_logger
+from daemon.delta import DeltaError
+from daemon.delta.section import fetched_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
@@ -249,7 +251,11 @@ class S3Source:
                 self._refuse(name, objects, f"{where} holds a manifest for version {manifest.version!r}: "
                              f"a version is taken only from the folder of its name ({name!r})")  # fmt: skip
                 return None
-            for f in manifest.files:
+            try:
+                files = fetched_files(manifest, where)
+            except DeltaError:
+                files = []  # a malformed delta section: handed on, and the fetch says why
+            for f in files:
                 have = objects.get(f.path)
                 why = (f"{f.path} not uploaded yet" if have is None else
                        f"{f.path} has {have[0]} of {f.bytes} bytes" if have[0] != f.bytes else "")  # fmt: skip
