@@ -25,6 +25,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -53,6 +54,7 @@ from daemon.config import Config, ConfigError
 from daemon.controller.poll import PollCollector
 from daemon.controller.service import RolloutService
 from daemon.fleet.fetch import fetch_here
+from daemon.pipeline import deltas
 from daemon.pipeline.coordinator import Coordinator, StatusObserver
 from daemon.process.health import HealthMonitor, ProblemCollector
 from daemon.process.preflight import port_error, preflight
@@ -246,6 +248,15 @@ class Daemon:
                 removed += source.prune(protected)
             except Exception:
                 log.exception("pruning failed", source=source.label)
+        try:  # versions rebuilt from deltas (state_dir/deltas) that nothing needs any more
+            with self.registry.session() as s:
+                stale = deltas.stale_rebuilt(s, self.coordinator.delta_dir, protected)
+        except Exception:
+            log.exception("pruning rebuilt versions failed")
+            stale = []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
         if removed:
             log.info("pruned", directories=[str(p) for p in removed])
         return removed
@@ -263,9 +274,12 @@ class Daemon:
         return done
 
     def protected_paths(self) -> frozenset[Path]:
-        """Serving, last good and pinned, and every checkpoint still on its way to a worker."""
+        """Serving, last good and pinned, every checkpoint still on its way to a worker, and the bases
+        that fetched delta checkpoints are to be rebuilt from."""
         with self.registry.session() as s:  # this host's copies (checkpoint_locations)
-            return frozenset(Path(p) for p in q.protected_local_paths(s, (*UNFINISHED, *WAITING)))
+            paths = q.protected_local_paths(s, (*UNFINISHED, *WAITING))
+            paths |= deltas.bases_of_pending(s, self.coordinator.delta_dir)
+            return frozenset(Path(p) for p in paths)
 
     def _status_counts(self) -> dict[str, int]:
         with self.registry.session() as s:

@@ -125,6 +125,47 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetche
     return Outcome(done.directory, spec, time.perf_counter() - t0)
 
 
+def bases_of_pending(s: Session, delta_root: Path) -> set[str]:
+    """This host's copies of the bases that fetched, not yet rebuilt, delta checkpoints name: retention
+    keeps them (a rebuilt version is a full directory and needs its base no more)."""
+    kept: set[str] = set()
+    for ckpt in q.by_status(s, list(UNFINISHED)):
+        directory = Path(ckpt.local_path or "")
+        if not ckpt.local_path or directory.resolve().is_relative_to(delta_root.resolve()):
+            continue
+        try:
+            spec = read_delta(directory)[1]
+        except DeltaError:
+            continue  # refused when its turn comes; it needs nothing kept
+        base = q.get_checkpoint(s, spec.base_version) if spec is not None else None
+        path = hosts.local_path(s, base.id) if base is not None else None
+        if path:
+            kept.add(path)
+    return kept
+
+
+def stale_rebuilt(s: Session, delta_root: Path, protected: frozenset[Path]) -> list[Path]:
+    """Rebuilt directories retention may delete: a rejected version's, and a finished one older than
+    last good that no alias names and nothing protects. (A trainer's next delta is made against a
+    recent version; an older base gone is a named gap in the chain, never a half-built version.)"""
+    if not delta_root.is_dir():
+        return []
+    named = q.aliases(s)
+    good = named.get("last_good")
+    last_good = q.get_checkpoint(s, good) if good else None
+    keep = {p.resolve() for p in protected}
+    stale: list[Path] = []
+    for child in sorted(delta_root.iterdir()):
+        if child.name.startswith(".") or not child.is_dir() or child.resolve() in keep:
+            continue  # a rebuild in progress (its hidden folder), or protected
+        ckpt = q.get_checkpoint(s, child.name)
+        if ckpt is None or ckpt.version in named.values() or ckpt.status in UNFINISHED:
+            continue
+        if ckpt.status == C.REJECTED or (last_good is not None and ckpt.id < last_good.id):
+            stale.append(child)
+    return stale
+
+
 def run_step(registry: Registry, checkpoint_id: int, delta_root: Path,
              on_fetched: Fetched = _no_count) -> tuple[bool, str, FetchError | None]:  # fmt: skip
     """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait)."""
