@@ -30,6 +30,14 @@ DELTA_DIR = "hotswap-delta"  # where the delta files live inside a delta checkpo
 SUFFIX = ".hsd"
 
 
+class BaseMissing(DeltaError):
+    """This host has no copy of the delta's base (registered as `base_id`): fetch it, then rebuild."""
+
+    def __init__(self, message: str, base_id: int) -> None:
+        super().__init__(message)
+        self.base_id = base_id
+
+
 @dataclass(frozen=True, slots=True)
 class DeltaFile:
     path: str  # the delta file, relative to the delta checkpoint

@@ -11,6 +11,7 @@ checkpoint is rejected with it; a base still being verified makes it wait and tr
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,10 +20,12 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from daemon.bytepipe.files import hash_files
 from daemon.common.logging import get_logger
 from daemon.delta import DeltaError
 from daemon.delta.rebuild import rebuild
-from daemon.delta.section import DeltaSpec, parse
+from daemon.delta.section import BaseMissing, DeltaSpec, parse
+from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
 from daemon.registry import Checkpoint, Registry, hosts, status
 from daemon.registry import queries as q
@@ -88,7 +91,8 @@ def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, 
         link = q.get_checkpoint(s, link.delta_base)
     path = hosts.local_path(s, base.id)
     if not path or not Path(path).is_dir():
-        raise DeltaError(f"base {spec.base_version} has no copy on this host (was {path}): a gap in the chain")
+        raise BaseMissing(f"base {spec.base_version} has no copy on this host (was {path}): a gap in the chain",
+                          base.id)  # fmt: skip
     rows = s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == base.id)).all()
     files = {r.path: ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in rows}
     if not files or any(not f.hash for f in files.values()):
@@ -123,6 +127,36 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetche
     ckpt.delta_ratio = round(spec.ratio, 6)
     on_fetched(ckpt.source, "delta", done.delta_bytes)
     return Outcome(done.directory, spec, time.perf_counter() - t0)
+
+
+def rebuild_copy(registry: Registry, checkpoint_id: int, directory: Path, delta_root: Path) -> Path:
+    """This host's fetched copy of a registered version (a fleet host's own copy), ready to serve: a full
+    one as it is; a delta rebuilt from this host's copy of its base into `delta_root/<version>`, its
+    result hashed against the digests the version was verified with. Raises DeltaError, BaseMissing
+    (with the base's id: fetch that first) when this host has no copy of the base."""
+    manifest, spec = read_delta(directory)
+    if manifest is None or spec is None:
+        return directory
+    with registry.session() as s:
+        ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+        if ckpt is None:
+            raise DeltaError(f"checkpoint {checkpoint_id} is gone from the registry")
+        version = ckpt.version
+        _base_row, base_dir, files = _base(s, version, spec)
+        verified = {r.path: ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg)
+                    for r in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id))}
+    done = rebuild(directory, manifest, spec, base_dir, files, delta_root / version)
+    try:
+        if sorted(verified) != sorted(f.path for f in manifest.files):
+            raise DeltaError(f"{version}: the rebuilt files are not the ones it was verified with")
+        rels = sorted(verified)
+        for rel, digest in zip(rels, hash_files([done.directory / r for r in rels], alg=manifest.hash_alg or "blake3"),
+                               strict=True):  # fmt: skip
+            digest.check(verified[rel], rel)
+    except (DeltaError, DigestMismatch) as exc:
+        shutil.rmtree(done.directory, ignore_errors=True)
+        raise DeltaError(f"{version} rebuilt on this host does not match its verified digests: {exc}") from None
+    return done.directory
 
 
 def bases_of_pending(s: Session, delta_root: Path) -> set[str]:
