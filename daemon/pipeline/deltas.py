@@ -21,10 +21,13 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from daemon.bytepipe.files import hash_files
+from daemon.checks import CheckSettings
+from daemon.checks.signatures import SignatureError, verify_manifest_signature
 from daemon.common.logging import get_logger
 from daemon.delta import DeltaError
 from daemon.delta.rebuild import rebuild
 from daemon.delta.section import BaseMissing, DeltaSpec, parse
+from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
 from daemon.registry import Checkpoint, Registry, hosts, status
@@ -100,7 +103,8 @@ def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, 
     return base, Path(path), files
 
 
-def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetched: Fetched = _no_count) -> Outcome | None:
+def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetched: Fetched = _no_count,
+                       keys: CheckSettings | None = None) -> Outcome | None:  # fmt: skip
     """Rebuild `ckpt` (in the caller's transaction: its row is updated) when it is a delta; None when
     it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending.
     `on_fetched(source, encoding, bytes)` counts what its source moved, once per checkpoint."""
@@ -117,6 +121,11 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetche
         return None
     if manifest.version is not None and manifest.version != ckpt.version:
         raise DeltaError(f"its manifest says version {manifest.version}, registered as {ckpt.version}")
+    if keys is not None and keys.keys_configured:  # untrusted bytes are never decoded: the signature first
+        try:
+            verify_manifest_signature(manifest, keys.hmac_keys, keys.ed25519_keys)
+        except SignatureError as exc:
+            raise DeltaError(f"{MANIFEST_NAME}: {exc}: not rebuilt") from None
     base, base_dir, files = _base(s, ckpt.version, spec)
     t0 = time.perf_counter()
     done = rebuild(directory, manifest, spec, base_dir, files, delta_root / ckpt.version)
@@ -200,8 +209,8 @@ def stale_rebuilt(s: Session, delta_root: Path, protected: frozenset[Path]) -> l
     return stale
 
 
-def run_step(registry: Registry, checkpoint_id: int, delta_root: Path,
-             on_fetched: Fetched = _no_count) -> tuple[bool, str, FetchError | None]:  # fmt: skip
+def run_step(registry: Registry, checkpoint_id: int, delta_root: Path, on_fetched: Fetched = _no_count,
+             keys: CheckSettings | None = None) -> tuple[bool, str, FetchError | None]:  # fmt: skip
     """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait)."""
     with registry.session() as s:
         ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
@@ -209,7 +218,7 @@ def run_step(registry: Registry, checkpoint_id: int, delta_root: Path,
             return False, "", None
         version, was = ckpt.version, ckpt.status
         try:
-            done = rebuild_checkpoint(s, ckpt, delta_root, on_fetched)
+            done = rebuild_checkpoint(s, ckpt, delta_root, on_fetched, keys)
         except BasePending as exc:
             err = FetchError(f"{exc}: waiting for it", retry_after_s=BASE_PENDING_RETRY_S)
         except (DeltaError, OSError) as exc:
