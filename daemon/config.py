@@ -37,7 +37,7 @@ from daemon.common.commands import shell_of
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 from daemon.engines import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.fleet.settings import FleetSettings, fleet_problem
-from daemon.sources import SOURCE_TYPES, source_type
+from daemon.sources import SOURCE_TYPES, source_config_type
 from daemon.transport import TRANSPORTS
 
 EMBEDDED = "<embedded default>"
@@ -324,7 +324,7 @@ def check_fleet(rollout: RolloutSettings, workers: list[WorkerSpec]) -> None:
 
 
 def _default_sources() -> list[Any]:
-    return [source_type("local").config_type(path="./checkpoints")]
+    return [source_config_type("local")(path="./checkpoints")]
 
 
 @dataclass
@@ -446,5 +446,5 @@ def _sources(value: Any) -> list[Any]:
         kind = table.get("type", "local")
         if kind not in SOURCE_TYPES:
             raise ConfigError(f"{key}.type: {kind!r} is not one of {', '.join(map(repr, SOURCE_TYPES))}")
-        out.append(build_dataclass(table, source_type(kind).config_type, key))
+        out.append(build_dataclass(table, source_config_type(kind), key))
     return out

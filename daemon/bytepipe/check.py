@@ -28,11 +28,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
-
 from daemon.bytepipe.engine import Aborted
 from daemon.bytepipe.expect import Expect, ExpectedFile
-from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, new_strong_hash
+from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, crc32c_lib, new_strong_hash
 
 __all__ = ["DigestMismatch", "LoadCheck", "OrderedHasher", "Reference", "ensure_contained", "is_aborted",
            "reference_for", "wants_check"]
@@ -92,7 +90,7 @@ class OrderedHasher:
         if self._strong is not None:
             self._strong.update(view)
         else:
-            self._crc = _crc32c.crc32c(view, self._crc)
+            self._crc = crc32c_lib().crc32c(view, self._crc)
 
     def _fill_gaps(self) -> None:
         """Hash bytes no chunk covers, read from the file itself, up to the next covered range."""

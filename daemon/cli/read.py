@@ -28,8 +28,6 @@ from typing import Any
 from daemon.common.apiconfig import client_tls
 from daemon.config import Config, ConfigError, load_config
 
-API_TIMEOUT_S = 5.0
-
 
 class NoState(ConfigError):
     """A read-only command found no database where it looked."""
@@ -169,12 +167,16 @@ def history_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from daemon.registry import queries as q
+    from daemon.cli.sqlite_read import history_rows
 
     config = read_config(args)
-    reg = open_existing_registry(config)
-    with reg.session() as s:
-        rows = q.history(s, limit=args.limit or None, adapter=getattr(args, "adapter", None))
+    adapter = getattr(args, "adapter", None)
+    rows = history_rows(config.database_url, config.fleet.host, args.limit or None, adapter)
+    if rows is None:  # not a plain SQLite file at the newest migration: the registry reads (and migrates)
+        from daemon.registry import queries as q
+
+        with open_existing_registry(config).session() as s:
+            rows = q.history(s, limit=args.limit or None, adapter=adapter)
     if args.json:
         for r in rows:
             print(json.dumps({k: plain(v) for k, v in r.items()}))
@@ -250,7 +252,9 @@ def status_cmd(args: argparse.Namespace) -> int:
     health: dict[str, Any] | None = None
     doc: dict[str, Any] | None = None
     if running and runtime and runtime.get("api_url"):
-        doc, health = _ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
+        from daemon.cli.daemon_get import ask_daemon
+
+        doc, health = ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
     if doc is None:
         from daemon.api.app import ApiState, status_document
         from daemon.common.metrics import DaemonMetrics
@@ -265,18 +269,6 @@ def status_cmd(args: argparse.Namespace) -> int:
             print(line)
     answers = running and (health is None or "does not answer" not in str(health.get("error", "")))
     return 0 if answers else EXIT_DAEMON_DOWN
-
-
-def _ask_daemon(url: str, verify: Any = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    import httpx
-
-    try:
-        live = httpx.get(f"{url}/status", timeout=API_TIMEOUT_S, verify=verify).json()
-        r = httpx.get(f"{url}/health", timeout=API_TIMEOUT_S, verify=verify)
-        health = {"ok": r.status_code == 200, **r.json()}
-    except (httpx.HTTPError, ValueError) as exc:
-        return None, {"ok": False, "error": f"the daemon's API at {url} does not answer ({exc})"}
-    return (live if isinstance(live, dict) else None), health
 
 
 def problem_lines(problems: list[dict[str, Any]]) -> list[str]:
