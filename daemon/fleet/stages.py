@@ -156,6 +156,17 @@ def admitted(journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, pre
         return r is not None and mine is not None and (trust or Trust()).admission(s, r, mine) is None
 
 
+def stage_gates(registry: Registry, checkpoint_id: int, host: str) -> tuple[int, list[str]] | None:
+    """The stage of `checkpoint_id`'s staged rollout that admitted `host`, and that stage's gates
+    (`[[fleet.stages]] gates`, stored in the rollout's plan); None: no staged rollout admitted it."""
+    with registry.session() as s:
+        r = s.scalars(select(FleetRollout).where(FleetRollout.checkpoint_id == checkpoint_id)).first()
+        row = s.get(FleetRolloutHost, (r.id, host)) if r is not None else None
+        if r is None or row is None:
+            return None
+        return row.stage, [str(g) for g in r.plan[row.stage].get("gates", [])] if row.stage < len(r.plan) else []
+
+
 def _rollout_of(registry: Registry, checkpoint_id: int) -> tuple[str, int] | None:
     with registry.session() as s:
         r = s.scalars(select(FleetRollout).where(FleetRollout.checkpoint_id == checkpoint_id)).first()
