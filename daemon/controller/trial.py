@@ -63,11 +63,11 @@ def watch(journal: Journal, fleet: WorkerSet, settings: RolloutSettings, gates: 
         thread.join()
     if verdict.aborted or not verdict.ok:
         return verdict
+    failed = [v for v in verdicts if v.verdict == "failed"]
+    if failed:  # before an abort: a failing gate stops the others
+        return replace(verdict, ok=False, reason="; ".join(v.reason for v in failed), check=failed[0].gate)
     if any(v.verdict == "aborted" for v in verdicts):
         return replace(verdict, ok=False, aborted=True)
-    failed = [v for v in verdicts if v.verdict == "failed"]
-    if failed:
-        return replace(verdict, ok=False, reason="; ".join(v.reason for v in failed), check=failed[0].gate)
     return verdict
 
 

@@ -46,6 +46,7 @@ from daemon.common.logging import get_logger
 from daemon.fleet.settings import FleetSettings, StageSpec
 from daemon.fleet.trust import Trust, admission_message, take_lock
 from daemon.registry.db import Registry
+from daemon.registry.gate_runs import summary as gate_summary
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import Alias, Checkpoint, Event, FleetRollout, FleetRolloutHost, Worker, utcnow
 from daemon.registry.queries import record_event
@@ -390,4 +391,5 @@ def status(registry: Registry) -> dict[str, Any] | None:
                 "previous": previous.version if previous else None, "state": r.state, "reason": r.reason,
                 "stage": r.stage, "plan": r.plan, "created_by": r.created_by, "stalled": r.stalled,
                 "stage_started_at": r.stage_started_at.isoformat(),
-                "stage_ready_at": r.stage_ready_at.isoformat() if r.stage_ready_at else None, "hosts": hosts}  # fmt: skip
+                "stage_ready_at": r.stage_ready_at.isoformat() if r.stage_ready_at else None, "hosts": hosts,
+                "gates": gate_summary(s, r.checkpoint_id)}  # fmt: skip

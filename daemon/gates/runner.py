@@ -72,15 +72,20 @@ class GateRunner:
             return last_good_score(s, self.registry.host, gate)
 
     def run(self, specs: list[GateSpec], trial: Trial, should_abort: Callable[[], bool]) -> list[GateVerdict]:
-        """Every gate to its verdict (or to an abort), in parallel; in the order given."""
+        """Every gate to its verdict (or to an abort), in parallel; in the order given. The first
+        gate to fail stops the others (aborted): the trial's verdict is known."""
         out: dict[str, GateVerdict] = {}
+        failed = threading.Event()  # one gate failed: the verdict is known, the others stop
 
         def one(spec: GateSpec) -> None:
             try:
-                out[spec.name] = self._run_one(spec, trial, should_abort)
+                v = self._run_one(spec, trial, lambda: failed.is_set() or should_abort())
             except Exception as exc:  # noqa: BLE001 - a gate's own fault is a failed gate, never a pass
                 log.exception("gate_crashed", gate=spec.name, version=trial.version)
-                out[spec.name] = GateVerdict(spec.name, "failed", f"gate {spec.name} crashed: {exc}")
+                v = GateVerdict(spec.name, "failed", f"gate {spec.name} crashed: {exc}")
+            out[spec.name] = v
+            if v.verdict == "failed":
+                failed.set()
 
         threads = [
             threading.Thread(target=one, args=(sp,), name=f"gate-{sp.name}", daemon=True) for sp in specs

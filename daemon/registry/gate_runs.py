@@ -67,3 +67,26 @@ def last_good_score(s: Session, host: str, gate: str) -> tuple[str, float] | Non
                            GateRun.verdict == "passed", GateRun.value.is_not(None))
                     .order_by(GateRun.id.desc()).limit(1)).first()  # fmt: skip
     return (row[0], float(row[1])) if row is not None and row[1] is not None else None
+
+
+def summary(s: Session, checkpoint_id: int) -> list[dict[str, Any]]:
+    """Each gate's measurements of a version per host (and worker), added up, with the last one."""
+    out: dict[tuple[Any, ...], dict[str, Any]] = {}
+    for r in runs_of(s, checkpoint_id):
+        d = out.setdefault((r["stage"], r["host"], r["gate"], r["worker"]), {
+            "gate": r["gate"], "kind": r["kind"], "host": r["host"], "worker": r["worker"], "stage": r["stage"],
+            "measurements": 0, **dict.fromkeys(VERDICTS, 0)})  # fmt: skip
+        d["measurements"] += 1
+        d[r["verdict"]] += 1
+        d.update(last=r["verdict"], value=r["value"], condition=r["condition"], reason=r["reason"],
+                 output=r["output"], ended_at=r["ended_at"])  # fmt: skip
+    return list(out.values())
+
+
+def summary_line(g: dict[str, Any]) -> str:
+    """One gate's summary in words, as `hotswap show` and `hotswap fleet rollout status` print it."""
+    where = g["host"] + (f"/{g['worker']}" if g["worker"] else "")
+    counts = ", ".join(f"{g[v]} {v}" for v in VERDICTS if g[v])
+    value = f"value {g['value']:g} " if g["value"] is not None else ""
+    cond = f"(condition {g['condition']})" if g["condition"] else ""
+    return f"{g['gate']} ({g['kind']}) on {where}: {g['last']}, {counts}; last {value}{cond}: {g['reason'] or ''}"
