@@ -38,8 +38,8 @@ BUILTIN = ("error_rate", "greedy_probe", "finite_logits")  # recorded by the hea
 class GateSpec:
     """`[[gates.gate]]`: one named check with a threshold."""
 
-    name: str
-    kind: Literal["prometheus", "eval"]
+    name: str  # how [gates] health and [[fleet.stages]] gates name it; its rows in gate_runs
+    kind: Literal["prometheus", "eval"]  # a PromQL query held to a condition, or a command's score
     count: int = 1  # measurements taken (Argo's count)
     interval_s: float = 10.0  # between measurements
     failure_limit: int = 0  # failed measurements tolerated (Argo's failureLimit)
@@ -91,7 +91,7 @@ class GateSpec:
 class GateSettings:
     prometheus_url: str = ""  # base URL of the Prometheus HTTP API prometheus gates query
     health: list[str] = field(default_factory=list)  # gates every health window of this host runs
-    gate: list[GateSpec] = field(default_factory=list)
+    gate: list[GateSpec] = field(default_factory=list)  # the gates, one [[gates.gate]] table each
 
     def validate(self, key: str) -> None:
         names = [g.name for g in self.gate]
