@@ -170,10 +170,14 @@ def test_a_canary_answering_500s_crosses_the_gate_and_halts_the_rollout(
             wait_until(lambda: status(pg_url)["state"] == "halted", 300, 0.3, "the halt of bad")
             pool.workers[1].wait_running(120, version="v0")
             seen = prom.query('sum by (host) (hotswap_worker_errors_total)')
+            # the daemons are scraped too: the canary's own count of the gate's failed measurements
+            failed_runs = wait_until(lambda: prom.query('hotswap_gate_runs_total{gate="worker-5xx",verdict="failed"}'),
+                                     30, 0.2, "the canary daemon's failed gate runs in Prometheus")  # fmt: skip
     finally:
         prom.stop()
     assert load.stats.errors, "the canary really answered 500s"
     assert {s["metric"]["host"] for s in seen} == {"host-1"}, seen  # only the canary's worker ever failed
+    assert [(s["metric"]["host"], s["metric"]["role"]) for s in failed_runs] == [("host-1", "daemon")], failed_runs
     doc = status(pg_url)
     assert "gate worker-5xx failed" in doc["reason"] and "does not meet < 1" in doc["reason"], doc
     assert hosts_that_rolled_out(pg_url, "bad") == {"host-1"}
