@@ -4,7 +4,8 @@ The gates (daemon.gates) of a trial are `[gates] health` plus, for a host a stag
 admitted, its stage's `gates` (daemon.fleet.stages.stage_gates). They run on their own threads
 while daemon.rollout.health watches the workers; the window ends when both are done. Its verdict
 fails when the built-in checks fail (the gates are then cut short) or when any gate fails; a
-trial cut short by an operator command or shutdown decides nothing. The built-in checks' results
+trial cut short by an operator command or shutdown decides nothing. A gate waiting for what it needs to run (`on_error = "wait"`) stops too when the version is
+rejected meanwhile (its staged rollout aborted). The built-in checks' results
 are written as gate runs of the same shape (error_rate per worker, greedy_probe, finite_logits),
 so `hotswap show` and the view `why_halted` read every verdict one way.
 """
@@ -22,6 +23,7 @@ from daemon.gates.base import Measurement, Trial
 from daemon.gates.runner import GateRunner, GateVerdict, record
 from daemon.gates.settings import GateSettings, GateSpec
 from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import CheckpointStatus
 from daemon.rollout import health
 from daemon.rollout.health import WindowVerdict
 from daemon.rollout.states import WorkerSet
@@ -47,9 +49,10 @@ def watch(journal: Journal, fleet: WorkerSet, settings: RolloutSettings, gates: 
     cut = threading.Event()
     thread = None
     if specs and runner is not None:
+        rejected = _rejected_meanwhile(journal, ckpt.id)
 
         def run() -> None:
-            verdicts.extend(runner.run(specs, trial, lambda: cut.is_set() or interrupted()))
+            verdicts.extend(runner.run(specs, trial, lambda: cut.is_set() or interrupted() or rejected()))
 
         thread = threading.Thread(target=run, name="trial-gates", daemon=True)
         thread.start()
@@ -69,6 +72,20 @@ def watch(journal: Journal, fleet: WorkerSet, settings: RolloutSettings, gates: 
     if any(v.verdict == "aborted" for v in verdicts):
         return replace(verdict, ok=False, aborted=True)
     return verdict
+
+
+def _rejected_meanwhile(journal: Journal, checkpoint_id: int, every_s: float = 2.0) -> Callable[[], bool]:
+    """Was the version rejected while its gates ran (its staged rollout aborted by an operator, a
+    stage host's verdict)? Then a gate waiting to run need not wait on: looked up every `every_s`."""
+    last = [0.0, False]
+
+    def check() -> bool:
+        if not last[1] and time.monotonic() - last[0] >= every_s:
+            ref = journal.checkpoint(checkpoint_id)
+            last[:] = [time.monotonic(), ref is None or ref.status == CheckpointStatus.REJECTED]
+        return bool(last[1])
+
+    return check
 
 
 def _record_builtin(

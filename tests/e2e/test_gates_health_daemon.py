@@ -78,3 +78,37 @@ def test_an_eval_gate_promotes_a_higher_score_and_rolls_back_a_lower_one_or_a_ha
     out = hotswap_cli("show", "v2", "-c", str(d.config_path))
     assert out.returncode == 0, out.stderr
     assert "score (eval) on" in out.stdout and "failed, 1 failed; last value 0.4" in out.stdout, out.stdout
+
+
+def test_an_eval_command_that_is_missing_holds_the_version_on_trial_with_a_problem_until_it_runs(
+    tmp_path: Path, pool: WorkerPool, daemon_factory: Callable[..., DaemonProcess]
+) -> None:
+    script = tmp_path / "late" / "score.py"  # not there yet: the gate cannot run
+    gates = {"health": ["score"], "gate": [
+        {"name": "score", "kind": "eval", "command": [str(script)], "min_score": 0.5, "interval_s": 1.0,
+         "on_error": "wait", "timeout_s": 30.0}]}  # fmt: skip
+    d = daemon_factory(f"sqlite:///{tmp_path / 'registry.db'}", checks={"enabled": ["manifest", "headers", "crc32c"]},
+                       extra={"rollout": {"health_window_s": 0.3, "restart_rollouts": False}, "gates": gates,
+                              "workers": [w.spec() for w in pool.workers]}, wait=False)  # fmt: skip
+    d.watch_dir.mkdir(parents=True)
+    pool.reset(publish_into(d.watch_dir, "v0", seed=0), "v0")
+    d.start(timeout=90)
+
+    def gate_problem() -> dict[str, Any] | None:
+        problems = d.get("/health").json().get("problems", [])
+        return next((p for p in problems if p["kind"] == "gate_cannot_run"), None)
+
+    problem = wait_until(gate_problem, 180, 0.2, "the problem gate_cannot_run")
+    assert problem["subject"] == "score" and "could not start" in problem["reason"], problem
+    assert "v0 held on trial" in problem["reason"] and problem["severity"] == "warning"
+    assert aliases(d.registry).get("last_good") is None  # never promoted while it cannot run
+    assert {r.verdict for r in gate_rows(d, "v0") if r.kind == "eval"} == {"error"}
+    status = hotswap_cli("status", "-c", str(d.config_path))
+    assert "gate_cannot_run" in status.stdout + status.stderr, status.stdout
+
+    script.parent.mkdir()
+    script.write_text(f"#!{sys.executable}\nprint(0.9)\n")
+    script.chmod(0o755)
+    wait_until(lambda: aliases(d.registry).get("last_good") == "v0", 120, 0.2, "v0 promoted once its gate ran")
+    wait_until(lambda: gate_problem() is None, 60, 0.2, "the problem over")
+    assert [r.verdict for r in gate_rows(d, "v0") if r.kind == "eval"][-1] == "passed"
