@@ -9,7 +9,7 @@ metric `hotswap_fetched_bytes_total` counts per host).
 Expand only: a new view; the previous release ignores it.
 
 Revision ID: 0020_fetched_bytes_view
-Revises: 0017_delta_checkpoints
+Revises: 0019_gate_runs
 Create Date: 2026-12-05
 """
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from alembic import op
 
 revision = "0020_fetched_bytes_view"
-down_revision = "0017_delta_checkpoints"
+down_revision = "0019_gate_runs"
 branch_labels = None
 depends_on = None
 

@@ -55,6 +55,7 @@ UNSET = _Marker("unset")
 def sections() -> list[Section]:
     from daemon.config import Config, RolloutSettings
     from daemon.fleet.settings import FleetSettings
+    from daemon.gates.settings import GateSettings
     from daemon.sources import SOURCE_TYPES, source_type
 
     out: list[Section] = []
@@ -78,6 +79,9 @@ def sections() -> list[Section]:
         if tp is FleetSettings:
             stage = get_args(typing.get_type_hints(FleetSettings)["stages"])[0]
             out.append(_section("[[fleet.stages]]", "fleet.stages", stage))
+        if tp is GateSettings:
+            gate = get_args(typing.get_type_hints(GateSettings)["gate"])[0]
+            out.append(_section("[[gates.gate]]", "gates.gate", gate))
     return out
 
 
