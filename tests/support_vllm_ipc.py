@@ -1,4 +1,4 @@
-"""vLLM with hotswap's worker extension, as docs/engines/vllm.md says to start it, for the ipc tests.
+"""vLLM with hotswap's worker extension, as docs/how-to/vllm.md says to start it, for the ipc tests.
 
     ext = install_extension(python, dir)      # pip install --no-deps --target dir <this repo>
     argv = extension_command(python, ext, model_dir, port)   # PYTHONPATH=dir + --worker-extension-cls

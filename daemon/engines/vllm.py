@@ -26,7 +26,7 @@ One update, as the rollout engine drives it:
               client installed and checked (or the one the server was started on).
 
 ipc      with `[rollout] transport = "ipc"` and vLLM started with hotswap's worker extension
-              (daemon.engines.vllm_extension; docs/engines/vllm.md), the update step is
+              (daemon.engines.vllm_extension; docs/how-to/vllm.md), the update step is
               collective_rpc hotswap_load_ipc {descriptor, expect} instead of reload_weights: every
               rank takes the version from the loader's buffer (no file read, no pickle) and answers
               per-tensor SHA-256s, compared with the verified files' (daemon.engines.vllm_ipc). A

