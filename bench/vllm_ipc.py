@@ -69,18 +69,22 @@ def shapes(args: argparse.Namespace) -> dict[str, Any]:
             "head_dim": 64, "vocab_size": args.vocab, "max_position_embeddings": 2048}  # fmt: skip
 
 
-def commit(watch: Path, version: str, seed: int, conf: dict[str, Any]) -> None:
+def commit(watch: Path, version: str, seed: int, conf: dict[str, Any], base: Path | None = None) -> None:
+    """A published version in `watch/.build-<version>`: new random weights, or a copy of `base`."""
     from daemon.manifest import publish
     from daemon.tinymodel import make_tiny_checkpoint
 
     tmp = watch / f".build-{version}"
-    make_tiny_checkpoint(tmp, seed=seed, dtype="bfloat16", config_overrides=conf)
+    if base is not None:
+        shutil.copytree(base, tmp)
+    else:
+        make_tiny_checkpoint(tmp, seed=seed, dtype="bfloat16", config_overrides=conf)
     publish(tmp, version=version)
 
 
-def start_vllm(python: str, ext: Path, model: Path, work: Path, tp: int) -> tuple[subprocess.Popen[bytes], str]:
+def start_vllm(python: str, ext: Path, model: Path, work: Path, tp: int, bind: str) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
-    env = {**os.environ, "PYTHONPATH": str(ext), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
+    env = {**os.environ, **({"VLLM_CPU_OMP_THREADS_BIND": bind} if bind else {}), "PYTHONPATH": str(ext), "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
            "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}  # fmt: skip
     cmd = [python, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--host", "127.0.0.1",
            "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "2048", "--enforce-eager",
@@ -121,8 +125,8 @@ def run_transport(transport: str, args: argparse.Namespace, work: Path, url: str
     root = work / transport
     watch, state = root / "checkpoints", root / "state"
     watch.mkdir(parents=True)
-    shutil.copytree(work / "v0", watch / ".build-v0")
-    os.replace(watch / ".build-v0", watch / f"{transport}-v0")
+    commit(watch, f"{transport}-v0", 0, conf, base=work / "v0")  # the bytes vLLM started on, under this run's label
+    os.replace(watch / f".build-{transport}-v0", watch / f"{transport}-v0")
     (root / "vllm.key").write_text(TOKEN)
     cfg = root / "config.toml"
     cfg.write_text(
@@ -149,7 +153,7 @@ def run_transport(transport: str, args: argparse.Namespace, work: Path, url: str
             wait_for(lambda v=version: label(url) == v and greedy(url, PROMPT, 2), 900, f"{version} served", 0.02)
             took = time.monotonic() - t0
             samples.append({"version": version, "commit_to_serving_s": round(took, 3),
-                            **phases(engine, version, wall0)})  # fmt: skip
+                            "loadavg_1m": os.getloadavg()[0], **phases(engine, version, wall0)})  # fmt: skip
             print(f"{version}: {took:.2f} s  {samples[-1]}", file=sys.stderr)
             time.sleep(1.0)
         engine.dispose()
@@ -188,6 +192,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--vocab", type=int, default=32000)
     p.add_argument("--tp", type=int, default=1, help="--tensor-parallel-size for vLLM")
+    p.add_argument("--omp-bind", default="", help="VLLM_CPU_OMP_THREADS_BIND, e.g. '0|1' for --tp 2 on 2 cores")
     p.add_argument("--transports", default="ipc,disk")
     p.add_argument("--out", default="")
     args = p.parse_args()
@@ -199,8 +204,9 @@ def main() -> int:
     try:
         subprocess.run([args.vllm_python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation",
                         "--no-index", "--target", str(work / "ext"), str(REPO)], check=True)  # fmt: skip
-        commit(work, "v0", 100, conf)
-        os.replace(work / ".build-v0", work / "v0")
+        from daemon.tinymodel import make_tiny_checkpoint
+
+        make_tiny_checkpoint(work / "v0", seed=100, dtype="bfloat16", config_overrides=conf)  # no manifest yet
         nbytes = sum(f.stat().st_size for f in (work / "v0").glob("*.safetensors"))
         sock = work / "loader.sock"
         loader = subprocess.Popen([sys.executable, "-m", "daemon.cli.main", "loader", "--socket", str(sock), "--device",
@@ -208,7 +214,7 @@ def main() -> int:
                                   stderr=subprocess.STDOUT)  # fmt: skip
         procs.append(loader)
         wait_for(sock.exists, 60, "loader socket", 0.1)
-        vllm, url = start_vllm(args.vllm_python, work / "ext", work / "v0", work, args.tp)
+        vllm, url = start_vllm(args.vllm_python, work / "ext", work / "v0", work, args.tp, args.omp_bind)
         procs.append(vllm)
         results = [run_transport(t, args, work, url, sock, conf) for t in args.transports.split(",")]
     finally:

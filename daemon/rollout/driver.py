@@ -262,6 +262,8 @@ class WorkerDriver:
         used = str(result.detail.get("transport") or target.request.transport)
         self.transports.setdefault(rollout_id, set()).add(used)
         detail = {"version": target.version, "transport": used, "worker_ms": result.duration_ms}
+        if "ranks" in result.detail:  # vLLM's extension: how many tensor-parallel ranks took the version
+            detail["ranks"] = result.detail["ranks"]
         if "pause_window_ms" in result.detail:  # the worker resumed itself: its window, parked -> running
             detail["pause_window_ms"] = result.detail["pause_window_ms"]
         self.move(h, rollout_id, S.UPDATED, duration_ms=_ms(t0), detail=detail, version=target.version)

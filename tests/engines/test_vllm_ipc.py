@@ -21,117 +21,35 @@ from __future__ import annotations
 import json
 import re
 import shutil
-import subprocess
 from collections.abc import Iterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
-from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
+from conftest import hotswap_cli, wait_until
 from support_check import expect_of
 from support_engines import (
-    FEW_CHECKS,
-    PROMPT,
-    engine_worker,
-    greedy_vllm,
     kill_pidfile,
     publish_ckpt,
-    restart_command,
 )
-from support_ipc import LoaderProcess, shm_dir
 from support_rollout import rollouts, worker_events, worker_paths
-from support_vllm import TOKEN, VLLM_TINY, free_port, make_vllm_checkpoint, vllm_python
-from support_vllm_ipc import extension_command, install_extension
+from support_vllm import TOKEN, VLLM_TINY, make_vllm_checkpoint
+from support_vllm_ipc import Rig, ipc_rig
 
 from daemon.engines.base import Timeouts, UpdateRefused, UpdateRequest
 from daemon.engines.vllm import VLLMWorkerClient
 from daemon.engines.vllm_api import VLLMAPI
-from daemon.manifest import publish
 from daemon.tinymodel import make_tiny_checkpoint
 
 START_S = 420.0
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
 
-@dataclass
-class Rig:
-    daemon: DaemonProcess
-    loader: LoaderProcess
-    watch: Path
-    root: Path
-    url: str
-    pidfile: Path
-    release: Path
-    fresh_v1: list[int]
-    tokens: dict[str, list[int]]  # version -> PROMPT's tokens seen while it served
-
-    def greedy(self) -> list[int]:
-        return list(greedy_vllm(self.url, TOKEN, PROMPT, 8))
-
-    def label(self) -> str:
-        return str(httpx.get(self.url + "/weight_info", timeout=10).json()["weight_version"])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        return httpx.get(url + "/health", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
-
-
 @pytest.fixture(scope="module")
 def rig(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Rig]:
-    python = vllm_python()  # skips on HOTSWAP_SKIP_VLLM=1
-    root = tmp_path_factory.mktemp("vllm-ipc")
-    ext = install_extension(python, root / "ext")
-    watch, state, staging = root / "checkpoints", root / "state", root / "staging"
-    v1 = make_vllm_checkpoint(staging / "v1", seed=21)
-    publish(v1, version="v1")
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    (root / "vllm.key").write_text(TOKEN + "\n")
-    pidfile, release, log = root / "vllm.pid", root / "release", root / "vllm.log"
-    restart = restart_command(pidfile, log, extension_command(python, ext, "{path}", port))
-    with shm_dir() as shm:
-        loader = LoaderProcess(root / "loader.sock", shm, "--max-versions", "6")
-        try:
-            subprocess.run([a.replace("{path}", str(v1)) for a in restart], check=True, timeout=60, capture_output=True)
-            try:
-                wait_until(lambda: _healthy(url), START_S, 0.5, "vLLM /health")
-            except AssertionError:
-                raise AssertionError(f"vLLM did not start:\n{log.read_text(errors='replace')[-4000:]}") from None
-            greedy_vllm(url, TOKEN, list(range(3, 11)), 1)  # first forward >= 5 tokens (support_vllm.py)
-            fresh = greedy_vllm(url, TOKEN, PROMPT, 8)
-            publish_ckpt(watch, "v0", lambda d: make_vllm_checkpoint(d, seed=20))
-            cfg = make_config_file(
-                root / "config.toml",
-                daemon={"state_dir": str(state), "listen": "127.0.0.1:0", "log_level": "debug"},
-                database={"url": f"sqlite:///{root / 'hotswap.db'}"},
-                sources=[{"path": str(watch), "rescan_interval_s": 1.0, "quiet_period_s": 0.3}],
-                checks=FEW_CHECKS,
-                rollout={"transport": "ipc", "mode": "pause", "health_window_s": 2.0, "health_poll_s": 2.0,
-                         "request_timeout_s": 30.0, "restart_timeout_s": START_S, "max_infra_retries": 0,
-                         "restart_rollouts": False},  # fmt: skip
-                workers=[engine_worker("vllm0", "vllm", url, root / "vllm.key", restart)],
-                loader={"socket": str(loader.socket_path)},
-            )
-            env = {"HOTSWAP_TEST_HOLD_STATE": "PAUSED", "HOTSWAP_TEST_HOLD_VERSION": "v4",
-                   "HOTSWAP_TEST_HOLD_RELEASE": str(release)}  # fmt: skip
-            d = DaemonProcess(root, cfg, f"sqlite:///{root / 'hotswap.db'}", watch, state, env, hooked=True)
-            d.start(timeout=90)
-            try:
-                d.wait_status("v0", "deployed", timeout=300)
-                rig = Rig(d, loader, watch, root, url, pidfile, release, fresh, {})
-                rig.tokens["v0"] = rig.greedy()
-                yield rig
-            finally:
-                release.touch()
-                d.close()
-        finally:
-            kill_pidfile(pidfile)
-            loader.stop()
+    with ipc_rig(tmp_path_factory.mktemp("vllm-ipc"), hold_version="v4") as r:
+        yield r
 
 
 def _updated_event(rig: Rig, version: str, trigger: str | None = None) -> tuple[dict[str, Any], dict[str, Any]]:
