@@ -81,6 +81,10 @@ class CheckSettings:
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"  # GPU whose memory the headroom check counts when staging (ipc)
     forward_device: str = "cpu"  # device for the forward-pass check
+    # headers, compat and forward (cost set by the checkpoint) run in a child process, killed past this
+    # limit (daemon.checks.isolation); false runs them in this process with no limit (tools, tests)
+    check_time_limit_s: float = 600.0
+    isolate_checks: bool = True
     # stage while verifying (daemon.bytepipe.staged): the crc32c pass also copies every file to this
     # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
     stage_device: str = "auto"
@@ -108,6 +112,8 @@ class CheckSettings:
             raise ValueError(f"checks.enabled: unknown check names {unknown}; known: {list(CHECK_NAMES)}")
         if self.deferred_retry_s <= 0:
             raise ValueError(f"checks.deferred_retry_s must be > 0, got {self.deferred_retry_s}")
+        if not 0 < self.check_time_limit_s < float("inf"):
+            raise ValueError(f"checks.check_time_limit_s must be a positive number of seconds, got {self.check_time_limit_s}")
         if self.headroom_factor <= 0:
             raise ValueError(f"checks.headroom_factor must be > 0, got {self.headroom_factor}")
         if self.crc_chunk_bytes < 4096 or self.finite_chunk_bytes < 4096:

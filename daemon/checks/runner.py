@@ -20,6 +20,7 @@ from daemon.checks.base import (
     VerifyReport,
     VerifyStager,
 )
+from daemon.checks.isolation import CHECK_PROCESS, ISOLATED
 from daemon.formats.adapter import is_adapter
 from daemon.manifest import ManifestFile
 
@@ -43,7 +44,7 @@ _ADAPTER_CHECKS: dict[str, str] = {
 CheckFn = Callable[[CheckContext], dict[str, Any]]
 
 
-def _resolve(name: str, adapter: bool = False) -> CheckFn:
+def resolve(name: str, adapter: bool = False) -> CheckFn:
     module, func = (_ADAPTER_CHECKS if adapter and name in _ADAPTER_CHECKS else _CHECKS)[name].split(":")
     fn: CheckFn = getattr(importlib.import_module(module), func)
     return fn
@@ -100,6 +101,14 @@ def run_checks(
     )
 
 
+def _run_one(name: str, adapter: bool, ctx: CheckContext, settings: CheckSettings) -> dict[str, Any]:
+    """A check whose cost follows the input runs in the check process, under its time limit
+    (daemon.checks.isolation); the others here."""
+    if settings.isolate_checks and name in ISOLATED:
+        return CHECK_PROCESS.run(name, adapter, ctx, settings.check_time_limit_s)
+    return resolve(name, adapter)(ctx)
+
+
 def _run_all(
     ctx: CheckContext,
     settings: CheckSettings,
@@ -118,7 +127,7 @@ def _run_all(
             missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
             if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
                 raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
-            detail = _resolve(name, adapter)(ctx)
+            detail = _run_one(name, adapter, ctx, settings)
             ok = True
         except CheckSkipped as exc:
             detail = {"skipped": exc.reason, **exc.detail}
