@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from support_vllm import TOKEN, VLLMServer, make_vllm_checkpoint, shared_vllm_server, vllm_python
+from support_wait import wait_until
 
 from daemon.engines.engine_http import EngineAPIError
 from daemon.engines.vllm_api import VLLMAPI
@@ -231,7 +232,8 @@ def test_pause_keep_freezes_in_flight_requests_and_queues_new_ones(api: VLLMAPI)
     queued: dict[str, Any] = {}
     t = threading.Thread(target=lambda: queued.setdefault("ids", api.greedy(SHORT, 4)))
     t.start()
-    time.sleep(2.0)
+    # positive signal: the new request is in the paused engine beside the frozen one (vLLM's gauges)
+    wait_until(lambda: sum(api.requests_in_engine()) >= 2, 60, 0.05, "the new request queued in the paused engine")
     assert len(s.tokens) == frozen_at < STREAM_TOKENS, "tokens kept coming while paused in keep mode"
     assert s.thread.is_alive() and "ids" not in queued, "a request was served while paused"
     running, waiting = api.requests_in_engine()
@@ -261,8 +263,9 @@ def test_pause_wait_returns_when_in_flight_requests_are_done(api: VLLMAPI) -> No
     queued: dict[str, Any] = {}
     t = threading.Thread(target=lambda: queued.setdefault("ids", api.greedy(SHORT, 4)))
     t.start()
-    time.sleep(1.0)
-    assert "ids" not in queued  # new requests wait for /resume (not 503)
+    # positive signal: the new request reached the paused engine's queue (vLLM's gauges)
+    wait_until(lambda: sum(api.requests_in_engine()) >= 1, 60, 0.05, "the new request queued in the paused engine")
+    assert "ids" not in queued and t.is_alive()  # new requests wait for /resume (not 503)
     api.resume()
     t.join(120)
     assert len(queued["ids"]) == 4
