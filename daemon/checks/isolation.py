@@ -54,6 +54,7 @@ class CheckProcess:
         self.beat: Callable[[], object] | None = None  # the watchdog ping, called while waiting
         self.beat_s = 5.0
         self.starts = 0  # children started (a killed one is replaced by the next check)
+        self.running: str | None = None  # the check in the child now
 
     def start(self, imports: tuple[str, ...] = ()) -> None:
         """Start the child now (the daemon's warm-up) and wait for its imports."""
@@ -71,7 +72,12 @@ class CheckProcess:
             except (CheckProcessError, OSError) as exc:
                 self._kill()
                 raise CheckFailed(f"{name} check could not run in its process: {exc}") from None
-            if not self._wait(conn, limit_s):
+            self.running = name
+            try:
+                answered = self._wait(conn, limit_s)
+            finally:
+                self.running = None
+            if not answered:
                 self._kill()
                 raise CheckFailed(
                     f"{name} check ran past its time limit of {limit_s:g} s (checks.check_time_limit_s); "
