@@ -58,6 +58,7 @@ REG_PG = "registry_scale-2026-12-03/after-0015-postgresql.json"
 VERIFY = "verify-pipeline-2core-2026-12-04.json"
 ONE_WORKER = "one_worker-2core-2026-12-04.json"
 CLI_STOP = "cli_stop-2core-2026-12-04.json"
+WORKER_HEALTH = ("worker_health-2core-2026-12-05-a.json", "worker_health-2core-2026-12-05-b.json")
 
 
 def _admin(key: str, stat: str) -> list[float]:
@@ -129,6 +130,16 @@ FIGURES: dict[str, list[tuple[str, Value]]] = {
         ("–{212} ms weight_info", lambda: max(_admin("weight_info (uds)", "max_ms"))),
         ("p99 {72}–", lambda: min(_admin("health (uds)", "p99_ms") + _admin("weight_info (uds)", "p99_ms"))),
         ("–{95} ms", lambda: max(_admin("health (uds)", "p99_ms") + _admin("weight_info (uds)", "p99_ms"))),
+    ],
+    "worker /health at 200 concurrent completions": [
+        ("max {82.72} ms", lambda: at(WORKER_HEALTH[0], "summary")["health (tcp)"]["median_max_ms"]),
+        ("({49.40}–", lambda: min(r["latency"]["health (tcp)"]["max_ms"] for r in at(WORKER_HEALTH[0], "runs"))),
+        ("–{90.17})", lambda: max(r["latency"]["health (tcp)"]["max_ms"] for r in at(WORKER_HEALTH[0], "runs"))),
+        ("{81.58} ms after", lambda: at(WORKER_HEALTH[1], "summary")["health (tcp)"]["median_max_ms"]),
+        ("({29.80}–", lambda: min(r["latency"]["health (tcp)"]["max_ms"] for r in at(WORKER_HEALTH[1], "runs"))),
+        ("–{94.82})", lambda: max(r["latency"]["health (tcp)"]["max_ms"] for r in at(WORKER_HEALTH[1], "runs"))),
+        ("admin socket {16.97} /", lambda: at(WORKER_HEALTH[0], "summary")["health (uds)"]["median_max_ms"]),
+        ("/ {7.04} ms", lambda: at(WORKER_HEALTH[1], "summary")["health (uds)"]["median_max_ms"]),
     ],
     "broadcast update vs disk update": [
         ("{5.09} s broadcast", lambda: at("broadcast-cpu/broadcast.json", "median_s.broadcast_s")),
