@@ -131,7 +131,7 @@ class CheckProcess:
                 )  # fmt: skip
                 self._proc, self._conn = proc, Connection(os.dup(ours.fileno()))
             self.starts += 1
-            self._ask(("import", ("daemon.checks.runner", *imports)))
+            self._ask(("import", ("daemon.checks.lookup", *imports)))
         elif imports:
             self._ask(("import", imports))
         return self._conn
@@ -186,7 +186,7 @@ def main(fd: int) -> None:
             except Exception as exc:  # told to the parent, which fails the check with it
                 conn.send(("import_failed", f"{type(exc).__name__}: {exc}"))
             continue
-        from daemon.checks.runner import resolve
+        from daemon.checks.lookup import resolve
 
         _op, name, adapter, settings, fields = request
         ctx = CheckContext(fields.pop("directory"), settings, fields.pop("reference"))
