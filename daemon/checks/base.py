@@ -87,7 +87,7 @@ class CheckSettings:
     # headers, compat and forward (cost set by the checkpoint) run in a child process, killed past this
     # limit (daemon.checks.isolation)
     check_time_limit_s: float = 600.0
-    isolate_checks: bool = True  # false: those checks run in this process with no limit (tools, tests)
+    isolate_checks: bool = True  # false: run them here, unbounded; the canary then reuses the crc32c pass's copy
     # stage while verifying (daemon.bytepipe.staged): the crc32c pass also copies every file to this
     # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
     stage_device: str = "auto"
