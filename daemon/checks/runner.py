@@ -81,6 +81,10 @@ def _run_one(name: str, adapter: bool, ctx: CheckContext, settings: CheckSetting
     (daemon.checks.isolation); the others here."""
     if settings.isolate_checks and name in ISOLATED:
         return CHECK_PROCESS.run(name, adapter, ctx, settings.check_time_limit_s)
+    if settings.isolate_checks and ctx.table is None and name in ("finite", "headroom"):
+        # they read the header table: with headers and compat off (or headroom alone, as the
+        # deferred retry runs it), the parse happens there too, bounded; the table comes back
+        CHECK_PROCESS.run("headers", adapter, ctx, settings.check_time_limit_s)
     return resolve(name, adapter)(ctx)
 
 

@@ -75,3 +75,17 @@ def test_a_child_that_dies_fails_its_check_with_the_exit_code(tmp_path: Path, mo
         assert report.reason == "headers: headers check's process died (exit code -9)", report.reason  # type: ignore[attr-defined]
     finally:
         proc.stop()
+
+
+def test_headroom_alone_parses_the_headers_in_the_child_too(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The deferred retry runs headroom alone, which reads the header table: that parse is bounded too."""
+    proc = CheckProcess()
+    monkeypatch.setattr("daemon.checks.runner.CHECK_PROCESS", proc)
+    try:
+        report = run_checks(slow_header(tmp_path / "slow"), CheckSettings(enabled=("headroom",), check_time_limit_s=0.5))
+        assert not report.ok and report.results[-1].name == "headroom"
+        assert "headers check ran past its time limit of 0.5 s (checks.check_time_limit_s)" in (report.reason or "")
+        good = make_tiny_checkpoint(tmp_path / "good", seed=1)
+        assert run_checks(good, CheckSettings(enabled=("headroom",))).ok
+    finally:
+        proc.stop()
