@@ -35,6 +35,9 @@ from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped
 
 ISOLATED: tuple[str, ...] = ("headers", "compat", "forward")
 START_LIMIT_S = 600.0  # the child's start and imports (torch: half a minute or more on a busy host)
+# imported when a child starts (outside any check's limit): a check's first run pays no import
+CHEAP_IMPORTS = ("daemon.checks.lookup", "daemon.checks.headers", "daemon.checks.compat", "daemon.checks.adapter",
+                 "safetensors")  # fmt: skip
 FORWARD_IMPORTS = ("torch", "safetensors.torch", "transformers", "daemon.checks.forward")
 _CTX_FIELDS = ("directory", "reference", "manifest", "recorded", "files", "file_list_from", "hashed", "digest",
                "headers", "table")  # fmt: skip
@@ -131,7 +134,7 @@ class CheckProcess:
                 )  # fmt: skip
                 self._proc, self._conn = proc, Connection(os.dup(ours.fileno()))
             self.starts += 1
-            self._ask(("import", ("daemon.checks.lookup", *imports)))
+            self._ask(("import", (*CHEAP_IMPORTS, *imports)))
         elif imports:
             self._ask(("import", imports))
         return self._conn
