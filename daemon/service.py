@@ -43,6 +43,7 @@ from daemon.api.app import ApiServer, ApiState, create_app, rollout_router
 from daemon.api.broadcast import broadcast_router
 from daemon.api.readiness import readiness_router
 from daemon.api.registry_metrics import RegistryCollector, RolloutMetrics, version_bytes
+from daemon.checks.isolation import CHECK_PROCESS, FORWARD_IMPORTS
 from daemon.common import systemd
 from daemon.common.auth import ControlGuard, TokenFileError, ensure_control_token
 from daemon.common.logging import configure_logging, get_logger
@@ -129,6 +130,7 @@ class Daemon:
         self.metrics.registry.register(RegistryCollector(self.registry))
         if "forward" in cfg.checks.enabled:
             self.coordinator.warmup = _preload_forward_check
+        self._started("check process", CHECK_PROCESS.stop)  # started by the first check (or the warm-up)
         if self.rollout is not None:  # stage -> roll out -> watch
             rollout = self.rollout
             self.rollout.start(self.scheduler)
@@ -329,8 +331,10 @@ def _preload_forward_check() -> None:
     # torch + transformers take seconds to import: load them on the coordinator's thread as
     # soon as it starts, so the first checkpoint's forward check does not pay for it (while
     # registration, on the source threads, is never held up).
+    # The canary itself runs in the check process (daemon.checks.isolation): it imports the same.
     t0 = time.perf_counter()
     try:
+        CHECK_PROCESS.start(FORWARD_IMPORTS)
         for module in _FORWARD_MODULES:
             importlib.import_module(module)
     except Exception as exc:  # noqa: BLE001 - the forward check itself reports it

@@ -423,6 +423,7 @@ class TokenizerManager:
         self.lora_users: dict[str, int] = {}  # lora_id -> requests using it (its ConcurrentCounter)
         self.lora_cond = threading.Condition()
         self.generating = 0  # /generate requests holding the model-update lock as readers (/metrics)
+        self.held_by_pause = 0  # /generate requests waiting for continue_generation (stand-in only, /metrics)
         self.generating_lock = threading.Lock()
 
 
@@ -567,7 +568,9 @@ def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | No
     def metrics() -> Response:  # as SGLang's --enable-metrics gauge: requests the server holds now
         with tm.generating_lock:
             n = tm.generating
-        return Response(f"sglang:num_running_reqs {n}\n", media_type="text/plain")
+        with tm.pause_cond:  # the stand-in's own line: a test's positive signal that a request waits
+            held = tm.held_by_pause
+        return Response(f"sglang:num_running_reqs {n}\nstandin:held_by_pause {held}\n", media_type="text/plain")
 
     @app.api_route("/generate", methods=["POST", "PUT"])
     def generate(obj: GenerateReqInput) -> JSONResponse:
@@ -575,7 +578,10 @@ def build_app(tm: TokenizerManager, api_key: str | None, admin_api_key: str | No
         r = Req(rid=obj.rid or secrets.token_hex(8), input_ids=list(obj.input_ids),
                 max_new_tokens=int(sp.get("max_new_tokens", 128)), ignore_eos=bool(sp.get("ignore_eos", False)))
         with tm.pause_cond:  # tokenizer_manager.py:938-939: wait while paused
+            tm.held_by_pause += 1
+            tm.pause_cond.notify_all()
             tm.pause_cond.wait_for(lambda: not tm.is_pause)
+            tm.held_by_pause -= 1
         if obj.lora_path is not None:
             with tm.lora_cond:  # LoRARegistry.acquire
                 ref = tm.loras.get(obj.lora_path)

@@ -7,7 +7,8 @@ target module matches a module of the base; every pair's `lora_A` is `[r, in]` a
 floating point. A refusal names the module and both shapes.
 
 forward: the base's forward canary (daemon.checks.canary) run twice on the fixed prompts, on the
-base weights and on the base with the adapter merged into them (`W + scale * B @ A`, float32):
+base weights and on the base with the adapter merged into them (`W + scale * B @ A`, summed in float32,
+run in `checks.engine_dtype`), each merged delta at most `checks.adapter_delta_max` x its weight's norm:
 the logits must be finite, and the change from the base bounded: mean KL(base || adapted) at most
 `checks.adapter_kl_max` nats, top-1 agreement at least `checks.adapter_top1_min` when set.
 """
@@ -132,6 +133,15 @@ def _check_pair(cfg: AdapterConfig, pair: LoraPair, a: TensorLocation, b: Tensor
                               {"module": module, "dtype": loc.entry.dtype})  # fmt: skip
 
 
+def _bound_delta(module: str, delta: Any, w: Any, most: float) -> None:
+    """The merged delta's magnitude: |scale * B @ A| / |W| (Frobenius) at most `most`; a scale
+    within bounds can still come with B and A large enough to bury the base weight."""
+    ratio = float(delta.norm()) / max(float(w.float().norm()), 1e-12)
+    if not ratio <= most:  # NaN too
+        raise CheckFailed(f"module {module}: the merged delta |scale * B @ A| is {ratio:.4g} x the base weight's "
+                          f"norm, over checks.adapter_delta_max {most:g}", {"module": module, "delta_ratio": ratio})  # fmt: skip
+
+
 def check_adapter_forward(ctx: CheckContext) -> dict[str, Any]:
     import torch
 
@@ -148,7 +158,7 @@ def check_adapter_forward(ctx: CheckContext) -> dict[str, Any]:
     vocab_size = doc.get("vocab_size")
     vocab = vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else 2**31
     prompts = [[t % vocab for t in p] for p in settings.forward_prompts]
-    canary = CANARIES.get(doc, device, ref.name)
+    canary = CANARIES.get(doc, device, ref.name, settings.canary_dtype)
     base_state, base_copy, own_base = _staged_state(ctx, ref, device)
     lora_state, lora_copy, own_lora = _staged_state(ctx, ctx.directory, device)
     bound: dict[str, torch.Tensor] = {}
@@ -161,7 +171,9 @@ def check_adapter_forward(ctx: CheckContext) -> dict[str, Any]:
             if w is None:
                 raise CheckFailed(f"module {module}: not a parameter of the base model's forward pass", {"module": module})
             a, b = lora_state[pair.a].float(), lora_state[pair.b].float()
-            bound[key] = (w.float() + cfg.scale * (b @ a)).to(w.dtype)
+            delta = cfg.scale * (b @ a)
+            _bound_delta(module, delta, w, settings.adapter_delta_max)
+            bound[key] = (w.float() + delta).to(w.dtype)  # in the engine's dtype: an fp16 overflow shows
         adapted = run(canary, bound, prompts)
     finally:
         bound.clear()

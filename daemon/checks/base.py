@@ -60,6 +60,9 @@ DEFAULT_TEXTS: tuple[str, ...] = (
 )
 
 
+ENGINE_DTYPES = ("auto", "float32", "float16", "bfloat16")
+
+
 @dataclass(slots=True)
 class CheckSettings:
     """What the verify stage runs and with which bounds. Every field has a working default."""
@@ -81,6 +84,10 @@ class CheckSettings:
     ipc_enabled: bool = False  # also require GPU memory for staging
     staging_gpu: str = "cuda:0"  # GPU whose memory the headroom check counts when staging (ipc)
     forward_device: str = "cpu"  # device for the forward-pass check
+    # headers, compat and forward (cost set by the checkpoint) run in a child process, killed past this
+    # limit (daemon.checks.isolation)
+    check_time_limit_s: float = 600.0
+    isolate_checks: bool = True  # false: run them here, unbounded; the canary then reuses the crc32c pass's copy
     # stage while verifying (daemon.bytepipe.staged): the crc32c pass also copies every file to this
     # device and finite/forward run on that copy. "auto": forward_device; "off": read files per check
     stage_device: str = "auto"
@@ -95,6 +102,12 @@ class CheckSettings:
     adapter_on_base_change: str = "reverify"
     # largest LoRA scale (lora_alpha / r, or / sqrt(r) with rslora) compat accepts: 1e30 passed every check
     adapter_scale_max: float = 64.0
+    # largest merged delta the adapter forward check accepts, per module: |scale * B @ A| over |W|
+    # (Frobenius); fine-tunes stay well under 1, a large value to bound only the absurd by default
+    adapter_delta_max: float = 10.0
+    # the dtype the engines compute in, which the forward canary runs in: "auto" = the checkpoint's
+    # config.json dtype (the reference worker's); float16 / bfloat16 catch what overflows only there
+    engine_dtype: str = "auto"
     # a checkpoint whose tensor shapes differ from the serving version (e.g. a resized vocabulary)
     # passes compat as "needs a restart rollout"; false rejects it. Set from [rollout] restart_rollouts.
     restart_rollouts: bool = True
@@ -108,6 +121,8 @@ class CheckSettings:
             raise ValueError(f"checks.enabled: unknown check names {unknown}; known: {list(CHECK_NAMES)}")
         if self.deferred_retry_s <= 0:
             raise ValueError(f"checks.deferred_retry_s must be > 0, got {self.deferred_retry_s}")
+        if not 0 < self.check_time_limit_s < float("inf"):
+            raise ValueError(f"checks.check_time_limit_s must be a positive number of seconds, got {self.check_time_limit_s}")
         if self.headroom_factor <= 0:
             raise ValueError(f"checks.headroom_factor must be > 0, got {self.headroom_factor}")
         if self.crc_chunk_bytes < 4096 or self.finite_chunk_bytes < 4096:
@@ -120,6 +135,10 @@ class CheckSettings:
             raise ValueError(f"checks.adapter_kl_max must be >= 0, got {self.adapter_kl_max}")
         if not 0.0 < self.adapter_scale_max < float("inf"):
             raise ValueError(f"checks.adapter_scale_max must be a positive number, got {self.adapter_scale_max}")
+        if not 0.0 < self.adapter_delta_max < float("inf"):
+            raise ValueError(f"checks.adapter_delta_max must be a positive number, got {self.adapter_delta_max}")
+        if self.engine_dtype not in ENGINE_DTYPES:
+            raise ValueError(f"checks.engine_dtype must be one of {', '.join(ENGINE_DTYPES)}, got {self.engine_dtype!r}")
         if self.adapter_top1_min is not None and not 0.0 <= self.adapter_top1_min <= 1.0:
             raise ValueError(f"checks.adapter_top1_min must be in [0, 1], got {self.adapter_top1_min}")
         if self.adapter_on_base_change not in ("reverify", "unload"):
@@ -140,6 +159,11 @@ class CheckSettings:
         if self.stage_device == "off" or not ({"finite", "forward"} & set(self.enabled)):
             return None
         return self.forward_device if self.stage_device == "auto" else self.stage_device
+
+    @property
+    def canary_dtype(self) -> str | None:
+        """The forward canary's dtype when it is not the checkpoint's own (engine_dtype "auto")."""
+        return None if self.engine_dtype == "auto" else self.engine_dtype
 
     @property
     def keys_configured(self) -> bool:

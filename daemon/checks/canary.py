@@ -47,14 +47,16 @@ class CanaryCache:
         self._by_key: OrderedDict[str, Canary] = OrderedDict()
         self._lock = threading.Lock()
 
-    def get(self, doc: dict[str, Any], device: str, where: str) -> Canary:
-        key = json.dumps({"config": doc, "device": device}, sort_keys=True, default=str)
+    def get(self, doc: dict[str, Any], device: str, where: str, dtype: str | None = None) -> Canary:
+        """The skeleton of `doc` on `device`, in `dtype` (a torch dtype name) when given, else in the
+        config's own (checks.engine_dtype: an fp16 engine overflows where an fp32 canary does not)."""
+        key = json.dumps({"config": doc, "device": device, "dtype": dtype}, sort_keys=True, default=str)
         with self._lock:
             found = self._by_key.get(key)
             if found is not None:
                 self._by_key.move_to_end(key)
                 return found
-            canary = _build(doc, device, key, where)
+            canary = _build(doc, device, key, where, dtype)
             self.builds += 1
             self._by_key[key] = canary
             while len(self._by_key) > self.keep:
@@ -116,10 +118,12 @@ def model_config(doc: dict[str, Any], where: str) -> tuple[Any, torch.dtype]:
     return config, dtype
 
 
-def _build(doc: dict[str, Any], device: str, key: str, where: str) -> Canary:
+def _build(doc: dict[str, Any], device: str, key: str, where: str, dtype_name: str | None = None) -> Canary:
     from transformers import AutoModelForCausalLM
 
     config, dtype = model_config(doc, where)
+    if dtype_name is not None:
+        dtype = getattr(torch, dtype_name)
     try:
         with _BUILD_LOCK, torch.device(device), _no_init_weights(), _parameters_on_meta():
             try:

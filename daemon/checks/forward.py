@@ -164,7 +164,7 @@ def _canary_logits(
     doc = _config_doc(directory)
     if doc is None:
         raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
-    canary = CANARIES.get(doc, device, directory.name)
+    canary = CANARIES.get(doc, device, directory.name, ctx.settings.canary_dtype)
     state, copy, own = _staged_state(ctx, directory, device)
     bound: dict[str, torch.Tensor] = {}
     try:

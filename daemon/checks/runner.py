@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import time
 from collections.abc import Callable, Iterable
 from datetime import UTC, datetime
@@ -20,33 +19,10 @@ from daemon.checks.base import (
     VerifyReport,
     VerifyStager,
 )
+from daemon.checks.isolation import CHECK_PROCESS, ISOLATED
+from daemon.checks.lookup import resolve
 from daemon.formats.adapter import is_adapter
 from daemon.manifest import ManifestFile
-
-# check name -> "module:function"; imported on first use so cheap checks never pay for torch
-_CHECKS: dict[str, str] = {
-    "manifest": "daemon.checks.completeness:check_manifest",
-    "headers": "daemon.checks.headers:check_headers",
-    "crc32c": "daemon.checks.integrity:check_crc32c",
-    "compat": "daemon.checks.compat:check_compat",
-    "finite": "daemon.checks.finite:check_finite",
-    "headroom": "daemon.checks.headroom:check_headroom",
-    "forward": "daemon.checks.forward:check_forward",
-}
-assert tuple(_CHECKS) == CHECK_NAMES
-# A LoRA adapter checkpoint (daemon.formats.adapter) is checked against the serving base instead
-_ADAPTER_CHECKS: dict[str, str] = {
-    "compat": "daemon.checks.adapter:check_adapter_compat",
-    "forward": "daemon.checks.adapter:check_adapter_forward",
-}
-
-CheckFn = Callable[[CheckContext], dict[str, Any]]
-
-
-def _resolve(name: str, adapter: bool = False) -> CheckFn:
-    module, func = (_ADAPTER_CHECKS if adapter and name in _ADAPTER_CHECKS else _CHECKS)[name].split(":")
-    fn: CheckFn = getattr(importlib.import_module(module), func)
-    return fn
 
 
 def run_checks(
@@ -100,6 +76,18 @@ def run_checks(
     )
 
 
+def _run_one(name: str, adapter: bool, ctx: CheckContext, settings: CheckSettings) -> dict[str, Any]:
+    """A check whose cost follows the input runs in the check process, under its time limit
+    (daemon.checks.isolation); the others here."""
+    if settings.isolate_checks and name in ISOLATED:
+        return CHECK_PROCESS.run(name, adapter, ctx, settings.check_time_limit_s)
+    if settings.isolate_checks and ctx.table is None and name in ("finite", "headroom"):
+        # they read the header table: with headers and compat off (or headroom alone, as the
+        # deferred retry runs it), the parse happens there too, bounded; the table comes back
+        CHECK_PROCESS.run("headers", adapter, ctx, settings.check_time_limit_s)
+    return resolve(name, adapter)(ctx)
+
+
 def _run_all(
     ctx: CheckContext,
     settings: CheckSettings,
@@ -118,7 +106,7 @@ def _run_all(
             missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
             if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
                 raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
-            detail = _resolve(name, adapter)(ctx)
+            detail = _run_one(name, adapter, ctx, settings)
             ok = True
         except CheckSkipped as exc:
             detail = {"skipped": exc.reason, **exc.detail}

@@ -31,6 +31,7 @@ from structlog.stdlib import BoundLogger
 
 from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
 from daemon.checks.base import VerifyStager
+from daemon.checks.isolation import CHECK_PROCESS
 from daemon.common.logging import bind_version, get_logger
 from daemon.common.metrics import DaemonMetrics
 from daemon.pipeline import deltas, rediscovery
@@ -108,6 +109,8 @@ class Coordinator:
     def set_heartbeat(self, beat: Callable[[], object], interval_s: float) -> None:
         """Call `beat` from this loop at least every `interval_s` while it is not stuck in a step."""
         self._heartbeat, self._heartbeat_s = beat, interval_s
+        # a check in the check process is bounded by its limit: the loop waiting on it pings on
+        CHECK_PROCESS.beat, CHECK_PROCESS.beat_s = beat, interval_s
 
     def idle(self) -> bool:
         """Nothing queued and nothing being verified (for tests and benchmarks)."""

@@ -139,6 +139,8 @@ class Controller:
             "digest": cur.digest,
             "state": self.state.value,
             "in_flight": self.engine.in_flight,
+            "steps": self.engine.steps,  # scheduler steps run, and wake-ups it stayed paused through
+            "wakeups_paused": self.engine.wakeups_paused,
             "tensors": self.store.tensors,
             "bytes": self.store.bytes,
             "device": str(self.loaded.device),

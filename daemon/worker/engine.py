@@ -103,6 +103,7 @@ class Engine:
         self.steps_cut = 0  # steps that stopped early for a pause
         self._thread = threading.Thread(target=self._run, name="hotswap-scheduler", daemon=True)
         self.steps = 0
+        self.wakeups_paused = 0  # the parked loop woke (e.g. a request arrived) and stayed parked
         self.adapters = Adapters(loaded.model)  # LoRA adapters served by `model` name, applied per sequence
         store.invalidators.append(self.invalidate_caches)
 
@@ -214,6 +215,7 @@ class Engine:
                 while not self._stopped and (self._paused or not (self._active or self._queue)
                                              or (not self._active and not self._admitting)):
                     self._cond.wait()
+                    self.wakeups_paused += self._paused  # woken (a request came, ...) and kept parked
                 if self._stopped:
                     return
                 while self._admitting and self._queue and len(self._active) < self.max_batch:

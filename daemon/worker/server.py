@@ -69,6 +69,7 @@ from daemon.transport.check import load_expect_file
 from daemon.transport.disk import DiskTransport
 from daemon.worker.admin import (
     AdminServer,
+    ProbesFirst,
     admin_router,
     bind_private_socket,
     create_admin_app,
@@ -109,7 +110,7 @@ def create_app(ctl: Any, token: bytes | None, serving: Serving, *, admin: bool =
     app.include_router(health_router(ctl))
     if admin:
         app.include_router(admin_router(ctl, token))
-    return BodyLimit(app, serving.limits.max_body_bytes)
+    return ProbesFirst(BodyLimit(app, serving.limits.max_body_bytes), ctl)
 
 
 def initial_version(model_dir: Path, given: str | None) -> tuple[str, str | None]:

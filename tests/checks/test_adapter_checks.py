@@ -96,8 +96,28 @@ def test_a_target_module_the_base_lacks_is_refused(tmp_path: Path, base: Path) -
 
 def test_an_adapter_that_moves_the_base_too_far_is_refused_by_the_forward_canary(tmp_path: Path, base: Path) -> None:
     d = adapter(tmp_path, base, std=1.5)
-    check, reason = refused(d, base, CheckSettings(adapter_kl_max=0.05))
+    check, reason = refused(d, base, CheckSettings(adapter_kl_max=0.05, adapter_delta_max=1000.0))
     assert check == "forward" and "KL(base || adapted)" in reason and "checks.adapter_kl_max 0.05" in reason
+
+
+def test_a_merged_delta_larger_than_its_bound_is_refused_naming_the_module(tmp_path: Path, base: Path) -> None:
+    """Issue 37: the scale (lora_alpha / r) is bounded in compat; B and A themselves can still bury
+    the base weight. |scale * B @ A| / |W| is ~270 here (std 1.5), ~5 with the default std."""
+    d = adapter(tmp_path, base, std=1.5)
+    check, reason = refused(d, base, CheckSettings(adapter_kl_max=None))
+    assert check == "forward" and "the merged delta |scale * B @ A| is" in reason, reason
+    assert "checks.adapter_delta_max 10" in reason and reason.startswith("module model.layers."), reason
+    assert run_checks(adapter(tmp_path / "ok", base), CheckSettings(adapter_kl_max=None), reference=base).ok
+
+
+def test_an_adapter_that_overflows_in_the_engines_fp16_is_refused_there(tmp_path: Path, base: Path) -> None:
+    """Issue 37: the canary ran in float32 where an fp16 engine overflows. With checks.engine_dtype =
+    "float16" the merged weights are run in float16: values past 65504 become inf, the logits NaN."""
+    d = adapter(tmp_path, base, std=40.0)  # merged weights ~1e5: finite in float32, not in float16
+    loose = {"adapter_kl_max": None, "adapter_delta_max": 1e9}
+    assert run_checks(d, CheckSettings(engine_dtype="float32", **loose), reference=base).ok  # type: ignore[arg-type]
+    check, reason = refused(d, base, CheckSettings(engine_dtype="float16", **loose))  # type: ignore[arg-type]
+    assert check == "forward" and "logits with the adapter contain NaN/Inf" in reason, reason
 
 
 def test_an_adapter_without_a_name_is_refused(tmp_path: Path, base: Path) -> None:

@@ -1,6 +1,9 @@
 """Stage while verifying (issue 15): one read feeds the hashes and the staged copy; the finite scan
 and the forward canary run on that copy; the canary's skeleton is built once per architecture.
 
+The canary's reuse of the copy and its cache are this process's (`isolate_checks = false`, as
+tools run it); the daemon runs the forward check in its check process (daemon.checks.isolation).
+
 CPU path of the same code the H200 runs (staging device "cpu"; on a GPU the copy is a CUDA tensor).
 """
 
@@ -22,7 +25,7 @@ from daemon.checks.finite_staged import scan_staged
 from daemon.formats.checkpoint import tensor_table
 from daemon.tinymodel import make_tiny_checkpoint
 
-NO_FINITE = CheckSettings(enabled=tuple(n for n in CHECK_NAMES if n != "finite"))  # the canary must catch it
+NO_FINITE = CheckSettings(isolate_checks=False, enabled=tuple(n for n in CHECK_NAMES if n != "finite"))  # the canary must catch it
 
 
 @pytest.fixture(autouse=True)
@@ -67,7 +70,7 @@ def test_a_good_checkpoint_is_verified_from_one_read_and_the_copy_is_released(
 
     monkeypatch.setattr(StagedCopy, "release", counting)
     d = published(tmp_path / "v", seed=1, shards=2, dtype="bfloat16")
-    report = run_checks(d, CheckSettings())
+    report = run_checks(d, CheckSettings(isolate_checks=False))
     assert report.ok, report.reason
     detail = _by_name(report)
     assert detail["crc32c"]["staged"].startswith("on cpu")
@@ -77,13 +80,13 @@ def test_a_good_checkpoint_is_verified_from_one_read_and_the_copy_is_released(
     # rejected later in the run: the copy is released too
     bad = published(tmp_path / "bad", seed=2)
     rewrite_tensors(bad, lambda s: s["model.norm.weight"].fill_(float("nan")))
-    assert not run_checks(bad, CheckSettings()).ok
+    assert not run_checks(bad, CheckSettings(isolate_checks=False)).ok
     assert len(released) == 2
 
 
 def test_stage_device_off_keeps_the_file_reading_checks(tmp_path: Path) -> None:
     d = published(tmp_path / "v")
-    report = run_checks(d, CheckSettings(stage_device="off"))
+    report = run_checks(d, CheckSettings(isolate_checks=False, stage_device="off"))
     assert report.ok, report.reason
     detail = _by_name(report)
     assert detail["crc32c"]["staged"].startswith("no ")
@@ -189,7 +192,7 @@ def test_canary_logits_equal_a_whole_model_built_from_the_files(tmp_path: Path) 
 
     d = published(tmp_path / "v", seed=6, shards=2)
     ids = [1, 17, 42, 5, 33, 8, 21, 60]
-    report = run_checks(d, CheckSettings(enabled=("forward",), forward_prompts=(tuple(ids),)))
+    report = run_checks(d, CheckSettings(isolate_checks=False, enabled=("forward",), forward_prompts=(tuple(ids),)))
     assert report.ok
     with torch.inference_mode():
         want = build_model(d, "cpu")(input_ids=torch.tensor([ids])).logits[0]
@@ -201,14 +204,14 @@ def test_an_architecture_change_builds_a_second_skeleton(tmp_path: Path) -> None
     b = make_tiny_checkpoint(tmp_path / "b", seed=1, config_overrides={"tie_word_embeddings": True})
     builds = CANARIES.builds
     assert run_checks(a, NO_FINITE).ok and CANARIES.builds - builds == 1
-    report = run_checks(b, CheckSettings(enabled=("forward",)))
+    report = run_checks(b, CheckSettings(isolate_checks=False, enabled=("forward",)))
     assert report.ok, report.reason
     assert CANARIES.builds - builds == 2
 
 
 def test_reference_logits_are_computed_once_per_serving_version(tmp_path: Path) -> None:
     ref = published(tmp_path / "serving", seed=0)
-    bounds = CheckSettings(forward_top1_min=0.0, forward_kl_max=100.0)
+    bounds = CheckSettings(isolate_checks=False, forward_top1_min=0.0, forward_kl_max=100.0)
     REFERENCES.clear()
     builds = CANARIES.builds
     first = run_checks(published(tmp_path / "n1", seed=1), bounds, reference=ref)
@@ -231,7 +234,7 @@ def test_on_a_gpu_the_staged_copy_matches_the_files_and_the_checks_run_there(tmp
     for r in rels:
         assert copy.file_bytes(r).cpu().numpy().tobytes() == (d / r).read_bytes()
     copy.release()
-    settings = CheckSettings(forward_device="cuda:0")
+    settings = CheckSettings(isolate_checks=False, forward_device="cuda:0")
     report = run_checks(d, settings)
     assert report.ok, report.reason
     assert _by_name(report)["finite"]["scanned"] == "staged copy on cuda:0"
@@ -239,7 +242,7 @@ def test_on_a_gpu_the_staged_copy_matches_the_files_and_the_checks_run_there(tmp
     rewrite_tensors(nan, lambda s: s["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(77, float("nan")))
     report = run_checks(nan, settings)
     assert report.reason is not None and report.reason.startswith("finite: ") and "element 77" in report.reason
-    report = run_checks(nan, CheckSettings(forward_device="cuda:0", enabled=NO_FINITE.enabled))
+    report = run_checks(nan, CheckSettings(isolate_checks=False, forward_device="cuda:0", enabled=NO_FINITE.enabled))
     assert report.reason is not None and report.reason.startswith("forward: logits contain NaN/Inf")
 
 
@@ -255,13 +258,13 @@ def test_if_the_staged_paths_cannot_run_here_the_checks_fall_back_and_still_reje
     monkeypatch.setattr(forward, "run", broken)
     monkeypatch.setattr(finite, "scan_staged", broken)
     good = published(tmp_path / "good", seed=1)
-    report = run_checks(good, CheckSettings())
+    report = run_checks(good, CheckSettings(isolate_checks=False))
     assert report.ok, report.reason
     assert _by_name(report)["forward"]["weights"].startswith("whole model built (canary failed: RuntimeError")
     assert _by_name(report)["finite"]["scanned"].startswith("files (the staged scan failed")
     nan = published(tmp_path / "nan", seed=2)
     rewrite_tensors(nan, lambda s: s["model.norm.weight"].__setitem__(0, float("nan")))
-    assert (run_checks(nan, CheckSettings()).reason or "").startswith("finite: ")
+    assert (run_checks(nan, CheckSettings(isolate_checks=False)).reason or "").startswith("finite: ")
     assert (run_checks(nan, NO_FINITE).reason or "").startswith("forward: logits contain NaN/Inf")
 
 
@@ -269,8 +272,8 @@ def test_stage_device_setting_is_validated() -> None:
     with pytest.raises(ValueError, match="stage_device must be auto, off, cpu, cuda or cuda:N"):
         CheckSettings.from_mapping({"stage_device": "gpu0"})
     assert CheckSettings.from_mapping({"stage_device": "cuda:1"}).staging_device == "cuda:1"
-    assert CheckSettings(stage_device="auto", forward_device="cuda:0").staging_device == "cuda:0"
-    assert CheckSettings(enabled=("manifest", "headers", "crc32c")).staging_device is None
+    assert CheckSettings(isolate_checks=False, stage_device="auto", forward_device="cuda:0").staging_device == "cuda:0"
+    assert CheckSettings(isolate_checks=False, enabled=("manifest", "headers", "crc32c")).staging_device is None
 
 
 def test_canary_runs_every_prompt_in_one_forward_with_each_prompts_own_logits(tmp_path: Path) -> None:

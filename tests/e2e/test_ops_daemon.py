@@ -124,12 +124,14 @@ def test_a_blocked_coordinator_loop_stops_the_watchdog_pings(
     publish_into(d.watch_dir, "v1", seed=1)
     d.wait_status("v1", "verifying", timeout=60)
     blocked_at = time.monotonic()
-    time.sleep(5)
-    during = [t for t in notify.watchdog_times() if blocked_at + 1.0 < t < blocked_at + 5]
-    assert during == [], f"pings while the coordinator was blocked: {during}"
+    # positive signal: the blocked step ended (the status moved on) and pings came back after it
     d.wait_status("v1", ("verified", "rejected", "deployed"), timeout=60)
     after = len(notify.watchdog_times())
     wait_until(lambda: len(notify.watchdog_times()) >= after + 2, 20, what="pings once the loop runs again")
+    # pinged every ~0.5 s when free: the 8 s block shows as one gap of several seconds after it began
+    times = [t for t in notify.watchdog_times() if t > blocked_at - 1.0]
+    gaps = [b - a for a, b in zip(times, times[1:], strict=False)]
+    assert gaps and max(gaps) >= 5.0, f"pings went on while the coordinator was blocked: gaps {gaps}"
 
 
 def test_sighup_applies_changes_and_keeps_the_old_config_when_the_new_one_is_broken(

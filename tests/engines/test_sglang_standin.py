@@ -28,6 +28,7 @@ from support_engine_source import (
     sglang_source,
 )
 from support_sglang import SGLangStandIn
+from support_wait import wait_until
 
 from daemon.engines.engine_http import EngineAPIError
 from daemon.engines.sglang_api import SGLangAPI
@@ -158,6 +159,12 @@ def api(srv: SGLangStandIn) -> Iterator[SGLangAPI]:
     client.close()
 
 
+def held_by_pause(api: SGLangAPI) -> int:
+    """Requests the stand-in holds until continue_generation (its /metrics line)."""
+    text = httpx.get(api.http.url + "/metrics", timeout=5).text
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("standin:held_by_pause ")))
+
+
 class Background:
     """A greedy /generate in a thread."""
 
@@ -246,8 +253,8 @@ def test_retract_pause_lets_the_update_flush_and_requests_continue_on_new_weight
     reply = api.update_weights_from_disk(str(ckpts["B"]), weight_version="B-1")
     assert reply.success, reply
     queued = Background(api, PROMPT, 8)  # a new request while paused waits; it is not refused
-    time.sleep(0.3)
-    assert queued.thread.is_alive()
+    wait_until(lambda: held_by_pause(api) == 1, 30, 0.02, "the new request held at the pause")
+    assert queued.thread.is_alive() and queued.error is None
     api.continue_generation()
     out, _version = bg.join()
     assert queued.join() == (fresh["B"], "B-1")

@@ -12,7 +12,7 @@ import json
 import shutil
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,7 @@ from typing import Any
 import httpx
 import pytest
 from support_vllm import TOKEN, VLLMServer, make_vllm_checkpoint, shared_vllm_server, vllm_python
+from support_wait import wait_until
 
 from daemon.engines.engine_http import EngineAPIError
 from daemon.engines.vllm_api import VLLMAPI
@@ -34,7 +35,7 @@ STREAM_PROMPT = [7, 8, 9, 10]
 # not (CI, -n 3: the client's first token of a stream arrived 26.7 s in, 0.3 s before its last;
 # a pause sent then landed on a finished request, three times). 32000 take 149 s here, quiet.
 CONTEXT = 32768
-SERVER_ARGS = ["--max-model-len", str(CONTEXT)]
+SERVER_ARGS = ["--max-model-len", str(CONTEXT), "--enable-log-requests"]  # "Added request": a test's positive signal
 STREAM_TOKENS = 32000
 FROZEN_TRIES = 3
 EMPTY_SHA256 = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
@@ -225,13 +226,23 @@ def test_dev_routes_are_open_without_the_api_key_and_v1_is_not(api: VLLMAPI) -> 
     assert httpx.get(url + "/v1/models", headers={"Authorization": "Bearer wrong"}).status_code == 401
 
 
-def test_pause_keep_freezes_in_flight_requests_and_queues_new_ones(api: VLLMAPI) -> None:
+def added_requests(server: VLLMServer, ckpts: Checkpoints) -> Callable[[], int]:
+    """How many requests vLLM has handed to its engine so far ("Added request", --enable-log-requests)."""
+    srv = shared_vllm_server("A", ckpts.a, server.log_path.parent, SERVER_ARGS)
+    return lambda: srv.log_path.read_text(errors="replace").count("Added request ")
+
+
+def test_pause_keep_freezes_in_flight_requests_and_queues_new_ones(api: VLLMAPI, server: VLLMServer,
+                                                                   ckpts: Checkpoints) -> None:  # fmt: skip
     s, frozen_at = start_frozen(api)
     assert api.is_paused()
+    added = added_requests(server, ckpts)
+    before = added()
     queued: dict[str, Any] = {}
     t = threading.Thread(target=lambda: queued.setdefault("ids", api.greedy(SHORT, 4)))
     t.start()
-    time.sleep(2.0)
+    # positive signal: vLLM handed the new request to its paused engine (its own log line)
+    wait_until(lambda: added() > before, 60, 0.05, "the new request added to the paused engine")
     assert len(s.tokens) == frozen_at < STREAM_TOKENS, "tokens kept coming while paused in keep mode"
     assert s.thread.is_alive() and "ids" not in queued, "a request was served while paused"
     running, waiting = api.requests_in_engine()
@@ -249,7 +260,8 @@ def test_pause_keep_freezes_in_flight_requests_and_queues_new_ones(api: VLLMAPI)
     print(f"\nwhile paused (keep): running={running} waiting={waiting}, frozen after {frozen_at} tokens")
 
 
-def test_pause_wait_returns_when_in_flight_requests_are_done(api: VLLMAPI) -> None:
+def test_pause_wait_returns_when_in_flight_requests_are_done(api: VLLMAPI, server: VLLMServer,
+                                                            ckpts: Checkpoints) -> None:  # fmt: skip
     s = Stream(api, STREAM_PROMPT, 2000)
     while not s.tokens:
         assert s.thread.is_alive(), s.error
@@ -258,11 +270,14 @@ def test_pause_wait_returns_when_in_flight_requests_are_done(api: VLLMAPI) -> No
     s.thread.join(30)  # the last chunks may still be in transit; vLLM itself was done
     assert not s.thread.is_alive() and api.is_paused(), "pause(wait) returned with the request still running"
     assert s.finish_reason == "length" and len(s.tokens) == 2000
+    added = added_requests(server, ckpts)
+    before = added()
     queued: dict[str, Any] = {}
     t = threading.Thread(target=lambda: queued.setdefault("ids", api.greedy(SHORT, 4)))
     t.start()
-    time.sleep(1.0)
-    assert "ids" not in queued  # new requests wait for /resume (not 503)
+    # positive signal: vLLM handed the new request to its paused engine (its own log line)
+    wait_until(lambda: added() > before, 60, 0.05, "the new request added to the paused engine")
+    assert "ids" not in queued and t.is_alive()  # new requests wait for /resume (not 503)
     api.resume()
     t.join(120)
     assert len(queued["ids"]) == 4

@@ -44,7 +44,7 @@ def test_verify_reads_once_into_the_loader_and_exports_only_after_every_check(
     d = published(tmp_path / "v1", seed=1, shards=2)
     verified: list[str] = []
     stager = LoaderStager(loader.client, "v1", "cpu", on_verified=verified.append)
-    report = run_checks(d, CheckSettings(), stager=stager)
+    report = run_checks(d, CheckSettings(isolate_checks=False), stager=stager)  # the canary on the copy: in-process
     assert report.ok, report.reason
     detail = _detail(report)
     assert detail["crc32c"]["staged"].startswith("in the loader on cpu (2 weight files")
@@ -136,7 +136,7 @@ def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> No
     with shm_dir() as shm:
         lp = LoaderProcess(tmp_path / "loader.sock", shm, device="cuda:0")
         try:
-            settings = CheckSettings(forward_device="cuda:0", ipc_enabled=True)
+            settings = CheckSettings(forward_device="cuda:0", ipc_enabled=True, isolate_checks=False)
             report = run_checks(d, settings, stager=LoaderStager(lp.client, "v1", "cuda:0"))
             assert report.ok, report.reason
             detail = _detail(report)
