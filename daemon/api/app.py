@@ -20,8 +20,9 @@ POST /v1/rollout/pin       {"version": VERSION, "force": false} -> pins, deployi
                            serving; a `rejected` version only with "force": true
 POST /v1/rollout/unpin     {"adapter": NAME | null}  -> unpins; a waiting checkpoint deploys next
 
-Every state-changing route needs the control token (daemon.common.auth): `Authorization: Bearer
-<content of <state_dir>/control.token>`; a request with an `Origin` header or a non-loopback
+Every state-changing route needs a token (daemon.common.auth): `Authorization: Bearer <content of
+<state_dir>/control.token>` (admin) or of an `[[api.tokens]]` file; rollback, pin and unpin need
+role operator, and answer with `"by"`: the token's name, also recorded in their events. A request with an `Origin` header or a non-loopback
 `Host` is 403, a missing or wrong token 401. The guard is `ApiState.guard` and
 `app.state.control_guard`; another module's routes use `daemon.auth.control_router(guard)` and
 read their body with `daemon.jsonbody.json_object` (never `Body(...)`, parsed before the guard).
@@ -49,13 +50,14 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 import daemon
-from daemon.common.auth import ControlGuard, control_dependency
+from daemon.common.auth import ControlGuard
 from daemon.common.httpguard import ListenerLimits, guarded_protocol
 from daemon.common.jsonbody import json_object
 from daemon.common.metrics import CONTENT_TYPE, DaemonMetrics
 from daemon.common.problems import Problem
 from daemon.common.redact import redact_doc
 from daemon.common.tcplisten import tcp_listener
+from daemon.common.tokens import Caller
 from daemon.config import ConfigError
 from daemon.controller.problems import alias_problems
 from daemon.controller.queue import CommandError
@@ -113,10 +115,10 @@ def create_app(state: ApiState) -> FastAPI:
 
 def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
     router = APIRouter(prefix="/v1/rollout")
-    control = [control_dependency(guard)]
+    operator = Depends(guard.require("operator"))  # pin, unpin, rollback (daemon.common.tokens)
     body_of = Depends(json_object)  # read after the guard: an unauthenticated body is never parsed
 
-    def answer(future: Future[dict[str, Any]], wait_s: float) -> JSONResponse:
+    def answer(future: Future[dict[str, Any]], wait_s: float, by: Caller) -> JSONResponse:
         try:
             result = future.result(timeout=wait_s)
         except CommandError as exc:
@@ -125,7 +127,7 @@ def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
             return JSONResponse({"error": f"still running after {wait_s:g} s; see `hotswap status`"}, status_code=504)
         except Exception as exc:  # noqa: BLE001 - the daemon log has the traceback
             return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
-        return JSONResponse(result)
+        return JSONResponse({**result, "by": by.name})
 
     def starting() -> JSONResponse | None:
         if not service.wait_ready(0):
@@ -138,30 +140,30 @@ def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
 
     # Plain `def` handlers: FastAPI runs them in its thread pool, so waiting on the
     # runner's Future does not block the event loop.
-    @router.post("/rollback", dependencies=control)
-    def rollback(body: dict[str, Any] = body_of) -> JSONResponse:
+    @router.post("/rollback")
+    def rollback(who: Caller = operator, body: dict[str, Any] = body_of) -> JSONResponse:
         to, adapter = body.get("to"), body.get("adapter")
         if to is not None and not isinstance(to, str):
             return JSONResponse({"error": "'to' must be a version string or null"}, status_code=422)
         if adapter is not None and not isinstance(adapter, str):
             return JSONResponse({"error": "'adapter' must be an adapter name or null"}, status_code=422)
-        return starting() or answer(service.rollback(to, adapter), wait_s(body))
+        return starting() or answer(service.rollback(to, adapter, by=who.name), wait_s(body), who)
 
-    @router.post("/pin", dependencies=control)
-    def pin(body: dict[str, Any] = body_of) -> JSONResponse:
+    @router.post("/pin")
+    def pin(who: Caller = operator, body: dict[str, Any] = body_of) -> JSONResponse:
         version, force = body.get("version"), body.get("force", False)
         if not isinstance(version, str) or not version:
             return JSONResponse({"error": "'version' (a version string) is required"}, status_code=422)
         if not isinstance(force, bool):
             return JSONResponse({"error": "'force' must be true or false"}, status_code=422)
-        return starting() or answer(service.pin(version, force=force), wait_s(body))
+        return starting() or answer(service.pin(version, force=force, by=who.name), wait_s(body), who)
 
-    @router.post("/unpin", dependencies=control)
-    def unpin(body: dict[str, Any] = body_of) -> JSONResponse:
+    @router.post("/unpin")
+    def unpin(who: Caller = operator, body: dict[str, Any] = body_of) -> JSONResponse:
         adapter = body.get("adapter")
         if adapter is not None and (not isinstance(adapter, str) or not adapter):
             return JSONResponse({"error": "'adapter' must be an adapter name or null"}, status_code=422)
-        return starting() or answer(service.unpin(adapter), wait_s(body))
+        return starting() or answer(service.unpin(adapter, by=who.name), wait_s(body), who)
 
     return router
 

@@ -18,7 +18,7 @@ from daemon.pipeline.rediscovery import OPERATOR_REVERIFY as WHY
 
 
 def router(coordinator: Coordinator, guard: ControlGuard) -> APIRouter:
-    r = APIRouter(prefix="/v1/checkpoints", dependencies=[Depends(guard)])
+    r = APIRouter(prefix="/v1/checkpoints", dependencies=[Depends(guard.require("operator"))])
 
     @r.post("/reverify")
     def reverify(body: dict[str, Any] = Depends(json_object)) -> JSONResponse:  # noqa: B008 - read after the guard

@@ -144,7 +144,7 @@ def test_the_cli_sends_the_token_and_says_why_when_it_cannot(daemon: DaemonProce
     cfg = str(daemon.config_path)
     out = hotswap_cli("unpin", "-c", cfg)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "unpinned (was not pinned)"
+    assert out.stdout.strip() == "unpinned (was not pinned) [as control-token]"
 
     path = daemon.state_dir / "control.token"
     token = path.read_text()
