@@ -141,8 +141,8 @@ class ControlGuard:
         scheme, _, given = auth.partition(" ")
         caller = self._tokens.caller(given.strip()) if scheme.lower() == "bearer" else None
         if caller is None:
-            raise HTTPException(401, "missing or unknown token (see <state_dir>/control.token and [[api.tokens]])",
-                                headers={"WWW-Authenticate": "Bearer"})
+            raise HTTPException(401, "missing or unknown token (the control token in <state_dir>/control.token, "
+                                "or an [[api.tokens]] file)", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         return caller
 
     def require(self, role: str) -> Any:
@@ -151,7 +151,7 @@ class ControlGuard:
             def check(request: Request) -> Caller:
                 caller = self.caller(request)
                 if not caller.may(role):
-                    raise HTTPException(403, f"token {caller.name!r} is a {caller.role}: "
+                    raise HTTPException(403, f"token {caller.name!r} has role {caller.role}: "
                                              f"{request.url.path} needs {role}")  # fmt: skip
                 return caller
             self._required[role] = check
