@@ -64,6 +64,7 @@ from daemon.registry.db import redact_url
 from daemon.registry.status import UNFINISHED, WAITING
 from daemon.rollout.states import TransitionObserver
 from daemon.sources import Source, build_source
+from daemon.webhooks.service import start_webhooks
 
 # What the forward check imports on first use (~3 s on a laptop CPU).
 _FORWARD_MODULES = (
@@ -126,6 +127,8 @@ class Daemon:
         self._started("registry", self.registry.close)
         self.metrics.track_statuses(self._status_counts)
         self.metrics.registry.register(RegistryCollector(self.registry))
+        if cfg.webhooks:  # before anything records an event: each webhook event gets its outbox row
+            self._started("webhooks", start_webhooks(self.registry, cfg.webhooks, self.metrics.registry).stop)
         if "forward" in cfg.checks.enabled:
             self.coordinator.warmup = _preload_forward_check
         if self.rollout is not None:  # stage -> roll out -> watch
@@ -212,7 +215,7 @@ class Daemon:
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
                          describe_sources=lambda: [s.describe() for s in self.sources],
                          queue_depth=self.coordinator.queue_depth, problems=self.health_problems,
-                         guard=self.guard)  # fmt: skip
+                         guard=self.guard, webhooks=self.config.webhooks)  # fmt: skip
         self.api_state = state
         app = create_app(state)
         app.include_router(reverify.router(self.coordinator, self.guard))

@@ -8,7 +8,8 @@ GET  /livez                200 {"ok": true} while the process answers (liveness,
                            orchestrators: never restart a daemon because a source or worker is down)
 GET  /ready                200 while at least one worker of every group serves, whatever a source
                            says; 503 otherwise (for load balancers: daemon.api.readiness)
-GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers
+GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers,
+                           webhooks (deliveries by state, the last error: daemon.webhooks.report)
 GET  /metrics              Prometheus text format
 
 With workers configured, the rollout routes (`rollout_router`):
@@ -66,6 +67,8 @@ from daemon.process.health import database_problems, health_document
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
+from daemon.webhooks.report import webhook_report
+from daemon.webhooks.settings import WebhookSettings
 
 DEFAULT_WAIT_S = 900.0
 # operators, the CLI, Prometheus and load balancers: a few dozen at most; a flood is refused
@@ -82,6 +85,7 @@ class ApiState:
     queue_depth: Callable[[], int] | None = None  # the coordinator's queue depth
     problems: Callable[[], list[Problem]] | None = None  # what is wrong now (daemon.process.health)
     guard: ControlGuard | None = None  # the control token check; every state-changing route needs it
+    webhooks: list[WebhookSettings] = field(default_factory=list)  # [[webhooks]]: their deliveries in /status
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -197,6 +201,7 @@ def status_document(state: ApiState) -> dict[str, Any]:
         "alias_problems": alias_problems(state.registry),  # alias -> why its files cannot be deployed here
         "latest": redact_doc([_jsonable_row(r) for r in latest]),
         "workers": redact_doc([_jsonable_row(r) for r in workers]),
+        "webhooks": webhook_report(state.registry, state.webhooks) if state.webhooks else [],
     }
 
 

@@ -11,6 +11,9 @@ from daemon.registry.models import (
     Worker,
     utcnow,
 )
+from daemon.registry.webhook_rows import (
+    WebhookDelivery,  # its table in the same metadata (migrations compare)
+)
 
 __all__ = [
     "Alias",
@@ -21,6 +24,7 @@ __all__ = [
     "Registry",
     "RegistryError",
     "Rollout",
+    "WebhookDelivery",
     "Worker",
     "utcnow",
 ]
