@@ -15,7 +15,14 @@ from typing import Any
 
 import httpx
 import pytest
-from conftest import POSTGRES_ENV, DaemonProcess, _postgres_database, hotswap_cli, make_config_file, wait_until
+from conftest import (
+    POSTGRES_ENV,
+    DaemonProcess,
+    _postgres_database,
+    hotswap_cli,
+    make_config_file,
+    wait_until,
+)
 from sqlalchemy import select
 from support_fleet import seed_versions
 from support_wait import free_port
@@ -57,7 +64,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
         d = DaemonProcess(root, cfg, url, root / "checkpoints", root / "state", {})
         try:
             d.start()
-            wait_until(lambda: d.get("/v1/rollout").json().get("ready"), 120, 0.2, "the rollout service to be ready")
+            wait_until(lambda d=d: d.get("/v1/rollout").json().get("ready"), 120, 0.2, "the rollout service to be ready")
             yield d
         finally:
             d.close()

@@ -53,6 +53,7 @@ UNSET = _Marker("unset")
 
 
 def sections() -> list[Section]:
+    from daemon.common.apiconfig import ApiSettings
     from daemon.config import Config, RolloutSettings
     from daemon.fleet.settings import FleetSettings
     from daemon.sources import SOURCE_TYPES, source_type
@@ -78,6 +79,9 @@ def sections() -> list[Section]:
         if tp is FleetSettings:
             stage = get_args(typing.get_type_hints(FleetSettings)["stages"])[0]
             out.append(_section("[[fleet.stages]]", "fleet.stages", stage))
+        if tp is ApiSettings:
+            token = get_args(typing.get_type_hints(ApiSettings)["tokens"])[0]
+            out.append(_section("[[api.tokens]]", "api.tokens", token))
     return out
 
 
