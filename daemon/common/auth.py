@@ -145,20 +145,27 @@ class ControlGuard:
                                 "or an [[api.tokens]] file)", headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
         return caller
 
-    def require(self, role: str) -> Any:
+    def require(self, role: str) -> RequireRole:
         """A dependency that returns the Caller when its role is at least `role`, else 403."""
         if role not in self._required:
-            def check(request: Request) -> Caller:
-                caller = self.caller(request)
-                if not caller.may(role):
-                    raise HTTPException(403, f"token {caller.name!r} has role {caller.role}: "
-                                             f"{request.url.path} needs {role}")  # fmt: skip
-                return caller
-            self._required[role] = check
-        return self._required[role]
+            self._required[role] = RequireRole(self, role)
+        return self._required[role]  # type: ignore[no-any-return]
 
     def __call__(self, request: Request) -> Caller:
-        return self.require("admin")(request)  # type: ignore[no-any-return]
+        return self.require("admin")(request)
+
+
+class RequireRole:
+    """`guard.require(role)`: the guard's checks, then the role (a route's dependency)."""
+
+    def __init__(self, guard: ControlGuard, role: str) -> None:
+        self.guard, self.role = guard, role
+
+    def __call__(self, request: Request) -> Caller:
+        caller = self.guard.caller(request)
+        if not caller.may(self.role):
+            raise HTTPException(403, f"token {caller.name!r} has role {caller.role}: {request.url.path} needs {self.role}")
+        return caller
 
 
 def _host_name(host_header: str) -> str:
