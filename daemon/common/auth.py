@@ -75,6 +75,8 @@ def read_private_token_file(path: Path) -> str:
 def _check_private(path: Path) -> None:
     try:
         st = os.lstat(path)
+    except FileNotFoundError:
+        raise TokenFileError(f"token file {path} does not exist") from None
     except OSError as exc:
         raise TokenFileError(f"token file {path} cannot be read: {exc.strerror}") from None
     if not stat.S_ISREG(st.st_mode):
