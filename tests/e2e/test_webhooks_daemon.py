@@ -143,3 +143,20 @@ def test_a_receiver_answering_500_for_a_while_gets_them_all_and_a_dead_one_is_co
     status = hotswap_cli("status", "-c", str(d.config_path))
     assert "webhook:     dead 0 delivered, 0 pending (0 retrying), 3 undeliverable; last error: ConnectError" in status.stdout, status.stdout
     assert "webhook:     ops 3 delivered, 0 pending" in status.stdout
+
+
+def test_a_receiver_that_hangs_holds_back_its_webhook_never_the_daemon(db_url: str, daemon_factory: Any,
+                                                                       receiver: Receiver, tmp_path: Path) -> None:  # fmt: skip
+    (receiver.root / "slow").touch()
+    d = daemon_factory(db_url, checks=CHECKS, extra={"webhooks": [hook("ops", receiver.url, secret_file(tmp_path),
+                                                                       timeout_s=60.0)]})  # fmt: skip
+    publish(d, tmp_path, "v1", 1)
+    started = receiver.root / "started.jsonl"
+    wait_until(lambda: started.exists() and started.read_text().strip(), 90, 0.1, "v1's delivery held open")
+    publish(d, tmp_path, "v2", 2)  # verified while the receiver still holds v1's delivery
+    d.wait_status("v2", "verified")
+    assert receiver.lines() == [] and len(started.read_text().splitlines()) == 1  # still the one, open
+    assert d.get("/health").status_code == 200
+    (receiver.root / "slow").unlink()
+    wait_until(lambda: verified(receiver) == ["v1", "v2"], 60, 0.1, "both, in order, once it answers")
+    check_deliveries(receiver)
