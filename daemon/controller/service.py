@@ -342,10 +342,10 @@ class RolloutService:
             assert job.checkpoint is not None
             return self.adapters.deploy_new(job.checkpoint.id)
         if job.kind == "adapter_rollback":
-            return self.adapters.rollback(job.adapter, job.version)
+            return self.adapters.rollback(job.adapter, job.version, job.by)
         if job.kind == "adapter_pin":
             assert job.version is not None
-            return self.adapters.pin(job.version, job.force)
+            return self.adapters.pin(job.version, job.force, job.by)
         if job.kind == "adapter_unpin":
             assert job.adapter is not None
             return self.adapters.unpin(job.adapter)
