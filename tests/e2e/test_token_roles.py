@@ -45,7 +45,7 @@ def daemon(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DaemonProcess]:
     for url in _postgres_database(os.environ[POSTGRES_ENV]):
         reg = Registry(url, "host-a")
         reg.upgrade()
-        ids = seed_versions(reg, root / "ckpts", {"v0": S.DEPLOYED, "v1": S.VERIFIED})
+        ids = seed_versions(reg, root / "ckpts", {"v0": S.DEPLOYED, "v1": S.VERIFIED, "v2": S.VERIFIED})
         Journal(reg).set_alias("last_good", ids["v0"])
         reg.close()
         tokens = []
@@ -109,6 +109,9 @@ def test_an_operator_cannot_set_the_fleet_target_but_pins_and_pauses(daemon: Dae
     pin = hotswap_cli("pin", "v0", "-c", str(daemon.config_path), "--token-file", str(op_file), "--timeout", "20")
     assert "[as ops]" in pin.stdout, (pin.stdout, pin.stderr)
     assert {"by": "ops", "force": False} in events(daemon, "pinned")
+    again = post(daemon, "/v1/checkpoints/reverify", "ops", {"version": "v2"})  # (rejected then: no files)
+    assert again.status_code == 200 and again.json()["by"] == "ops", again.text
+    assert any("requested by ops" in str(e.get("message")) for e in events(daemon, "discovered"))
 
 
 def test_an_admin_sets_the_fleet_target_and_the_event_names_it(daemon: DaemonProcess) -> None:
