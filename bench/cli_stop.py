@@ -11,6 +11,8 @@ Starts real daemons (`python -m daemon.cli daemon`) on fresh SQLite registries i
   stopped too) and the default (it is kept for the next daemon): signal -> daemon gone.
 
     .venv/bin/python -m bench.cli_stop [--n 7] [--out bench/results/cli_stop-2core.json]
+
+`status_daemon_down` is `hotswap status` once the daemon stopped (exit 3; it reads the registry).
 """
 
 from __future__ import annotations
@@ -81,37 +83,58 @@ def _wait_healthy(root: Path, timeout: float = 240) -> None:
 
 
 def _cli_s(argv: list[str], n: int) -> dict[str, Any]:
-    times = []
+    """Wall clock of the whole process (as a shell sees it) and its CPU time (user + system, from
+    wait4: on an idle machine the wall time; on this shared one the part that is the command's)."""
+    times, cpu = [], []
     for _ in range(n):
         t0 = time.perf_counter()
-        subprocess.run([*CLI, *argv], capture_output=True, check=False)
+        p = subprocess.Popen([*CLI, *argv], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        _, _, usage = os.wait4(p.pid, 0)
         times.append(time.perf_counter() - t0)
+        cpu.append(usage.ru_utime + usage.ru_stime)
     return {"median_s": round(statistics.median(times), 3), "min_s": round(min(times), 3),
-            "max_s": round(max(times), 3), "runs": n}  # fmt: skip
+            "max_s": round(max(times), 3), "cpu_median_s": round(statistics.median(cpu), 3),
+            "cpu_max_s": round(max(cpu), 3), "runs": n, "load_1min": round(os.getloadavg()[0], 2)}  # fmt: skip
+
+
+def _publish(root: Path, count: int) -> None:
+    """`count` tiny checkpoints into the watched folder, so `history` has rows to print."""
+    from daemon.manifest import publish
+    from daemon.tinymodel import make_tiny_checkpoint
+
+    for i in range(count):
+        stage = root / "stage" / f"bench-{i}"
+        make_tiny_checkpoint(stage, seed=i)
+        publish(stage, version=f"bench-{i}")
+        stage.rename(root / "ckpts" / f"bench-{i}")
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=7)
     ap.add_argument("--out", default="bench/results/cli_stop-2core.json")
+    ap.add_argument("--cli-only", action="store_true", help="the CLI timings only (no stop measurements)")
     args = ap.parse_args()
     out: dict[str, Any] = {"date": datetime.now(UTC).isoformat(timespec="seconds"), "machine": platform.node(),
                            "cpus": os.cpu_count(), "load_before": os.getloadavg()[0]}  # fmt: skip
     with tempfile.TemporaryDirectory(prefix="hotswap-cli-stop-") as tmp:
         root = Path(tmp)
         cfg = _config(root / "verify", managed=False)
-        p = _start(root / "verify", cfg)
-        out["stop_during_warmup_s"] = [round(_stop_s(p), 3)]
-        for _ in range(2):
+        if not args.cli_only:
             p = _start(root / "verify", cfg)
-            out["stop_during_warmup_s"].append(round(_stop_s(p), 3))
+            out["stop_during_warmup_s"] = [round(_stop_s(p), 3)]
+            for _ in range(2):
+                p = _start(root / "verify", cfg)
+                out["stop_during_warmup_s"].append(round(_stop_s(p), 3))
         p = _start(root / "verify", cfg)
-        time.sleep(30)  # the warm-up done
+        _publish(root / "verify", 5)
+        time.sleep(30)  # the warm-up done, the 5 versions verified
         c = ["-c", str(cfg)]
         out["cli"] = {"--version": _cli_s(["--version"], args.n), "status": _cli_s(["status", *c], args.n),
                       "history": _cli_s(["history", *c], args.n)}  # fmt: skip
         out["stop_after_warmup_s"] = round(_stop_s(p), 3)
-        for keep in (False, True):
+        out["cli"]["status_daemon_down"] = _cli_s(["status", *c], args.n)  # exit 3: read from the registry
+        for keep in (False, True) if not args.cli_only else ():
             name = "kept" if keep else "stopped"
             cfg = _config(root / f"managed-{name}", managed=True, keep=keep)
             times = []

@@ -1,7 +1,7 @@
 """A load-balancer-like load generator, shared by the end-to-end tests and benchmarks.
 
 Client threads send short completions round-robin across workers. Before each request a
-client skips workers whose last `/ready` answer (polled every 50 ms) was not 200, as a load
+client skips workers whose last `/ready` answer (polled every 50 ms; or another readiness URL per worker) was not 200, as a load
 balancer's health check would; a request a worker answers 503 (it started draining meanwhile)
 is retried on the next worker, like nginx `proxy_next_upstream http_503`, and counted in
 `retried_503`. Anything else is a failed request: another status, a connection error, a timeout,
@@ -61,8 +61,12 @@ class LoadGen:
         body: dict[str, Any] | None = None,
         request_timeout_s: float = 120.0,
         headers: dict[str, str] | None = None,
+        ready_urls: dict[str, str] | None = None,
     ) -> None:
+        """`ready_urls`: where each worker's readiness is read, when not `{url}/ready` (a vLLM has
+        none: the daemon's `GET /v1/workers/{name}/ready` says it, as a load balancer would be told)."""
         self.urls = urls
+        self.ready_urls = {u: (ready_urls or {}).get(u, f"{u}/ready") for u in urls}
         self.headers = dict(headers or {})  # e.g. an engine's bearer token, sent with every completion
         self.concurrency = concurrency
         self.max_requests = max_requests
@@ -125,7 +129,7 @@ class LoadGen:
             while not self._stop.is_set():
                 for url in self.urls:
                     try:
-                        self._ready[url] = client.get(f"{url}/ready").status_code == 200
+                        self._ready[url] = client.get(self.ready_urls[url]).status_code == 200
                     except httpx.HTTPError:
                         self._ready[url] = False
                 time.sleep(0.05)

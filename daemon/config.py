@@ -1,10 +1,9 @@
 """TOML configuration -> typed, validated dataclasses: every section of the daemon's config.
 
-Every error names the file and the key (`config.toml: [sources][0].path: ...`).
-Unknown keys are errors, so a typo never silently falls back to a default.
-With no file the daemon runs on the embedded default: SQLite under ./state,
-watching ./checkpoints, one reference worker it runs itself. Relative paths are
-taken relative to the working directory.
+Every error names the file and the key (`config.toml: [sources][0].path: ...`). Unknown keys
+are errors, so a typo never silently falls back to a default. With no file the daemon runs on the
+embedded default: SQLite under ./state, watching ./checkpoints, one reference worker it runs
+itself. Relative paths are taken relative to the working directory.
 
 Adding a section is one dataclass plus one field on `Config`: the loader walks
 the fields of `Config` and builds each section from its type annotation
@@ -12,10 +11,9 @@ the fields of `Config` and builds each section from its type annotation
 `validate(key)` raises `ConfigError` or a plain `ValueError` whose message starts
 with the key; either way the user sees one line naming the file and the key.
 
-Names that plug in a component are checked against that component's registry:
-`[[sources]] type` (daemon.sources), `[[workers]] kind` (daemon.engines) and
-`[rollout] transport` (daemon.transport). `[[sources]]` is a union on `type`: the
-source's own module defines its table's dataclass.
+Names that plug in a component are checked against that component's registry: `[[sources]] type`
+(daemon.sources), `[[workers]] kind` (daemon.engines) and `[rollout] transport` (daemon.transport).
+`[[sources]]` is a union on `type`: the source's own module defines its table's dataclass.
 """
 
 from __future__ import annotations
@@ -37,7 +35,8 @@ from daemon.common.commands import shell_of
 from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 from daemon.engines import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
 from daemon.fleet.settings import FleetSettings, fleet_problem
-from daemon.sources import SOURCE_TYPES, source_type
+from daemon.gates.settings import GateSettings
+from daemon.sources import SOURCE_TYPES, source_config_type
 from daemon.transport import TRANSPORTS
 from daemon.webhooks.settings import WebhookSettings, check_webhook_names
 
@@ -325,7 +324,7 @@ def check_fleet(rollout: RolloutSettings, workers: list[WorkerSpec]) -> None:
 
 
 def _default_sources() -> list[Any]:
-    return [source_type("local").config_type(path="./checkpoints")]
+    return [source_config_type("local")(path="./checkpoints")]
 
 
 @dataclass
@@ -341,6 +340,7 @@ class Config:
     workers: list[WorkerSpec] = field(default_factory=list)
     loader: LoaderSettings | None = None
     fleet: FleetSettings = field(default_factory=FleetSettings)  # [fleet]: host name, fleet mode (daemon.fleet.settings)
+    gates: GateSettings = field(default_factory=GateSettings)  # [gates]: checks of a version on trial (daemon.gates)
     webhooks: list[WebhookSettings] = field(default_factory=list)  # [[webhooks]]: daemon.webhooks.settings
     source_file: str = EMBEDDED
 
@@ -424,7 +424,7 @@ def _parse(doc: dict[str, Any]) -> Config:
     check_webhook_names(config.webhooks)
     if problem := listen_problem(config.daemon.listen_host_port, config.api):
         raise ConfigError(problem)
-    if problem := fleet_problem(config.fleet, config.database_url):
+    if problem := fleet_problem(config.fleet, config.database_url, config.gates):
         raise ConfigError(problem)
     if not config.rollout.restart_rollouts:  # compat then rejects what would need a restart rollout
         config.checks.restart_rollouts = False
@@ -446,5 +446,5 @@ def _sources(value: Any) -> list[Any]:
         kind = table.get("type", "local")
         if kind not in SOURCE_TYPES:
             raise ConfigError(f"{key}.type: {kind!r} is not one of {', '.join(map(repr, SOURCE_TYPES))}")
-        out.append(build_dataclass(table, source_type(kind).config_type, key))
+        out.append(build_dataclass(table, source_config_type(kind), key))
     return out

@@ -17,13 +17,14 @@ For a transport that checks while it loads, the API is `FileHasher` (see its doc
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any, Protocol
 
 import blake3 as _blake3
-import crc32c as _crc32c
 
 __all__ = [
     "CHUNK_BYTES",
@@ -36,6 +37,15 @@ __all__ = [
     "is_hex_digest",
     "new_strong_hash",
 ]
+
+@functools.cache
+def crc32c_lib() -> ModuleType:
+    """crc32c, imported on first use: its import reads package metadata (~20 ms), which every
+    reader of a config (`hotswap status`, through daemon.checks) would pay without hashing."""
+    import crc32c
+
+    return crc32c
+
 
 # BLAKE3 by default: on this project's machines it hashes 4-5x faster than SHA-256 per core and,
 # being a tree hash, splits one large file over every core; SHA-256 is sequential per file
@@ -132,7 +142,7 @@ class FileHasher:
 
     def update(self, data: Any) -> None:
         view = memoryview(data).cast("B")
-        self._crc = _crc32c.crc32c(view, self._crc)
+        self._crc = crc32c_lib().crc32c(view, self._crc)
         if self._strong is not None:
             self._strong.update(view)
         self._fed += len(view)

@@ -25,6 +25,7 @@ import importlib
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 import threading
@@ -54,6 +55,7 @@ from daemon.config import Config, ConfigError
 from daemon.controller.poll import PollCollector
 from daemon.controller.service import RolloutService
 from daemon.fleet.fetch import fetch_here
+from daemon.pipeline import deltas
 from daemon.pipeline.coordinator import Coordinator, StatusObserver
 from daemon.process.health import HealthMonitor, ProblemCollector
 from daemon.process.preflight import port_error, preflight
@@ -253,6 +255,15 @@ class Daemon:
                 removed += source.prune(protected)
             except Exception:
                 log.exception("pruning failed", source=source.label)
+        try:  # versions rebuilt from deltas (state_dir/deltas) that nothing needs any more
+            with self.registry.session() as s:
+                stale = deltas.stale_rebuilt(s, self.coordinator.delta_dir, protected)
+        except Exception:
+            log.exception("pruning rebuilt versions failed")
+            stale = []
+        for path in stale:
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
         if removed:
             log.info("pruned", directories=[str(p) for p in removed])
         return removed
@@ -270,9 +281,12 @@ class Daemon:
         return done
 
     def protected_paths(self) -> frozenset[Path]:
-        """Serving, last good and pinned, and every checkpoint still on its way to a worker."""
+        """Serving, last good and pinned, every checkpoint still on its way to a worker, and the bases
+        that fetched delta checkpoints are to be rebuilt from."""
         with self.registry.session() as s:  # this host's copies (checkpoint_locations)
-            return frozenset(Path(p) for p in q.protected_local_paths(s, (*UNFINISHED, *WAITING)))
+            paths = q.protected_local_paths(s, (*UNFINISHED, *WAITING))
+            paths |= deltas.bases_of_pending(s, self.coordinator.delta_dir)
+            return frozenset(Path(p) for p in paths)
 
     def _status_counts(self) -> dict[str, int]:
         with self.registry.session() as s:
@@ -311,7 +325,9 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
         coordinator.on_verified = rollout.submit
         coordinator.verify_stager = rollout.stager.verify_stager  # ipc: verify reads into the loader
         if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
-            rollout.fleet_agent.fetch = lambda cid: fetch_here(registry, coordinator.sources, cid)
+            rollout.fleet_agent.fetch = lambda cid: fetch_here(
+                registry, coordinator.sources, cid,
+                lambda i, d: deltas.rebuild_copy(registry, i, d, coordinator.delta_dir))
             rollout.fleet_agent.doing = lambda: rollout.state.current_job or (None if rollout.wait_ready(0) else "start-up")
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 

@@ -5,6 +5,8 @@
 #   scripts/check-metrics.sh SCRAPE...   each an http(s):// URL (fetched now) or a file
 #   scripts/check-metrics.sh --install   only make sure promtool is there; print its path
 #   scripts/check-metrics.sh --which     print promtool's path if it is there (never installs)
+#   scripts/check-metrics.sh --server    make sure the Prometheus server binary is there; print its
+#                                        path (tests/e2e/test_gates_prometheus.py starts it on loopback)
 #
 # e.g. scripts/check-metrics.sh http://127.0.0.1:8780/metrics (the daemon), and a worker's
 # /metrics once it has one. tests/e2e/test_metrics_promtool.py scrapes a real daemon through this.
@@ -25,7 +27,14 @@ find_promtool() {
     return 1
 }
 
-install_promtool() {
+find_server() {
+    if [ -n "${HOTSWAP_PROMETHEUS:-}" ]; then echo "$HOTSWAP_PROMETHEUS"; return; fi
+    if command -v prometheus >/dev/null 2>&1; then command -v prometheus; return; fi
+    if [ -x "$CACHE/prometheus" ]; then echo "$CACHE/prometheus"; return; fi
+    return 1
+}
+
+install_promtool() {  # [BINARY]: promtool (default) or prometheus, from the same package
     command -v apt-get >/dev/null && command -v dpkg-deb >/dev/null ||
         fail "promtool not found and no apt-get/dpkg-deb to fetch it (install Prometheus' promtool)"
     local work
@@ -40,13 +49,20 @@ install_promtool() {
     fi
     local deb
     deb="$(ls "$work"/prometheus_*.deb)"
-    dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$work" ./usr/bin/promtool
+    local bin="${1:-promtool}"
+    dpkg-deb --fsys-tarfile "$deb" | tar -x -C "$work" "./usr/bin/$bin"
     mkdir -p "$CACHE"
-    mv "$work/usr/bin/promtool" "$CACHE/promtool.tmp" && mv "$CACHE/promtool.tmp" "$CACHE/promtool"
-    echo "check-metrics: promtool from $(basename "$deb") ($(( $(stat -c %s "$deb") / 1000000 )) MB download," \
-        "$(( $(stat -c %s "$CACHE/promtool") / 1000000 )) MB binary) in $(( SECONDS - start )) s" >&2
+    mv "$work/usr/bin/$bin" "$CACHE/$bin.tmp" && mv "$CACHE/$bin.tmp" "$CACHE/$bin"
+    echo "check-metrics: $bin from $(basename "$deb") ($(( $(stat -c %s "$deb") / 1000000 )) MB download," \
+        "$(( $(stat -c %s "$CACHE/$bin") / 1000000 )) MB binary) in $(( SECONDS - start )) s" >&2
 }
 
+if [ "${1:-}" = "--server" ]; then
+    server="$(find_server)" || { install_promtool prometheus; server="$CACHE/prometheus"; }
+    "$server" --version >/dev/null 2>&1 || fail "$server does not run"
+    echo "$server"
+    exit 0
+fi
 if [ "${1:-}" = "--which" ]; then
     find_promtool
     exit

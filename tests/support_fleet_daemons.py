@@ -16,10 +16,13 @@ LEASE_S = 4.0
 
 
 def host_daemon(factory: Callable[..., DaemonProcess], url: str, i: int, w: WorkerProc, env: dict[str, str],
+                *, rollout: dict[str, Any] | None = None, sections: dict[str, Any] | None = None,
                 **fleet: Any) -> DaemonProcess:  # fmt: skip
-    """`fleet`: more [fleet] settings (e.g. stages)."""
+    """`fleet`: more [fleet] settings (e.g. stages); `rollout`: more [rollout] keys; `sections`: more
+    sections (e.g. gates)."""
     d = factory(url, checks={"enabled": ["manifest", "headers", "crc32c"]}, hooked=True, env=env, wait=False,
-                extra={"rollout": {"mode": "pause", "health_window_s": 0.3, "health_poll_s": 0.5},
+                extra={**(sections or {}),
+                       "rollout": {"mode": "pause", "health_window_s": 0.3, "health_poll_s": 0.5, **(rollout or {})},
                        "workers": [w.spec()],
                        "fleet": {"host": f"host-{i}", "enabled": True, "max_updating_hosts": 1,
                                  "lease_s": LEASE_S, "poll_s": 0.5, **fleet}})  # fmt: skip

@@ -184,6 +184,7 @@ def status_document(state: ApiState) -> dict[str, Any]:
         counts = q.status_counts(s)
         latest = q.history(s, limit=10)
         workers = q.worker_rows(s)
+        transports = q.update_transports(s)
         aliases = q.aliases(s)
         adapters = q.adapter_aliases(s)
     return {
@@ -200,7 +201,7 @@ def status_document(state: ApiState) -> dict[str, Any]:
         "adapters": adapters,  # LoRA adapter name -> its serving, last_good, pinned
         "alias_problems": alias_problems(state.registry),  # alias -> why its files cannot be deployed here
         "latest": redact_doc([_jsonable_row(r) for r in latest]),
-        "workers": redact_doc([_jsonable_row(r) for r in workers]),
+        "workers": redact_doc([{**_jsonable_row(r), "transport": transports.get(r["worker"])} for r in workers]),
         "webhooks": webhook_report(state.registry, state.webhooks) if state.webhooks else [],
     }
 

@@ -2,8 +2,8 @@
 
 Scrape-time (`RegistryCollector`; the database is the truth, so a restarted daemon reports the
 same totals): rollouts by trigger and outcome, rollbacks by what triggered them, health-window
-trips, each worker's state and version (info-style gauges), the serving/last good/pinned
-versions, and the time of the last failure.
+trips, gate measurements by gate and verdict (daemon.gates), each worker's state and version
+(info-style gauges), the serving/last good/pinned versions, and the time of the last failure.
 
 Event-time (`RolloutMetrics`, a transition observer on the engine's thread): each worker's pause
 window (left RUNNING -> back to RUNNING) and update time (left RUNNING -> UPDATED) per
@@ -23,6 +23,7 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
 from daemon.registry import Registry
+from daemon.registry.gate_runs import GateRun
 from daemon.registry.models import Alias, Checkpoint, Event, Rollout, Worker
 from daemon.rollout.states import Transition, WorkerState
 
@@ -55,8 +56,13 @@ class RegistryCollector(Collector):
                                        "Unix time of the last rejected checkpoint or failed or rolled back rollout (0: none)")  # fmt: skip
         last_deploy = GaugeMetricFamily("hotswap_last_deploy_timestamp_seconds",
                                         "Unix time the last successful rollout on this host finished (0: none)")  # fmt: skip
+        gates = CounterMetricFamily("hotswap_gate_runs", "Gate measurements on this host by gate and verdict "
+                                    "(passed, failed, inconclusive, error: could not run)", labels=["gate", "verdict"])  # fmt: skip
         here = self._registry.host  # on a fleet's shared database: this host's rows only
         with self._registry.session() as s:
+            for gate, verdict, n in s.execute(select(GateRun.gate, GateRun.verdict, func.count())
+                                              .where(GateRun.host == here).group_by(GateRun.gate, GateRun.verdict)):  # fmt: skip
+                gates.add_metric([gate, verdict], n)
             for trigger, outcome, n in s.execute(
                 select(Rollout.trigger, Rollout.outcome, func.count()).where(Rollout.outcome.is_not(None),
                                                                              Rollout.host == here)
@@ -83,7 +89,7 @@ class RegistryCollector(Collector):
             deployed_at = s.scalar(select(func.max(Rollout.finished_at))
                                    .where(Rollout.outcome == "succeeded", Rollout.host == here))  # fmt: skip
             last_deploy.add_metric([], deployed_at.timestamp() if deployed_at is not None else 0.0)
-        yield from (rollouts, rollbacks, trips, state, version, alias, last_error, last_deploy)
+        yield from (rollouts, rollbacks, trips, gates, state, version, alias, last_error, last_deploy)
 
 
 class RolloutMetrics:

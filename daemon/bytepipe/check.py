@@ -24,41 +24,15 @@ from __future__ import annotations
 import os
 import threading
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
-
 from daemon.bytepipe.engine import Aborted
-from daemon.bytepipe.expect import Expect, ExpectedFile
-from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, new_strong_hash
+from daemon.bytepipe.expect import Expect, Reference, reference_for
+from daemon.hashing import DigestMismatch, FileDigest, crc32c_lib, new_strong_hash
 
 __all__ = ["DigestMismatch", "LoadCheck", "OrderedHasher", "Reference", "ensure_contained", "is_aborted",
            "reference_for", "wants_check"]
-
-
-@dataclass(frozen=True, slots=True)
-class Reference:
-    """What one file must hash to: size and one digest (the strongest the registry has)."""
-
-    path: str
-    bytes: int
-    alg: str  # "blake3" | "sha256" | "crc32c"
-    value: str
-
-    @property
-    def strong(self) -> bool:
-        return self.alg in HASH_ALGORITHMS
-
-
-def reference_for(f: ExpectedFile) -> Reference | None:
-    """The digest to check `f` with: BLAKE3, else SHA-256, else CRC32C; None when it has none."""
-    for alg in (*HASH_ALGORITHMS, "crc32c"):
-        value = f.digests.get(alg)
-        if value:
-            return Reference(f.path, f.bytes, alg, value.lower())
-    return None
 
 
 class OrderedHasher:
@@ -92,7 +66,7 @@ class OrderedHasher:
         if self._strong is not None:
             self._strong.update(view)
         else:
-            self._crc = _crc32c.crc32c(view, self._crc)
+            self._crc = crc32c_lib().crc32c(view, self._crc)
 
     def _fill_gaps(self) -> None:
         """Hash bytes no chunk covers, read from the file itself, up to the next covered range."""

@@ -11,7 +11,11 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["BadUpdateRequest", "Expect", "ExpectedFile"]
+__all__ = ["BadUpdateRequest", "Expect", "ExpectedFile", "Reference", "reference_for"]
+
+# strongest first; the first two are daemon.hashing.HASH_ALGORITHMS (this module imports no hash library:
+# the vLLM worker extension imports it inside vLLM's venv)
+REFERENCE_ALGS = ("blake3", "sha256", "crc32c")
 
 
 class BadUpdateRequest(ValueError):
@@ -67,3 +71,26 @@ class Expect:
                 raise BadUpdateRequest(f"expect.files[{i}] must be {{path: str, bytes: int, digests: {{alg: hex}}}}")
             parsed.append(ExpectedFile(f["path"], f["bytes"], dict(f.get("digests", {}))))
         return cls(digest, tensors, tuple(parsed))
+
+
+@dataclass(frozen=True, slots=True)
+class Reference:
+    """What one file must hash to: size and one digest (the strongest the registry has)."""
+
+    path: str
+    bytes: int
+    alg: str  # "blake3" | "sha256" | "crc32c"
+    value: str
+
+    @property
+    def strong(self) -> bool:
+        return self.alg != "crc32c"
+
+
+def reference_for(f: ExpectedFile) -> Reference | None:
+    """The digest to check `f` with: BLAKE3, else SHA-256, else CRC32C; None when it has none."""
+    for alg in REFERENCE_ALGS:
+        value = f.digests.get(alg)
+        if value:
+            return Reference(f.path, f.bytes, alg, value.lower())
+    return None

@@ -22,11 +22,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import crc32c as _crc32c
-
 from daemon.bytepipe.engine import Aborted, Buffer, Job
 from daemon.crc import crc32c_combine, crc32c_shift
-from daemon.hashing import new_strong_hash
+from daemon.hashing import crc32c_lib, new_strong_hash
 
 __all__ = ["Checked", "Crcs", "DeviceCopy", "FileWriter", "InOrder", "Progress"]
 
@@ -44,7 +42,7 @@ class Crcs:
 
     def feed(self, file: Path, offset: int, data: Any) -> None:
         view = memoryview(data).cast("B")
-        crc = _crc32c.crc32c(view)
+        crc = crc32c_lib().crc32c(view)
         with self._lock:
             self._parts.setdefault(file, []).append((offset, len(view), crc))
 
@@ -65,7 +63,7 @@ class Crcs:
                     gap = os.pread(fd, off - pos, pos)
                     if len(gap) != off - pos:
                         raise OSError(f"{file}: short read at byte {pos} computing its CRC32C")
-                    total = crc32c_combine(total, _crc32c.crc32c(gap), len(gap))
+                    total = crc32c_combine(total, crc32c_lib().crc32c(gap), len(gap))
                 if n:
                     total = crc32c_combine(total, crc, n, shift=self._full[1] if n == self._full[0] else None)
                 pos = off + n

@@ -30,6 +30,7 @@ from daemon.fleet.stages import StageCommandRefused, command, stage_label, statu
 from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
 from daemon.fleet.trust import Trust
 from daemon.registry.db import RegistryError
+from daemon.registry.gate_runs import summary_line
 from daemon.registry.journal import Journal
 
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
@@ -146,6 +147,9 @@ def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
         hosts = [h for h in doc["hosts"] if h["stage"] == i]
         line = ", ".join(f"{h['host']} {h['host_state']}" for h in hosts) or "no host yet"
         print(safe(f"  {stage_label(i, len(doc['plan']))} ({size}, bake {st.get('bake_s', 0)} s): {line}"))
+        for g in doc.get("gates", []):  # every gate run of the version in this stage (daemon.gates)
+            if g["stage"] == i:
+                print(safe(f"    gate {summary_line(g)}"))
     return EXIT_OK
 
 

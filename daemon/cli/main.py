@@ -36,7 +36,7 @@ from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
 from daemon.common.typedtoml import ConfigError
 
 # Each command imports what it needs when it runs: `hotswap --version` and the parser import
-# neither FastAPI nor SQLAlchemy (tests/test_cli_speed.py).
+# neither FastAPI nor SQLAlchemy (tests/cli/test_cli_speed.py).
 # command -> "module:function" taking argv (list[str]) and returning an exit code
 DELEGATED: dict[str, tuple[str, str]] = {
     "worker": ("daemon.worker.server:main", "run the reference serving worker"),

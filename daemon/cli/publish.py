@@ -100,10 +100,12 @@ def write_delta(args: argparse.Namespace) -> int:
     from daemon.delta.build import publish_delta
     from daemon.manifest import ManifestError
 
-    if args.out is None or args.to is not None or args.adapter:
-        print("hotswap publish: --delta-from needs --out (the new folder the delta is written to), and goes "
-              "without --to and --adapter", file=sys.stderr)  # fmt: skip
+    if args.out is None or args.adapter:
+        print("hotswap publish: --delta-from needs --out (the new folder the delta is written to, and uploaded "
+              "from with --to), and goes without --adapter", file=sys.stderr)  # fmt: skip
         return 2
+    if args.to is not None and args.version is None:  # the folder in the URL is the version
+        args.version = args.to.rstrip("/").rsplit("/", 1)[-1]
     if (args.key_file is None) != (args.key_id is None):
         print("hotswap publish: --key-file and --key-id go together", file=sys.stderr)
         return 2
@@ -123,20 +125,17 @@ def write_delta(args: argparse.Namespace) -> int:
     if p.spec is None:
         print(f"published {m.version} as a full checkpoint (an anchor: {p.anchor_reason}): {len(m.files)} files, "
               f"{m.total_bytes} bytes, digest {m.digest}")  # fmt: skip
-        return 0
-    s = p.spec
-    print(f"published {m.version} as a delta of {s.base_version}: {len(s.files)} delta files, {s.delta_bytes} of "
-          f"{s.full_bytes} bytes ({100 * s.ratio:.2f} %), chain since anchor {s.anchor}: {s.chain_length} deltas, "
-          f"digest {m.digest}")  # fmt: skip
-    return 0
+    else:
+        s = p.spec
+        print(f"published {m.version} as a delta of {s.base_version}: {len(s.files)} delta files, {s.delta_bytes} of "
+              f"{s.full_bytes} bytes ({100 * s.ratio:.2f} %), chain since anchor {s.anchor}: {s.chain_length} deltas, "
+              f"digest {m.digest}")  # fmt: skip
+    return upload(args.out, args) if args.to is not None else 0
 
 
 def upload_s3(args: argparse.Namespace) -> int:
     """`hotswap publish DIR --to s3://...`: the manifest (version: the URL's last part), then the upload."""
-    from botocore.exceptions import BotoCoreError, ClientError  # boto3: only when uploading
-
-    from daemon.client.publish import parse_s3_url, publish_s3
-    from daemon.manifest import ManifestError
+    from daemon.client.publish import parse_s3_url
 
     try:
         parse_s3_url(args.to)
@@ -146,12 +145,24 @@ def upload_s3(args: argparse.Namespace) -> int:
     if args.version is None:  # the folder in the URL is the version
         args.version = args.to.rstrip("/").rsplit("/", 1)[-1]
     code = write_manifest(args)
-    if code != 0:
-        return code
+    return code if code != 0 else upload(args.directory, args)
+
+
+def upload(directory: Path, args: argparse.Namespace) -> int:
+    """The upload of a published folder to --to: its files (a delta's: only its delta files), manifest last."""
+    from botocore.exceptions import BotoCoreError, ClientError  # boto3: only when uploading
+
+    from daemon.client.publish import publish_s3
+    from daemon.delta import DeltaError
+    from daemon.delta.section import fetched_files
+    from daemon.manifest import ManifestError
+
     try:
-        m = publish_s3(args.directory, args.to, endpoint_url=args.endpoint_url, concurrency=args.concurrency)
-    except (ManifestError, OSError, ValueError, BotoCoreError, ClientError) as exc:
+        m = publish_s3(directory, args.to, endpoint_url=args.endpoint_url, concurrency=args.concurrency)
+        moved = fetched_files(m, str(directory))
+    except (ManifestError, DeltaError, OSError, ValueError, BotoCoreError, ClientError) as exc:
         print(f"hotswap publish: upload to {args.to} failed: {exc}", file=sys.stderr)
         return 1
-    print(f"uploaded {m.version} to {args.to}: {len(m.files)} files and the manifest (last)")
+    print(f"uploaded {m.version} to {args.to}: {len(moved)} files ({sum(f.bytes for f in moved)} bytes) "
+          "and the manifest (last)")  # fmt: skip
     return 0

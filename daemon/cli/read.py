@@ -28,8 +28,6 @@ from typing import Any
 from daemon.common.apiconfig import client_tls
 from daemon.config import Config, ConfigError, load_config
 
-API_TIMEOUT_S = 5.0
-
 
 class NoState(ConfigError):
     """A read-only command found no database where it looked."""
@@ -171,12 +169,16 @@ def history_cmd(args: argparse.Namespace) -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from daemon.registry import queries as q
+    from daemon.cli.sqlite_read import history_rows
 
     config = read_config(args)
-    reg = open_existing_registry(config)
-    with reg.session() as s:
-        rows = q.history(s, limit=args.limit or None, adapter=getattr(args, "adapter", None))
+    adapter = getattr(args, "adapter", None)
+    rows = history_rows(config.database_url, config.fleet.host, args.limit or None, adapter)
+    if rows is None:  # not a plain SQLite file at the newest migration: the registry reads (and migrates)
+        from daemon.registry import queries as q
+
+        with open_existing_registry(config).session() as s:
+            rows = q.history(s, limit=args.limit or None, adapter=adapter)
     if args.json:
         for r in rows:
             print(json.dumps({k: plain(v) for k, v in r.items()}))
@@ -252,7 +254,9 @@ def status_cmd(args: argparse.Namespace) -> int:
     health: dict[str, Any] | None = None
     doc: dict[str, Any] | None = None
     if running and runtime and runtime.get("api_url"):
-        doc, health = _ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
+        from daemon.cli.daemon_get import ask_daemon
+
+        doc, health = ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
     if doc is None:
         from daemon.api.app import ApiState, status_document
         from daemon.common.metrics import DaemonMetrics
@@ -267,18 +271,6 @@ def status_cmd(args: argparse.Namespace) -> int:
             print(line)
     answers = running and (health is None or "does not answer" not in str(health.get("error", "")))
     return 0 if answers else EXIT_DAEMON_DOWN
-
-
-def _ask_daemon(url: str, verify: Any = True) -> tuple[dict[str, Any] | None, dict[str, Any] | None]:
-    import httpx
-
-    try:
-        live = httpx.get(f"{url}/status", timeout=API_TIMEOUT_S, verify=verify).json()
-        r = httpx.get(f"{url}/health", timeout=API_TIMEOUT_S, verify=verify)
-        health = {"ok": r.status_code == 200, **r.json()}
-    except (httpx.HTTPError, ValueError) as exc:
-        return None, {"ok": False, "error": f"the daemon's API at {url} does not answer ({exc})"}
-    return (live if isinstance(live, dict) else None), health
 
 
 def problem_lines(problems: list[dict[str, Any]]) -> list[str]:
@@ -334,8 +326,9 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
         newest = doc["latest"][0]
         out.append(f"newest:      {safe(newest['version'])} ({safe(newest['status'])})")
     for w in doc.get("workers", []):
+        via = f" (last update via {safe(w['transport'])})" if w.get("transport") else ""
         out.append(f"worker:      {safe(w['worker'])} {safe(w.get('state') or '-')} "
-                   f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}")  # fmt: skip
+                   f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}{via}")  # fmt: skip
         if w.get("last_error") and w.get("state") != "RUNNING":  # the cause; the log's lines: --json
             out.append(f"  error:     {safe(str(w['last_error']).splitlines()[0])}")
     for h in doc.get("webhooks") or []:  # undeliverable: given up after max_attempts (kept in webhook_deliveries)

@@ -54,6 +54,7 @@ def add_parser(sub: Any, with_config: Any) -> None:
 def show_cmd(args: argparse.Namespace) -> int:
     from daemon.cli.read import open_existing_registry, plain, read_config, safe
     from daemon.registry import queries as q
+    from daemon.registry.gate_runs import summary
 
     reg = open_existing_registry(read_config(args))
     with reg.session() as s:
@@ -64,18 +65,22 @@ def show_cmd(args: argparse.Namespace) -> int:
         row = next(iter(q.history(s, checkpoint_id=ckpt.id)), {})
         checks = [{"name": c.name, "status": c.status or ("pass" if c.ok else "fail"), "duration_ms": c.duration_ms,
                    "started_at": c.started_at, "detail": c.detail} for c in q.checks_of(s, ckpt.id)]  # fmt: skip
+        gates = summary(s, ckpt.id)
     if args.json:
         print(json.dumps({"record": {k: plain(v) for k, v in row.items()},
-                          "checks": [{k: plain(v) for k, v in c.items()} for c in checks]}))  # fmt: skip
+                          "checks": [{k: plain(v) for k, v in c.items()} for c in checks], "gates": gates}))  # fmt: skip
         return 0
-    for line in show_lines(row, checks, shutil.get_terminal_size((100, 24)).columns):
+    for line in show_lines(row, checks, shutil.get_terminal_size((100, 24)).columns, gates):
         print(line)
     return 0
 
 
-def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int) -> list[str]:
-    """The record as `label: value` lines, long values wrapped under their label, then the checks."""
+def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int,
+               gates: list[dict[str, Any]] | None = None) -> list[str]:  # fmt: skip
+    """The record as `label: value` lines, long values wrapped under their label, then the checks
+    and the gates it was tried by on each host (daemon.gates)."""
     from daemon.cli.read import safe, ts_full
+    from daemon.registry.gate_runs import summary_line
 
     width = max(width, 40)
     out = [f"version:        {safe(row.get('version'))}"]
@@ -90,6 +95,13 @@ def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int) ->
         out.append(f"  {safe(c['name'])}: {safe(c['status'])} ({c['duration_ms']:.0f} ms)")
         for k, v in (c["detail"] or {}).items():
             out += _wrapped(f"    {safe(k)}: ", safe(v if isinstance(v, str) else json.dumps(v)), width)
+    if gates:
+        out.append(f"gates:          {len(gates)}")
+    for g in gates or []:
+        stage = f"stage {g['stage'] + 1}: " if g["stage"] is not None else ""
+        out += _wrapped("  ", safe(stage + summary_line(g)), width)
+        if g.get("output") and g["last"] != "passed":  # an eval's tails, to read why
+            out += ["    " + safe(ln) for ln in str(g["output"]).splitlines()[-12:]]
     return out
 
 

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import ipaddress
 import os
-import ssl
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from daemon.common.tokens import TokenSpec, check_token_names
 from daemon.common.typedtoml import ConfigError
+
+if TYPE_CHECKING:  # imported when a client needs it: reading a config never does
+    import ssl
 
 
 @dataclass
@@ -85,6 +88,8 @@ def client_tls(api: ApiSettings, url: str) -> ssl.SSLContext | bool:
     its own certificate (`tls_certfile`) and nothing else; plain HTTP: the default (True)."""
     if not url.startswith("https:") or not api.tls_certfile:
         return True
+    import ssl
+
     ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)  # no system CAs: only the file below is trusted
     ctx.load_verify_locations(cafile=str(Path(api.tls_certfile).expanduser()))
     ctx.verify_flags |= ssl.VERIFY_X509_PARTIAL_CHAIN  # the daemon's own leaf is the trust anchor

@@ -58,11 +58,21 @@ class DaemonMetrics:
             registry=self.registry,
         )
 
+        self.fetched_bytes = Counter(
+            "hotswap_fetched_bytes",
+            "Bytes of checkpoints taken in from a source: a delta's own files, or a full checkpoint's",
+            ["source", "encoding"],
+            registry=self.registry,
+        )
+
     def track_statuses(self, counts: Callable[[], dict[str, int]]) -> None:
         self.registry.register(_StatusCollector(counts))
 
     def discovered(self, signal: str) -> None:
         self.discovered_total.labels(signal=signal).inc()
+
+    def fetched(self, source: str, encoding: str, n: int) -> None:
+        self.fetched_bytes.labels(source=source, encoding=encoding).inc(n)
 
     def verified(self, report: Any, duration_ms: float) -> None:
         outcome = "ok" if report.ok else ("deferred" if report.deferred else "rejected")

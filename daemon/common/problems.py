@@ -27,7 +27,7 @@ NOUNS = {"no_worker_serving": "group", "worker_launch_failed": "worker", "worker
          "serving_without_tokenizer": "serving version",
          "database_unreachable": "database", "database_unwritable": "database", "state_disk_full": "state directory",
          "rollout_failed": "host", "host_behind": "host", "adapter_not_on_base": "adapter",
-         "fleet_stalled": "host", "fleet_decision_refused": "host"}  # fmt: skip
+         "fleet_stalled": "host", "fleet_decision_refused": "host", "gate_cannot_run": "gate"}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)

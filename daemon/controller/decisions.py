@@ -292,7 +292,7 @@ class RolloutDecisions:
                "reason": result.reason}  # fmt: skip
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
-            if (trigger == T.NEW or (trigger == T.FLEET and self.watch_fleet(ckpt))) and self.settings.health_window_s > 0:
+            if (trigger == T.NEW or (trigger == T.FLEET and self.watch_fleet(ckpt))) and self.health_window.wanted(ckpt):
                 out.update(self.health_window.watch(ckpt, result.rollout_id, fallback))
             else:
                 self.journal.set_alias("last_good", ckpt.id)

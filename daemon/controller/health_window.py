@@ -1,7 +1,7 @@
 """The health window after a new version reached every worker, and what its verdict means.
 
-The workers are watched for `[rollout].health_window_s` (daemon.rollout.health); a pass makes the
-version last_good. A failure rejects it (or, when a worker stopped answering, keeps it verified
+The workers are watched for `[rollout].health_window_s` (daemon.rollout.health) while the trial's
+gates run (daemon.controller.trial, daemon.gates); a pass of both makes the version last_good. A failure rejects it (or, when a worker stopped answering, keeps it verified
 and retries it, bounded: daemon.rollout.attribution) and rolls every worker back to the newest
 earlier version whose files are all here; a window interrupted by a command that moves every
 worker, or by shutdown, decides nothing.
@@ -17,15 +17,17 @@ and at start-up when the daemon stopped inside a window (daemon.controller.start
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any
 
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.controller import trial
 from daemon.controller.queue import RolloutState
+from daemon.gates.runner import GateRunner
+from daemon.gates.settings import GateSettings
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger
-from daemon.rollout import health
 from daemon.rollout.attribution import attribute
 from daemon.rollout.engine import RolloutEngine
 from daemon.rollout.recovery import fleet_version
@@ -48,9 +50,17 @@ class HealthWindow:
     interrupted: Callable[[], bool]  # a command that moves every worker is waiting, or shutdown
     mark_serving: Callable[[CheckpointRef, CheckpointRef | None, str], None]
     submit: Callable[[int], None]
+    gates: GateSettings = field(default_factory=GateSettings)  # the gates of its trial (daemon.controller.trial)
+    gate_runner: GateRunner | None = None
+
+    def wanted(self, ckpt: CheckpointRef) -> bool:
+        """Is there a window to watch: a health window configured, or gates for this version here."""
+        return self.settings.health_window_s > 0 or bool(trial.trial_of(self.journal, self.fleet, ckpt, self.gates,
+                                                                          self.gate_runner)[1])  # fmt: skip
 
     def watch(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        verdict = health.watch(self.fleet, self.settings, self.interrupted, ckpt.version)
+        verdict = trial.watch(self.journal, self.fleet, self.settings, self.gates, self.gate_runner,
+                              self.interrupted, ckpt)  # fmt: skip
         window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
         if verdict.aborted:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})

@@ -19,6 +19,8 @@ Read from the controller's own observation on every pass, never from a memory of
     health_poll_skipped     warning   several health poll passes in a row skipped: the previous still ran
     rollout_failed          warning   the host's last finished rollout failed or was rolled back
                                       (clears when a later one succeeds)
+    gate_cannot_run         warning   a gate of a version on trial that cannot run (Prometheus down,
+                                      command missing): the version waits on trial (daemon.gates)
 
 The times come from the worker handles (when each last changed state and left RUNNING): that is
 observation (a worker's position over time), not an event the probe must not miss.
@@ -67,6 +69,7 @@ class Controlled(Protocol):
     def wait_ready(self, timeout: float | None = None) -> bool: ...
 
     def adapter_problems(self) -> list[tuple[str, str]]: ...
+    def gate_problems(self) -> list[tuple[str, str]]: ...
 
 
 class WorkerProbe:
@@ -94,6 +97,7 @@ class WorkerProbe:
         out += [Problem("worker_crashed", name, why, WARNING) for name, why in crashed.items()]
         launch.update(crashed)
         out += [Problem("adapter_not_on_base", name, why, WARNING) for name, why in s.adapter_problems()]
+        out += [Problem("gate_cannot_run", name, why, WARNING) for name, why in s.gate_problems()]
         now = time.monotonic()
         for h in s.fleet:
             if h.state is WorkerState.RUNNING or h.name in launch:

@@ -45,6 +45,8 @@ from daemon.engines.base import Timeouts, WeightInfo, WorkerError
 from daemon.fleet.agent import FleetAgent, leased
 from daemon.fleet.lease import FleetLeases
 from daemon.fleet.settings import FleetSettings
+from daemon.gates.runner import GateRunner
+from daemon.gates.settings import GateSettings
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.db import Registry
 from daemon.registry.journal import Journal
@@ -73,6 +75,7 @@ class RolloutService:
         restarter: Restarter | None = None,
         fleet: FleetSettings | None = None,
         checks: CheckSettings | None = None,
+        gates: GateSettings | None = None,
     ) -> None:
         self.settings = settings
         self.state_dir = state_dir
@@ -108,6 +111,9 @@ class RolloutService:
         self._stopping = threading.Event()
         self.decisions = RolloutDecisions(self.journal, self.fleet, settings, self.engine, self.driver, self.stager,
                                           self.state, self.queue, self._stopping, submit=self.submit)  # fmt: skip
+        if gates is not None and gates.gate:  # a version's trial runs its gates (daemon.controller.trial)
+            self.decisions.health_window.gates = gates
+            self.decisions.health_window.gate_runner = GateRunner(registry, gates)
         if self.fleet_agent is not None:  # a staged rollout's hosts watch it like a new version
             self.decisions.watch_fleet = self.fleet_agent.staged
         # managed children: watched from launch, relaunched with backoff (daemon/controller/supervise.py)
@@ -132,7 +138,7 @@ class RolloutService:
     ) -> RolloutService:
         try:
             return cls(registry, config.rollout, list(config.workers), config.state_dir, config.loader, observers,
-                       fleet=config.fleet, checks=config.checks)  # fmt: skip
+                       fleet=config.fleet, checks=config.checks, gates=config.gates)  # fmt: skip
         except ConfigError as exc:
             raise ConfigError(f"{config.source_file}: {exc}") from None
 
@@ -316,6 +322,11 @@ class RolloutService:
         out = self._execute_base(job)
         rebased = self.adapters.binding.rebase()  # adapters belong to a base (daemon/controller/adapter_base.py)
         return {**out, "adapters_rebased": rebased} if rebased else out
+
+    def gate_problems(self) -> list[tuple[str, str]]:
+        """Gates of a trial that cannot run now, with why (the problem gate_cannot_run)."""
+        runner = self.decisions.health_window.gate_runner
+        return runner.problems() if runner is not None else []
 
     def adapter_problems(self) -> list[tuple[str, str]]:
         """Adapters unloaded because they do not fit the serving base (the problem adapter_not_on_base)."""

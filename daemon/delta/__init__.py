@@ -6,12 +6,13 @@
     build.py      the trainer side: encode a new checkpoint against a base, write the delta and manifest
     anchors.py    when the trainer ships a full checkpoint (an anchor) instead of a delta
     rebuild.py    the host side: a delta + its verified base -> a full version directory, atomically
+    errors.py     DeltaError (light: sources and the command line catch it without numpy)
 
 A delta's manifest lists the *result* files exactly as a full manifest does (bytes, CRC32C,
 strong hash), so the signature and every check protect what is served; the delta files are
 listed, with their own hashes, in the signed `delta` section. Pure functions of bytes and paths.
 """
 
-from daemon.delta.codec import DeltaError
+from daemon.delta.errors import DeltaError
 
 __all__ = ["DeltaError"]

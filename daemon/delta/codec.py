@@ -22,14 +22,12 @@ from dataclasses import dataclass
 import numpy as np
 import zstandard
 
+from daemon.delta.errors import DeltaError
+
 CHUNK_BYTES = 16 * 1024 * 1024  # a unit of parallel decoding (a multiple of every element size)
 ZSTD_LEVEL = 1  # fast: an 8B delta is encoded every training step
 ENCODINGS = ("same", "sparse", "xor", "full")
 _UINT = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
-
-
-class DeltaError(ValueError):
-    """A delta that cannot be applied: the message names the file, the chunk and the problem."""
 
 
 @dataclass(frozen=True, slots=True)

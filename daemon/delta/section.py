@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.delta.codec import DeltaError
+from daemon.delta.errors import DeltaError
 from daemon.formats.names import ManifestError, check_relative_path, check_version_label
 from daemon.hashing import HASH_ALGORITHMS, is_hex_digest
 from daemon.manifest import Manifest, ManifestFile
@@ -28,6 +28,14 @@ FORMAT = "hotswap.delta/1"
 KEY = "delta"
 DELTA_DIR = "hotswap-delta"  # where the delta files live inside a delta checkpoint
 SUFFIX = ".hsd"
+
+
+class BaseMissing(DeltaError):
+    """This host has no copy of the delta's base (registered as `base_id`): fetch it, then rebuild."""
+
+    def __init__(self, message: str, base_id: int) -> None:
+        super().__init__(message)
+        self.base_id = base_id
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,3 +139,10 @@ def parse(manifest: Manifest, where: str) -> DeltaSpec | None:
     delta_bytes, full_bytes, chain_bytes, chain_length = (n if isinstance(n, int) else 0 for n in numbers)
     return DeltaSpec(base["version"], base["digest"], tuple(files), delta_bytes, full_bytes, anchor, chain_bytes,
                      chain_length)  # fmt: skip
+
+
+def fetched_files(manifest: Manifest, where: str) -> list[ManifestFile]:
+    """What a source moves for this checkpoint: a delta's own files (the result files are rebuilt on
+    the host from its base, daemon.pipeline.deltas), or a full checkpoint's files. Raises DeltaError."""
+    spec = parse(manifest, where)
+    return list(manifest.files) if spec is None else [f.file for f in spec.files]

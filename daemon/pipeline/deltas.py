@@ -11,17 +11,24 @@ checkpoint is rejected with it; a base still being verified makes it wait and tr
 
 from __future__ import annotations
 
+import shutil
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
+from daemon.bytepipe.files import hash_files
+from daemon.checks import CheckSettings
+from daemon.checks.signatures import SignatureError, verify_manifest_signature
 from daemon.common.logging import get_logger
 from daemon.delta import DeltaError
 from daemon.delta.rebuild import rebuild
-from daemon.delta.section import DeltaSpec, parse
+from daemon.delta.section import BaseMissing, DeltaSpec, parse
+from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
 from daemon.registry import Checkpoint, Registry, hosts, status
 from daemon.registry import queries as q
@@ -35,6 +42,13 @@ BASE_PENDING_RETRY_S = 2.0  # the base is still being verified: look again this 
 CHAIN_LIMIT = 10_000
 
 
+Fetched = Callable[[str, str, int], None]  # (source, "delta" | "full", bytes)
+
+
+def _no_count(source: str, encoding: str, n: int) -> None:
+    pass
+
+
 class BasePending(Exception):
     """The base is registered but not verified yet: try again later."""
 
@@ -46,14 +60,14 @@ class Outcome:
     seconds: float
 
 
-def read_delta(directory: Path) -> tuple[Manifest, DeltaSpec] | None:
-    """The manifest and delta section of a fetched checkpoint; None for a full one. Raises DeltaError."""
+def read_delta(directory: Path) -> tuple[Manifest | None, DeltaSpec | None]:
+    """The manifest (None when unreadable: the manifest check says why) and its delta section (None for
+    a full checkpoint) of a fetched checkpoint. Raises DeltaError."""
     try:
         m = load_manifest(directory)
     except ManifestError:
-        return None  # not a delta we can read: the manifest check says why
-    spec = parse(m, str(directory))
-    return (m, spec) if spec is not None else None
+        return None, None
+    return m, parse(m, str(directory))
 
 
 def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, dict[str, ManifestFile]]:
@@ -80,7 +94,8 @@ def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, 
         link = q.get_checkpoint(s, link.delta_base)
     path = hosts.local_path(s, base.id)
     if not path or not Path(path).is_dir():
-        raise DeltaError(f"base {spec.base_version} has no copy on this host (was {path}): a gap in the chain")
+        raise BaseMissing(f"base {spec.base_version} has no copy on this host (was {path}): a gap in the chain",
+                          base.id)  # fmt: skip
     rows = s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == base.id)).all()
     files = {r.path: ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in rows}
     if not files or any(not f.hash for f in files.values()):
@@ -88,20 +103,29 @@ def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, 
     return base, Path(path), files
 
 
-def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path) -> Outcome | None:
+def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetched: Fetched = _no_count,
+                       keys: CheckSettings | None = None) -> Outcome | None:  # fmt: skip
     """Rebuild `ckpt` (in the caller's transaction: its row is updated) when it is a delta; None when
-    it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending."""
+    it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending.
+    `on_fetched(source, encoding, bytes)` counts what its source moved, once per checkpoint."""
     directory = Path(ckpt.local_path or "")
     if not ckpt.local_path or directory.resolve().is_relative_to(delta_root.resolve()):
         return None  # no directory yet, or this is the rebuilt one (a resumed checkpoint)
-    found = read_delta(directory)
-    if found is None:
+    manifest, spec = read_delta(directory)
+    if manifest is None or spec is None:
         if ckpt.encoding is None:
             ckpt.encoding = "full"
+            if manifest is not None:
+                ckpt.fetched_bytes = manifest.total_bytes
+                on_fetched(ckpt.source, "full", manifest.total_bytes)
         return None
-    manifest, spec = found
     if manifest.version is not None and manifest.version != ckpt.version:
         raise DeltaError(f"its manifest says version {manifest.version}, registered as {ckpt.version}")
+    if keys is not None and keys.keys_configured:  # untrusted bytes are never decoded: the signature first
+        try:
+            verify_manifest_signature(manifest, keys.hmac_keys, keys.ed25519_keys)
+        except SignatureError as exc:
+            raise DeltaError(f"{MANIFEST_NAME}: {exc}: not rebuilt") from None
     base, base_dir, files = _base(s, ckpt.version, spec)
     t0 = time.perf_counter()
     done = rebuild(directory, manifest, spec, base_dir, files, delta_root / ckpt.version)
@@ -110,10 +134,83 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path) -> Outcom
     ckpt.delta_base = base.version
     ckpt.fetched_bytes = done.delta_bytes
     ckpt.delta_ratio = round(spec.ratio, 6)
+    on_fetched(ckpt.source, "delta", done.delta_bytes)
     return Outcome(done.directory, spec, time.perf_counter() - t0)
 
 
-def run_step(registry: Registry, checkpoint_id: int, delta_root: Path) -> tuple[bool, str, FetchError | None]:
+def rebuild_copy(registry: Registry, checkpoint_id: int, directory: Path, delta_root: Path) -> Path:
+    """This host's fetched copy of a registered version (a fleet host's own copy), ready to serve: a full
+    one as it is; a delta rebuilt from this host's copy of its base into `delta_root/<version>`, its
+    result hashed against the digests the version was verified with. Raises DeltaError, BaseMissing
+    (with the base's id: fetch that first) when this host has no copy of the base."""
+    manifest, spec = read_delta(directory)
+    if manifest is None or spec is None:
+        return directory
+    with registry.session() as s:
+        ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+        if ckpt is None:
+            raise DeltaError(f"checkpoint {checkpoint_id} is gone from the registry")
+        version = ckpt.version
+        _base_row, base_dir, files = _base(s, version, spec)
+        verified = {r.path: ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg)
+                    for r in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id))}
+    done = rebuild(directory, manifest, spec, base_dir, files, delta_root / version)
+    try:
+        if sorted(verified) != sorted(f.path for f in manifest.files):
+            raise DeltaError(f"{version}: the rebuilt files are not the ones it was verified with")
+        rels = sorted(verified)
+        for rel, digest in zip(rels, hash_files([done.directory / r for r in rels], alg=manifest.hash_alg or "blake3"),
+                               strict=True):  # fmt: skip
+            digest.check(verified[rel], rel)
+    except (DeltaError, DigestMismatch) as exc:
+        shutil.rmtree(done.directory, ignore_errors=True)
+        raise DeltaError(f"{version} rebuilt on this host does not match its verified digests: {exc}") from None
+    return done.directory
+
+
+def bases_of_pending(s: Session, delta_root: Path) -> set[str]:
+    """This host's copies of the bases that fetched, not yet rebuilt, delta checkpoints name: retention
+    keeps them (a rebuilt version is a full directory and needs its base no more)."""
+    kept: set[str] = set()
+    for ckpt in q.by_status(s, list(UNFINISHED)):
+        directory = Path(ckpt.local_path or "")
+        if not ckpt.local_path or directory.resolve().is_relative_to(delta_root.resolve()):
+            continue
+        try:
+            spec = read_delta(directory)[1]
+        except DeltaError:
+            continue  # refused when its turn comes; it needs nothing kept
+        base = q.get_checkpoint(s, spec.base_version) if spec is not None else None
+        path = hosts.local_path(s, base.id) if base is not None else None
+        if path:
+            kept.add(path)
+    return kept
+
+
+def stale_rebuilt(s: Session, delta_root: Path, protected: frozenset[Path]) -> list[Path]:
+    """Rebuilt directories retention may delete: a rejected version's, and a finished one older than
+    last good that no alias names and nothing protects. (A trainer's next delta is made against a
+    recent version; an older base gone is a named gap in the chain, never a half-built version.)"""
+    if not delta_root.is_dir():
+        return []
+    named = q.aliases(s)
+    good = named.get("last_good")
+    last_good = q.get_checkpoint(s, good) if good else None
+    keep = {p.resolve() for p in protected}
+    stale: list[Path] = []
+    for child in sorted(delta_root.iterdir()):
+        if child.name.startswith(".") or not child.is_dir() or child.resolve() in keep:
+            continue  # a rebuild in progress (its hidden folder), or protected
+        ckpt = q.get_checkpoint(s, child.name)
+        if ckpt is None or ckpt.version in named.values() or ckpt.status in UNFINISHED:
+            continue
+        if ckpt.status == C.REJECTED or (last_good is not None and ckpt.id < last_good.id):
+            stale.append(child)
+    return stale
+
+
+def run_step(registry: Registry, checkpoint_id: int, delta_root: Path, on_fetched: Fetched = _no_count,
+             keys: CheckSettings | None = None) -> tuple[bool, str, FetchError | None]:  # fmt: skip
     """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait)."""
     with registry.session() as s:
         ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
@@ -121,7 +218,7 @@ def run_step(registry: Registry, checkpoint_id: int, delta_root: Path) -> tuple[
             return False, "", None
         version, was = ckpt.version, ckpt.status
         try:
-            done = rebuild_checkpoint(s, ckpt, delta_root)
+            done = rebuild_checkpoint(s, ckpt, delta_root, on_fetched, keys)
         except BasePending as exc:
             err = FetchError(f"{exc}: waiting for it", retry_after_s=BASE_PENDING_RETRY_S)
         except (DeltaError, OSError) as exc:

@@ -1,6 +1,7 @@
 """The registry: SQL record of every checkpoint version, check, worker, rollout and event."""
 
 from daemon.registry.db import Registry, RegistryError
+from daemon.registry.gate_runs import GateRun  # on Base.metadata with the others (migrations compare them)
 from daemon.registry.models import (
     Alias,
     Check,
@@ -21,6 +22,7 @@ __all__ = [
     "Checkpoint",
     "CheckpointFile",
     "Event",
+    "GateRun",
     "Registry",
     "RegistryError",
     "Rollout",

@@ -338,11 +338,16 @@ class Journal:
             return r.id
 
     @deferrable
-    def finish_rollout(self, rollout_id: int, outcome: RolloutOutcome, detail: dict[str, Any] | None = None) -> None:
+    def finish_rollout(
+        self, rollout_id: int, outcome: RolloutOutcome, detail: dict[str, Any] | None = None, *, transport: str | None = None
+    ) -> None:
+        """`transport`: the paths the workers really took, when not the configured one (ipc -> disk)."""
         with self.registry.session() as s:
             r = s.get(Rollout, rollout_id)
             if r is None:
                 return
+            if transport:
+                r.transport = transport
             r.outcome = outcome.value
             r.finished_at = utcnow()
             if detail:

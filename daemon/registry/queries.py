@@ -287,6 +287,18 @@ def worker_rows(s: Session) -> list[dict[str, Any]]:
     return [dict(r) for r in s.execute(q).mappings()]
 
 
+def update_transports(s: Session, newest: int = 500) -> dict[str, str]:
+    """Worker -> the path its last update took ("ipc", "disk", ...), from its newest UPDATED events."""
+    q = (select(Event.worker, Event.detail).where(Event.to_state == "UPDATED", Event.worker.is_not(None),
+                                                  Event.host == hosts.host_of(s))
+         .order_by(Event.id.desc()).limit(newest))  # fmt: skip
+    out: dict[str, str] = {}
+    for worker, detail in s.execute(q):
+        if worker not in out and isinstance(detail, dict) and detail.get("transport"):
+            out[str(worker)] = str(detail["transport"])
+    return out
+
+
 def checks_of(s: Session, checkpoint_id: int) -> Sequence[Check]:
     return s.scalars(select(Check).where(Check.checkpoint_id == checkpoint_id).order_by(Check.id)).all()
 

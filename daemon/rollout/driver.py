@@ -89,6 +89,7 @@ class WorkerDriver:
         self.restarter = restarter
         self.observers = list(observers)
         self.relauncher = Relauncher(journal, settings, restarter)  # restart rollouts (daemon.rollout.relaunch)
+        self.transports: dict[int, set[str]] = {}  # rollout id -> the paths its updates took (rollouts.transport)
 
     # -- recording ---------------------------------------------------------------------
     def move(
@@ -257,7 +258,12 @@ class WorkerDriver:
             raise self.fail(
                 h, rollout_id, "update", f"worker answered version {result.version!r}, expected {target.version!r}", t0
             )
-        detail = {"version": target.version, "transport": target.request.transport, "worker_ms": result.duration_ms}
+        # the path the worker really took (a vLLM without hotswap's extension reloads an ipc version from disk)
+        used = str(result.detail.get("transport") or target.request.transport)
+        self.transports.setdefault(rollout_id, set()).add(used)
+        detail = {"version": target.version, "transport": used, "worker_ms": result.duration_ms}
+        if "ranks" in result.detail:  # vLLM's extension: how many tensor-parallel ranks took the version
+            detail["ranks"] = result.detail["ranks"]
         if "pause_window_ms" in result.detail:  # the worker resumed itself: its window, parked -> running
             detail["pause_window_ms"] = result.detail["pause_window_ms"]
         self.move(h, rollout_id, S.UPDATED, duration_ms=_ms(t0), detail=detail, version=target.version)

@@ -124,7 +124,9 @@ class RolloutEngine:
                 reason = "stopped while waiting for a fleet lease slot"
                 result, detail = RolloutResult(rid, RolloutOutcome.SUPERSEDED, reason), {"reason": reason}
         # recorded once the workers are back in rotation: outside the slot, which other hosts wait for
-        self.journal.finish_rollout(rid, result.outcome, detail)
+        used = self.driver.transports.pop(rid, set())  # e.g. "disk": a vLLM without the extension took an ipc version
+        transport = "+".join(sorted(used)) if used and used != {self.stager.transport} else None
+        self.journal.finish_rollout(rid, result.outcome, detail, transport=transport)
         say = log.warning if result.outcome == RolloutOutcome.FAILED else log.info
         say(f"rollout_{result.outcome.value}", rollout=rid, version=ckpt.version, **detail)
         return result

@@ -40,6 +40,7 @@ class WindowVerdict:
     reason: str | None = None
     aborted: bool = False  # cut short by an operator command; no verdict
     infra: bool = False  # failed because a worker stopped answering: maybe not the weights' fault
+    check: str | None = None  # the built-in check that failed: error_rate, greedy_probe, finite_logits
     workers: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
@@ -86,14 +87,14 @@ class _Tally:
                 f"{self.probes_failed} of {self.probes} probes")  # fmt: skip
 
 
-def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> str | None:
-    """One greedy probe; the reason for a decisive failure (non-finite, another version), else None.
+def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> tuple[str, str] | None:
+    """One greedy probe; the check and reason of a decisive failure (non-finite, another version), else None.
     Any other error counts as one failed request; no answer at all is left to the counters' poll."""
     try:
         served = h.client.probe()
     except NonFiniteOutput as exc:
         tally.probed(False)
-        return str(exc)
+        return "finite_logits", str(exc)
     except WorkerUnreachable:
         return None
     except WorkerError as exc:
@@ -102,7 +103,7 @@ def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> str | None:
         return None
     if version is not None and served != version:
         tally.probed(False)
-        return f"worker {h.name}: probe generation served version {served!r}, expected {version!r}"
+        return "greedy_probe", f"worker {h.name}: probe generation served version {served!r}, expected {version!r}"
     tally.probed(True)
     return None
 
@@ -148,13 +149,14 @@ def watch(
             for h in fleet:
                 decisive = _probe(h, version, tallies[h.name])
                 if decisive is not None:
-                    return WindowVerdict(False, f"{decisive} during the health window", workers=_summary(tallies))
+                    return WindowVerdict(False, f"{decisive[1]} during the health window", workers=_summary(tallies),
+                                         check=decisive[0])  # fmt: skip
     summary = _summary(tallies)
     for name, t in tallies.items():
         if t.requests >= settings.min_window_requests and t.rate > settings.max_error_rate:
             reason = (f"worker {name} error rate {t.rate:.1%} ({t.counts()}) "
                       f"> {settings.max_error_rate:.1%} over {window:g} s after deploy")  # fmt: skip
-            return WindowVerdict(False, reason, workers=summary)
+            return WindowVerdict(False, reason, workers=summary, check="error_rate")
     return WindowVerdict(True, None, workers=summary)
 
 

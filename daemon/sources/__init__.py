@@ -28,6 +28,23 @@ SOURCE_TYPES: dict[str, str] = {
 }
 
 
+# type name -> its `[[sources]]` table's dataclass, from a light module: reading a config (every
+# CLI command) imports no watcher, scheduler, S3 client or web server (tests/cli: import bound)
+SOURCE_CONFIGS: dict[str, str] = {
+    "local": "daemon.sources.settings:LocalSourceConfig",
+    "s3": "daemon.sources.settings:S3SourceConfig",
+    "push": "daemon.sources.settings:PushSourceConfig",
+}
+
+
+def source_config_type(name: str) -> type[Any]:
+    """The dataclass of a `[[sources]]` table of type `name` (without importing the source)."""
+    if name not in SOURCE_CONFIGS:  # a type registered without a light entry: its class names it
+        return source_type(name).config_type
+    module, attr = SOURCE_CONFIGS[name].split(":")
+    return cast(type[Any], getattr(importlib.import_module(module), attr))
+
+
 def source_type(name: str) -> SourceType:
     module, attr = SOURCE_TYPES[name].split(":")
     return cast(SourceType, getattr(importlib.import_module(module), attr))
@@ -38,5 +55,5 @@ def build_source(config: Any, emit: Emit, scheduler: Any = None) -> Source:
     return source_type(config.type)(config, emit, scheduler)
 
 
-__all__ = ["SOURCE_TYPES", "DiscoveredCheckpoint", "Emit", "FetchError", "FetchItem", "Source", "build_source",
-           "source_type"]  # fmt: skip
+__all__ = ["SOURCE_CONFIGS", "SOURCE_TYPES", "DiscoveredCheckpoint", "Emit", "FetchError", "FetchItem", "Source", "build_source",
+           "source_config_type", "source_type"]  # fmt: skip

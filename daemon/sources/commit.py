@@ -43,7 +43,6 @@ from daemon.formats.smallfile import INDEX_CAP_BYTES, SmallFileError, read_json_
 from daemon.sources.base import DiscoveredCheckpoint
 
 MANIFEST_PEEK_BYTES = INDEX_CAP_BYTES  # the larger of the manifest's and the index's caps
-COMMIT_SIGNALS = ("manifest", "index", "marker")
 
 
 @dataclass(frozen=True, slots=True)

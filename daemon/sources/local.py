@@ -22,9 +22,8 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
@@ -37,60 +36,14 @@ from watchdog.observers.api import BaseObserver
 from daemon.common.logging import get_logger
 from daemon.manifest import version_problem
 from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
-from daemon.sources.commit import COMMIT_SIGNALS, CommitDetector, Snapshot, discovered, escapes, snapshot
+from daemon.sources.commit import CommitDetector, Snapshot, discovered, escapes, snapshot
+from daemon.sources.settings import LocalSourceConfig
 
 SETTLE_S = 0.05  # a directory that changed during its check is looked at again this much later
 EMIT_RETRY_S = 1.0  # after a failed hand-over (database unreachable), look again this much later
 COALESCE_S = 0.02  # how long after an event the directory is looked at (bursts become one look)
 
 log = get_logger(__name__)
-
-
-@dataclass
-class LocalSourceConfig:
-    """`[[sources]]` with `type = "local"` (the default)."""
-
-    path: str  # required: folder whose subdirectories are checkpoints
-    type: Literal["local"] = "local"  # which kind of source this table is (daemon.sources.SOURCE_TYPES)
-    name: str = ""  # label stored in checkpoints.source; "" = "local:<path>"
-    commit_signals: list[str] = field(default_factory=lambda: list(COMMIT_SIGNALS))  # checked in this order
-    quiet_period_s: float = 2.0  # index signal: shard sizes unchanged this long
-    commit_timeout_s: float = 600.0  # a manifest listing missing/short files waits this long after the last change
-    marker_names: list[str] = field(default_factory=lambda: ["_SUCCESS", "commit_success.txt", "COMMITTED"])  # "marker" signal: any of these files in the folder commits it
-    rescan_interval_s: float = 10.0  # safety net for missed filesystem events
-    create: bool = True  # create the folder if it does not exist
-    # with create = false: a folder missing at start stops the daemon (exit 2) instead of being
-    # waited for; either way a folder missing while the daemon runs makes /health answer 503
-    required: bool = False
-
-    def validate(self, key: str) -> None:
-        if not self.path:
-            raise ValueError(f"{key}.path: must not be empty")
-        for s in self.commit_signals:
-            if s not in COMMIT_SIGNALS:
-                raise ValueError(f"{key}.commit_signals: {s!r} is not one of {', '.join(COMMIT_SIGNALS)}")
-        if not self.commit_signals:
-            raise ValueError(f"{key}.commit_signals: at least one signal is needed")
-        if self.quiet_period_s < 0:
-            raise ValueError(f"{key}.quiet_period_s: must be >= 0")
-        if self.commit_timeout_s < 0:
-            raise ValueError(f"{key}.commit_timeout_s: must be >= 0")
-        if self.rescan_interval_s <= 0:
-            raise ValueError(f"{key}.rescan_interval_s: must be > 0")
-        if "marker" in self.commit_signals and not self.marker_names:
-            raise ValueError(f"{key}.marker_names: the marker signal needs at least one name")
-
-    @property
-    def label(self) -> str:
-        return self.name or f"{self.type}:{self.path}"
-
-    def preflight_problem(self) -> str | None:
-        """Why the daemon must not start (daemon.process.preflight), or None."""
-        root = Path(self.path).expanduser().absolute()
-        if self.required and not self.create and not root.is_dir():
-            what = "is not a directory" if root.exists() else "does not exist"
-            return f"path: watched folder {root} {what} (create = false, required = true)"
-        return None
 
 
 class _Handler(FileSystemEventHandler):

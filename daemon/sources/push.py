@@ -16,10 +16,9 @@ from __future__ import annotations
 import ssl
 import threading
 import time
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 from urllib.parse import urlsplit
 from urllib.request import url2pathname
 
@@ -28,7 +27,6 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 from fastapi import FastAPI
 
-from daemon.common.apiconfig import is_loopback
 from daemon.common.auth import read_token_file
 from daemon.common.httpguard import ListenerLimits, guarded_protocol
 from daemon.common.logging import get_logger
@@ -39,64 +37,9 @@ from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchIte
 from daemon.sources.cache import prune_cache
 from daemon.sources.push_gate import Limits
 from daemon.sources.push_routes import PushState, clear_incoming, push_router
+from daemon.sources.settings import PushSourceConfig
 
 log = get_logger(__name__)
-GIB = 1024**3
-
-
-@dataclass
-class PushSourceConfig:
-    """`[[sources]]` with `type = "push"`."""
-
-    path: str  # required: the registry folder; a committed push becomes <path>/<version>/
-    token_file: str  # required: the bearer token clients send (one line; keep it 0600)
-    type: Literal["push"] = "push"  # which kind of source this table is (daemon.sources.SOURCE_TYPES)
-    name: str = ""  # label stored in checkpoints.source; "" = "push:<listen>"
-    listen: str = "127.0.0.1:8781"  # host:port of the push listener ("0.0.0.0:8781" for other hosts)
-    hmac_keys: dict[str, str] = field(default_factory=dict)  # key_id -> shared key file (as [checks])
-    ed25519_keys: dict[str, str] = field(default_factory=dict)  # key_id -> public key file (as [checks])
-    tls_cert_file: str = ""  # with tls_key_file: serve HTTPS
-    tls_key_file: str = ""  # the private key of tls_cert_file
-    tls_client_ca_file: str = ""  # clients must present a certificate signed by this CA (mTLS)
-    max_checkpoint_bytes: int = 1024 * GIB  # a checkpoint larger than this is refused (413)
-    max_concurrent_uploads: int = 8  # per client address
-    rate_per_s: float = 50.0  # requests per second with the valid token, per credential and per client address
-    burst: int = 100  # requests allowed at once above rate_per_s
-    auth_failures_per_s: float = 1.0  # wrong or missing tokens per client address; never limits the valid token
-    auth_failure_burst: int = 20  # wrong or missing tokens allowed at once above auth_failures_per_s (then 429)
-    upload_timeout_s: float = 600.0  # an upload folder idle this long is removed
-    max_bytes: int = 0  # retention: keep <path> under this many bytes; 0 = no limit
-    allow_insecure_remote: bool = False  # plain HTTP on a non-loopback listen (the token in clear text)
-
-    def validate(self, key: str) -> None:
-        if not self.path:
-            raise ValueError(f"{key}.path: must not be empty")
-        if not self.token_file:
-            raise ValueError(f"{key}.token_file: must name the file holding the bearer token")
-        host, sep, port = self.listen.rpartition(":")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ValueError(f"{key}.listen: {self.listen!r} is not host:port (e.g. 0.0.0.0:8781)")
-        if not is_loopback(host) and not self.tls_cert_file and not self.allow_insecure_remote:
-            raise ValueError(f"{key}.listen: {self.listen} is not loopback and there is no TLS: set tls_cert_file "
-                             "and tls_key_file, or allow_insecure_remote = true to send the token in clear text")  # fmt: skip
-        if not self.hmac_keys and not self.ed25519_keys:
-            raise ValueError(f"{key}.hmac_keys: a push is accepted only with a signed manifest: configure a key")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            raise ValueError(f"{key}.tls_cert_file and tls_key_file: set both or neither")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            raise ValueError(f"{key}.tls_client_ca_file: client certificates need TLS (tls_cert_file)")
-        if self.max_checkpoint_bytes <= 0 or self.max_concurrent_uploads < 1 or self.burst < 1:
-            raise ValueError(f"{key}: max_checkpoint_bytes, max_concurrent_uploads and burst must be positive")
-        if self.rate_per_s <= 0 or self.upload_timeout_s <= 0 or self.max_bytes < 0:
-            raise ValueError(f"{key}: rate_per_s and upload_timeout_s must be > 0, max_bytes >= 0")
-        if self.auth_failures_per_s <= 0 or self.auth_failure_burst < 1:
-            raise ValueError(f"{key}: auth_failures_per_s must be > 0 and auth_failure_burst >= 1")
-
-    @property
-    def label(self) -> str:
-        return self.name or f"push:{self.listen}"
-
-
 PUSH_LIMITS = ListenerLimits(max_connections=64, header_timeout_s=5.0, max_per_address=16)  # a few trainers, each one upload at a time
 
 

@@ -44,6 +44,8 @@ from starlette.requests import ClientDisconnect
 
 from daemon.checks.signatures import SignatureError, verify_manifest_signature
 from daemon.common.logging import get_logger
+from daemon.delta import DeltaError
+from daemon.delta.section import fetched_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES
 from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, FileHasher
@@ -307,8 +309,12 @@ def _commit(state: PushState, version: str, raw: bytes, client: str) -> JSONResp
             return _error(400, f"{version}: nothing uploaded (or it timed out)")
         if session.active:
             return _error(409, f"{version}: {session.active} upload(s) still in flight")
-        listed = {f.path for f in manifest.files}
-        for f in manifest.files:
+        try:
+            moved = fetched_files(manifest, f"{version}/{MANIFEST_NAME}")  # a delta: its delta files
+        except DeltaError as exc:
+            return _error(400, str(exc))
+        listed = {f.path for f in moved}
+        for f in moved:
             got = session.files.get(f.path)
             if got is None:
                 return _error(400, f"{f.path}: listed in the manifest but not uploaded")
@@ -322,8 +328,8 @@ def _commit(state: PushState, version: str, raw: bytes, client: str) -> JSONResp
         (session.folder / MANIFEST_NAME).write_bytes(raw)
         os.replace(session.folder, final)
         del state.sessions[version]
-    log.info("push committed", version=version, client=client, files=len(manifest.files),
-             bytes=manifest.total_bytes, digest=manifest.digest)  # fmt: skip
+    log.info("push committed", version=version, client=client, files=len(moved),
+             bytes=sum(f.bytes for f in moved), digest=manifest.digest)  # fmt: skip
     state.on_commit(version, final)
     return JSONResponse({"version": version, "digest": manifest.digest, "status": "committed"})
 

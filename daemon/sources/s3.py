@@ -29,10 +29,9 @@ task role); none are stored here and none are logged.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import boto3
 from apscheduler.schedulers.background import BackgroundScheduler
@@ -41,60 +40,17 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from daemon.common.logging import get_logger
+from daemon.delta import DeltaError
+from daemon.delta.section import fetched_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache
 from daemon.sources.s3fetch import FetchStats, fetch_checkpoint, read_manifest
+from daemon.sources.settings import S3SourceConfig
 
 log = get_logger(__name__)
 SQS_WAIT_S = 5  # long-poll length: also how long `stop` may wait for the hint thread
-
-
-@dataclass
-class S3SourceConfig:
-    """`[[sources]]` with `type = "s3"`."""
-
-    bucket: str  # required
-    type: Literal["s3"] = "s3"  # which kind of source this table is (daemon.sources.SOURCE_TYPES)
-    prefix: str = ""  # checkpoints are <prefix><name>/...; a trailing "/" is added when missing
-    name: str = ""  # label stored in checkpoints.source; "" = "s3://<bucket>/<prefix>"
-    endpoint_url: str = ""  # any S3-compatible store (MinIO, Ceph, R2, moto); "" = AWS
-    region: str = ""  # "" = from the credential chain's config
-    profile: str = ""  # a shared-config profile; "" = the default chain
-    poll_interval_s: float = 30.0  # how often the prefix is listed (the listing is the truth)
-    sqs_queue_url: str = ""  # optional: S3 event notifications, used as hints only
-    concurrency: int = 8  # parallel ranged GETs per fetch
-    part_bytes: int = 64 * 1024 * 1024  # bytes per ranged GET
-    cache_dir: str = "~/.cache/hotswap/s3"  # downloads go to <cache_dir>/<name>/
-    cache_max_bytes: int = 0  # retention keeps the cache under this; 0 = no limit
-    retry_after_s: float = 10.0  # store unreachable during a fetch: try again this much later
-    max_attempts: int = 4  # botocore's retries per request (standard mode)
-    connect_timeout_s: float = 10.0  # botocore connect timeout per request
-    read_timeout_s: float = 60.0  # botocore read timeout per request
-
-    def validate(self, key: str) -> None:
-        if not self.bucket or "/" in self.bucket:
-            raise ValueError(f"{key}.bucket: must be a bucket name (no '/'), got {self.bucket!r}")
-        if self.prefix.startswith("/"):
-            raise ValueError(f"{key}.prefix: must not start with '/'")
-        for name in ("poll_interval_s", "retry_after_s", "connect_timeout_s", "read_timeout_s"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{key}.{name}: must be > 0")
-        if self.concurrency < 1 or self.max_attempts < 1:
-            raise ValueError(f"{key}.concurrency and max_attempts: must be >= 1")
-        if self.part_bytes < 1024 * 1024:
-            raise ValueError(f"{key}.part_bytes: must be at least 1 MiB")
-        if self.cache_max_bytes < 0:
-            raise ValueError(f"{key}.cache_max_bytes: must be >= 0")
-
-    @property
-    def key_prefix(self) -> str:
-        return self.prefix if not self.prefix or self.prefix.endswith("/") else self.prefix + "/"
-
-    @property
-    def label(self) -> str:
-        return self.name or f"s3://{self.bucket}/{self.key_prefix}"
 
 
 def make_client(config: S3SourceConfig, service: str = "s3") -> Any:
@@ -249,7 +205,11 @@ class S3Source:
                 self._refuse(name, objects, f"{where} holds a manifest for version {manifest.version!r}: "
                              f"a version is taken only from the folder of its name ({name!r})")  # fmt: skip
                 return None
-            for f in manifest.files:
+            try:
+                files = fetched_files(manifest, where)
+            except DeltaError:
+                files = []  # a malformed delta section: handed on, and the fetch says why
+            for f in files:
                 have = objects.get(f.path)
                 why = (f"{f.path} not uploaded yet" if have is None else
                        f"{f.path} has {have[0]} of {f.bytes} bytes" if have[0] != f.bytes else "")  # fmt: skip

@@ -41,6 +41,8 @@ from botocore.exceptions import BotoCoreError, ClientError
 
 from daemon.bytepipe.files import hash_files
 from daemon.common.logging import get_logger
+from daemon.delta import DeltaError
+from daemon.delta.section import fetched_files, is_delta
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES
 from daemon.hashing import DigestMismatch
@@ -64,6 +66,7 @@ class FetchStats:
     downloaded_bytes: int = 0  # fetched from the store in this call
     reused_bytes: int = 0  # already on disk from an interrupted earlier call
     full_object_crcs: int = 0  # files whose S3 FULL_OBJECT CRC32C was compared
+    encoding: str = "full"  # "delta": the files are a delta checkpoint's, rebuilt on this host from its base
 
 
 class _Stopped(Exception):
@@ -166,8 +169,14 @@ def fetch_checkpoint(
     if manifest.version is not None and manifest.version != dest.name:
         raise FetchError(f"s3://{bucket}/{key_prefix}: its manifest is for version {manifest.version!r}, "
                          f"not {dest.name!r}: not fetched into {dest}")  # fmt: skip
+    try:
+        entries = fetched_files(manifest, f"s3://{bucket}/{key_prefix}{MANIFEST_NAME}")  # a delta: its delta files
+    except DeltaError as exc:
+        raise FetchError(str(exc)) from None
+    total = sum(e.bytes for e in entries)
+    encoding = "delta" if is_delta(manifest) else "full"
     if _occupied(dest, raw, manifest):
-        return FetchStats(len(manifest.files), manifest.total_bytes, 0, manifest.total_bytes)
+        return FetchStats(len(entries), total, 0, total, encoding=encoding)
     partial = dest.with_name(f".partial-{dest.name}")
     identity = hashlib.sha256(raw).hexdigest() + "\n"
     state = partial / STATE_FILE
@@ -175,9 +184,9 @@ def fetch_checkpoint(
         shutil.rmtree(partial)  # this version's download of another manifest (its content changed)
     partial.mkdir(parents=True, exist_ok=True)
     state.write_text(identity)
-    stats = FetchStats(files=len(manifest.files), total_bytes=manifest.total_bytes)
+    stats = FetchStats(files=len(entries), total_bytes=total, encoding=encoding)
     for attempt in range(2):
-        bad = _fetch_files(client, bucket, key_prefix, partial, manifest, progress, stats,
+        bad = _fetch_files(client, bucket, key_prefix, partial, manifest, entries, progress, stats,
                            concurrency, part_bytes, retry_after_s, hash_threads, fresh=attempt > 0)  # fmt: skip
         if not bad:
             break
@@ -248,6 +257,7 @@ def _fetch_files(
     key_prefix: str,
     partial: Path,
     manifest: Manifest,
+    entries: list[ManifestFile],
     progress: Progress,
     stats: FetchStats,
     concurrency: int,
@@ -263,7 +273,7 @@ def _fetch_files(
         (partial / DONE_FILE).unlink(missing_ok=True)
     todo: list[_File] = []
     reused = 0
-    for entry in manifest.files:
+    for entry in entries:
         path = partial / entry.path
         if entry.path in done and path.is_file() and path.stat().st_size == entry.bytes:
             reused += entry.bytes
@@ -279,7 +289,7 @@ def _fetch_files(
         todo.append(_plan(entry, path, key, etag, _full_object_crc(head), part_bytes, fresh))
         reused += todo[-1].reused
     stats.reused_bytes = reused
-    ticker = _Ticker(progress, manifest.total_bytes, manifest.version or partial.name, reused)
+    ticker = _Ticker(progress, stats.total_bytes, manifest.version or partial.name, reused)
     stop = threading.Event()
     try:
         with ThreadPoolExecutor(max(1, concurrency), thread_name_prefix="s3-range") as pool:

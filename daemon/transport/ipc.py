@@ -44,6 +44,7 @@ from daemon.handoff.descriptor import (
     parse_descriptor,
 )
 from daemon.handoff.loader_client import LoaderClient, LoaderError
+from daemon.handoff.tie import tie_to_loader
 from daemon.transport.base import (
     BadUpdateRequest,
     Expect,
@@ -54,7 +55,7 @@ from daemon.transport.base import (
     WorkerTransportFactory,
     pair_up,
 )
-from daemon.transport.check import reference_for, wants_check
+from daemon.transport.check import wants_check
 from daemon.transport.copyplan import CopyPlan, as_bytes, checksum, parameter_places, plan_copies, run_copies
 from daemon.transport.ipc_open import OPENER, TRUSTED_UIDS, IpcOpener, OpenedVersion
 
@@ -73,39 +74,6 @@ def _device_uuid_of(device: torch.device) -> str:
 
         return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
     raise DescriptorError(f"the ipc transport does not support device {device}")
-
-
-def tie_to_loader(loader_desc: Descriptor, sent: Descriptor, expect: Expect) -> dict[str, Any]:
-    """The loader's own per-file digests (computed while it staged) against the registry's.
-
-    `loader_desc` is what the loader itself answers, `sent` what the update request carried: they
-    must describe the same version and tensors. Raises IpcRefused naming the first file that does
-    not match; returns the facts for the update's answer."""
-    if loader_desc.version != sent.version or loader_desc.tensors != sent.tensors:
-        raise IpcRefused(f"version {sent.version!r}: the request's descriptor is not the loader's")
-    own_paths = {b.device_uuid: b.path for b in loader_desc.buffers}
-    for b in sent.buffers:
-        if b.path is not None and own_paths.get(b.device_uuid) != b.path:
-            raise IpcRefused(f"version {sent.version!r}: segment {b.path} in the request is not the loader's")
-    if not loader_desc.files:
-        raise IpcRefused(f"version {sent.version!r}: the loader computed no digests for it")
-    refs = {f.path: r for f in expect.files if (r := reference_for(f)) is not None}
-    staged = {path for path, *_ in loader_desc.files}
-    for path, nbytes, alg, value in loader_desc.files:
-        ref = refs.get(path)
-        if ref is None:
-            raise IpcRefused(f"{path}: staged by the loader, but the registry has no verified digest for it")
-        if ref.alg != alg or ref.value != value or ref.bytes != nbytes:
-            raise IpcRefused(
-                f"{path}: the loader staged {alg} {value[:16]}... ({nbytes} bytes), the registry verified "
-                f"{ref.alg} {ref.value[:16]}... ({ref.bytes} bytes): changed since it was verified"
-            )
-    missing = sorted(p for p in refs if p.endswith(".safetensors") and p not in staged)
-    if missing:
-        raise IpcRefused(f"{missing[0]}: verified weight file was not staged by the loader")
-    algs = sorted({alg for _p, _n, alg, _v in loader_desc.files})
-    return {"checked_files": len(loader_desc.files), "check_alg": ",".join(algs), "check_by": "loader",
-            "check_weak": any(a == "crc32c" for a in algs)}  # fmt: skip
 
 
 class IpcTransport:

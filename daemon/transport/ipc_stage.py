@@ -61,7 +61,10 @@ class IpcSender:
             # a loader that died or stopped answering mid-stage says nothing about the checkpoint
             raise StageError(f"{item.version}: staging in the loader failed: {exc}",
                              infra=isinstance(exc, LoaderUnavailable)) from exc  # fmt: skip
-        request = UpdateRequest(item.version, "ipc", {"descriptor": descriptor}, self.options.update_mode, item.expect)
+        # the verified directory too: an engine that cannot take the loader's buffer (a vLLM started
+        # without hotswap's extension) reloads these files instead (daemon.engines.vllm)
+        source = {"descriptor": descriptor, "path": item.local_path}
+        request = UpdateRequest(item.version, "ipc", source, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
 
     def verify_stager(self, version: str, device: str) -> Any:  # a LoaderStager (daemon.checks.base.VerifyStager's shape)

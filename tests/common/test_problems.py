@@ -60,6 +60,7 @@ class Service:
     settings: RolloutSettings = field(default_factory=RolloutSettings)
     ready: bool = True
     launches: list[tuple[str, str]] = field(default_factory=list)
+    gates: list[tuple[str, str]] = field(default_factory=list)
 
     @property
     def supervisor(self) -> Service:
@@ -73,6 +74,9 @@ class Service:
 
     def adapter_problems(self) -> list[tuple[str, str]]:
         return []
+
+    def gate_problems(self) -> list[tuple[str, str]]:
+        return self.gates
 
     def wait_ready(self, timeout: float | None = None) -> bool:
         return self.ready
@@ -99,6 +103,15 @@ def test_a_group_whose_only_worker_is_left_draining_is_not_serving(tmp_path: Pat
     assert _kinds(probe.problems()) == {("no_worker_serving", "default"), ("worker_out_of_rotation", "w0")}
     fleet["w0"].observed(WorkerState.RUNNING)
     assert probe.problems() == []
+
+
+def test_a_gate_that_cannot_run_is_a_warning_naming_the_gate_and_why(tmp_path: Path) -> None:
+    reg = Registry(f"sqlite:///{tmp_path / 'r.db'}")
+    why = "gate p99 could not run: Prometheus at http://127.0.0.1:9 did not answer (on_error = wait: v2 held on trial)"
+    found = WorkerProbe(Service(_fleet(("w0", "default", WorkerState.RUNNING)), Journal(reg), gates=[("p99", why)])).problems()
+    assert [(p.kind, p.subject, p.reason, p.severity) for p in found] == [("gate_cannot_run", "p99", why, WARNING)]
+    doc, code = health_document(found)
+    assert code == 200 and doc["problems"][0]["kind"] == "gate_cannot_run"  # serving goes on: a warning
 
 
 def test_a_worker_paused_by_an_update_still_serves_and_one_group_serving_is_enough(tmp_path: Path) -> None:

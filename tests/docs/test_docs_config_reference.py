@@ -40,6 +40,10 @@ EXAMPLE_NOT_DEFAULT = {
     ("workers", "name"): "required: the managed worker's name",
     ("workers", "launch"): "the block shows the embedded default's managed worker",
     ("rollout.groups", "mode"): "an example group",
+    ("gates.gate", "name"): "required: an example gate",
+    ("gates.gate", "kind"): "required: an example kind",
+    ("gates.gate", "min_score"): "unset by default; an example bound",
+    ("gates.gate", "max_drop"): "unset by default; an example bound",
 }
 
 

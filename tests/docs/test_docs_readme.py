@@ -174,3 +174,18 @@ def test_the_happy_path_of_a_worker_comes_before_every_transition() -> None:
     svg = diagrams.worker_happy_path()
     assert sorted(re.findall(r'data-node="([^"]+)"', svg)) == ["DRAINING", "PAUSED", "RUNNING", "UPDATED"]
     assert len(re.findall(r'class="edge"', svg)) == 5
+
+
+def prose_before_the_second_command(page: str) -> list[str]:
+    """The prose lines between a page's first command block and its second."""
+    lines = page.splitlines()
+    fences = [i for i, ln in enumerate(lines) if ln.startswith("```")]
+    return [ln for ln in lines[fences[1] + 1:fences[2]] if ln.strip() and not ln.startswith("#")]
+
+
+def test_getting_started_leads_with_doing() -> None:
+    """Issue 36, item 11: after the two commands the page went on for ~15 lines of internals (the
+    managed worker's port, its runtime file, the socket hand-over) before the reader did anything
+    with the running daemon; those moved to concepts/workers.md."""
+    prose = prose_before_the_second_command((DOCS / "getting-started.md").read_text())
+    assert len(prose) <= 8, prose

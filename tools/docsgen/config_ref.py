@@ -56,6 +56,7 @@ def sections() -> list[Section]:
     from daemon.common.apiconfig import ApiSettings
     from daemon.config import Config, RolloutSettings
     from daemon.fleet.settings import FleetSettings
+    from daemon.gates.settings import GateSettings
     from daemon.sources import SOURCE_TYPES, source_type
 
     out: list[Section] = []
@@ -82,6 +83,9 @@ def sections() -> list[Section]:
         if tp is ApiSettings:
             token = get_args(typing.get_type_hints(ApiSettings)["tokens"])[0]
             out.append(_section("[[api.tokens]]", "api.tokens", token))
+        if tp is GateSettings:
+            gate = get_args(typing.get_type_hints(GateSettings)["gate"])[0]
+            out.append(_section("[[gates.gate]]", "gates.gate", gate))
     return out
 
 

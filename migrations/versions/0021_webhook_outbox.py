@@ -4,8 +4,8 @@ Written in the transaction that records the event; the daemon's sender posts eac
 marks it delivered, or undeliverable after its attempts. Additive: a daemon of the previous
 release neither writes nor reads it.
 
-Revision ID: 0018_webhook_outbox
-Revises: 0017_delta_checkpoints
+Revision ID: 0021_webhook_outbox
+Revises: 0020_fetched_bytes_view
 Create Date: 2026-12-04
 """
 
@@ -14,8 +14,8 @@ from __future__ import annotations
 import sqlalchemy as sa
 from alembic import op
 
-revision = "0018_webhook_outbox"
-down_revision = "0017_delta_checkpoints"
+revision = "0021_webhook_outbox"
+down_revision = "0020_fetched_bytes_view"
 branch_labels = None
 depends_on = None
 
