@@ -38,6 +38,7 @@ from daemon.fleet.settings import FleetSettings, fleet_problem
 from daemon.gates.settings import GateSettings
 from daemon.sources import SOURCE_TYPES, source_config_type
 from daemon.transport import TRANSPORTS
+from daemon.webhooks.settings import WebhookSettings, check_webhook_names
 
 EMBEDDED = "<embedded default>"
 
@@ -331,10 +332,8 @@ class Config:
     daemon: DaemonConfig = field(default_factory=DaemonConfig)
     database: DatabaseConfig = field(default_factory=DatabaseConfig)
     api: ApiSettings = field(default_factory=ApiSettings)  # [api]: TLS, remote access (daemon.common.apiconfig)
-    # [[sources]]: each table's `type` picks its dataclass from daemon.sources.SOURCE_TYPES.
-    sources: list[Any] = field(default_factory=_default_sources)
-    # [checks] is mapped onto daemon.checks.CheckSettings (its fields are the keys).
-    checks: CheckSettings = field(default_factory=CheckSettings)
+    sources: list[Any] = field(default_factory=_default_sources)  # [[sources]]: `type` picks daemon.sources.SOURCE_TYPES
+    checks: CheckSettings = field(default_factory=CheckSettings)  # [checks]: daemon.checks.CheckSettings's fields
     # A file without [[workers]] has none (the daemon only verifies); with no file at all the
     # daemon runs one reference worker itself (launch = "managed"), for the quickstart.
     rollout: RolloutSettings = field(default_factory=RolloutSettings)
@@ -342,6 +341,7 @@ class Config:
     loader: LoaderSettings | None = None
     fleet: FleetSettings = field(default_factory=FleetSettings)  # [fleet]: host name, fleet mode (daemon.fleet.settings)
     gates: GateSettings = field(default_factory=GateSettings)  # [gates]: checks of a version on trial (daemon.gates)
+    webhooks: list[WebhookSettings] = field(default_factory=list)  # [[webhooks]]: daemon.webhooks.settings
     source_file: str = EMBEDDED
 
     @property
@@ -350,8 +350,7 @@ class Config:
 
     @property
     def runtime_file(self) -> Path:
-        """Written by the running daemon (pid, API URL); read by the CLI."""
-        return self.state_dir / "daemon.json"
+        return self.state_dir / "daemon.json"  # written by the running daemon (pid, API URL); read by the CLI
 
     @property
     def database_url(self) -> str:
@@ -422,6 +421,7 @@ def _parse(doc: dict[str, Any]) -> Config:
             values[name] = convert(doc[name], hints[name], name)
     config = Config(**values)
     check_fleet(config.rollout, config.workers)
+    check_webhook_names(config.webhooks)
     if problem := listen_problem(config.daemon.listen_host_port, config.api):
         raise ConfigError(problem)
     if problem := fleet_problem(config.fleet, config.database_url, config.gates):

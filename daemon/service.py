@@ -41,11 +41,12 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from daemon.api import reverify
 from daemon.api.app import ApiServer, ApiState, create_app, rollout_router
 from daemon.api.broadcast import broadcast_router
+from daemon.api.control_routes import fleet_router, whoami_router
 from daemon.api.readiness import readiness_router
 from daemon.api.registry_metrics import RegistryCollector, RolloutMetrics, version_bytes
 from daemon.checks.isolation import CHECK_PROCESS, FORWARD_IMPORTS
 from daemon.common import systemd
-from daemon.common.auth import ControlGuard, TokenFileError, ensure_control_token
+from daemon.common.auth import ControlGuard, TokenFileError, build_guard
 from daemon.common.logging import configure_logging, get_logger
 from daemon.common.metrics import DaemonMetrics
 from daemon.common.private import private_dir, write_private
@@ -66,6 +67,7 @@ from daemon.registry.db import redact_url
 from daemon.registry.status import UNFINISHED, WAITING
 from daemon.rollout.states import TransitionObserver
 from daemon.sources import Source, build_source
+from daemon.webhooks.service import start_webhooks
 
 # What the forward check imports on first use (~3 s on a laptop CPU).
 _FORWARD_MODULES = (
@@ -120,14 +122,16 @@ class Daemon:
             self.state_lock.acquire()
         self._started("state lock", self.state_lock.release)
         try:
-            self.guard = ControlGuard(ensure_control_token(cfg.state_dir), hosts=cfg.api.allowed_hosts)
+            self.guard = build_guard(cfg.state_dir, cfg.api.tokens, hosts=cfg.api.allowed_hosts)
         except TokenFileError as exc:
-            raise ConfigError(f"daemon.state_dir: {exc}") from None
+            raise ConfigError(str(exc)) from None
         log.info("starting", config=cfg.source_file, database=redact_url(cfg.database_url), pid=os.getpid())
         self.registry.upgrade()
         self._started("registry", self.registry.close)
         self.metrics.track_statuses(self._status_counts)
         self.metrics.registry.register(RegistryCollector(self.registry))
+        if cfg.webhooks:  # before anything records an event: each webhook event gets its outbox row
+            self._started("webhooks", start_webhooks(self.registry, cfg.webhooks, self.metrics.registry).stop)
         if "forward" in cfg.checks.enabled:
             self.coordinator.warmup = _preload_forward_check
         self._started("check process", CHECK_PROCESS.stop)  # started by the first check (or the warm-up)
@@ -215,10 +219,13 @@ class Daemon:
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
                          describe_sources=lambda: [s.describe() for s in self.sources],
                          queue_depth=self.coordinator.queue_depth, problems=self.health_problems,
-                         guard=self.guard)  # fmt: skip
+                         guard=self.guard, webhooks=self.config.webhooks)  # fmt: skip
         self.api_state = state
         app = create_app(state)
         app.include_router(reverify.router(self.coordinator, self.guard))
+        app.include_router(whoami_router(self.guard))
+        if self.config.fleet.enabled:  # fleet target, rollout pause/resume/abort under token roles
+            app.include_router(fleet_router(self.registry, self.guard, self.config.fleet.signing_key))
         if self.rollout is not None:
             app.include_router(rollout_router(self.rollout, self.guard))
             app.include_router(broadcast_router(self.rollout, self.config.state_dir, self.guard,

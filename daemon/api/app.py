@@ -8,7 +8,8 @@ GET  /livez                200 {"ok": true} while the process answers (liveness,
                            orchestrators: never restart a daemon because a source or worker is down)
 GET  /ready                200 while at least one worker of every group serves, whatever a source
                            says; 503 otherwise (for load balancers: daemon.api.readiness)
-GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers
+GET  /status               JSON: daemon info, sources, checkpoints by status, latest versions, workers,
+                           webhooks (deliveries by state, the last error: daemon.webhooks.report)
 GET  /metrics              Prometheus text format
 
 With workers configured, the rollout routes (`rollout_router`):
@@ -20,8 +21,9 @@ POST /v1/rollout/pin       {"version": VERSION, "force": false} -> pins, deployi
                            serving; a `rejected` version only with "force": true
 POST /v1/rollout/unpin     {"adapter": NAME | null}  -> unpins; a waiting checkpoint deploys next
 
-Every state-changing route needs the control token (daemon.common.auth): `Authorization: Bearer
-<content of <state_dir>/control.token>`; a request with an `Origin` header or a non-loopback
+Every state-changing route needs a token (daemon.common.auth): `Authorization: Bearer <content of
+<state_dir>/control.token>` (admin) or of an `[[api.tokens]]` file; rollback, pin and unpin need
+role operator, and answer with `"by"`: the token's name, also recorded in their events. A request with an `Origin` header or a non-loopback
 `Host` is 403, a missing or wrong token 401. The guard is `ApiState.guard` and
 `app.state.control_guard`; another module's routes use `daemon.auth.control_router(guard)` and
 read their body with `daemon.jsonbody.json_object` (never `Body(...)`, parsed before the guard).
@@ -49,13 +51,14 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 import daemon
-from daemon.common.auth import ControlGuard, control_dependency
+from daemon.common.auth import ControlGuard
 from daemon.common.httpguard import ListenerLimits, guarded_protocol
 from daemon.common.jsonbody import json_object
 from daemon.common.metrics import CONTENT_TYPE, DaemonMetrics
 from daemon.common.problems import Problem
 from daemon.common.redact import redact_doc
 from daemon.common.tcplisten import tcp_listener
+from daemon.common.tokens import Caller
 from daemon.config import ConfigError
 from daemon.controller.problems import alias_problems
 from daemon.controller.queue import CommandError
@@ -64,6 +67,8 @@ from daemon.process.health import database_problems, health_document
 from daemon.registry import Registry
 from daemon.registry import queries as q
 from daemon.registry.db import redact_url
+from daemon.webhooks.report import webhook_report
+from daemon.webhooks.settings import WebhookSettings
 
 DEFAULT_WAIT_S = 900.0
 # operators, the CLI, Prometheus and load balancers: a few dozen at most; a flood is refused
@@ -80,6 +85,7 @@ class ApiState:
     queue_depth: Callable[[], int] | None = None  # the coordinator's queue depth
     problems: Callable[[], list[Problem]] | None = None  # what is wrong now (daemon.process.health)
     guard: ControlGuard | None = None  # the control token check; every state-changing route needs it
+    webhooks: list[WebhookSettings] = field(default_factory=list)  # [[webhooks]]: their deliveries in /status
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -113,10 +119,10 @@ def create_app(state: ApiState) -> FastAPI:
 
 def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
     router = APIRouter(prefix="/v1/rollout")
-    control = [control_dependency(guard)]
+    operator = Depends(guard.require("operator"))  # pin, unpin, rollback (daemon.common.tokens)
     body_of = Depends(json_object)  # read after the guard: an unauthenticated body is never parsed
 
-    def answer(future: Future[dict[str, Any]], wait_s: float) -> JSONResponse:
+    def answer(future: Future[dict[str, Any]], wait_s: float, by: Caller) -> JSONResponse:
         try:
             result = future.result(timeout=wait_s)
         except CommandError as exc:
@@ -125,7 +131,7 @@ def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
             return JSONResponse({"error": f"still running after {wait_s:g} s; see `hotswap status`"}, status_code=504)
         except Exception as exc:  # noqa: BLE001 - the daemon log has the traceback
             return JSONResponse({"error": f"{type(exc).__name__}: {exc}"}, status_code=500)
-        return JSONResponse(result)
+        return JSONResponse({**result, "by": by.name})
 
     def starting() -> JSONResponse | None:
         if not service.wait_ready(0):
@@ -138,30 +144,30 @@ def rollout_router(service: RolloutService, guard: ControlGuard) -> APIRouter:
 
     # Plain `def` handlers: FastAPI runs them in its thread pool, so waiting on the
     # runner's Future does not block the event loop.
-    @router.post("/rollback", dependencies=control)
-    def rollback(body: dict[str, Any] = body_of) -> JSONResponse:
+    @router.post("/rollback")
+    def rollback(who: Caller = operator, body: dict[str, Any] = body_of) -> JSONResponse:
         to, adapter = body.get("to"), body.get("adapter")
         if to is not None and not isinstance(to, str):
             return JSONResponse({"error": "'to' must be a version string or null"}, status_code=422)
         if adapter is not None and not isinstance(adapter, str):
             return JSONResponse({"error": "'adapter' must be an adapter name or null"}, status_code=422)
-        return starting() or answer(service.rollback(to, adapter), wait_s(body))
+        return starting() or answer(service.rollback(to, adapter, by=who.name), wait_s(body), who)
 
-    @router.post("/pin", dependencies=control)
-    def pin(body: dict[str, Any] = body_of) -> JSONResponse:
+    @router.post("/pin")
+    def pin(who: Caller = operator, body: dict[str, Any] = body_of) -> JSONResponse:
         version, force = body.get("version"), body.get("force", False)
         if not isinstance(version, str) or not version:
             return JSONResponse({"error": "'version' (a version string) is required"}, status_code=422)
         if not isinstance(force, bool):
             return JSONResponse({"error": "'force' must be true or false"}, status_code=422)
-        return starting() or answer(service.pin(version, force=force), wait_s(body))
+        return starting() or answer(service.pin(version, force=force, by=who.name), wait_s(body), who)
 
-    @router.post("/unpin", dependencies=control)
-    def unpin(body: dict[str, Any] = body_of) -> JSONResponse:
+    @router.post("/unpin")
+    def unpin(who: Caller = operator, body: dict[str, Any] = body_of) -> JSONResponse:
         adapter = body.get("adapter")
         if adapter is not None and (not isinstance(adapter, str) or not adapter):
             return JSONResponse({"error": "'adapter' must be an adapter name or null"}, status_code=422)
-        return starting() or answer(service.unpin(adapter), wait_s(body))
+        return starting() or answer(service.unpin(adapter, by=who.name), wait_s(body), who)
 
     return router
 
@@ -196,6 +202,7 @@ def status_document(state: ApiState) -> dict[str, Any]:
         "alias_problems": alias_problems(state.registry),  # alias -> why its files cannot be deployed here
         "latest": redact_doc([_jsonable_row(r) for r in latest]),
         "workers": redact_doc([{**_jsonable_row(r), "transport": transports.get(r["worker"])} for r in workers]),
+        "webhooks": webhook_report(state.registry, state.webhooks) if state.webhooks else [],
     }
 
 

@@ -13,24 +13,26 @@ from fastapi.responses import JSONResponse
 
 from daemon.common.auth import ControlGuard
 from daemon.common.jsonbody import json_object
+from daemon.common.tokens import Caller
 from daemon.pipeline.coordinator import Coordinator
 from daemon.pipeline.rediscovery import OPERATOR_REVERIFY as WHY
 
 
 def router(coordinator: Coordinator, guard: ControlGuard) -> APIRouter:
-    r = APIRouter(prefix="/v1/checkpoints", dependencies=[Depends(guard)])
+    r = APIRouter(prefix="/v1/checkpoints")
+    operator = Depends(guard.require("operator"))
 
     @r.post("/reverify")
-    def reverify(body: dict[str, Any] = Depends(json_object)) -> JSONResponse:  # noqa: B008 - read after the guard
+    def reverify(who: Caller = operator, body: dict[str, Any] = Depends(json_object)) -> JSONResponse:  # noqa: B008 - read after the guard
         version = body.get("version")
         if not isinstance(version, str) or not version or len(version) > 255:
             return JSONResponse({"error": "'version' must be a version label"}, status_code=400)
         try:
-            was = coordinator.reverify(version, WHY)
+            was = coordinator.reverify(version, WHY.replace("an operator", who.name))  # the token's name, in the event
         except LookupError as exc:
             return JSONResponse({"error": str(exc)}, status_code=404)
         except ValueError as exc:
             return JSONResponse({"error": str(exc)}, status_code=409)
-        return JSONResponse({"version": version, "was": was, "outcome": "queued"})
+        return JSONResponse({"version": version, "was": was, "outcome": "queued", "by": who.name})
 
     return r

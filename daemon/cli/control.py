@@ -9,14 +9,17 @@ act as if no daemon were running.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 import httpx
 
 from daemon.cli.read import read_runtime_file
 from daemon.common.apiconfig import client_tls
-from daemon.common.auth import TokenFileError, control_token_path, read_token_file
+from daemon.common.auth import TokenFileError, control_token_path, read_private_token_file, read_token_file
 from daemon.config import Config
+
+TOKEN_FILE_ENV = "HOTSWAP_TOKEN_FILE"  # a named token's file ([[api.tokens]]) when no --token-file is given
 
 
 class NotRunning(RuntimeError):
@@ -41,14 +44,27 @@ def daemon_url(config: Config) -> str:
     return str(runtime["api_url"])
 
 
-def post_control(config: Config, path: str, body: dict[str, Any], timeout_s: float) -> dict[str, Any]:
-    """POST `body` to the running daemon with its control token (`<state_dir>/control.token`)."""
-    url = daemon_url(config)
-    token_file = control_token_path(config.state_dir)
+def token_to_send(config: Config, token_file: str | None = None) -> tuple[Path, str]:
+    """The token the CLI sends, and its file: `token_file` (`--token-file`), else $HOTSWAP_TOKEN_FILE
+    (a named token: read only when private to this user, as the daemon reads it), else the
+    daemon's control token (`<state_dir>/control.token`, admin)."""
+    named = token_file or os.environ.get(TOKEN_FILE_ENV)
     try:
-        token = read_token_file(token_file)
+        if named:
+            return Path(named).expanduser(), read_private_token_file(Path(named).expanduser())
+        path = control_token_path(config.state_dir)
+        return path, read_token_file(path)
     except TokenFileError as exc:
-        raise RuntimeError(f"cannot send the daemon's control token: {exc} (run as the daemon's user)") from None
+        why = "" if named else " (run as the daemon's user, or give --token-file)"
+        raise RuntimeError(f"cannot send a token: {exc}{why}") from None
+
+
+def post_control(config: Config, path: str, body: dict[str, Any], timeout_s: float,
+                 token_file: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """POST `body` to the running daemon with the token `token_to_send` picks. Its answer names
+    the token (`by`): the daemon's name for it, which its events record."""
+    url = daemon_url(config)
+    token_file_used, token = token_to_send(config, token_file)
     try:
         r = httpx.post(f"{url}{path}", json=body, timeout=timeout_s,
                        headers={"Authorization": f"Bearer {token}"}, verify=client_tls(config.api, url))  # fmt: skip
@@ -60,7 +76,7 @@ def post_control(config: Config, path: str, body: dict[str, Any], timeout_s: flo
         doc = {"error": r.text[:500]}
     if r.status_code in (401, 403):
         raise RuntimeError(f"the daemon at {url} refused the request ({doc.get('error') or r.status_code}; "
-                           f"token from {token_file})")  # fmt: skip
+                           f"token from {token_file_used})")  # fmt: skip
     if r.status_code != 200:
         raise RuntimeError(str(doc.get("error") or f"HTTP {r.status_code}"))
     return doc

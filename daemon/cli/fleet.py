@@ -34,6 +34,8 @@ from daemon.registry.gate_runs import summary_line
 from daemon.registry.journal import Journal
 
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
+TOKEN_HELP = ("a named token's file ([[api.tokens]]; default $HOTSWAP_TOKEN_FILE): sent to this host's daemon, "
+              "whose token roles apply; without one and with no daemon running, written directly")  # fmt: skip
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -54,6 +56,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     t.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV})")
     t.add_argument("--json", action="store_true", help="print the target as JSON")
+    t.add_argument("--token-file", metavar="FILE", default=None, help=TOKEN_HELP)
     t.set_defaults(func=_cmd_target)
     r = sub.add_parser(
         "rollout", help="show (status) or steer (pause, resume, abort) the staged rollout in progress"
@@ -61,6 +64,7 @@ def _parser() -> argparse.ArgumentParser:
     r.add_argument("action", nargs="?", default="status", choices=("status", "pause", "resume", "abort"))
     r.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV})")
     r.add_argument("--json", action="store_true", help="print the rollout as JSON")
+    r.add_argument("--token-file", metavar="FILE", default=None, help=TOKEN_HELP)
     r.set_defaults(func=_cmd_rollout, version=None, clear=False)
     return p
 
@@ -79,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return int(args.func(args, config))
     except ConfigError as exc:
         return _fail(str(exc), EXIT_CONFIG)
-    except (RegistryError, TargetRefused, StageCommandRefused) as exc:
+    except (RegistryError, TargetRefused, StageCommandRefused, RuntimeError) as exc:
         return _fail(str(exc), EXIT_RUNTIME)
 
 
@@ -95,9 +99,9 @@ def _require_fleet(config: Config) -> None:
 def _cmd_target(args: argparse.Namespace, config: Config) -> int:
     registry = open_existing_registry(config)
     try:
-        if args.clear or args.version is not None:
-            set_fleet_target(registry, None if args.clear else args.version, by=_operator(config),
-                             trust=Trust.from_file(config.fleet.signing_key))  # fmt: skip
+        version = None if args.clear else args.version
+        if (args.clear or version is not None) and _via_daemon(args, config, "/v1/fleet/target", {"version": version}) is None:
+            set_fleet_target(registry, version, by=_operator(config), trust=Trust.from_file(config.fleet.signing_key))
         doc = _describe(Journal(registry), Trust.from_file(config.fleet.signing_key))
     finally:
         registry.close()
@@ -116,7 +120,10 @@ def _cmd_target(args: argparse.Namespace, config: Config) -> int:
 def _cmd_rollout(args: argparse.Namespace, config: Config) -> int:
     registry = open_existing_registry(config)
     try:
-        done = command(Journal(registry), args.action, by=_operator(config)) if args.action != "status" else None
+        done = None
+        if args.action != "status":
+            sent = _via_daemon(args, config, f"/v1/fleet/rollout/{args.action}", {})
+            done = f"{sent['done']} [as {sent['by']}]" if sent else command(Journal(registry), args.action, by=_operator(config))
         doc = status(registry)
     finally:
         registry.close()
@@ -152,6 +159,21 @@ def _describe(journal: Journal, trust: Trust) -> dict[str, Any]:
         return {"version": None, "explicit": False, "set_by": None, "set_at": None}
     return {"version": target.checkpoint.version, "explicit": target.explicit,
             "set_by": target.set_by, "set_at": target.set_at.isoformat() if target.set_at else None}  # fmt: skip
+
+
+def _via_daemon(args: argparse.Namespace, config: Config, path: str, body: dict[str, Any]) -> dict[str, Any] | None:
+    """Through this host's running daemon, where the token's role is checked and its name recorded;
+    None when no daemon runs here and no named token was given (the caller writes the row itself,
+    as the holder of the database credentials and the control token)."""
+    from daemon.cli.control import TOKEN_FILE_ENV, NotRunning, post_control
+
+    try:
+        doc = post_control(config, path, body, 60.0, args.token_file)
+    except NotRunning as exc:
+        if args.token_file or os.environ.get(TOKEN_FILE_ENV):
+            raise RuntimeError(f"a named token acts through the daemon: {exc}") from None
+        return None
+    return doc
 
 
 def _operator(config: Config) -> str:

@@ -263,7 +263,7 @@ def _post(args: argparse.Namespace, path: str, body: dict[str, Any], timeout_s: 
     from daemon.cli.control import post_control
     from daemon.cli.read import read_config
 
-    return post_control(read_config(args), path, {**body, "wait_s": timeout_s}, timeout_s + 30)
+    return post_control(read_config(args), path, {**body, "wait_s": timeout_s}, timeout_s + 30, args.token_file)
 
 
 def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:
@@ -272,6 +272,8 @@ def _control_parser(prog: str, description: str) -> argparse.ArgumentParser:
     p.add_argument("--state-dir", default=None, help="the daemon's state folder (its daemon.json, control.token)")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds to wait for the command to finish")
     p.add_argument("--json", action="store_true", help="print the daemon's answer as JSON")
+    p.add_argument("--token-file", metavar="FILE", default=None,
+                   help="a named token's file ([[api.tokens]]; default: $HOTSWAP_TOKEN_FILE, else control.token)")
     return p
 
 
@@ -290,7 +292,7 @@ def _control(args: argparse.Namespace, path: str, body: dict[str, Any]) -> int:
     if args.json:
         print(json.dumps(doc))
     else:
-        print(safe(_describe(doc)))  # versions and reasons come from checkpoints
+        print(safe(_describe(doc) + (f" [as {doc['by']}]" if doc.get("by") else "")))  # versions and reasons come from checkpoints
     return EXIT_OK if doc.get("outcome") in ("succeeded", "pinned", "unpinned") else EXIT_RUNTIME
 
 

@@ -46,6 +46,7 @@ def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
     from sqlalchemy.engine import make_url
 
     from daemon.registry import Registry
+    from daemon.webhooks.outbox import install as install_webhooks
 
     url = make_url(config.database_url)
     if url.drivername.startswith("sqlite") and url.database not in (None, "", ":memory:"):
@@ -56,6 +57,7 @@ def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
                 "pass -c CONFIG or --state-dir DIR of the daemon's state"
             )
     reg = Registry(config.database_url, config.fleet.host or None)
+    install_webhooks(reg, config.webhooks)  # what this command records is sent by this host's daemon
     if upgrade:
         reg.upgrade()  # an existing database written by an older version
     return reg
@@ -259,7 +261,7 @@ def status_cmd(args: argparse.Namespace) -> int:
         from daemon.api.app import ApiState, status_document
         from daemon.common.metrics import DaemonMetrics
 
-        doc = status_document(ApiState(open_existing_registry(config), DaemonMetrics()))
+        doc = status_document(ApiState(open_existing_registry(config), DaemonMetrics(), webhooks=config.webhooks))
     doc["daemon"] = {**doc.get("daemon", {}), "running": running, **(runtime or {})}
     doc["health"] = health
     if args.json:
@@ -329,6 +331,10 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
                    f"{safe(w.get('weight_version') or '-')} {safe(w.get('url') or '-')}{via}")  # fmt: skip
         if w.get("last_error") and w.get("state") != "RUNNING":  # the cause; the log's lines: --json
             out.append(f"  error:     {safe(str(w['last_error']).splitlines()[0])}")
+    for h in doc.get("webhooks") or []:  # undeliverable: given up after max_attempts (kept in webhook_deliveries)
+        err = f"; last error: {safe(h['last_error'])}" if h.get("last_error") else ""
+        out.append(f"webhook:     {safe(h['name'])} {h['delivered']} delivered, {h['pending']} pending "
+                   f"({h['retrying']} retrying), {h['undeliverable']} undeliverable{err}")  # fmt: skip
     for src in doc.get("sources", []):
         out.append(f"source:      {safe(src.get('name'))} {safe(src.get('path') or src.get('url') or '')}".rstrip())
     return out

@@ -32,8 +32,8 @@ from daemon.registry.status import UNFINISHED
 FAILED = ("rejected", "deferred", "duplicate", "unknown", *UNFINISHED)  # exit 1: its checks did not pass (yet)
 
 
-def _through_daemon(config: Config, version: str) -> dict[str, Any]:
-    return post_control(config, "/v1/checkpoints/reverify", {"version": version}, 30)
+def _through_daemon(config: Config, version: str, token_file: str | None) -> dict[str, Any]:
+    return post_control(config, "/v1/checkpoints/reverify", {"version": version}, 30, token_file)
 
 
 def _wait(reg: Registry, version: str, timeout_s: float) -> tuple[str, str | None]:
@@ -53,6 +53,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-c", "--config", default=None, help=f"config TOML (default: ${CONFIG_ENV} or the embedded default)")
     p.add_argument("--state-dir", default=None, help="the daemon's state folder (its hotswap.db, daemon.json)")
     p.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for the verdict (0: do not wait)")
+    p.add_argument("--token-file", metavar="FILE", default=None, help="a named token's file (default: control.token)")
     args = p.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         config = read_config(args)
@@ -63,7 +64,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         try:
             try:
-                was = _through_daemon(config, args.version)["was"]
+                was = _through_daemon(config, args.version, args.token_file)["was"]
             except NotRunning:
                 reg.upgrade()
                 with reg.session() as s:

@@ -9,6 +9,11 @@ tls_certfile = "/etc/hotswap/api.crt"   # PEM; with tls_keyfile the API is HTTPS
 tls_keyfile = "/etc/hotswap/api.key"
 allow_insecure_remote = false   # true: serve plain HTTP on a non-loopback address anyway
 allowed_hosts = ["hotswap-01.internal"]  # Host names control requests may carry besides loopback
+
+[[api.tokens]]                  # named tokens with roles (daemon.common.tokens); control.token is admin
+name = "alice"
+role = "operator"
+token_file = "/etc/hotswap/alice.token"
 ```
 
 A non-loopback listen address without TLS is refused at start (`listen_problem`): the control
@@ -24,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from daemon.common.tokens import TokenSpec, check_token_names
 from daemon.common.typedtoml import ConfigError
 
 if TYPE_CHECKING:  # imported when a client needs it: reading a config never does
@@ -36,6 +42,7 @@ class ApiSettings:
     tls_keyfile: str = ""  # PEM private key of tls_certfile
     allow_insecure_remote: bool = False  # plain HTTP on a non-loopback [daemon] listen
     allowed_hosts: list[str] = field(default_factory=list)  # Host header names accepted besides loopback
+    tokens: list[TokenSpec] = field(default_factory=list)  # [[api.tokens]]: named tokens with roles
 
     @property
     def tls(self) -> bool:
@@ -51,6 +58,7 @@ class ApiSettings:
         for i, host in enumerate(self.allowed_hosts):
             if not host or any(c in host for c in " /:@"):
                 raise ValueError(f"{key}.allowed_hosts[{i}]: {host!r} is not a host name (no port, no scheme)")
+        check_token_names(self.tokens, f"{key}.tokens")
 
 
 def is_loopback(host: str) -> bool:

@@ -144,7 +144,7 @@ class AdapterDecisions:
             raise CommandError(f"adapter version {version!r}: {off_base}")
         return av
 
-    def rollback(self, name: str | None, to: str | None) -> dict[str, Any]:
+    def rollback(self, name: str | None, to: str | None, by: str = "operator") -> dict[str, Any]:
         if to is not None:
             target = self._deployable(to)
             name = target.name
@@ -162,23 +162,23 @@ class AdapterDecisions:
         if pinned is not None and pinned.checkpoint.id != target.checkpoint.id:
             raise CommandError(f"adapter {name} is pinned to {pinned.version}: run `hotswap unpin --adapter {name}` first")
         result = self.rollout.deploy(target, trigger=T.ROLLBACK, previous=serving,
-                                     detail={"by": "operator", "from": serving.version if serving else None})  # fmt: skip
+                                     detail={"by": by, "from": serving.version if serving else None})  # fmt: skip
         if result.outcome == RolloutOutcome.SUCCEEDED:
             if serving is not None and serving.checkpoint.id != target.checkpoint.id:
                 self.journal.checkpoint_event(serving.checkpoint.id, "rolled_back",
-                                              {"to": target.version, "by": "operator"}, result.rollout_id)  # fmt: skip
+                                              {"to": target.version, "by": by}, result.rollout_id)  # fmt: skip
             self.mark_serving(target, serving, f"adapter {name}: restored by operator rollback (rollout {result.rollout_id})")
             self.adapters.set_alias(name, "last_good", target.checkpoint.id)
         return {"rollout_id": result.rollout_id, "adapter": name, "version": target.version,
                 "outcome": result.outcome.value, "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
 
-    def pin(self, version: str, force: bool = False) -> dict[str, Any]:
+    def pin(self, version: str, force: bool = False, by: str = "operator") -> dict[str, Any]:
         target = self._deployable(version)
         if target.checkpoint.status == C.REJECTED and not force:
             raise CommandError(f"adapter version {version!r} was rejected: pin it anyway with --force")
         serving = self.adapters.alias(target.name, "serving")
         self.adapters.set_alias(target.name, "pinned", target.checkpoint.id)
-        result = self.rollout.deploy(target, trigger=T.MANUAL, previous=serving, detail={"by": "operator", "pin": True})
+        result = self.rollout.deploy(target, trigger=T.MANUAL, previous=serving, detail={"by": by, "pin": True})
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(target, serving, f"adapter {target.name}: pinned by operator (rollout {result.rollout_id})")
             self.adapters.set_alias(target.name, "last_good", target.checkpoint.id)

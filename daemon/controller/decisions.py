@@ -130,7 +130,7 @@ class RolloutDecisions:
             raise CommandError(f"version {version!r} has no local copy (was {ckpt.local_path!r})")
         return ckpt
 
-    def rollback(self, to: str | None) -> dict[str, Any]:
+    def rollback(self, to: str | None, by: str = "operator") -> dict[str, Any]:
         serving = self.journal.alias("serving")
         if to is not None:
             target = self._deployable(to)
@@ -151,23 +151,23 @@ class RolloutDecisions:
         fallback = serving if serving is not None and serving.id != target.id else target
         result = self.engine.deploy(
             target, trigger=T.ROLLBACK, fallback=fallback,
-            detail={"by": "operator", "from": serving.version if serving else None},
+            detail={"by": by, "from": serving.version if serving else None},
         )  # fmt: skip
         if result.outcome == RolloutOutcome.SUCCEEDED:
-            self.recorded(lambda: self._rolled_back(target, serving, result.rollout_id))
+            self.recorded(lambda: self._rolled_back(target, serving, result.rollout_id, by))
         return {"rollout_id": result.rollout_id, "version": target.version, "outcome": result.outcome.value,
                 "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
 
-    def _rolled_back(self, target: CheckpointRef, serving: CheckpointRef | None, rid: int) -> None:
+    def _rolled_back(self, target: CheckpointRef, serving: CheckpointRef | None, rid: int, by: str) -> None:
         if serving is not None and serving.id != target.id:
             old = self.journal.checkpoint(serving.id)
             if old is not None and old.status != C.RETIRED:
-                self.journal.checkpoint_event(serving.id, "rolled_back", {"to": target.version, "by": "operator"}, rid)
-                self.journal.move_status(serving.id, C.RETIRED, f"rolled back by operator to {target.version}")
-        self.mark_serving(target, None, f"restored by operator rollback (rollout {rid})")
+                self.journal.checkpoint_event(serving.id, "rolled_back", {"to": target.version, "by": by}, rid)
+                self.journal.move_status(serving.id, C.RETIRED, f"rolled back by {by} to {target.version}")
+        self.mark_serving(target, None, f"restored by {by}'s rollback (rollout {rid})")
         self.journal.set_alias("last_good", target.id)
 
-    def pin(self, version: str, force: bool = False) -> dict[str, Any]:
+    def pin(self, version: str, force: bool = False, by: str = "operator") -> dict[str, Any]:
         ref = self.journal.checkpoint_by_version(version)
         if ref is not None and ref.status == C.REJECTED and not ref.verified:
             raise CommandError(f"version {version!r} was rejected by its checks (see `hotswap show {version}`): "
@@ -178,17 +178,18 @@ class RolloutDecisions:
                                "pin it anyway with --force")  # fmt: skip
         serving = self.journal.alias("serving")
         self.journal.set_alias("pinned", target.id)
+        self.journal.checkpoint_event(target.id, "pinned", {"by": by, "force": force}, None)
         self.state.set_pinned(target.version)
         out: dict[str, Any] = {"pinned": target.version, "outcome": "pinned", "rollout_id": None}
         fallback = self.fallback()
         result = self.engine.deploy(
             target, trigger=T.MANUAL, fallback=fallback if fallback and fallback.id != target.id else serving,
-            detail={"by": "operator", "pin": True},
+            detail={"by": by, "pin": True},
         )  # fmt: skip
         out.update(rollout_id=result.rollout_id, outcome=result.outcome.value, reason=result.reason)
         if result.outcome == RolloutOutcome.SUCCEEDED:
             def pinned() -> None:
-                self.mark_serving(target, serving, f"pinned by operator (rollout {result.rollout_id})")
+                self.mark_serving(target, serving, f"pinned by {by} (rollout {result.rollout_id})")
                 self.journal.set_alias("last_good", target.id)
 
             self.recorded(pinned)
@@ -208,8 +209,10 @@ class RolloutDecisions:
                                     should_yield=lambda: self.queue.has_command(MOVES_FLEET) or self.stopping.is_set())  # fmt: skip
         return self.recorded(lambda: self.conclude(target, result, serving, fallback, trigger=T.FLEET))
 
-    def unpin(self) -> dict[str, Any]:
+    def unpin(self, by: str = "operator") -> dict[str, Any]:
         was = self.state.pinned
+        if was is not None and (ref := self.journal.checkpoint_by_version(was)) is not None:
+            self.journal.checkpoint_event(ref.id, "unpinned", {"by": by}, None)
         self.journal.set_alias("pinned", None)
         self.state.set_pinned(None)
         pending = self.queue.pending

@@ -33,6 +33,7 @@ class Job:
     version: str | None = None  # rollback --to / pin / converge
     force: bool = False  # pin: a rejected version too
     adapter: str | None = None  # adapter jobs: the adapter name
+    by: str = "operator"  # who asked: the API token's name (daemon.common.tokens), recorded in its events
     future: Future[dict[str, Any]] = field(default_factory=Future)
 
     def describe(self) -> str:

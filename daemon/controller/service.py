@@ -206,21 +206,21 @@ class RolloutService:
             self.decisions.supersede(blocked, by=ckpt)
         log.info("rollout_queued", version=ckpt.version, pinned=self.state.pinned, busy=self.state.current_job)
 
-    def rollback(self, to: str | None = None, adapter: str | None = None) -> Future[dict[str, Any]]:
+    def rollback(self, to: str | None = None, adapter: str | None = None, by: str = "operator") -> Future[dict[str, Any]]:
         """Back to the version before (or `to`); `adapter`, or a `to` that is an adapter version:
         that adapter name only."""
         if adapter is not None or (to is not None and self.adapter_journal.by_version(to) is not None):
-            return self.queue.command(Job("adapter_rollback", version=to, adapter=adapter))
-        return self.queue.command(Job("rollback", version=to))
+            return self.queue.command(Job("adapter_rollback", version=to, adapter=adapter, by=by))
+        return self.queue.command(Job("rollback", version=to, by=by))
 
-    def pin(self, version: str, force: bool = False) -> Future[dict[str, Any]]:
+    def pin(self, version: str, force: bool = False, by: str = "operator") -> Future[dict[str, Any]]:
         """Deploy `version` and hold it; a `rejected` one only with `force`. An adapter version
         pins its adapter name only."""
         adapter = self.adapter_journal.by_version(version) is not None
-        return self.queue.command(Job("adapter_pin" if adapter else "pin", version=version, force=force))
+        return self.queue.command(Job("adapter_pin" if adapter else "pin", version=version, force=force, by=by))
 
-    def unpin(self, adapter: str | None = None) -> Future[dict[str, Any]]:
-        return self.queue.command(Job("adapter_unpin", adapter=adapter) if adapter else Job("unpin"))
+    def unpin(self, adapter: str | None = None, by: str = "operator") -> Future[dict[str, Any]]:
+        return self.queue.command(Job("adapter_unpin", adapter=adapter, by=by) if adapter else Job("unpin", by=by))
 
     def converge(self, version: str) -> Future[dict[str, Any]]:
         """Fleet mode: move this host to the fleet target `version` (daemon.fleet.FleetAgent)."""
@@ -337,12 +337,12 @@ class RolloutService:
             assert job.checkpoint is not None
             return self.decisions.deploy_new(job.checkpoint)
         if job.kind == "rollback":
-            return self.decisions.rollback(job.version)
+            return self.decisions.rollback(job.version, job.by)
         if job.kind == "pin":
             assert job.version is not None
-            return self.decisions.pin(job.version, job.force)
+            return self.decisions.pin(job.version, job.force, job.by)
         if job.kind == "unpin":
-            return self.decisions.unpin()
+            return self.decisions.unpin(job.by)
         if job.kind == "converge":
             assert job.version is not None
             return self.decisions.converge(job.version)
@@ -353,10 +353,10 @@ class RolloutService:
             assert job.checkpoint is not None
             return self.adapters.deploy_new(job.checkpoint.id)
         if job.kind == "adapter_rollback":
-            return self.adapters.rollback(job.adapter, job.version)
+            return self.adapters.rollback(job.adapter, job.version, job.by)
         if job.kind == "adapter_pin":
             assert job.version is not None
-            return self.adapters.pin(job.version, job.force)
+            return self.adapters.pin(job.version, job.force, job.by)
         if job.kind == "adapter_unpin":
             assert job.adapter is not None
             return self.adapters.unpin(job.adapter)

@@ -6,7 +6,8 @@ so a daemon that cannot work fails in a fraction of a second instead of after it
 * the API port (`[daemon] listen`) is free: bound once here and released;
 * every file the daemon will read a secret from exists and is usable: an external worker's
   `token_file` and `admin_token_file`, the loader's `token_file` (transport "ipc"), every
-  `*_file` key of a `[[sources]]` table (push: token, TLS certificate/key/CA), and the manifest
+  `*_file` key of a `[[sources]]` table (push: token, TLS certificate/key/CA), each `[[api.tokens]]`
+  token file and `[[webhooks]]` secret file (private to this user, as control.token), and the manifest
   check keys (`[checks] hmac_keys` / `ed25519_keys`, parsed as the signature check would);
 * sources that must exist at start (`[[sources]] required = true`) do.
 
@@ -25,7 +26,7 @@ from pathlib import Path
 
 from daemon.checks.signatures import SignatureError, read_ed25519_public, read_hmac_key
 from daemon.common.apiconfig import parse_listen
-from daemon.common.auth import TokenFileError, read_token_file
+from daemon.common.auth import TokenFileError, read_private_token_file, read_token_file
 from daemon.config import Config, ConfigError
 
 
@@ -66,6 +67,11 @@ def _checks(config: Config) -> Iterator[Callable[[], None]]:
     for i, source in enumerate(config.sources):
         yield from _source_files(source, f"{where}: [sources][{i}]")
         yield partial(_source_problem, source, f"{where}: [sources][{i}]")
+    for i, tok in enumerate(config.api.tokens):  # named tokens and webhook secrets: private, like control.token
+        yield partial(_private, Path(tok.token_file).expanduser(), f"{where}: api.tokens[{i}].token_file ({tok.name})")
+    for i, hook in enumerate(config.webhooks):
+        if hook.secret_file:
+            yield partial(_private, Path(hook.secret_file).expanduser(), f"{where}: webhooks[{i}].secret_file ({hook.name})")
 
 
 def _source_problem(source: object, key: str) -> None:
@@ -141,6 +147,13 @@ def _readable(path: Path, key: str) -> None:
 def _token(path: Path, key: str) -> None:
     try:
         read_token_file(path)
+    except TokenFileError as exc:
+        raise ConfigError(f"{key}: {exc}") from None
+
+
+def _private(path: Path, key: str) -> None:
+    try:
+        read_private_token_file(path)
     except TokenFileError as exc:
         raise ConfigError(f"{key}: {exc}") from None
 

@@ -3,7 +3,7 @@
 Applied in place: rollout thresholds and timeouts (`[rollout]`, except `transport` and
 `update_mode`, which the stager was built for), the checks (`[checks]`), and sources
 (`[[sources]]`: removed ones stop, new ones start, changed ones restart). Everything else
-(`[database]`, `[daemon]`, `[api]`, `[[workers]]`, `[loader]`, `[fleet]`, `[gates]`, the two rollout keys above) is logged
+(`[database]`, `[daemon]`, `[api]`, `[[workers]]`, `[loader]`, `[fleet]`, `[gates]`, `[[webhooks]]`, the two rollout keys above) is logged
 as needing a restart and left as it runs. A config that does not load keeps the running one,
 and the reason is logged: a typo on SIGHUP never takes serving down.
 """
@@ -24,7 +24,7 @@ from daemon.sources import Source, build_source
 
 log = get_logger(__name__)
 RESTART_ONLY_ROLLOUT = ("transport", "update_mode")
-RESTART_ONLY_SECTIONS = ("daemon", "database", "api", "workers", "loader", "fleet", "gates")
+RESTART_ONLY_SECTIONS = ("daemon", "database", "api", "workers", "loader", "fleet", "gates", "webhooks")
 
 
 @dataclass

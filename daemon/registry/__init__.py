@@ -12,6 +12,9 @@ from daemon.registry.models import (
     Worker,
     utcnow,
 )
+from daemon.registry.webhook_rows import (
+    WebhookDelivery,  # its table in the same metadata (migrations compare)
+)
 
 __all__ = [
     "Alias",
@@ -23,6 +26,7 @@ __all__ = [
     "Registry",
     "RegistryError",
     "Rollout",
+    "WebhookDelivery",
     "Worker",
     "utcnow",
 ]

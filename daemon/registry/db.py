@@ -218,6 +218,10 @@ class Registry:
         if found:
             self.host = found
 
+    def listen(self, name: str, fn: Any) -> None:
+        """A session event hook on every session of this registry (daemon.webhooks.outbox)."""
+        event.listen(self._sessions, name, fn)
+
     @property
     def dialect(self) -> str:
         return self.engine.dialect.name

@@ -6,6 +6,8 @@ million events. `prune(registry, keep_days)` deletes
 - `events` older than `keep_days` (their `at`), and
 - `checks` of the versions that arrived more than `keep_days` ago (in arrival order: every
   version up to the newest one discovered before the cutoff),
+- webhook deliveries (`webhook_deliveries`) delivered more than `keep_days` ago (a batch per run;
+  pending and undeliverable ones stay),
 
 except those of a protected version: some host's serving, last_good or pinned version, the
 fleet target, a version on its way (discovered, fetching, verifying, deferred, verified, staged),
@@ -32,6 +34,7 @@ from sqlalchemy.orm import Session
 from daemon.registry.db import Registry
 from daemon.registry.models import Alias, Check, Checkpoint, Event, FleetTarget, Rollout, utcnow
 from daemon.registry.status import UNFINISHED, WAITING, CheckpointStatus
+from daemon.registry.webhook_rows import WebhookDelivery
 
 BATCH = 5000
 # b"hotswap" + 0x02: one pruner per database at a time (0x01 is the migration lock)
@@ -71,6 +74,10 @@ def prune(registry: Registry, keep_days: float, batch: int = BATCH) -> Pruned:
         events += n
         if n < batch:
             break
+    with registry.session() as s:  # webhook deliveries done with: delivered before the cutoff (never pending ones)
+        doomed = select(WebhookDelivery.id).where(WebhookDelivery.state == "delivered",
+                                                  WebhookDelivery.delivered_at < cutoff).limit(batch)  # fmt: skip
+        s.execute(delete(WebhookDelivery).where(WebhookDelivery.id.in_(doomed)))
     with registry.session() as s:  # the newest version that arrived before the cutoff
         bound = s.scalar(select(Checkpoint.id).where(Checkpoint.discovered_at < cutoff)
                          .order_by(Checkpoint.id.desc()).limit(1))  # fmt: skip

@@ -144,7 +144,7 @@ def test_the_cli_sends_the_token_and_says_why_when_it_cannot(daemon: DaemonProce
     cfg = str(daemon.config_path)
     out = hotswap_cli("unpin", "-c", cfg)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.strip() == "unpinned (was not pinned)"
+    assert out.stdout.strip() == "unpinned (was not pinned) [as control-token]"
 
     path = daemon.state_dir / "control.token"
     token = path.read_text()
@@ -152,7 +152,7 @@ def test_the_cli_sends_the_token_and_says_why_when_it_cannot(daemon: DaemonProce
     missing = hotswap_cli("unpin", "-c", cfg)
     assert missing.returncode == 1
     (line,) = missing.stderr.strip().splitlines()
-    assert "cannot send the daemon's control token" in line and str(path) in line and "does not exist" in line
+    assert "cannot send a token" in line and str(path) in line and "does not exist" in line
 
     write_private(path, "not-the-token\n")
     wrong = hotswap_cli("unpin", "-c", cfg)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from fastapi.routing import APIRoute
 
-from daemon.common.auth import ControlGuard
+from daemon.common.auth import ControlGuard, RequireRole
 from daemon.config import parse_config
 from daemon.service import build_daemon
 
@@ -45,8 +45,18 @@ def guards_of(dependant: Any) -> list[Any]:
     for dep in getattr(dependant, "dependencies", ()):
         if isinstance(dep.call, ControlGuard):
             found.append(dep.call)
+        if isinstance(dep.call, RequireRole):  # guard.require(role)
+            found.append(dep.call.guard)
         found += guards_of(dep)
     return found
+
+
+def roles_of(dependant: Any) -> set[str]:
+    out = set()
+    for dep in getattr(dependant, "dependencies", ()):
+        out |= {dep.call.role} if isinstance(dep.call, RequireRole) else {"admin"} if isinstance(dep.call, ControlGuard) else set()
+        out |= roles_of(dep)
+    return out
 
 
 def test_every_state_changing_route_needs_the_control_token(tmp_path: Path) -> None:
@@ -67,6 +77,11 @@ def test_every_state_changing_route_needs_the_control_token(tmp_path: Path) -> N
             assert d.guard in guards_of(dependant), f"{sorted(methods)} {path} has no ControlGuard"
             assert body_field is None, f"{path} parses a Body before the guard runs: use jsonbody.json_object"
         assert app.state.control_guard is d.guard
+        roles = {path: roles_of(dep) for path, m, dep, _ in changing}  # each route's role (daemon.common.tokens)
+        assert {p: r for p, r in roles.items() if p.startswith("/v1/rollout/") or "reverify" in p} == {
+            "/v1/rollout/rollback": {"operator"}, "/v1/rollout/pin": {"operator"}, "/v1/rollout/unpin": {"operator"},
+            "/v1/checkpoints/reverify": {"operator"}}  # fmt: skip
+        assert all(r == {"admin"} for p, r in roles.items() if p.startswith("/v1/broadcast")), roles
     finally:
         d.registry.close()
 

@@ -167,3 +167,16 @@ def test_a_transport_the_worker_kind_cannot_take_is_one_line_naming_both(tmp_pat
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     line = out.stderr.strip()
     assert str(config) in line and "[[workers]] v0" in line and "'vllm'" in line and "'ipc'" in line, line
+
+
+def test_a_named_token_or_webhook_secret_open_to_others_is_one_line(tmp_path: Path) -> None:
+    loose = tmp_path / "alice.token"
+    loose.write_text("alice-token-0123456789\n")
+    loose.chmod(0o644)
+    cfg = _config(tmp_path, **{"api.tokens": [{"name": "alice", "role": "operator", "token_file": str(loose)}]})
+    line = _start_fails(tmp_path, cfg)
+    assert "api.tokens[0].token_file (alice)" in line and "open to other users (mode 644)" in line, line
+    loose.chmod(0o600)
+    cfg = _config(tmp_path, webhooks=[{"name": "ops", "url": "http://127.0.0.1:9/", "secret_file": str(tmp_path / "nope")}])
+    line = _start_fails(tmp_path, cfg)
+    assert "webhooks[0].secret_file (ops)" in line and "does not exist" in line, line

@@ -367,7 +367,7 @@ def test_manual_rollback_pin_unpin_through_the_daemon(
     assert "v0 succeeded (from v1)" in out.stdout
     assert_fleet_on(pool.workers, "v0")
     v1 = d.row("v1")
-    assert v1["status"] == "retired" and "rolled back by operator to v0" in v1["status_message"]
+    assert v1["status"] == "retired" and "rolled back by control-token to v0" in v1["status_message"]
     assert v1["rolled_back_at"] is not None
     v0 = d.row("v0")  # the rollback records its own time; the first deploy's stays
     assert v0["deployed_at"] == v0_first and v0["last_deployed_at"] > v1_first

@@ -107,7 +107,7 @@ LAYERS: dict[str, int] = {
     "daemon.bytepipe": 0, "daemon.handoff": 0, "daemon.delta": 0,
     # 1 parts: the registry, what moves and checks bytes, the processes beside the daemon
     "daemon.registry": 1, "daemon.transport": 1, "daemon.checks": 1, "daemon.loader": 1,
-    "daemon.engines": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1, "daemon.gates": 1,
+    "daemon.engines": 1, "daemon.sources": 1, "daemon.worker": 1, "daemon.client": 1, "daemon.gates": 1, "daemon.webhooks": 1,
     # 2 the config, which reads the parts' tables (sources, worker kinds, transports)
     "daemon.config": 2, "daemon.fleet.settings": 2,
     # 3-5 the mechanism, the fleet on top of it, the policy that drives both; the pipeline

@@ -145,3 +145,17 @@ def test_the_daemon_schedules_it_only_when_configured(db_url: str, tmp_path: Pat
 def test_bad_retention_settings_name_their_key(tmp_path: Path, key: str, value: float) -> None:
     with pytest.raises(ConfigError, match=f"database.{key}: must be"):
         load_config(_config(tmp_path, "sqlite:///x.db", **{key: value}))
+
+
+def test_delivered_webhook_deliveries_go_pending_and_undeliverable_ones_stay(registry: Registry) -> None:
+    from daemon.registry import WebhookDelivery
+
+    old, new = utcnow() - timedelta(days=40), utcnow()
+    with registry.session() as s:
+        for i, (state, at) in enumerate([("delivered", old), ("delivered", new), ("pending", old), ("undeliverable", old)]):
+            s.add(WebhookDelivery(delivery_id=f"d{i}", host="h", webhook="ops", event="version.verified", event_id=i,
+                                  payload={}, state=state, attempts=1, created_at=old, next_attempt_at=old,
+                                  delivered_at=at if state == "delivered" else None))  # fmt: skip
+    prune(registry, keep_days=30)
+    with registry.session() as s:
+        assert sorted(s.scalars(select(WebhookDelivery.delivery_id))) == ["d1", "d2", "d3"]

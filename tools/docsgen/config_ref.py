@@ -53,6 +53,7 @@ UNSET = _Marker("unset")
 
 
 def sections() -> list[Section]:
+    from daemon.common.apiconfig import ApiSettings
     from daemon.config import Config, RolloutSettings
     from daemon.fleet.settings import FleetSettings
     from daemon.gates.settings import GateSettings
@@ -79,6 +80,9 @@ def sections() -> list[Section]:
         if tp is FleetSettings:
             stage = get_args(typing.get_type_hints(FleetSettings)["stages"])[0]
             out.append(_section("[[fleet.stages]]", "fleet.stages", stage))
+        if tp is ApiSettings:
+            token = get_args(typing.get_type_hints(ApiSettings)["tokens"])[0]
+            out.append(_section("[[api.tokens]]", "api.tokens", token))
         if tp is GateSettings:
             gate = get_args(typing.get_type_hints(GateSettings)["gate"])[0]
             out.append(_section("[[gates.gate]]", "gates.gate", gate))
