@@ -194,7 +194,10 @@ class VLLMWorkerClient:
     def _route(self, request: UpdateRequest) -> tuple[str, str]:
         """("ipc", dir) when the request comes from the loader and every rank runs hotswap's
         extension; else ("disk", dir): reload_weights re-reads the verified directory."""
-        if request.transport != "ipc":
+        if request.transport not in ("disk", "ipc"):
+            raise UpdateRefused(f"worker {self.name}: update: vLLM takes the disk and ipc transports, "
+                                f"not {request.transport!r}")  # fmt: skip
+        if request.transport == "disk":
             return "disk", install_path(request, self.name, "vLLM")
         path = install_path(UpdateRequest(request.version, "disk", {"path": request.source.get("path")},
                                           request.mode, request.expect), self.name, "vLLM")  # fmt: skip

@@ -59,7 +59,8 @@ def test_updates_an_engine_cannot_take_are_refused_before_any_call(tmp_path: Pat
     # Port 9 (discard) answers nothing: a refusal here proves no engine call was needed.
     c = vllm.VLLMWorkerClient("e0", "http://127.0.0.1:9", timeouts=Timeouts(1, 1, 1))
     for req, why in [
-        (UpdateRequest("v1", "ipc", {"descriptor": "x"}), "only the disk transport"),
+        (UpdateRequest("v1", "broadcast", {"session": "x"}), "takes the disk and ipc transports, not 'broadcast'"),
+        (UpdateRequest("v1", "ipc", {"descriptor": "x"}), "names no checkpoint directory"),  # its disk fallback
         (UpdateRequest("v1", "disk", {"path": str(tmp_path)}, mode="swap"), "no swap mode"),
         (UpdateRequest("v1", "disk", {}), "names no checkpoint directory"),
         (UpdateRequest("v1", "disk", {"path": str(tmp_path / "gone")}), "is not a directory"),

@@ -160,13 +160,13 @@ def test_a_transport_the_worker_kind_cannot_take_is_one_line_naming_both(tmp_pat
     token = tmp_path / "vllm.token"
     token.write_text("t\n")
     worker = {"name": "v0", "kind": "vllm", "url": "http://127.0.0.1:9", "token_file": str(token)}
-    config = _config(tmp_path, workers=[worker], rollout={"transport": "ipc"})
+    config = _config(tmp_path, workers=[worker], rollout={"transport": "broadcast"})
     (tmp_path / "cwd").mkdir()
     out = hotswap_cli("daemon", "-c", str(config), cwd=tmp_path / "cwd", timeout=60)
     assert out.returncode == 2, out.stderr
     assert "Traceback" not in out.stderr and len(out.stderr.strip().splitlines()) == 1, out.stderr
     line = out.stderr.strip()
-    assert str(config) in line and "[[workers]] v0" in line and "'vllm'" in line and "'ipc'" in line, line
+    assert str(config) in line and "[[workers]] v0" in line and "'vllm'" in line and "'broadcast'" in line, line
 
 
 def test_a_named_token_or_webhook_secret_open_to_others_is_one_line(tmp_path: Path) -> None:
