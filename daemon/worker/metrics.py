@@ -17,7 +17,10 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
-KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/metrics", "/weight_info")
+KNOWN_ROUTES = ("/v1/completions", "/v1/chat/completions", "/v1/models", "/health", "/ready", "/metrics", "/weight_info")
+# A 503 from a probe is the worker saying "not ready" (paused, draining, loading), not a failed request:
+# counted in requests, never in errors, so an error-rate gate or alert does not trip on every update.
+PROBE_ROUTES = ("/health", "/ready")
 
 
 class WorkerMetrics:
@@ -25,7 +28,7 @@ class WorkerMetrics:
         self.registry = CollectorRegistry()
         self.requests = Counter("hotswap_worker_requests", "HTTP requests answered, by route and status class",
                                 ["route", "code"], registry=self.registry)  # fmt: skip
-        self.errors = Counter("hotswap_worker_errors", "Requests answered 5xx, by route", ["route"],
+        self.errors = Counter("hotswap_worker_errors", "Requests answered 5xx, by route (not /health or /ready)", ["route"],
                               registry=self.registry)  # fmt: skip
         self.latency = Histogram("hotswap_worker_request_seconds", "Time to the last byte of a response, by route",
                                  ["route"], buckets=LATENCY_BUCKETS, registry=self.registry)  # fmt: skip
@@ -66,7 +69,7 @@ class MetricsMiddleware:
         finally:
             code = status["code"]
             self.metrics.requests.labels(route=route, code=f"{code // 100}xx").inc()
-            if code >= 500:
+            if code >= 500 and route not in PROBE_ROUTES:
                 self.metrics.errors.labels(route=route).inc()
             self.metrics.latency.labels(route=route).observe(time.perf_counter() - t0)
 
