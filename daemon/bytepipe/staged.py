@@ -64,6 +64,13 @@ class StagedTensors:
             raise ValueError(f"tensor {name!r}: dtype {loc.entry.dtype} has no torch equivalent")
         return typed(self.raw_tensor(name, loc, root), dtype).view(tuple(loc.entry.shape))
 
+    @property
+    def shareable(self) -> bool:
+        """True when another process can open this copy without a copy of its bytes (CUDA IPC, a
+        shared segment): then the check process's forward canary reads it (daemon.checks.isolation)
+        instead of reading the files a second time."""
+        return False
+
     def release(self) -> None:
         raise NotImplementedError
 
@@ -104,12 +111,19 @@ class StagedCopy(StagedTensors):
     def raw_tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
         return self.raw(loc.file.relative_to(root).as_posix(), loc.entry.start, loc.entry.end)
 
+    @property
+    def shareable(self) -> bool:
+        # a GPU copy crosses as a CUDA IPC handle (torch's reductions); a host copy would be copied
+        # into shared memory whole, slower than the child reading the files from the page cache
+        return bool(self.buffer.is_cuda)
+
     def release(self) -> None:
         """Free the copy; on a GPU also give the memory back to the driver (the loader and the
         workers are other processes: memory held in this process's cache is lost to them)."""
         on_gpu = self.buffer.device.type == "cuda"
         self.buffer = torch.empty(0, dtype=torch.uint8)
         if on_gpu:
+            torch.cuda.ipc_collect()  # blocks the check process has let go of (a no-op where none was shared)
             torch.cuda.empty_cache()
 
 

@@ -24,6 +24,9 @@ class Staged(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    @property
+    def shareable(self) -> bool: ...  # the check process can open it without a copy (isolation)
+
     def release(self) -> None: ...
 
 

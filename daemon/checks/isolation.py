@@ -13,8 +13,11 @@ own, longer bound, outside the check's.
 
 What crosses the pipe: the context's plain fields (paths, settings, the manifest, the header table)
 to the child, the check's detail, failure and the parsed table back; pickled, between this process
-and its own child. A staged copy (`ctx.staged`) does not cross: the forward check in the child
-reads the weights itself.
+and its own child. A staged copy (`ctx.staged`) crosses to the forward check when it can be opened
+without copying its bytes (`shareable`: a CUDA copy as torch's IPC handle, the loader's buffer as
+its descriptor), so the canary reads the hashed bytes at device speed, as it would in this process
+(issue 41); otherwise the child reads the weights itself. A child killed mid-check leaves a shared
+CUDA copy's memory held until the daemon exits (torch frees it only when every opener let go).
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped
@@ -71,7 +75,13 @@ class CheckProcess:
             imports = FORWARD_IMPORTS if name == "forward" else ()
             try:
                 conn = self._ensure(imports)
-                conn.send(("check", name, adapter, ctx.settings, {f: getattr(ctx, f) for f in _CTX_FIELDS}))
+                fields = {f: getattr(ctx, f) for f in _CTX_FIELDS}
+                if name == "forward" and ctx.staged is not None and ctx.staged.shareable:
+                    import torch.multiprocessing  # noqa: F401  (registers the CUDA tensor reductions)
+
+                    # pickled apart: a copy the child cannot open costs a second read, not the check
+                    fields["staged"] = bytes(ForkingPickler.dumps(ctx.staged))
+                conn.send(("check", name, adapter, ctx.settings, fields))
             except (CheckProcessError, OSError) as exc:
                 self._kill()
                 raise CheckFailed(f"{name} check could not run in its process: {exc}") from None
@@ -193,8 +203,14 @@ def main(fd: int) -> None:
 
         _op, name, adapter, settings, fields = request
         ctx = CheckContext(fields.pop("directory"), settings, fields.pop("reference"))
+        staged = fields.pop("staged", None)
         for key, value in fields.items():
             setattr(ctx, key, value)
+        if staged is not None:
+            try:
+                ctx.staged = ForkingPickler.loads(staged)
+            except Exception:  # noqa: BLE001  (no IPC here, or the buffer is gone: the canary reads the files)
+                ctx.staged = None
         answer: tuple[str, Any]
         try:
             answer = ("ok", resolve(name, adapter)(ctx))
@@ -204,6 +220,11 @@ def main(fd: int) -> None:
             answer = ("skipped", (exc.reason, exc.detail))
         except Exception as exc:  # the runner records it as a crash, with the cause
             answer = ("crashed", f"{type(exc).__name__}: {exc}")
+        finally:
+            if ctx.staged is not None:  # let go of the parent's copy before answering: it frees it next
+                with contextlib.suppress(Exception):
+                    ctx.staged.release()
+                ctx.staged = None
         with contextlib.suppress(OSError):
             conn.send((*answer, (ctx.headers, ctx.table)))
 

@@ -58,6 +58,14 @@ class LoaderStaged(StagedTensors):
     def nbytes(self) -> int:
         return self.desc.size
 
+    @property
+    def shareable(self) -> bool:
+        return True  # the check process opens the loader's handle (or segment) itself
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # crosses to the check process as the descriptor: it opens the loader's buffer read-only
+        return (LoaderStaged, (self.desc, self.device))
+
     def raw_tensor(self, name: str, loc: TensorLocation, root: Path) -> torch.Tensor:
         slot = self.slots.get(name)
         if slot is None or slot.dtype != loc.entry.dtype or tuple(slot.shape) != tuple(loc.entry.shape):

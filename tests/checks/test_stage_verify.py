@@ -244,6 +244,12 @@ def test_on_a_gpu_the_staged_copy_matches_the_files_and_the_checks_run_there(tmp
     assert report.reason is not None and report.reason.startswith("finite: ") and "element 77" in report.reason
     report = run_checks(nan, CheckSettings(isolate_checks=False, forward_device="cuda:0", enabled=NO_FINITE.enabled))
     assert report.reason is not None and report.reason.startswith("forward: logits contain NaN/Inf")
+    # isolated (the default): the GPU copy crosses to the check process as a CUDA IPC handle
+    isolated = CheckSettings(forward_device="cuda:0")
+    report = run_checks(d, isolated)
+    assert report.ok and _by_name(report)["forward"]["weights"] == "crc32c pass", _by_name(report)["forward"]
+    report = run_checks(nan, CheckSettings(forward_device="cuda:0", enabled=NO_FINITE.enabled))
+    assert report.reason is not None and report.reason.startswith("forward: logits contain NaN/Inf")
 
 
 def test_if_the_staged_paths_cannot_run_here_the_checks_fall_back_and_still_reject(

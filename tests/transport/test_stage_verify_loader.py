@@ -66,6 +66,23 @@ def test_verify_reads_once_into_the_loader_and_exports_only_after_every_check(
             assert torch.equal(views[name], t), name
 
 
+def test_the_canary_in_the_check_process_reads_the_loaders_copy_not_the_files(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    """Isolated checks (the default): the forward check runs in the check process, which opens the
+    loader's buffer from its descriptor; the files are not read a second time (issue 41)."""
+    d = published(tmp_path / "v1", seed=1, shards=2)
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "v1", "cpu"))
+    assert report.ok, report.reason
+    assert _detail(report)["forward"]["weights"] == "crc32c pass"
+    nan = published(tmp_path / "nan", seed=2)
+    rewrite_tensors(nan, lambda s: s["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(77, float("nan")))
+    no_finite = CheckSettings(enabled=tuple(n for n in CheckSettings().enabled if n != "finite"))
+    report = run_checks(nan, no_finite, stager=LoaderStager(loader.client, "nan", "cpu"))
+    assert (report.reason or "").startswith("forward: logits contain NaN/Inf"), report.reason  # on the copy
+    assert "nan" not in _versions(loader)
+
+
 def test_before_the_checks_pass_the_version_is_not_exported(loader: LoaderProcess, tmp_path: Path) -> None:
     d = published(tmp_path / "v1", seed=1)
     stager = LoaderStager(loader.client, "v1", "cpu")
@@ -144,6 +161,10 @@ def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> No
             assert detail["finite"]["scanned"] == "staged copy on cuda:0"
             assert detail["forward"]["weights"] == "crc32c pass"
             assert lp.client.descriptor("v1")["kind"] == "cuda"
+            isolated = CheckSettings(forward_device="cuda:0", ipc_enabled=True)  # the canary in the check process
+            v2 = published(tmp_path / "v2", seed=3, shards=2, dtype="bfloat16")
+            report = run_checks(v2, isolated, stager=LoaderStager(lp.client, "v2", "cuda:0"))
+            assert report.ok and _detail(report)["forward"]["weights"] == "crc32c pass", _detail(report)["forward"]
             report = run_checks(nan, settings, stager=LoaderStager(lp.client, "nan", "cuda:0"))
             assert (report.reason or "").startswith("finite: ") and "element 77" in (report.reason or "")
             assert "nan" not in _versions(lp)
