@@ -18,8 +18,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import shutil
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -121,13 +123,72 @@ def _base_layout(work: Path, gb: float) -> Path:
     return base
 
 
+def _layout_run(work: Path, layout_name: str, densities: list[float], gpu: str | None,
+                on_row: Any = None) -> dict[str, Any]:  # fmt: skip
+    """The 8B (or another bench.common) layout, bf16: per density, delta/full bytes, encode, host
+    rebuild + verify, and with `gpu` the GPU apply micro (bench.delta_gpu)."""
+    from bench.common import LAYOUTS, write_checkpoint
+    from bench.delta_gpu import gpu_apply
+    from bench.e2e_delta import make_delta
+
+    base = work / "base"
+    t0 = time.perf_counter()
+    write_checkpoint(base, LAYOUTS[layout_name], shards=4, seed=3, device="cuda" if gpu else "cpu")
+    publish(base, version="base")
+    rows: list[dict[str, Any]] = [{"base_written_s": round(time.perf_counter() - t0, 1)}]
+    for i, density in enumerate(densities):
+        out = work / "out" / f"d{i}"
+        new, made = make_delta(base, work / "trainer", out, version=f"d{i}", seed=11 + i, density=density)
+        m = load_manifest(out)
+        spec = parse(m, "bench")
+        assert spec is not None
+        t0 = time.perf_counter()
+        r = rebuild(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, work / "rebuilt" / f"d{i}")
+        rebuilt_s = time.perf_counter() - t0
+        for f, d in zip(m.files, hash_files([r.directory / f.path for f in m.files], alg=m.hash_alg or "blake3"),
+                        strict=True):  # fmt: skip
+            d.check(f, f.path)
+        row = {"density": density, "elements_changed": made["elements_changed"], "elements": made["elements"],
+               "full_bytes": spec.full_bytes, "delta_bytes": spec.delta_bytes, "ratio": spec.ratio,
+               "make_s": round(made["write_s"], 2), "encode_s": round(made["publish_s"], 2),
+               "rebuild_s": round(rebuilt_s, 3), "rebuild_verify_s": round(time.perf_counter() - t0, 3)}  # fmt: skip
+        if gpu:
+            row["gpu_apply"] = gpu_apply(base, r.directory, gpu)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        if on_row is not None:  # written as it goes: a run stopped at its cap keeps what it measured
+            on_row({"layout": layout_name, "rows": rows})
+        for d in (new, out, r.directory):
+            shutil.rmtree(d, ignore_errors=True)
+    return {"layout": layout_name, "rows": rows}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=1.0, help="synthetic layout size (default 1 GB: fits a 2-core VM)")
     ap.add_argument("--steps", type=int, default=4, help="Adam steps per learning rate")
     ap.add_argument("--densities", default="0.001,0.01,0.05,0.3,1.0")
     ap.add_argument("--out", type=Path, default=Path("bench/results/delta-2core.json"))
+    ap.add_argument("--layout", default=None, help="instead: a bench.common layout (llama3-8b), written bf16")
+    ap.add_argument("--gpu", default=None, help="with --layout: also the GPU apply micro on this device")
     args = ap.parse_args()
+    if args.layout:
+        with tempfile.TemporaryDirectory(prefix="bench-delta-", dir=os.environ.get("BENCH_TMP")) as tmp:
+            head = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "machine": platform.node(),
+                    "command": "python -m bench.delta " + " ".join(sys.argv[1:])}  # fmt: skip
+            args.out.parent.mkdir(parents=True, exist_ok=True)
+            save = lambda part: args.out.write_text(json.dumps({**head, **part}, indent=1) + "\n")  # noqa: E731
+            doc = {**head, **_layout_run(Path(tmp), args.layout, [float(d) for d in args.densities.split(",")],
+                                         args.gpu, save)}  # fmt: skip
+        args.out.write_text(json.dumps(doc, indent=1) + "\n")
+        print("| density | delta / full | encode s | rebuild s | rebuild + verify s | GPU apply ms |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for r in doc["rows"][1:]:
+            g = r.get("gpu_apply", {})
+            print(f"| {100 * r['density']:g} % | {100 * r['ratio']:.2f} % | {r['encode_s']:.2f} | {r['rebuild_s']:.2f} | "
+                  f"{r['rebuild_verify_s']:.2f} | {g.get('apply_ms', '-')} |")  # fmt: skip
+        print(f"record: {args.out}")
+        return
     torch.set_num_threads(2)
     record: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "machine": platform.node(),
                               "command": "python -m bench.delta " + " ".join(f"--{k} {v}" for k, v in

@@ -21,11 +21,13 @@ from bench.e2e_versions import derive
 EXPECTED = {"corrupt": "crc32c", "nan": "finite", "incompatible": "forward"}
 
 
-def reject_one(run: Any, load: Any, kind: str, serving: str, seed: int, timeout: float) -> dict[str, Any]:
+def reject_one(run: Any, load: Any, kind: str, serving: str, seed: int, timeout: float,
+               source: str | None = None) -> dict[str, Any]:  # fmt: skip
+    """Commit a bad version derived from full version `source` (default: `serving`) while `serving` serves."""
     version = f"{run.transport}-bad-{kind}"
     stage = Path(run.watch) / f".stage-{version}"
     t = time.perf_counter()
-    what = derive(Path(run.watch) / serving, stage, seed=seed, kind=kind, version=version)
+    what = derive(Path(run.watch) / (source or serving), stage, seed=seed, kind=kind, version=version)
     prep_s = time.perf_counter() - t
     before = load.snapshot()
     committed = datetime.now(UTC)

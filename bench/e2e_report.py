@@ -14,7 +14,7 @@ ALL_CHECKS = ["manifest", "headers", "crc32c", "compat", "finite", "headroom", "
 
 
 def summarise(result: dict[str, Any]) -> dict[str, Any]:
-    measured = [s for s in result["samples"] if not s["warmup"]]
+    measured = [s for s in result["samples"] if not s["warmup"] and not s.get("delta")]  # deltas: h200_table
 
     def stat(values: list[float]) -> dict[str, float] | None:
         values = sorted(v for v in values if v is not None)

@@ -44,6 +44,7 @@ from typing import Any
 import httpx
 
 from bench.common import LAYOUTS, Layout, machine_description, write_checkpoint, write_json
+from bench.e2e_delta import commit_delta
 from bench.e2e_flip import flip_back
 from bench.e2e_health import HealthProbe
 from bench.e2e_phases import phases
@@ -311,15 +312,27 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
         with LoadGen(run.worker_urls, concurrency=args.clients, max_tokens=args.max_tokens, max_seconds=3600) as load, \
                 HealthProbe(run.api) as health:
             load.wait_requests(5, 120)
-            prev, prev2 = "v0", "v0"
-            for i in range(1, args.warmup + args.updates + 1):
+            prev, prev2, last_full = "v0", "v0", "v0"
+            full_prev = run.watch / "v0"  # the newest full version: the next delta's base
+            trainer = work / "trainer"  # where a delta version's full files are made (not watched)
+            n_full = args.warmup + args.updates
+            for i in range(1, n_full + args.delta_updates + 1):
                 if time.perf_counter() - t_start > args.budget_s:
-                    skipped = f"time budget reached after {i - 1} of {args.warmup + args.updates} versions"
+                    skipped = f"time budget reached after {i - 1} of {n_full + args.delta_updates} versions"
                     break
-                version = f"{transport}-{i:02d}"
+                version = f"{transport}-{i:02d}" if i <= n_full else f"{transport}-d{i - n_full:02d}"
                 before = load.snapshot()
-                derived_from = run.watch / prev if base is not None else None
-                written, t0, prep = run.commit(version, seed=args.seed + i, prev=derived_from)
+                if i <= n_full:
+                    derived_from = run.watch / prev if base is not None else None
+                    written, t0, prep = run.commit(version, seed=args.seed + i, prev=derived_from)
+                    full_prev = run.watch / version
+                    last_full = version  # bad versions are derived from a full one in the watched folder
+                else:
+                    old_full = full_prev
+                    written, t0, prep, full_prev = commit_delta(run.watch, trainer, full_prev, version,
+                                                                args.seed + i, args.delta_density)  # fmt: skip
+                    if old_full.parent == trainer:
+                        shutil.rmtree(old_full, ignore_errors=True)
                 fleet = wait_for(lambda v=version: all(x == v for x in run.versions()) and time.perf_counter(),
                                  args.update_timeout, f"{version} on every worker", 0.005, run.procs)  # fmt: skip
                 wait_for(lambda v=version: run.stamps(v).get("deployed") and run.idle(), args.update_timeout,
@@ -342,14 +355,14 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
                 print(f"[{transport}] {version}: verified {sample['commit_to_verified_s']:.2f}s, fleet "
                       f"{sample['commit_to_fleet_s']:.2f}s, pause ms {pw}, failed {sample['requests_failed']}", flush=True)  # fmt: skip
                 prev2, prev = prev, version
-                run.prune([prev2, prev])
+                run.prune([prev2, prev, last_full])
             if transport == args.reject_in:
                 for j, kind in enumerate(k for k in args.reject.split(",") if k):
-                    r = reject_one(run, load, kind, prev, args.seed + 500 + j, args.update_timeout)
+                    r = reject_one(run, load, kind, prev, args.seed + 500 + j, args.update_timeout, source=last_full)
                     rejections.append(r)
                     print(f"[{transport}] bad {kind}: {r['status']} by {r['caught_by']} in {r['commit_to_decision_s']}s, "
                           f"no pause: {r['rejected_before_any_pause']}, failed {r['requests_failed']}", flush=True)  # fmt: skip
-                    run.prune([prev2, prev])
+                    run.prune([prev2, prev, last_full])
             totals = load.snapshot()
             errors = load.stats.errors[:20]
         health_seen = health.summary()
@@ -357,7 +370,7 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
         if transport == "ipc" and args.flip_back:
             try:
                 next(p for p in run.procs if p.name == "daemon").stop()  # it would converge w0 back meanwhile
-                flip = flip_back(run.http, run.worker_urls[0], run.loader_socket, run.watch / prev, work,
+                flip = flip_back(run.http, run.worker_urls[0], run.loader_socket, full_prev, work,
                                  args.flip_back)  # fmt: skip
             except Exception as exc:  # noqa: BLE001 - reported; the rollouts' figures stand
                 flip = {"error": f"{type(exc).__name__}: {exc}"}
@@ -400,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--transports", default="ipc,disk")
     ap.add_argument("--updates", type=int, default=20, help="measured versions per transport")
     ap.add_argument("--warmup", type=int, default=1, help="versions before measuring")
+    ap.add_argument("--delta-updates", type=int, default=0,
+                    help="after the full versions, this many delta versions (bench/e2e_delta.py)")
+    ap.add_argument("--delta-density", type=float, default=0.01, help="share of elements a delta version changes")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--clients", type=int, default=4, help="concurrent completion clients")
     ap.add_argument("--max-tokens", type=int, default=4)

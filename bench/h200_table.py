@@ -34,8 +34,9 @@ def _f(v: Any, unit: str = "") -> str:
     return (f"{v:,.0f}" if abs(v) >= 100 else f"{v:.1f}" if abs(v) >= 1 else f"{v:.2f}") + unit
 
 
-def phase_rows(result: dict[str, Any]) -> dict[str, Any]:
-    samples = [s for s in result.get("samples", []) if not s.get("warmup")]
+def phase_rows(result: dict[str, Any], delta: bool = False) -> dict[str, Any]:
+    """Medians of the measured full versions (`delta` False) or of the delta versions."""
+    samples = [s for s in result.get("samples", []) if not s.get("warmup") and bool(s.get("delta")) == delta]
 
     def ph(*names: str) -> float | None:
         return _med([sum(s.get("phases_ms", {}).get(n, 0.0) for n in names) for s in samples])
@@ -64,6 +65,8 @@ def main(argv: list[str]) -> int:
         doc = json.loads(e2e.read_text())
         by = {r["transport"]: r for r in doc["results"]}
         rows = {t: phase_rows(r) for t, r in by.items() if "error" not in r}
+        rows |= {f"{t} delta": phase_rows(r, delta=True) for t, r in by.items()
+                 if "error" not in r and any(s.get("delta") for s in r.get("samples", []))}  # fmt: skip
         lines += [f"### {doc['model']['layout']}, {doc['date']}: commit -> both serving, phase by phase (ms, medians)", "",
                   "| phase | " + " | ".join(rows) + " |", "|---|" + "---:|" * len(rows)]  # fmt: skip
         keys = next(iter(rows.values())).keys() if rows else []
@@ -71,6 +74,12 @@ def main(argv: list[str]) -> int:
         for t, r in by.items():
             if "error" in r:
                 lines.append(f"\n{t}: ERROR {r['error'][:300]}")
+        deltas = [s for r in by.values() for s in r.get("samples", []) if s.get("delta")]
+        if deltas:
+            lines += ["", "delta versions: " + "; ".join(
+                f"{s['version']} {100 * s['density']:g} % of elements, delta {s['delta_bytes'] / 1e6:,.0f} MB "
+                f"= {100 * s['ratio']:.2f} % of full, made in {s['write_s']:.1f} + {s['publish_s']:.1f} s, "
+                f"commit -> both serving {s['commit_to_fleet_s'] * 1e3:,.0f} ms" for s in deltas)]  # fmt: skip
         rej = [x for r in by.values() for x in r.get("rejections", [])]
         if rej:
             lines += ["", "| bad version | caught by | no worker paused | failed requests |", "|---|---|---|---|"]
