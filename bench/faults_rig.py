@@ -63,6 +63,8 @@ def toml(sections: dict[str, Any]) -> str:
             return repr(v)
         if isinstance(v, list):
             return "[" + ", ".join(val(x) for x in v) + "]"
+        if isinstance(v, dict):  # an inline table (a push source's hmac_keys)
+            return "{" + ", ".join(f"{json.dumps(str(k))} = {val(x)}" for k, x in v.items()) + "}"
         return json.dumps(str(v))
 
     out = []

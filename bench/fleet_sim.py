@@ -4,7 +4,7 @@ fleet-wide lease bound, through PgBouncer in transaction mode or directly.
     python -m bench.fleet_sim [--hosts 100 300 1000] [--modes pgbouncer direct] [--bound-pct 5]
         [--update-s 2] [--poll-s 5] [--lease-s 10] [--pool-size 40] [--direct-max-hosts 20]
         [--steady-polls 2] [--no-kill] [--staged-canary-fails] [--pg-server postgresql+psycopg://postgres@127.0.0.1:5432]
-        [--out FILE.json]
+        [--gb 16.06 [--ratios 1 0.015] [--link-gbps 25] [--origin-gbps 100] [--model]] [--out FILE.json]
 
 Each host (bench/fleet_sim_host.py) is the real `FleetAgent`, `FleetLeases` and registry code with
 its own `Registry` (own engine: its own connection path), ticking every `poll_s`; a fake update is
@@ -25,6 +25,13 @@ Per run, in a throw-away database `fleet_sim_<pid>_<n>` (migrated, seeded, dropp
 `direct`: every host connects to PostgreSQL itself, up to two connections each while it updates
 (its agent's look and the rollout); `max_connections` (100), shared with other users of the server,
 allows about 20 such hosts, so direct runs use min(N, --direct-max-hosts) hosts (the run says so).
+
+Bytes (`--gb`, issue 38; bench/fleet_sim_bytes.py): each version is `--gb` GB x a delta/full ratio
+(`--ratios`, or `--ratios-from` bench/delta.py's record: full, 1 % density, the RL-like and
+SFT-like Adam steps) that no host has yet; a host fetches it in its tick through one origin of
+`--origin-gbps` shared by the hosts fetching at once, each at most its `--link-gbps` (a list:
+round-robin over the hosts), then converges. Each run also gives the virtual-time model's figure
+for the same setting; `--model` runs only the model (any size: 1,000 hosts x 16 GB in a second).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench.fleet_sim_bytes import GBIT, bytes_table, links_for, model_rollout, model_table, recorded_ratios
 from bench.fleet_sim_host import Ledger
 from bench.fleet_sim_pg import (
     Bouncer,
@@ -100,10 +108,10 @@ def where_the_time_went(snap: dict[str, Any], version: str, t0: float) -> dict[s
 
 
 def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str], ledger: Ledger, sampler: Sampler,
-            bouncer: Bouncer | None, database: str, ideal_s: float) -> dict[str, Any]:  # fmt: skip
+            bouncer: Bouncer | None, database: str, ideal_s: float, bytes_ideal_s: float = 0.0) -> dict[str, Any]:  # fmt: skip
     before, bstats, t0 = totals(hosts), bouncer.stats(database) if bouncer else {}, time.monotonic()
     commit_version(db_url, version)
-    took = wait_converged(ledger, version, names, timeout_s=ideal_s * 4 + 60)
+    took = wait_converged(ledger, version, names, timeout_s=(ideal_s + bytes_ideal_s) * 4 + 60)
     t1 = time.monotonic()
     after, astats = totals(hosts), bouncer.stats(database) if bouncer else {}
     span = t1 - t0
@@ -119,6 +127,7 @@ def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str],
         "pings_per_s": round((after[1] - before[1]) / span, 1),
         "sessions_per_s": round((after[2] - before[2]) / span, 1),
         **window(sampler.between(t0, t1), span),
+        **ledger.fetch_summary(version, t0),
     }
     if astats:
         out["pgbouncer_queries_per_s"] = round(
@@ -130,7 +139,9 @@ def rollout(version: str, db_url: str, hosts: list[HostGroup], names: list[str],
     return out
 
 
-def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str, Any]:
+def simulate(
+    mode: str, n: int, args: argparse.Namespace, log: Any, ratio: tuple[str, float] | None = None
+) -> dict[str, Any]:
     wanted = n
     if mode == "direct":
         n = min(n, args.direct_max_hosts)
@@ -140,16 +151,23 @@ def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str,
     bouncer = Bouncer(args.pg_server, args.pool_size) if mode == "pgbouncer" else None
     folder = Path(tempfile.mkdtemp(prefix="fleet-sim-"))
     names = [f"sim-{i:04d}" for i in range(n)]
-    kill = {"kill_at_acquisition": None if args.no_kill else bound + 1, "kill_version": "v2"}
-    manager, ledger = shared_ledger(**kill) if args.procs > 1 else (None, Ledger(**kill))  # type: ignore[arg-type]
+    kill: dict[str, Any] = {"kill_at_acquisition": None if args.no_kill else bound + 1, "kill_version": "v2"}
+    nbytes = args.gb * 1e9 * ratio[1] if ratio is not None else 0.0
+    if ratio is not None:  # the bytes dimension: v1 and v2 are fetched through the origin model
+        kill.update(origin_bps=args.origin_gbps[0] * GBIT, version_bytes={v: nbytes for v in VERSIONS[1:]},
+                    links=links_for(names, args.link_gbps), copies=str(folder))  # fmt: skip
+    manager, ledger = shared_ledger(**kill) if args.procs > 1 else (None, Ledger(**kill))
     hosts: list[HostGroup] = []
     stopped: list[dict[str, int]] = []
     sampler = Sampler(db_url, database)
     result: dict[str, Any] = {"mode": mode, "hosts": n, "hosts_asked": wanted, "bound": bound,
                               "update_s": args.update_s, "poll_s": args.poll_s, "lease_s": args.lease_s,
                               "pool_size": args.pool_size if bouncer else None, "procs": args.procs}  # fmt: skip
+    if ratio is not None:
+        result.update(encoding=ratio[0], ratio=ratio[1], bytes_per_host=nbytes, link_gbps=args.link_gbps,
+                      origin_gbps=args.origin_gbps[0])  # fmt: skip
     try:
-        seed_fleet(db_url, names, VERSIONS, folder)
+        seed_fleet(db_url, names, VERSIONS, folder, copies=1 if ratio is not None else None)
         if bouncer is not None:
             bouncer.start()
         url = bouncer.url(database) if bouncer else db_url
@@ -181,10 +199,17 @@ def simulate(mode: str, n: int, args: argparse.Namespace, log: Any) -> dict[str,
         result["steady"] = steady
         log(f"steady: {steady}")
         ideal = math.ceil(n / bound) * args.update_s
-        result["rollout"] = rollout("v1", db_url, hosts, names, ledger, sampler, bouncer, database, ideal)
+        model = (model_rollout(n, bound, args.update_s, args.poll_s, nbytes, args.link_gbps, args.origin_gbps[0])
+                 if ratio is not None else None)  # fmt: skip
+        fetch_s = model["last_fetch_end_s"] if model is not None else 0.0
+        result["rollout"] = rollout("v1", db_url, hosts, names, ledger, sampler, bouncer, database, ideal,
+                                    fetch_s)  # fmt: skip
+        if model is not None:
+            result["rollout"]["model"] = model
         log(f"rollout: {result['rollout']}")
         if not args.no_kill:
-            result["kill"] = rollout("v2", db_url, hosts, names, ledger, sampler, bouncer, database, ideal)
+            result["kill"] = rollout("v2", db_url, hosts, names, ledger, sampler, bouncer, database, ideal,
+                                     fetch_s)  # fmt: skip
             k = result["kill"]
             k["cost_s"] = (round(k["converged_s"] - result["rollout"]["converged_s"], 2)
                            if k["converged_s"] is not None and result["rollout"]["converged_s"] is not None else None)  # fmt: skip
@@ -252,6 +277,13 @@ def main() -> int:
     p.add_argument("--staged-canary-fails", action="store_true",
                    help="instead: a staged rollout whose canary fails (bench/fleet_sim_staged.py)")  # fmt: skip
     p.add_argument("--pg-server", default="postgresql+psycopg://postgres@127.0.0.1:5432/postgres")
+    p.add_argument("--gb", type=float, default=0.0, help="a full version's GB (0: every host has every copy)")
+    p.add_argument("--ratios", type=float, nargs="+", default=[], help="delta/full ratios (1: full)")
+    p.add_argument("--ratios-from", default="bench/results/delta-2core.json", help="else: bench/delta.py's")
+    p.add_argument("--link-gbps", type=float, nargs="+", default=[25.0], help="each host's link, round-robin")
+    p.add_argument("--origin-gbps", type=float, nargs="+", default=[100.0],
+                   help="the origin's bandwidth, shared by the hosts fetching (--model: one run each)")  # fmt: skip
+    p.add_argument("--model", action="store_true", help="with --gb: the virtual-time model alone (no SQL)")
     p.add_argument("--out", default="")
     args = p.parse_args()
     configure_logging(level="warning")  # 1,000 hosts' info lines would cost more CPU than their SQL
@@ -264,6 +296,18 @@ def main() -> int:
                            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "cpus": os.cpu_count(),
                            "uptime_before": load_average(),
                            "runs": []}  # fmt: skip
+    ratios = ({("full" if r == 1 else f"delta {100 * r:g} %"): r for r in args.ratios} if args.ratios
+              else recorded_ratios(Path(args.ratios_from)))  # fmt: skip
+    if args.gb and args.model:
+        doc["model"] = [{**model_rollout(n, max(1, math.ceil(n * args.bound_pct / 100)), args.update_s, args.poll_s,
+                                         args.gb * 1e9 * r, args.link_gbps, o),
+                         "encoding": name, "ratio": r, "origin_gbps": o, "link_gbps": args.link_gbps}
+                        for n in args.hosts for o in args.origin_gbps for name, r in ratios.items()]  # fmt: skip
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(doc, indent=2))
+        print(model_table(doc["model"]))
+        return 0
     if args.staged_canary_fails:
         doc["staged"] = []
         for n in args.hosts:
@@ -280,14 +324,18 @@ def main() -> int:
             if (mode, min(n, args.direct_max_hosts) if mode == "direct" else n) in done:
                 continue  # direct at 300 and 1,000 hosts is the same capped run
             done.add((mode, min(n, args.direct_max_hosts) if mode == "direct" else n))
-            run = simulate(mode, n, args, log)
-            run["uptime_after"] = load_average()
-            doc["runs"].append(run)
-            if args.out:  # after each run: a long run that dies keeps what it measured
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(doc, indent=2))
+            for ratio in ratios.items() if args.gb else [None]:
+                run = simulate(mode, n, args, log, ratio)
+                run["uptime_after"] = load_average()
+                doc["runs"].append(run)
+                if args.out:  # after each run: a long run that dies keeps what it measured
+                    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                    Path(args.out).write_text(json.dumps(doc, indent=2))
     print()
     print(table(doc))
+    if args.gb:
+        print()
+        print(bytes_table(doc["runs"]))
     return 0
 
 

@@ -24,10 +24,12 @@ from typing import Any
 
 from sqlalchemy import event
 
+from bench.fleet_sim_bytes import Origin
 from daemon.fleet.agent import FleetAgent
 from daemon.fleet.lease import FleetLeases
 from daemon.fleet.settings import FleetSettings
-from daemon.registry import Registry
+from daemon.registry import Registry, hosts
+from daemon.registry import queries as q
 from daemon.registry.journal import Journal
 from daemon.registry.models import RolloutOutcome, RolloutTrigger
 from daemon.registry.status import CheckpointStatus
@@ -50,6 +52,12 @@ class Ledger:
     errors: list[str] = field(default_factory=list)
     kill_at_acquisition: int | None = None  # the n-th acquisition of `kill_version` is killed
     kill_version: str = ""
+    # the bytes dimension (bench/fleet_sim_bytes.py): None = every host has every version's copy
+    origin_bps: float | None = None
+    version_bytes: dict[str, float] = field(default_factory=dict)  # bytes each host fetches per version
+    links: dict[str, float] = field(default_factory=dict)  # host -> its link, bytes/s
+    copies: str = ""  # the folder whose <version> directory a finished fetch records as the host's copy
+    origins: dict[str, Origin] = field(default_factory=dict)  # version -> its origin model (real time)
 
     def acquired(self, host: str, slot: int, version: str) -> bool:
         """Record it; True when this host is the one to kill."""
@@ -89,6 +97,28 @@ class Ledger:
         with self.lock:
             if len(self.errors) < 50:
                 self.errors.append(text)
+
+    def fetching(self) -> bool:
+        """Hosts fetch each version through the origin model (else: every copy is there)."""
+        return self.origin_bps is not None
+
+    def copy_path(self, version: str) -> str:
+        return f"{self.copies}/{version}"
+
+    def fetch_begin(self, host: str, version: str) -> None:
+        with self.lock:
+            assert self.origin_bps is not None
+            origin = self.origins.setdefault(version, Origin(self.origin_bps, now=time.monotonic()))
+            origin.begin(host, self.version_bytes[version], self.links[host], time.monotonic())
+
+    def fetch_left_s(self, host: str, version: str) -> float:
+        with self.lock:
+            return self.origins[version].left_s(host, time.monotonic())
+
+    def fetch_summary(self, version: str, t0: float) -> dict[str, Any]:
+        with self.lock:
+            origin = self.origins.get(version)
+            return origin.summary(t0) if origin is not None else {}
 
     # Read by the simulation; methods, so a ledger shared across processes (a manager's proxy,
     # bench/fleet_sim_procs.py) answers them too.
@@ -138,6 +168,8 @@ class SimHost:
         self.leases = FleetLeases(self.registry, settings)
         self.agent = FleetAgent(self.journal, settings, idle=self.idle, pinned=lambda: None, converge=self.converge,
                                 submit=self.submit)  # fmt: skip
+        if ledger.fetching():
+            self.agent.fetch = self.fetch  # as the daemon's Coordinator.fetch_here, through the origin model
         self.update_s = update_s
         self.ledger = ledger
         self.stop_all = stop_all
@@ -160,6 +192,24 @@ class SimHost:
 
     def submit(self, _checkpoint_id: int) -> None:
         self.submits += 1
+
+    def fetch(self, checkpoint_id: int) -> bool:
+        """daemon.fleet.fetch.fetch_here with the bytes moved by the origin model: this host's
+        fetch takes as long as its share of the origin and its link allow, then its copy is
+        recorded (its location row), as the real fetch does."""
+        with self.registry.session() as s:
+            ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+            assert ckpt is not None
+            version = ckpt.version
+        self.ledger.fetch_begin(self.name, version)
+        while (left := self.ledger.fetch_left_s(self.name, version)) > 0:
+            if self.stop_all.wait(min(left, 0.2)) or self.dead.is_set():
+                return False
+        with self.registry.session() as s:
+            ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+            assert ckpt is not None
+            hosts.record_copy(s, ckpt, self.ledger.copy_path(version), None)
+        return True
 
     def converge(self, version: str) -> Future[dict[str, Any]]:
         job: Future[dict[str, Any]] = Future()

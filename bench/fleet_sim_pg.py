@@ -39,10 +39,13 @@ def drop_database(server_url: str, name: str) -> None:
     admin.dispose()
 
 
-def seed_fleet(url: str, hosts: list[str], versions: list[str], folder: Path) -> None:
+def seed_fleet(
+    url: str, hosts: list[str], versions: list[str], folder: Path, copies: int | None = None
+) -> None:
     """Migrated, then: `versions[0]` verified, deployed and good, every host serving it; the others
     registered but still `verifying` (no host acts on them) with a copy on every host, so a commit
-    (`commit_version`) only has to make one of them good."""
+    (`commit_version`) only has to make one of them good. `copies`: only the first that many
+    versions have a copy on every host (the others are fetched: bench/fleet_sim_bytes.py)."""
     reg = Registry(url, "fleet-sim")
     reg.upgrade()
     now = utcnow()
@@ -64,7 +67,7 @@ def seed_fleet(url: str, hosts: list[str], versions: list[str], folder: Path) ->
                                    "state": "RUNNING", "weight_version": versions[0], "updated_at": now}
                                   for h in hosts])  # fmt: skip  # each host's one worker, as its daemon registers it
         s.execute(insert(CheckpointLocation), [{"checkpoint_id": ids[v], "host": h, "local_path": str(folder / v),
-                                                "recorded_at": now} for h in hosts for v in versions])  # fmt: skip
+                                                "recorded_at": now} for h in hosts for v in versions[:copies]])  # fmt: skip
     reg.close()
 
 

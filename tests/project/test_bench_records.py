@@ -62,6 +62,9 @@ CLI_STOP = "cli_stop-2core-2026-12-04b.json"
 CLI = "cli_stop-2core-2026-12-05-cli.json"  # bench.cli_stop --cli-only, load ~3
 CLI_STOP_BEFORE = "cli_stop-2core-2026-12-04.json"  # before the CLI import cut
 VLLM_IPC = "vllm_ipc-2core-2026-12-05.json"
+DELTA_SOURCES = "delta_sources-2core.json"
+BYTES_MODEL = "fleet_sim-2026-12-05/bytes-model-1000.json"  # bench.fleet_sim --gb 16.06 --model
+BYTES_REAL = "fleet_sim-2026-12-05/bytes-30-direct.json"  # the same with real rows, 30 hosts
 WORKER_HEALTH = ("worker_health-2core-2026-12-05-a.json", "worker_health-2core-2026-12-05-b.json")
 
 
@@ -173,6 +176,33 @@ FIGURES: dict[str, list[tuple[str, Value]]] = {
         ("{18.6} s (300)", lambda: at("fleet_sim-2026-12-03/staged.json", "staged[1].halted_s")),
         ("{1} host ever rolled it out", lambda: max(len(at("fleet_sim-2026-12-03/staged.json", f"staged[{i}].{k}"))
                                                    for i in (0, 1) for k in ("hosts_that_rolled_out_bad", "hosts_that_served_bad"))),
+    ],
+    "deltas over S3 (moto) and push, bytes fetched per host": [
+        ("S3: full {429846} B", lambda: at(DELTA_SOURCES, "summary[0].full_bytes_per_host")),
+        ("delta {9172} B", lambda: at(DELTA_SOURCES, "summary[0].delta_bytes_per_host")),
+        ("({2.13} %) per host", lambda: 100 * at(DELTA_SOURCES, "summary[0].ratio")),
+        ("push: full {429846} B", lambda: at(DELTA_SOURCES, "summary[1].full_bytes_per_host")),
+        ("delta {9103} B", lambda: at(DELTA_SOURCES, "summary[1].delta_bytes_per_host")),
+        ("({2.12} %);", lambda: 100 * at(DELTA_SOURCES, "summary[1].ratio")),
+        ("equals its registry row and the delta's file bytes", lambda: all(
+            s["counters_match_registry"] and s["only_delta_fetched"] for s in at(DELTA_SOURCES, "summary"))),
+    ],
+    "fleet simulation with bytes: 1,000 hosts": [
+        ("serving {1315.3} s full", lambda: at(BYTES_MODEL, "model[0].converged_s")),
+        ("({16.06} TB egress)", lambda: at(BYTES_MODEL, "model[0].egress_bytes") / 1e12),
+        ("{49.8} s for a 1 %-density", lambda: at(BYTES_MODEL, "model[1].converged_s")),
+        ("delta ({1.50} %", lambda: 100 * at(BYTES_MODEL, "model[1].ratio")),
+        ("{0.24} TB)", lambda: at(BYTES_MODEL, "model[1].egress_bytes") / 1e12),
+        ("{115.7} s RL-like", lambda: at(BYTES_MODEL, "model[2].converged_s")),
+        ("RL-like ({6.63} %)", lambda: 100 * at(BYTES_MODEL, "model[2].ratio")),
+        ("{259.1} s SFT-like", lambda: at(BYTES_MODEL, "model[3].converged_s")),
+        ("SFT-like ({17.79} %)", lambda: 100 * at(BYTES_MODEL, "model[3].ratio")),
+        ("{351.8} s full", lambda: at(BYTES_MODEL, "model[4].converged_s")),
+        ("{40.4} s 1 % delta", lambda: at(BYTES_MODEL, "model[5].converged_s")),
+        ("full {63.11} s", lambda: at(BYTES_REAL, "runs[0].rollout.converged_s")),
+        ("vs model {62.2} s", lambda: at(BYTES_REAL, "runs[0].rollout.model.converged_s")),
+        ("1 % delta {22.07} s", lambda: at(BYTES_REAL, "runs[1].rollout.converged_s")),
+        ("vs {21.32} s", lambda: at(BYTES_REAL, "runs[1].rollout.model.converged_s")),
     ],
     "the one byte pipeline against today's `hash_files`": [
         ("{1.442} s pipeline", lambda: at(VERIFY, "rows[0].median_s")),
