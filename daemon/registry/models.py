@@ -167,6 +167,12 @@ class Checkpoint(Base):
     delta_base: Mapped[str | None] = mapped_column(String(255))
     fetched_bytes: Mapped[int | None] = mapped_column(BigInteger)
     delta_ratio: Mapped[float | None] = mapped_column(Float)
+    # (0022) a delta's tensors and elements changed from its base; the compacted delta it ships
+    # (from the anchor `compacted_from`, `compacted_bytes` long) for hosts without the base
+    tensors_changed: Mapped[int | None] = mapped_column(Integer)
+    elements_changed: Mapped[int | None] = mapped_column(BigInteger)
+    compacted_from: Mapped[str | None] = mapped_column(String(255))
+    compacted_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
     files: Mapped[list[CheckpointFile]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"
