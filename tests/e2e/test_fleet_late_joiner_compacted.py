@@ -34,7 +34,16 @@ from daemon.delta.anchors import AnchorRule
 from daemon.delta.section import COMPACT_DIR, DELTA_DIR
 from daemon.manifest import load_manifest
 from tests.e2e.test_delta_sources import fetched_counter
-from tests.e2e.test_fleet_late_joiner_s3 import BUCKET, LABEL, PREFIX, cache_of, location, log_events, on, s3_host
+from tests.e2e.test_fleet_late_joiner_s3 import (
+    BUCKET,
+    LABEL,
+    PREFIX,
+    cache_of,
+    location,
+    log_events,
+    on,
+    s3_host,
+)
 
 pytestmark = [pytest.mark.timeout(600),
               pytest.mark.skipif(not os.environ.get(POSTGRES_ENV), reason=f"needs {POSTGRES_ENV}")]  # fmt: skip
@@ -97,9 +106,13 @@ def test_a_late_joiner_takes_the_anchor_and_the_compacted_delta(
         unusable = events(late, "the compacted delta cannot be used: replaying the chain instead")
         assert unusable and f"{COMPACT_DIR}/{FILE}.hsd" in str(unusable[0].get("reason")), unusable
         info = w[1].info()
-        assert (info["state"], info["version"]) == ("RUNNING", "v0"), info  # the serving version keeps serving
+        assert (info["state"], info["version"]) == ("RUNNING", "v0"), (
+            info
+        )  # the serving version keeps serving
         assert location(pg_url, "v3", "host-1") is None
-        assert not rebuilt.is_dir() or sorted(p.name for p in rebuilt.iterdir()) == [], list(rebuilt.iterdir())
+        assert not rebuilt.is_dir() or sorted(p.name for p in rebuilt.iterdir()) == [], list(
+            rebuilt.iterdir()
+        )
         return
     on(pg_url, 1, "v3", late)
     fetched = [e.get("version") for e in events(late, "fetched this host's copy")]
@@ -110,7 +123,10 @@ def test_a_late_joiner_takes_the_anchor_and_the_compacted_delta(
         assert sorted(downloads) == ["v1", "v3"], sorted(downloads)
         v1_bytes = load_manifest(full["v1"]).total_bytes
         assert downloads["v1"]["bytes"] == v1_bytes
-        assert downloads["v3"]["bytes"] == v3.compacted.delta_bytes and downloads["v3"]["encoding"] == "compacted"
+        assert (
+            downloads["v3"]["bytes"] == v3.compacted.delta_bytes
+            and downloads["v3"]["encoding"] == "compacted"
+        )
         assert fetched_counter(late, LABEL, "full") == v1_bytes
         assert fetched_counter(late, LABEL, "delta") == v3.compacted.delta_bytes  # not v2's, not v3's own
         came = sorted(p.relative_to(cache_of(tmp_path, 1) / "v3").as_posix()
