@@ -93,7 +93,7 @@ def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int,
         value = row.get(key)
         if value is None or value == "":
             continue
-        text = ts_full(value) if hasattr(value, "strftime") else f"{value:.4g}" if isinstance(value, float) else safe(value)
+        text = ts_full(value) if hasattr(value, "strftime") else _number(key, value) if isinstance(value, float) else safe(value)
         out += _wrapped(f"{label + ':':<{_PAD}} ", text, width)
     out.append(f"{'checks:':<{_PAD}} {len(checks) or 'none recorded'}")
     for c in checks:
@@ -108,6 +108,10 @@ def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int,
         if g.get("output") and g["last"] != "passed":  # an eval's tails, to read why
             out += ["    " + safe(ln) for ln in str(g["output"]).splitlines()[-12:]]
     return out
+
+
+def _number(key: str, value: float) -> str:
+    return f"{100 * value:.2f} %" if key == "delta_ratio" else f"{value:.1f}"  # a ratio of 0.034 is not "0.0"
 
 
 def _wrapped(head: str, text: str, width: int) -> list[str]:

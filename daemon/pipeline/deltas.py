@@ -133,7 +133,7 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetche
     ckpt.encoding = "delta"
     ckpt.delta_base = base.version
     ckpt.fetched_bytes = done.delta_bytes
-    ckpt.delta_ratio = round(spec.ratio, 6)
+    ckpt.delta_ratio = round(spec.ratio, 9)  # the view's full_bytes (fetched / ratio) stays within a byte or two
     ckpt.tensors_changed, ckpt.elements_changed = spec.tensors_changed, spec.elements_changed
     if spec.compacted is not None:
         ckpt.compacted_from, ckpt.compacted_bytes = spec.compacted.base_version, spec.compacted.delta_bytes
