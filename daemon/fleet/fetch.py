@@ -48,7 +48,9 @@ def _here(s: Session, ckpt: Checkpoint) -> bool:
 
 def plan(s: Session, ckpt: Checkpoint) -> tuple[bool, int, int]:
     """(take the compacted delta, its bytes to fetch, the chain's) for a delta version this host has
-    no copy of. Both ways fetch the anchor unless it is here; the chain stops at a link held here."""
+    no copy of. Both ways fetch the anchor unless it is here; the chain stops at a link held here.
+    A chain with a gap or a loop takes the compacted delta (it skips the links; the chain would
+    fail, and names the gap when the compacted delta fails too)."""
     if ckpt.encoding != "delta" or not ckpt.delta_base or ckpt.compacted_bytes is None:
         return False, 0, 0
     if not ckpt.compacted_from:
@@ -62,7 +64,7 @@ def plan(s: Session, ckpt: Checkpoint) -> tuple[bool, int, int]:
         chain += link.fetched_bytes or 0  # a link's delta bytes (unknown: counted as none, so the chain wins)
         base = q.get_checkpoint(s, link.delta_base) if link.delta_base else None
         if base is None or base.version in seen or len(seen) > CHAIN_DEPTH:
-            return False, compact, chain  # a gap or a loop: the chain says why when it is fetched
+            return True, compact, chain  # a gap or a loop: the chain cannot work, the compacted delta may
         seen.add(base.version)
         if _here(s, base):
             break

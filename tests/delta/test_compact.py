@@ -45,7 +45,9 @@ def files_of(folder: Path) -> list[str]:
     return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
 
 
-def test_the_cli_writes_the_compacted_delta_from_the_anchor_and_it_rebuilds_the_version(tmp_path: Path) -> None:
+def test_the_cli_writes_the_compacted_delta_from_the_anchor_and_it_rebuilds_the_version(
+    tmp_path: Path,
+) -> None:
     publish_tiny(tmp_path / "tr" / "v1", seed=1)
     for v, base in (("v2", "v1"), ("v3", "v2")):
         step(tmp_path / "tr" / base, tmp_path / "tr" / v, 1e-3, 7)
@@ -55,7 +57,10 @@ def test_the_cli_writes_the_compacted_delta_from_the_anchor_and_it_rebuilds_the_
     assert "compacted delta from v1" in r.stdout, r.stdout
     out = tmp_path / "out" / "v3"
     assert files_of(out) == [f"{COMPACT_DIR}/{HSD}", f"{DELTA_DIR}/{HSD}", MANIFEST_NAME]
-    assert files_of(tmp_path / "out" / "v2") == [f"{DELTA_DIR}/{HSD}", MANIFEST_NAME]  # one link: no compacting
+    assert files_of(tmp_path / "out" / "v2") == [
+        f"{DELTA_DIR}/{HSD}",
+        MANIFEST_NAME,
+    ]  # one link: no compacting
     m, anchor = load_manifest(out), load_manifest(tmp_path / "tr" / "v1")
     spec = parse(m, "t")
     assert spec is not None and spec.compacted is not None and spec.chain_length == 2
@@ -63,12 +68,23 @@ def test_the_cli_writes_the_compacted_delta_from_the_anchor_and_it_rebuilds_the_
     assert (c.base_version, c.base_digest, spec.anchor_digest) == ("v1", anchor.digest, anchor.digest)
     assert c.delta_bytes < spec.chain_bytes  # worth it: about one link, not two
     assert [f.path for f in fetched_files(m, "t")] == [f"{DELTA_DIR}/{HSD}"]  # a host with the base
-    assert [f.path for f in fetched_files(m, "t", compacted=True)] == [f"{COMPACT_DIR}/{HSD}"]  # a host without
-    assert [f.path for f in shipped_files(m, "t")] == [f"{DELTA_DIR}/{HSD}", f"{COMPACT_DIR}/{HSD}"]  # the upload
-    done = rebuild(out, m, c, tmp_path / "tr" / "v1", {f.path: f for f in anchor.files}, tmp_path / "rebuilt" / "v3")
+    assert [f.path for f in fetched_files(m, "t", compacted=True)] == [
+        f"{COMPACT_DIR}/{HSD}"
+    ]  # a host without
+    assert [f.path for f in shipped_files(m, "t")] == [
+        f"{DELTA_DIR}/{HSD}",
+        f"{COMPACT_DIR}/{HSD}",
+    ]  # the upload
+    done = rebuild(
+        out, m, c, tmp_path / "tr" / "v1", {f.path: f for f in anchor.files}, tmp_path / "rebuilt" / "v3"
+    )
     for f in m.files:  # from the anchor alone, bit-identical to the trainer's v3
-        assert (done.directory / f.path).read_bytes() == (tmp_path / "tr" / "v3" / f.path).read_bytes(), f.path
-    assert load_manifest(tmp_path / "tr" / "v3").digest == m.digest  # the full folder's manifest is the same one
+        assert (done.directory / f.path).read_bytes() == (tmp_path / "tr" / "v3" / f.path).read_bytes(), (
+            f.path
+        )
+    assert (
+        load_manifest(tmp_path / "tr" / "v3").digest == m.digest
+    )  # the full folder's manifest is the same one
 
 
 def test_no_compact_writes_none_and_a_longer_chain_still_compacts_from_the_anchor(tmp_path: Path) -> None:
@@ -79,7 +95,10 @@ def test_no_compact_writes_none_and_a_longer_chain_still_compacts_from_the_ancho
     on = chain(tmp_path / "b", n=4)
     spec = parse(load_manifest(on["v4"]), "t")
     assert spec is not None and spec.compacted is not None
-    assert (spec.compacted.base_version, spec.chain_length) == ("v1", 3)  # v1 -> v4 in one, not v1 -> v3 -> v4
+    assert (spec.compacted.base_version, spec.chain_length) == (
+        "v1",
+        3,
+    )  # v1 -> v4 in one, not v1 -> v3 -> v4
 
 
 def test_the_anchor_folder_is_found_given_or_its_absence_is_named(tmp_path: Path) -> None:
@@ -90,7 +109,14 @@ def test_the_anchor_folder_is_found_given_or_its_absence_is_named(tmp_path: Path
     elsewhere = tmp_path / "anchors" / "first"
     elsewhere.parent.mkdir()
     shutil.move(tmp_path / "tr" / "v1", elsewhere)  # not beside the base any more
-    argv = ["publish", str(tmp_path / "tr" / "v3"), "--delta-from", str(tmp_path / "tr" / "v2"), "--anchor-share", "100"]
+    argv = [
+        "publish",
+        str(tmp_path / "tr" / "v3"),
+        "--delta-from",
+        str(tmp_path / "tr" / "v2"),
+        "--anchor-share",
+        "100",
+    ]
 
     strict = hotswap_cli(*argv, "--out", str(tmp_path / "out" / "v3"), "--compact")
     assert strict.returncode == 1 and "--anchor-dir" in strict.stderr and "v1" in strict.stderr, strict.stderr
@@ -99,7 +125,9 @@ def test_the_anchor_folder_is_found_given_or_its_absence_is_named(tmp_path: Path
     assert default.returncode == 0, default.stderr
     assert "no compacted delta:" in default.stdout and "--anchor-dir" in default.stdout, default.stdout
     assert not (tmp_path / "out" / "v3" / COMPACT_DIR).exists()
-    given = hotswap_cli(*argv, "--out", str(tmp_path / "out" / "v3b"), "--version", "v3", "--anchor-dir", str(elsewhere))
+    given = hotswap_cli(
+        *argv, "--out", str(tmp_path / "out" / "v3b"), "--version", "v3", "--anchor-dir", str(elsewhere)
+    )
     assert given.returncode == 0 and "compacted delta from v1" in given.stdout, given.stdout + given.stderr
     assert (tmp_path / "out" / "v3b" / COMPACT_DIR / HSD).is_file()
 
@@ -110,7 +138,9 @@ def test_another_checkpoint_under_the_anchors_name_is_refused_as_the_anchor(tmp_
     shutil.move(tmp_path / "tr" / "v1", tmp_path / "v1-real")
     publish_tiny(tmp_path / "tr" / "v1", seed=5, version="v1")  # same name, other weights
     with pytest.raises(DeltaError, match="another checkpoint under the anchor's name"):
-        publish_delta(tmp_path / "tr" / "v3", tmp_path / "tr" / "v2", tmp_path / "out" / "v3", rule=RULE, compact=True)
+        publish_delta(
+            tmp_path / "tr" / "v3", tmp_path / "tr" / "v2", tmp_path / "out" / "v3", rule=RULE, compact=True
+        )
     assert not (tmp_path / "out" / "v3").exists()
     p = publish_delta(tmp_path / "tr" / "v3", tmp_path / "tr" / "v2", tmp_path / "out" / "v3", rule=RULE)
     assert p.spec is not None and p.spec.compacted is None
@@ -148,4 +178,6 @@ def test_a_malformed_compacted_section_is_refused_with_its_reason(tmp_path: Path
     with pytest.raises(DeltaError, match=why):
         parse(replace(m, extra={"delta": doc}), "t")
     with pytest.raises(DeltaError, match="changed must count"):
-        parse(replace(m, extra={"delta": {**m.extra["delta"], "changed": {"tensors": -1, "elements": 3}}}), "t")
+        parse(
+            replace(m, extra={"delta": {**m.extra["delta"], "changed": {"tensors": -1, "elements": 3}}}), "t"
+        )
