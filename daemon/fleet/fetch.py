@@ -97,8 +97,8 @@ def fetch_here(registry: Registry, sources: Mapping[str, Source], checkpoint_id:
             return False
         item, label = FetchItem(ckpt.id, ckpt.version, ckpt.uri), ckpt.source
         base = q.get_checkpoint(s, ckpt.delta_base) if ckpt.delta_base else None
-        compact, compact_bytes, chain_bytes = (False, 0, 0) if rebuild is None or base is None or _here(s, base) \
-            else plan(s, ckpt)  # fmt: skip
+        has_base = base is not None and _here(s, base)  # then the delta itself is the cheapest way
+        compact, compact_bytes, chain_bytes = (False, 0, 0) if rebuild is None or has_base else plan(s, ckpt)
     vlog = bind_version(log, item.version, source=label)
     source = sources.get(label)
     if source is None:
