@@ -329,7 +329,7 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
         if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
             rollout.fleet_agent.fetch = lambda cid: fetch_here(
                 registry, coordinator.sources, cid,
-                lambda i, d: deltas.rebuild_copy(registry, i, d, coordinator.delta_dir))
+                lambda i, d, c: deltas.rebuild_copy(registry, i, d, coordinator.delta_dir, c), 0, metrics.fetched)
             rollout.fleet_agent.doing = lambda: rollout.state.current_job or (None if rollout.wait_ready(0) else "start-up")
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 

@@ -187,6 +187,7 @@ def status_document(state: ApiState) -> dict[str, Any]:
         transports = q.update_transports(s)
         aliases = q.aliases(s)
         adapters = q.adapter_aliases(s)
+        arrivals = _arrivals(s, latest, aliases.get("serving"))
     return {
         "daemon": {
             "version": daemon.__version__,
@@ -203,7 +204,22 @@ def status_document(state: ApiState) -> dict[str, Any]:
         "latest": redact_doc([_jsonable_row(r) for r in latest]),
         "workers": redact_doc([{**_jsonable_row(r), "transport": transports.get(r["worker"])} for r in workers]),
         "webhooks": webhook_report(state.registry, state.webhooks) if state.webhooks else [],
+        "arrivals": redact_doc(arrivals),  # serving and pending versions: full or delta, bytes, changes
     }
+
+
+_PENDING = ("discovered", "fetching", "verifying", "verified")  # not deployed (yet), newest first
+
+
+def _arrivals(s: Any, latest: list[dict[str, Any]], serving: str | None) -> list[dict[str, Any]]:
+    """How the serving version and the pending ones arrived (daemon.cli.arrival), where recorded."""
+    rows = {r["version"]: r for r in latest}
+    if serving and serving not in rows and (ckpt := q.get_checkpoint(s, serving)) is not None:
+        rows.update({r["version"]: r for r in q.history(s, checkpoint_id=ckpt.id)})
+    wanted = [(serving, "serving")] if serving else []
+    wanted += [(r["version"], r["status"]) for r in latest if r["status"] in _PENDING and r["version"] != serving]
+    return [{"version": v, "role": role, **{k: rows[v].get(k) for k in q.ARRIVAL_COLUMNS}}
+            for v, role in wanted if v in rows and rows[v].get("encoding") is not None]  # fmt: skip
 
 
 def _jsonable_row(row: dict[str, Any]) -> dict[str, Any]:

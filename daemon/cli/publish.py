@@ -48,6 +48,12 @@ def publish_parser() -> argparse.ArgumentParser:
     de.add_argument("--anchor-share", metavar="F", type=float, default=0.5,
                     help="adaptive anchors: ship a full checkpoint once the chain's delta bytes since the last "
                     "one pass F of a full checkpoint (default 0.5)")
+    de.add_argument("--compact", action=argparse.BooleanOptionalAction, default=None,
+                    help="also write the compacted delta (from the chain's anchor straight to DIR, under "
+                    "OUT/hotswap-compact/) for hosts without the base (default: when the chain has more than "
+                    "one link and the anchor's folder is found; --compact makes a missing one an error)")
+    de.add_argument("--anchor-dir", metavar="ANCHOR", type=Path,
+                    help="the anchor's folder of full files (default: the folder of its name beside BASE)")
     up = ap.add_argument_group("upload (after writing the manifest)")
     up.add_argument("--to", metavar="s3://BUCKET/PREFIX/VERSION", help="upload: the files first, the manifest last")
     up.add_argument("--endpoint-url", metavar="URL", help="an S3-compatible store (default: AWS)")
@@ -114,7 +120,8 @@ def write_delta(args: argparse.Namespace) -> int:
         signer = load_signer(args.alg, args.key_id, args.key_file) if args.key_file is not None else None
         p = publish_delta(args.directory, args.delta_from, args.out, version=args.version or args.out.name,
                           step=args.step, parent=args.parent, signer=signer, hash_alg=args.hash,
-                          threads=args.threads, rule=rule)  # fmt: skip
+                          threads=args.threads, rule=rule, compact=args.compact,
+                          anchor_dir=args.anchor_dir)  # fmt: skip
     except (ValueError, SignatureError) as exc:
         print(f"hotswap publish: {exc}", file=sys.stderr)
         return 2 if not isinstance(exc, ManifestError | DeltaError) else 1
@@ -130,6 +137,11 @@ def write_delta(args: argparse.Namespace) -> int:
         print(f"published {m.version} as a delta of {s.base_version}: {len(s.files)} delta files, {s.delta_bytes} of "
               f"{s.full_bytes} bytes ({100 * s.ratio:.2f} %), chain since anchor {s.anchor}: {s.chain_length} deltas, "
               f"digest {m.digest}")  # fmt: skip
+        if s.compacted is not None:
+            print(f"  compacted delta from {s.compacted.base_version}: {s.compacted.delta_bytes} bytes (the chain: "
+                  f"{s.chain_bytes})")  # fmt: skip
+        elif p.compact_skipped:
+            print(f"  no compacted delta: {p.compact_skipped}")
     return upload(args.out, args) if args.to is not None else 0
 
 
@@ -154,12 +166,12 @@ def upload(directory: Path, args: argparse.Namespace) -> int:
 
     from daemon.client.publish import publish_s3
     from daemon.delta import DeltaError
-    from daemon.delta.section import fetched_files
+    from daemon.delta.section import shipped_files
     from daemon.manifest import ManifestError
 
     try:
         m = publish_s3(directory, args.to, endpoint_url=args.endpoint_url, concurrency=args.concurrency)
-        moved = fetched_files(m, str(directory))
+        moved = shipped_files(m, str(directory))
     except (ManifestError, DeltaError, OSError, ValueError, BotoCoreError, ClientError) as exc:
         print(f"hotswap publish: upload to {args.to} failed: {exc}", file=sys.stderr)
         return 1

@@ -25,6 +25,8 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
+from daemon.cli.arrival import arrival_lines, delta_cell
+from daemon.cli.text import fmt_bytes, safe
 from daemon.common.apiconfig import client_tls
 from daemon.config import Config, ConfigError, load_config
 
@@ -81,12 +83,6 @@ def daemon_alive(runtime: dict[str, Any] | None) -> bool:
     return True
 
 
-def safe(value: Any) -> str:
-    """A value as one printable line: control characters (ESC, newlines, ...) escaped."""
-    text = "" if value is None else str(value)
-    return "".join(ch if ch.isprintable() else ascii(ch)[1:-1] for ch in text)
-
-
 def plain(v: Any) -> Any:
     return v.isoformat() if isinstance(v, datetime) else v
 
@@ -104,7 +100,7 @@ _COLUMNS: tuple[tuple[str, str, int], ...] = (
     ("ended", "rolled back / superseded", 4),
     ("updates", "worker updates", 7),
     ("bytes", "bytes", 3),
-    ("delta", "delta of (delta/full)", 5),  # delta checkpoints: the base and the share of full bytes fetched
+    ("delta", "delta of (delta/full; changed)", 5),  # delta checkpoints: the base, share of full bytes, changes
     ("reason", "reason", 1),
 )
 _SHRINKS = {"version": 12, "reason": 12, "ended": 14}  # may end in "…" down to this width
@@ -131,8 +127,7 @@ def history_cells(row: dict[str, Any], ts: Callable[[datetime | None], str]) -> 
         "ended": ended,
         "updates": safe(row.get("worker_update_ms") or ""),
         "bytes": fmt_bytes(row.get("total_bytes")),
-        "delta": (f"{safe(row['delta_base'])} ({100 * (row.get('delta_ratio') or 0):.1f} %)"
-                  if row.get("encoding") == "delta" and row.get("delta_base") else ""),
+        "delta": delta_cell(row),
         "reason": safe(row.get("status_message") or ""),
     }
 
@@ -225,17 +220,6 @@ def ts_short(v: datetime | None) -> str:
     return v.strftime("%m-%d %H:%M:%S") if v else ""
 
 
-def fmt_bytes(n: int | None) -> str:
-    if not n:
-        return ""
-    value = float(n)
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if value < 1000 or unit == "TB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1000
-    return str(n)
-
-
 # -- hotswap status -----------------------------------------------------------------------------
 
 
@@ -314,6 +298,7 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
             which = f" ({', '.join(waiting[:3])})" if waiting else ""
             why = f"  (newer versions wait for the pin{which}: `hotswap unpin` lets them deploy)"
         out.append(f"{name + ':':<12} {safe(aliases.get(name) or '-')}{why}")
+    out += arrival_lines(doc.get("arrivals") or [])  # serving and pending versions: full or delta, what it cost
     for name, a in sorted((doc.get("adapters") or {}).items()):  # LoRA adapters, each with its own aliases
         pin = f", pinned {safe(a['pinned'])}" if a.get("pinned") else ""
         out.append(f"adapter:     {safe(name)} serving {safe(a.get('serving') or '-')}, "

@@ -25,6 +25,10 @@ _FIELDS = (  # (key of version_history, label)
     ("delta_base", "delta of"),
     ("fetched_bytes", "bytes fetched"),
     ("delta_ratio", "delta/full"),
+    ("tensors_changed", "tensors changed"),
+    ("elements_changed", "elements changed"),
+    ("compacted_from", "compacted from"),
+    ("compacted_bytes", "compacted bytes"),
     ("tensor_count", "tensors"),
     ("source", "source"),
     ("commit_signal", "committed by"),
@@ -40,6 +44,7 @@ _FIELDS = (  # (key of version_history, label)
     ("last_rollout_outcome", "last rollout"),
     ("worker_update_ms", "worker updates"),
 )
+_PAD = max(len(label) for _key, label in _FIELDS) + 1  # the values line up after the longest label
 
 
 def add_parser(sub: Any, with_config: Any) -> None:
@@ -83,26 +88,30 @@ def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int,
     from daemon.registry.gate_runs import summary_line
 
     width = max(width, 40)
-    out = [f"version:        {safe(row.get('version'))}"]
+    out = [f"{'version:':<{_PAD}} {safe(row.get('version'))}"]
     for key, label in _FIELDS:
         value = row.get(key)
         if value is None or value == "":
             continue
-        text = ts_full(value) if hasattr(value, "strftime") else f"{value:.1f}" if isinstance(value, float) else safe(value)
-        out += _wrapped(f"{label + ':':<15} ", text, width)
-    out.append(f"checks:         {len(checks) or 'none recorded'}")
+        text = ts_full(value) if hasattr(value, "strftime") else _number(key, value) if isinstance(value, float) else safe(value)
+        out += _wrapped(f"{label + ':':<{_PAD}} ", text, width)
+    out.append(f"{'checks:':<{_PAD}} {len(checks) or 'none recorded'}")
     for c in checks:
         out.append(f"  {safe(c['name'])}: {safe(c['status'])} ({c['duration_ms']:.0f} ms)")
         for k, v in (c["detail"] or {}).items():
             out += _wrapped(f"    {safe(k)}: ", safe(v if isinstance(v, str) else json.dumps(v)), width)
     if gates:
-        out.append(f"gates:          {len(gates)}")
+        out.append(f"{'gates:':<{_PAD}} {len(gates)}")
     for g in gates or []:
         stage = f"stage {g['stage'] + 1}: " if g["stage"] is not None else ""
         out += _wrapped("  ", safe(stage + summary_line(g)), width)
         if g.get("output") and g["last"] != "passed":  # an eval's tails, to read why
             out += ["    " + safe(ln) for ln in str(g["output"]).splitlines()[-12:]]
     return out
+
+
+def _number(key: str, value: float) -> str:
+    return f"{100 * value:.2f} %" if key == "delta_ratio" else f"{value:.1f}"  # a ratio of 0.034 is not "0.0"
 
 
 def _wrapped(head: str, text: str, width: int) -> list[str]:

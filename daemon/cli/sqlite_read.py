@@ -25,7 +25,8 @@ _VIEW = ("checkpoint_id", "version", "status", "status_message", "step", "parent
          "deployed_at", "verify_ms", "rollout_count", "rolled_back_at", "superseded_at", "serving",
          "last_rollout_id", "last_rollout_outcome", "worker_update_ms")  # fmt: skip
 _CHECKPOINT = ("last_deployed_at", "kind", "adapter_name", "base_model", "encoding", "delta_base",
-               "fetched_bytes", "delta_ratio")  # fmt: skip
+               "fetched_bytes", "delta_ratio", "tensors_changed", "elements_changed", "compacted_from",
+               "compacted_bytes")  # fmt: skip
 _TIMES = {"discovered_at", "verified_at", "deployed_at", "rolled_back_at", "superseded_at", "last_deployed_at"}
 
 

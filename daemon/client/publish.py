@@ -33,7 +33,7 @@ from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
 from daemon.checks.signatures import HmacSigner, read_hmac_key
 from daemon.client.tls_diagnosis import tls_diagnosis, tls_problem
-from daemon.delta.section import fetched_files
+from daemon.delta.section import shipped_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, Signature, Signer, load_manifest, publish
 
@@ -98,7 +98,7 @@ def publish_s3(
     part_bytes: int = 32 * MIB,
 ) -> Manifest:
     """Upload a checkpoint to `s3://bucket/prefix/<version>/`: every file first (a delta checkpoint's:
-    its delta files only, daemon.delta), the manifest last."""
+    its delta files and its compacted delta's, daemon.delta), the manifest last."""
     root = Path(directory)
     bucket, prefix = parse_s3_url(url)
     manifest = ensure_manifest(root, prefix.rstrip("/").rsplit("/", 1)[-1], signer)
@@ -108,7 +108,7 @@ def publish_s3(
     with ThreadPoolExecutor(n, thread_name_prefix="s3-put") as files, \
             ThreadPoolExecutor(n, thread_name_prefix="s3-part") as parts:
         futures = []
-        moved = fetched_files(manifest, str(root))
+        moved = shipped_files(manifest, str(root))
         for f in moved:
             size = f.bytes
             if size <= part_bytes:
@@ -203,7 +203,7 @@ def push(
             return tls_diagnosis(url, tls, cert is not None) if isinstance(tls, ssl.SSLContext) else None
 
         with httpx.Client(verify=tls, timeout=timeout_s) as http:
-            for f in fetched_files(manifest, str(root)):  # a delta checkpoint: its delta files only
+            for f in shipped_files(manifest, str(root)):  # a delta checkpoint: its delta files (and compacted ones)
                 task = bar.add_task(f.path, total=f.bytes) if bar is not None else None
                 answer = _with_retries(retries, f.path, lambda f=f, task=task: http.put(
                     f"{base}/files/{quote(f.path)}", params={"alg": manifest.hash_alg or "blake3"},

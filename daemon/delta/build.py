@@ -6,7 +6,9 @@
 and chain). The new manifest, with its `delta` section, is written into `new_dir` (so it can be
 the next delta's base) and, last, into `out_dir`, after the delta files: `out_dir` is what a
 daemon fetches (a new version folder in the watched folder). When the anchor rule says so, the
-full files are copied to `out_dir` instead and the manifest has no delta section.
+full files are copied to `out_dir` instead and the manifest has no delta section. When the chain
+has more than one link, a compacted delta from the anchor goes into `out_dir` too
+(daemon.delta.compact), before the manifest.
 """
 
 from __future__ import annotations
@@ -14,21 +16,20 @@ from __future__ import annotations
 import os
 import shutil
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from daemon.bytepipe.files import hash_files
 from daemon.delta.anchors import AnchorRule
 from daemon.delta.codec import DeltaError
-from daemon.delta.container import encode_file, map_file, write_file
-from daemon.delta.section import KEY, DeltaFile, DeltaSpec, delta_path, parse
+from daemon.delta.compact import compact_chain
+from daemon.delta.section import KEY, DeltaSpec, delta_path, parse
+from daemon.delta.tree import encode_dir
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.hashing import DEFAULT_HASH_ALG
 from daemon.manifest import (
     Manifest,
     ManifestError,
-    ManifestFile,
     Signer,
     list_checkpoint_files,
     load_manifest,
@@ -42,6 +43,7 @@ class Published:
     spec: DeltaSpec | None  # None: a full checkpoint (an anchor)
     anchor_reason: str | None  # why it is full, when it is
     encodings: dict[str, int]  # result bytes per chunk encoding (same, sparse, xor, full)
+    compact_skipped: str | None = None  # why no compacted delta was written, when the chain could use one
 
 
 def base_chain(base_dir: Path) -> tuple[Manifest, str, int, int]:
@@ -71,7 +73,12 @@ def publish_delta(
     hash_alg: str = DEFAULT_HASH_ALG,
     threads: int | None = None,
     rule: AnchorRule | None = None,
+    compact: bool | None = None,
+    anchor_dir: str | os.PathLike[str] | None = None,
 ) -> Published:
+    """`compact`: also write the compacted delta from the anchor (daemon.delta.compact); None (the
+    default): when the chain has more than one link and the anchor's folder is found. `anchor_dir`:
+    the anchor's full files (default: the folder of the anchor's name beside `base`)."""
     new_dir, base_dir, out_dir = Path(directory), Path(base), Path(out)
     rule = rule or AnchorRule()
     if out_dir.exists() and any(out_dir.iterdir()):
@@ -80,47 +87,38 @@ def publish_delta(
         raise ManifestError(f"{out_dir}: the delta goes into a folder of its own, not {new_dir} or {base_dir}")
     base_m, anchor, chain_bytes, chain_length = base_chain(base_dir)
     assert base_m.version is not None and base_m.digest is not None
-    base_paths = {f.path for f in base_m.files}
+    base_spec = parse(base_m, str(base_dir / MANIFEST_NAME))
+    anchor_digest = base_m.digest if base_spec is None else base_spec.anchor_digest
     rels = list_checkpoint_files(new_dir)
     if not rels:
         raise ManifestError(f"{new_dir}: nothing to publish (no files)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    written: list[tuple[str, str]] = []  # (delta path, target)
-    encodings = {"same": 0, "sparse": 0, "xor": 0, "full": 0}
     try:
         with ThreadPoolExecutor(max(1, threads or os.cpu_count() or 1), thread_name_prefix="delta-enc") as pool:
-            for rel in rels:
-                new = map_file(new_dir / rel)
-                old = map_file(base_dir / rel) if rel in base_paths else None
-                header, payloads, chunks = encode_file(rel, new, old, pool)
-                for c in chunks:
-                    encodings[c.enc] += c.length
-                if old is not None and all(c.enc == "same" for c in chunks) and len(old) == len(new):
-                    continue  # unchanged: the base's file serves as it is
-                write_file(out_dir / delta_path(rel), header, payloads)
-                written.append((delta_path(rel), rel))
-        digests = hash_files([out_dir / p for p, _ in written], alg=hash_alg, threads=threads)
-        files = tuple(DeltaFile(p, t, ManifestFile(p, d.bytes, d.crc32c, d.hash, hash_alg))
-                      for (p, t), d in zip(written, digests, strict=True))  # fmt: skip
-        delta_bytes = sum(f.file.bytes for f in files)
-        full_bytes = sum((new_dir / r).stat().st_size for r in rels)
-        why = rule.full_now(chain_length, chain_bytes, delta_bytes, full_bytes)
-        if why is not None:  # an anchor: the full files go out instead
-            shutil.rmtree(out_dir)
-            out_dir.mkdir(parents=True)
-            m = publish(new_dir, version, step, parent, signer, hash_alg=hash_alg, threads=threads)
-            for rel in rels:
-                (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
-                shutil.copyfile(new_dir / rel, out_dir / rel)
-            _write_last(out_dir, m)
-            return Published(m, None, why, encodings)
-        spec = DeltaSpec(base_m.version, base_m.digest, files, delta_bytes, full_bytes, anchor,
-                         chain_bytes + delta_bytes, chain_length + 1)  # fmt: skip
+            enc = encode_dir(new_dir, base_dir, {f.path for f in base_m.files}, rels, out_dir, delta_path, pool,
+                             hash_alg, threads)  # fmt: skip
+            full_bytes = sum((new_dir / r).stat().st_size for r in rels)
+            why = rule.full_now(chain_length, chain_bytes, enc.delta_bytes, full_bytes)
+            if why is not None:  # an anchor: the full files go out instead
+                shutil.rmtree(out_dir)
+                out_dir.mkdir(parents=True)
+                m = publish(new_dir, version, step, parent, signer, hash_alg=hash_alg, threads=threads)
+                for rel in rels:
+                    (out_dir / rel).parent.mkdir(parents=True, exist_ok=True)
+                    shutil.copyfile(new_dir / rel, out_dir / rel)
+                _write_last(out_dir, m)
+                return Published(m, None, why, enc.encodings)
+            spec = DeltaSpec(base_m.version, base_m.digest, enc.files, enc.delta_bytes, full_bytes, anchor,
+                             chain_bytes + enc.delta_bytes, chain_length + 1, anchor_digest, enc.tensors_changed,
+                             enc.elements_changed)  # fmt: skip
+            compacted, skipped = compact_chain(spec, new_dir, base_dir, rels, out_dir, pool, hash_alg, threads,
+                                               compact, anchor_dir)  # fmt: skip
+        spec = replace(spec, compacted=compacted)
         extra: dict[str, Any] = {KEY: spec.to_doc(hash_alg)}
         m = publish(new_dir, version, step, parent if parent is not None else base_m.version, signer,
                     hash_alg=hash_alg, threads=threads, extra=extra)  # fmt: skip
         _write_last(out_dir, m)
-        return Published(m, spec, None, encodings)
+        return Published(m, spec, None, enc.encodings, skipped)
     except BaseException:
         shutil.rmtree(out_dir, ignore_errors=True)
         raise

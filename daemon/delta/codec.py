@@ -41,7 +41,7 @@ class Chunk:
     item: int = 1  # element size in bytes (sparse indexes elements of this size)
     at: int = 0  # payload offset
     size: int = 0  # payload bytes
-    n: int = 0  # sparse: changed elements
+    n: int = 0  # changed elements (sparse: the indices that follow; xor, full: informational, 0 unknown)
     isize: int = 0  # sparse: bytes of the compressed index stream (the values follow it)
     z: bool = False  # full: the payload is a zstd frame
 
@@ -108,6 +108,7 @@ def encode(base: np.ndarray | None, new: np.ndarray, item: int, force: str | Non
     if len(xz) < len(best[1]):
         best = ("xor", xz, 0, 0, False)
     changed = np.flatnonzero(x.view(_UINT[item]))
+    best = (best[0], best[1], len(changed), 0, False)  # what changed is recorded (daemon.delta.container)
     if len(changed) * item < len(best[1]):  # else the values alone already lose
         gaps = np.diff(changed, prepend=0).astype("<u4")
         index = _compress(gaps.data.cast("B"))
@@ -127,7 +128,7 @@ def _forced(base: np.ndarray | None, new: np.ndarray, item: int, enc: str) -> tu
             raise ValueError("the bytes differ: 'same' does not apply")
         return "same", b"", 0, 0, False
     if enc == "xor":
-        return "xor", _compress(x.data), 0, 0, False
+        return "xor", _compress(x.data), len(changed), 0, False
     index = _compress(np.diff(changed, prepend=0).astype("<u4").data.cast("B"))
     return "sparse", index + new.view(_UINT[item])[changed].tobytes(), len(changed), len(index), False
 

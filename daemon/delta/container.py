@@ -107,6 +107,27 @@ def encode_file(target: str, new: np.ndarray, base: np.ndarray | None, pool: Exe
     return MAGIC + struct.pack("<Q", len(raw)) + raw, payloads, chunks
 
 
+def changed_counts(target: str, new: np.ndarray, base: np.ndarray | None, chunks: list[Chunk]) -> tuple[int, int]:
+    """(tensors changed, their elements changed) of one encoded safetensors file; (0, 0) for any other
+    file. A tensor with no base tensor of its dtype and shape counts every element as changed."""
+    segs, _used = _segments(target, new, base)
+    if len(segs) < 2:
+        return 0, 0  # not a safetensors file: config, tokenizer
+    tensors = elements = 0
+    at = 0
+    for start, end, bstart, item in segs[1:]:  # [0] is the header
+        while at < len(chunks) and chunks[at].out < start:
+            at += 1
+        n = 0
+        while at < len(chunks) and chunks[at].out < end:
+            c = chunks[at]
+            n += c.length // item if c.enc == "full" and (bstart < 0 or not c.n) and c.length else c.n
+            at += 1
+        tensors += n > 0
+        elements += n
+    return tensors, elements
+
+
 def write_file(path: Path, header: bytes, payloads: list[bytes]) -> int:
     """Write one delta file; returns its size."""
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -133,19 +133,28 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetche
     ckpt.encoding = "delta"
     ckpt.delta_base = base.version
     ckpt.fetched_bytes = done.delta_bytes
-    ckpt.delta_ratio = round(spec.ratio, 6)
+    ckpt.delta_ratio = round(spec.ratio, 9)  # the view's full_bytes (fetched / ratio) stays within a byte or two
+    ckpt.tensors_changed, ckpt.elements_changed = spec.tensors_changed, spec.elements_changed
+    if spec.compacted is not None:
+        ckpt.compacted_from, ckpt.compacted_bytes = spec.compacted.base_version, spec.compacted.delta_bytes
     on_fetched(ckpt.source, "delta", done.delta_bytes)
     return Outcome(done.directory, spec, time.perf_counter() - t0)
 
 
-def rebuild_copy(registry: Registry, checkpoint_id: int, directory: Path, delta_root: Path) -> Path:
+def rebuild_copy(registry: Registry, checkpoint_id: int, directory: Path, delta_root: Path,
+                 compacted: bool = False) -> Path:  # fmt: skip
     """This host's fetched copy of a registered version (a fleet host's own copy), ready to serve: a full
-    one as it is; a delta rebuilt from this host's copy of its base into `delta_root/<version>`, its
-    result hashed against the digests the version was verified with. Raises DeltaError, BaseMissing
-    (with the base's id: fetch that first) when this host has no copy of the base."""
+    one as it is; a delta rebuilt from this host's copy of its base (with `compacted`: of its anchor,
+    from the compacted delta's files) into `delta_root/<version>`, its result hashed against the
+    digests the version was verified with. Raises DeltaError, BaseMissing (with the base's id: fetch
+    that first) when this host has no copy of the base."""
     manifest, spec = read_delta(directory)
     if manifest is None or spec is None:
         return directory
+    if compacted:
+        if spec.compacted is None:
+            raise DeltaError(f"{manifest.version}: its manifest lists no compacted delta")
+        spec = spec.compacted
     with registry.session() as s:
         ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
         if ckpt is None:

@@ -167,10 +167,13 @@ class Checkpoint(Base):
     delta_base: Mapped[str | None] = mapped_column(String(255))
     fetched_bytes: Mapped[int | None] = mapped_column(BigInteger)
     delta_ratio: Mapped[float | None] = mapped_column(Float)
+    tensors_changed: Mapped[int | None] = mapped_column(Integer)  # (0022) a delta's, from its base
+    elements_changed: Mapped[int | None] = mapped_column(BigInteger)
+    compacted_from: Mapped[str | None] = mapped_column(String(255))  # its compacted delta's anchor, and bytes
+    compacted_bytes: Mapped[int | None] = mapped_column(BigInteger)
 
-    files: Mapped[list[CheckpointFile]] = relationship(
-        back_populates="checkpoint", cascade="all, delete-orphan", order_by="CheckpointFile.path"
-    )
+    files: Mapped[list[CheckpointFile]] = relationship(back_populates="checkpoint", cascade="all, delete-orphan",
+                                                       order_by="CheckpointFile.path")  # fmt: skip
     checks: Mapped[list[Check]] = relationship(
         back_populates="checkpoint", cascade="all, delete-orphan", order_by="Check.id"
     )

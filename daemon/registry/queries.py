@@ -221,6 +221,11 @@ def status_counts(s: Session) -> dict[str, int]:
     return {status: int(n) for status, n in rows}
 
 
+# how a version arrived (daemon.delta; migrations 0017, 0022): `history` rows carry these
+ARRIVAL_COLUMNS = ("encoding", "delta_base", "fetched_bytes", "delta_ratio", "tensors_changed", "elements_changed",
+                   "compacted_from", "compacted_bytes")  # fmt: skip
+
+
 def history(
     s: Session,
     limit: int | None = None,
@@ -231,13 +236,14 @@ def history(
     """Rows of the `version_history` view as dicts (the newest `limit`, or one checkpoint's), plus
     `last_deployed_at` (the latest deploy: a rollback's or pin's time; `deployed_at` is the first)
     and `kind`, `adapter_name`, `base_model` (LoRA adapters), `encoding`, `delta_base`, `fetched_bytes`,
-    `delta_ratio` (delta checkpoints). `adapter`: only that adapter name's
-    versions. The view computes its columns for the rows returned only (migration 0011)."""
+    `delta_ratio`, `tensors_changed`, `elements_changed`, `compacted_from`, `compacted_bytes` (delta
+    checkpoints). `adapter`: only that adapter name's versions. The view computes its columns for the rows returned only (migration 0011)."""
     order = version_history.c.checkpoint_id.desc() if newest_first else version_history.c.checkpoint_id
     q = (
         select(version_history, Checkpoint.last_deployed_at, Checkpoint.kind, Checkpoint.adapter_name,
                Checkpoint.base_model, Checkpoint.encoding, Checkpoint.delta_base, Checkpoint.fetched_bytes,
-               Checkpoint.delta_ratio)
+               Checkpoint.delta_ratio, Checkpoint.tensors_changed, Checkpoint.elements_changed,
+               Checkpoint.compacted_from, Checkpoint.compacted_bytes)
         .join(Checkpoint, Checkpoint.id == version_history.c.checkpoint_id)
         .order_by(order)
     )  # fmt: skip

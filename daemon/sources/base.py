@@ -47,6 +47,7 @@ class FetchItem:
     checkpoint_id: int
     version: str
     uri: str
+    compacted: bool = False  # a delta's compacted files (from its anchor) instead of its own (daemon.delta)
 
 
 class FetchError(Exception):

@@ -45,7 +45,7 @@ from starlette.requests import ClientDisconnect
 from daemon.checks.signatures import SignatureError, verify_manifest_signature
 from daemon.common.logging import get_logger
 from daemon.delta import DeltaError
-from daemon.delta.section import fetched_files
+from daemon.delta.section import shipped_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.formats.smallfile import MANIFEST_CAP_BYTES
 from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, FileHasher
@@ -310,7 +310,7 @@ def _commit(state: PushState, version: str, raw: bytes, client: str) -> JSONResp
         if session.active:
             return _error(409, f"{version}: {session.active} upload(s) still in flight")
         try:
-            moved = fetched_files(manifest, f"{version}/{MANIFEST_NAME}")  # a delta: its delta files
+            moved = shipped_files(manifest, f"{version}/{MANIFEST_NAME}")  # a delta: its (and its compacted) delta files
         except DeltaError as exc:
             return _error(400, str(exc))
         listed = {f.path for f in moved}

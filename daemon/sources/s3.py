@@ -258,10 +258,11 @@ class S3Source:
         dest = self.cache / name
         stats = fetch_checkpoint(self.client, self.bucket, key_prefix, dest, progress,
                                  concurrency=self.config.concurrency, part_bytes=self.config.part_bytes,
-                                 retry_after_s=self.config.retry_after_s)  # fmt: skip
+                                 retry_after_s=self.config.retry_after_s, compacted=item.compacted)  # fmt: skip
         self.last_fetch[item.version] = stats
         log.info("downloaded", source=self.label, version=item.version, bytes=stats.downloaded_bytes,
-                 reused=stats.reused_bytes, full_object_crcs=stats.full_object_crcs)  # fmt: skip
+                 reused=stats.reused_bytes, full_object_crcs=stats.full_object_crcs,
+                 encoding="compacted" if item.compacted else stats.encoding)  # fmt: skip
         return dest
 
     def prune(self, protected: frozenset[Path]) -> list[Path]:

@@ -163,6 +163,7 @@ def fetch_checkpoint(
     part_bytes: int = 64 * 1024 * 1024,
     retry_after_s: float = 10.0,
     hash_threads: int | None = None,
+    compacted: bool = False,
 ) -> FetchStats:
     """Download and verify one checkpoint into `dest` (see the module docstring)."""
     raw, manifest = read_manifest(client, bucket, key_prefix + MANIFEST_NAME, retry_after_s)
@@ -170,12 +171,12 @@ def fetch_checkpoint(
         raise FetchError(f"s3://{bucket}/{key_prefix}: its manifest is for version {manifest.version!r}, "
                          f"not {dest.name!r}: not fetched into {dest}")  # fmt: skip
     try:
-        entries = fetched_files(manifest, f"s3://{bucket}/{key_prefix}{MANIFEST_NAME}")  # a delta: its delta files
+        entries = fetched_files(manifest, f"s3://{bucket}/{key_prefix}{MANIFEST_NAME}", compacted)  # a delta: its delta files
     except DeltaError as exc:
         raise FetchError(str(exc)) from None
     total = sum(e.bytes for e in entries)
     encoding = "delta" if is_delta(manifest) else "full"
-    if _occupied(dest, raw, manifest):
+    if _occupied(dest, raw, manifest, entries):
         return FetchStats(len(entries), total, 0, total, encoding=encoding)
     partial = dest.with_name(f".partial-{dest.name}")
     identity = hashlib.sha256(raw).hexdigest() + "\n"
@@ -196,16 +197,18 @@ def fetch_checkpoint(
     (partial / MANIFEST_NAME).write_bytes(raw)
     (partial / DONE_FILE).unlink(missing_ok=True)
     state.unlink(missing_ok=True)
-    if _occupied(dest, raw, manifest):  # asked again: another fetch of the same manifest finished first
+    if _occupied(dest, raw, manifest, entries):  # asked again: another fetch of the same manifest finished first
         shutil.rmtree(partial, ignore_errors=True)
         return stats
     _install(partial, dest)
     return stats
 
 
-def _occupied(dest: Path, raw: bytes, manifest: Manifest) -> bool:
-    """True when `dest` already holds this manifest's download; False when it may be made (absent,
-    or a remnant without a manifest); FetchError when it holds anything else, which stays."""
+def _occupied(dest: Path, raw: bytes, manifest: Manifest, entries: list[ManifestFile]) -> bool:
+    """True when `dest` already holds this manifest's download of `entries`; False when it may be made
+    (absent, a remnant without a manifest, or the same manifest with other files: a delta's own files
+    where its compacted ones are wanted, or the other way round); FetchError when it holds anything
+    else, which stays."""
     if not os.path.lexists(dest):
         return False
     if dest.is_symlink() or not dest.is_dir():
@@ -217,7 +220,7 @@ def _occupied(dest: Path, raw: bytes, manifest: Manifest) -> bool:
     except OSError as exc:
         raise FetchError(f"{dest}: cannot be read ({exc.strerror}); not replaced") from None
     if held == raw:
-        return True
+        return all((dest / e.path).is_file() and (dest / e.path).stat().st_size == e.bytes for e in entries)
     try:
         other = parse_manifest(held, None, str(dest / MANIFEST_NAME)).digest
     except ManifestError:

@@ -7,6 +7,7 @@ its delta files), finds no copy of v2 here, fetches v2, finds no v1, fetches v1 
 rebuilds v2 and v3 in order, each checked against the digests the version was verified with, and
 its worker serves v3 rebuilt on host-1, bit-identical to the trainer's full files.
 Without the chain host-1 would record v3's delta files as its copy and never serve it.
+(No compacted delta is published here: test_fleet_late_joiner_compacted.py takes that way.)
 """
 
 from __future__ import annotations
@@ -54,7 +55,8 @@ def test_a_late_joiner_rebuilds_the_target_from_the_anchor_and_the_chain(
         full[version] = tmp_path / "trainer" / version
         step(full[base], full[version], 1e-3, int(version[1:]))
         out = tmp_path / "shipped" / version
-        p = publish_delta(full[version], full[base], out, version=version, rule=AnchorRule(share=100.0))
+        p = publish_delta(full[version], full[base], out, version=version, rule=AnchorRule(share=100.0),
+                          compact=False)  # the chain alone (the compacted delta: ..._compacted.py)
         assert p.spec is not None and p.spec.base_version == base
         upload_dir(s3, BUCKET, f"{PREFIX}{version}/", out)
         on(pg_url, 0, version, first)

@@ -215,3 +215,35 @@ def test_mtls_refuses_a_client_without_a_valid_certificate_before_any_byte(start
     assert rec.items == []
     answer = push(ckpt, url(src), TOKEN, keys["key"], key_id="trainer", verify=pki.ca, cert=pki.client)
     assert answer["status"] == "committed" and [i.version for i in rec.items] == ["tls-1"]
+
+
+def test_a_pushed_delta_carries_its_compacted_delta_and_the_commit_checks_it(start_push, keys, tmp_path):
+    """`push` uploads a delta's files and its compacted delta's (issue 38), each checked against the
+    signed manifest (the daemon's digests of the bytes it got), so a compacted file that differs is
+    refused like any other; the commit needs them all."""
+    import shutil
+
+    import httpx
+    from support_delta import step
+
+    from daemon.client import publish_delta
+    from daemon.delta.anchors import AnchorRule
+    from daemon.delta.section import COMPACT_DIR, DELTA_DIR
+
+    src, rec = start_push()
+    tr, hsd = tmp_path / "tr", "model.safetensors.hsd"
+    publish_tiny(tr / "v1", seed=1)
+    for v, base in (("v2", "v1"), ("v3", "v2")):
+        step(tr / base, tr / v, 1e-3, 7)
+        publish_delta(tr / v, tr / base, tmp_path / "out" / v, rule=AnchorRule(share=100.0))
+    bad = tmp_path / "bad" / "v3"
+    shutil.copytree(tmp_path / "out" / "v3", bad)
+    (bad / COMPACT_DIR / hsd).write_bytes(os.urandom((bad / COMPACT_DIR / hsd).stat().st_size))
+    with pytest.raises(PushError) as err:
+        push(bad, url(src), TOKEN, keys["key"], key_id="trainer", retries=0)
+    assert f"{COMPACT_DIR}/{hsd}" in str(err.value) and rec.items == [], err.value  # named; nothing committed
+    httpx.delete(f"{url(src)}/v1/push/v3", headers={"Authorization": f"Bearer {TOKEN}"}).raise_for_status()
+    assert push(tmp_path / "out" / "v3", url(src), TOKEN, keys["key"], key_id="trainer")["status"] == "committed"
+    held = sorted(p.relative_to(src.root / "v3").as_posix() for p in (src.root / "v3").rglob("*") if p.is_file())
+    assert held == [f"{COMPACT_DIR}/{hsd}", f"{DELTA_DIR}/{hsd}", MANIFEST_NAME]
+    assert [i.version for i in rec.items] == ["v3"]

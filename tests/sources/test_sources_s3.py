@@ -243,3 +243,42 @@ def test_a_folder_reused_for_another_version_is_refused_and_the_first_copy_stays
     assert src2.scan() == [] and rec2.items == []  # v2 comes only from a folder named v2
     assert "holds a manifest for version 'v2'" in src2.describe()["refused"]["slot"]
     assert {p.name: p.read_bytes() for p in dir1.iterdir()} == before
+
+
+def test_a_delta_s_compacted_files_and_its_own_share_the_cache_folder_in_turn(moto_server, tmp_path):
+    """A late host fetches a delta's compacted files (from the anchor); the same folder asked for the
+    delta's own files later gets those, and the other way round: never a copy without the files wanted."""
+    from dataclasses import replace
+
+    from support_delta import step
+
+    from daemon.client import publish_delta, publish_s3
+    from daemon.delta.anchors import AnchorRule
+    from daemon.delta.section import COMPACT_DIR, DELTA_DIR
+
+    s3 = moto_server.client()
+    s3.create_bucket(Bucket=BUCKET)
+    tr = tmp_path / "tr"
+    publish_tiny(tr / "v1", seed=1)
+    for v, base in (("v2", "v1"), ("v3", "v2")):
+        step(tr / base, tr / v, 1e-3, 7)
+        publish_delta(tr / v, tr / base, tmp_path / "out" / v, rule=AnchorRule(share=100.0))
+    publish_s3(tmp_path / "out" / "v3", f"s3://{BUCKET}/run-1/v3", client=s3)
+    src, rec = make_source(moto_server, tmp_path)
+    (item,) = src.scan()
+    plain = FetchItem(1, item.version, item.uri)
+
+    def held(d: Path) -> list[str]:
+        return sorted(p.relative_to(d).as_posix() for p in d.rglob("*") if p.is_file())
+
+    hsd = "model.safetensors.hsd"
+    d = src.fetch(replace(plain, compacted=True), lambda done, total: None)
+    assert held(d) == [f"{COMPACT_DIR}/{hsd}", MANIFEST_NAME]
+    assert src.last_fetch["v3"].downloaded_bytes == (tmp_path / "out" / "v3" / COMPACT_DIR / hsd).stat().st_size
+    d = src.fetch(plain, lambda done, total: None)
+    assert held(d) == [f"{DELTA_DIR}/{hsd}", MANIFEST_NAME]
+    assert src.fetch(plain, lambda done, total: None) == d and src.last_fetch["v3"].downloaded_bytes == 0  # reused
+    s3.delete_object(Bucket=BUCKET, Key=f"run-1/v3/{COMPACT_DIR}/{hsd}")
+    with pytest.raises(FetchError, match="not in the store"):  # named; the delta's own copy stays
+        src.fetch(replace(plain, compacted=True), lambda done, total: None)
+    assert held(d) == [f"{DELTA_DIR}/{hsd}", MANIFEST_NAME]
