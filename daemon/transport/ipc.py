@@ -208,12 +208,12 @@ class IpcTransport:
         return out + [as_bytes(s if source else d) for d, s in plan.singles]
 
     def _checksum(self, plan: CopyPlan, *, source: bool) -> torch.Tensor | int | None:
-        """The checksum of the bytes `plan` copies, on one side; each segment read as 4-byte words
-        (8 on a CPU) where both sides allow it, else as bytes: the same on both sides."""
+        """The checksum of the bytes `plan` copies, on one side; each segment read as 8-byte words
+        where both sides allow it, else as bytes: the same on both sides."""
         src, dst = self._segments(plan, source=True), self._segments(plan, source=False)
         if not src:
             return None
-        unit = 8 if src[0].device.type == "cpu" else 4
+        unit = 8
         words = [all(t.data_ptr() % unit == 0 and t.numel() % unit == 0 for t in pair) for pair in zip(src, dst, strict=True)]
         return checksum(src if source else dst, words, unit)
 
