@@ -316,9 +316,10 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
             full_prev = run.watch / "v0"  # the newest full version: the next delta's base
             trainer = work / "trainer"  # where a delta version's full files are made (not watched)
             n_full = args.warmup + args.updates
-            for i in range(1, n_full + args.delta_updates + 1):
+            n_delta = args.delta_updates if transport in args.delta_in.split(",") else 0
+            for i in range(1, n_full + n_delta + 1):
                 if time.perf_counter() - t_start > args.budget_s:
-                    skipped = f"time budget reached after {i - 1} of {n_full + args.delta_updates} versions"
+                    skipped = f"time budget reached after {i - 1} of {n_full + n_delta} versions"
                     break
                 version = f"{transport}-{i:02d}" if i <= n_full else f"{transport}-d{i - n_full:02d}"
                 before = load.snapshot()
@@ -416,6 +417,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--delta-updates", type=int, default=0,
                     help="after the full versions, this many delta versions (bench/e2e_delta.py)")
     ap.add_argument("--delta-density", type=float, default=0.01, help="share of elements a delta version changes")
+    ap.add_argument("--delta-in", default=None, help="the transports whose fleets get them (default: all)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--clients", type=int, default=4, help="concurrent completion clients")
     ap.add_argument("--max-tokens", type=int, default=4)
@@ -444,6 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     layout = MODELS[args.model]
     transports = args.transports.split(",")
     args.reject_in = args.reject_in or transports[0]
+    args.delta_in = args.delta_in or ",".join(transports)
 
     out = Path(args.out) / f"gpu_e2e-{layout.name}.json"
     results: list[dict[str, Any]] = []

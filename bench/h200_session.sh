@@ -21,7 +21,7 @@ if [ "${DRY:-0}" = "1" ]; then
     DEV=cpu MODEL=tiny LAYOUT=small; PY=${PY:-.venv/bin/python}; UPDATES=${UPDATES:-2}; MICRO=3
     echo "dry run: nothing installed" > "$OUT/wheels.txt"
 else
-    DEV=cuda:0 MODEL=llama3-8b LAYOUT=llama3-8b; PY=python3; UPDATES=${UPDATES:-5}; MICRO=20
+    DEV=cuda:0 MODEL=llama3-8b LAYOUT=llama3-8b; PY=python3; UPDATES=${UPDATES:-5}; MICRO=${MICRO:-20}
     # the project's dependencies (carried in .whl/, as before), then checkpoint-engine 0.4.2 and what it
     # needs beyond them (bench/wheels/, in the tree) into a second target: a clash there never stops ours
     if ls .whl/*.whl > /dev/null 2>&1; then
@@ -41,6 +41,7 @@ START=$(date +%s)
 step() {  # step NAME LIMIT_S CMD...: run CMD with a cap, its output in $OUT/NAME.log, a summary here
     local name=$1 limit=$2 s rc
     shift 2
+    case " ${SKIP:-} " in *" $name "*) echo "== $name: skipped (SKIP)"; return;; esac
     s=$(date +%s)
     timeout -k 5 "$limit" "$@" > "$OUT/$name.log" 2>&1
     rc=$?
@@ -52,15 +53,21 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a cap, its output in $OUT/NAM
 step stage_smoke 40 $PY -m bench.stage_smoke --device "$DEV"
 # the whole path: 8B, both transports, 5 updates each under load, bad versions rejected before any pause,
 # then (ipc) the flip-back after a probe that fails after resume, on w0 with the daemon stopped
-TAIL=45 step gpu_e2e 310 $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk \
-    --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s 140 --start-timeout 150 --update-timeout 60 \
-    --flip-back 3 --keep-logs --out "$OUT"
+TAIL=45 step gpu_e2e "${E2E_CAP:-310}" $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk \
+    --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s "${E2E_BUDGET:-140}" --start-timeout 150 --update-timeout 60 \
+    --flip-back 3 --keep-logs --out "$OUT" --delta-updates "${DELTA_UPDATES:-0}" --delta-in ipc
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
 # checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
-step ipc_update 130 $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
+step ipc_update "${IPC_CAP:-130}" $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
 # ours from host memory (page cache) into the GPU: no checks, and with the digests checked
 step disk_reload_check 65 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
     --sweep '' --skip-cold --check-sweep 16x32x3x4 --worker-path --out "$OUT/disk_reload_check.json"
+# issue 38 on the same host, when asked (DELTA_LAYOUT=1): the 8B layout's deltas, 1 % density first
+# (saved after each density: the cap keeps what was measured)
+if [ "${DELTA_LAYOUT:-0}" = "1" ]; then
+    step delta_layout "${DELTA_CAP:-90}" $PY -m bench.delta --layout "$LAYOUT" $( [ "$DEV" != cpu ] && echo --gpu "$DEV" ) \
+        --densities 0.01,0.001,0.05,0.3,1.0 --out "$OUT/delta-$LAYOUT.json"
+fi
 $PY -m bench.h200_table "$OUT" > "$OUT/table.md" 2>&1
 cat "$OUT/table.md"
 echo "== all steps done in $(( $(date +%s) - START )) s"

@@ -114,6 +114,14 @@ def main(argv: list[str]) -> int:
         on = _med([x["seconds"] for x in d.get("ours_warm_checked", [])])
         lines += [f"| ours, host memory (page cache) -> GPU, no checks | {_f(off and off * 1e3, ' ms')} |",
                   f"| ours, host memory -> GPU, digests checked | {_f(on and on * 1e3, ' ms')} |"]  # fmt: skip
+    delta = next(iter(sorted(out.glob("delta-*.json"))), None)
+    if delta is not None:  # issue 38: bench.delta --layout
+        d = json.loads(delta.read_text())
+        lines += ["", f"| delta, {d.get('layout')} bf16 | delta / full | encode s | rebuild s | rebuild + verify s | GPU apply ms |",
+                  "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
+        lines += [f"| {100 * r['density']:g} % of elements | {100 * r['ratio']:.2f} % | {r['encode_s']:.2f} | {r['rebuild_s']:.2f} "
+                  f"| {r['rebuild_verify_s']:.2f} | {(r.get('gpu_apply') or {}).get('apply_ms', '-')} |"
+                  for r in d.get("rows", [])[1:]]  # fmt: skip
     print("\n".join(lines) if lines else f"nothing under {out}")
     return 0
 
