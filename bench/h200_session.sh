@@ -6,6 +6,15 @@
 # table.md and session.txt (this script's own output).
 #
 #   on the device (repo root, .whl carried):  bash bench/h200_session.sh
+#   .whl (here, once): the project's Python 3.12 wheels that the device's image lacks, pinned to this
+#   venv's versions (FastAPI >= 0.16x imports opentelemetry: carry opentelemetry-api with it, or the
+#   workers die at import, as on 2026-12-05 04:35):
+#     pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp -d .whl \
+#       --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+#       crc32c blake3 zstandard sqlalchemy greenlet alembic mako watchdog "apscheduler<4" tzlocal structlog \
+#       cryptography cffi pycparser boto3 botocore s3transfer jmespath annotated-types typing-inspection \
+#       annotated-doc opentelemetry-api typing_extensions \
+#       $(.venv/bin/pip list --format=freeze | grep -iE '^(fastapi|starlette|pydantic|pydantic.core|uvicorn)==')
 #   dry run here on the CPU, small layouts:   DRY=1 OUT=.bench-out/h200-dry bash bench/h200_session.sh
 #
 # Writes under $OUT: versions.txt, gpu.txt, wheels.txt (what was installed, or why not), a NAME.log per
