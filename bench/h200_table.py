@@ -117,7 +117,7 @@ def main(argv: list[str]) -> int:
     delta = next(iter(sorted(out.glob("delta-*.json"))), None)
     if delta is not None:  # issue 38: bench.delta --layout
         d = json.loads(delta.read_text())
-        lines += ["", f"| delta, {d.get('layout')} bf16 | delta / full | encode s | rebuild s | rebuild + verify s | GPU apply ms |",
+        lines += ["", f"| delta, {d.get('layout')} bf16 | delta / full | encode s | rebuild, verified in memory s | + the checks' read s | GPU apply ms |",
                   "|---|---:|---:|---:|---:|---:|"]  # fmt: skip
         lines += [f"| {100 * r['density']:g} % of elements | {100 * r['ratio']:.2f} % | {r['encode_s']:.2f} | {r['rebuild_s']:.2f} "
                   f"| {r['rebuild_verify_s']:.2f} | {(r.get('gpu_apply') or {}).get('apply_ms', '-')} |"

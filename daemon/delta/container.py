@@ -21,8 +21,9 @@ import json
 import mmap
 import os
 import struct
+from collections import deque
 from collections.abc import Callable
-from concurrent.futures import Executor
+from concurrent.futures import Executor, Future, wait
 from pathlib import Path
 from typing import Any
 
@@ -197,8 +198,11 @@ def check_base(head: dict[str, Any], base: np.ndarray | None, where: str) -> Non
 
 
 def rebuild_file(delta: Path, base: np.ndarray | None, out: Path, pool: Executor, where: str,
-                 on_chunk: Callable[[Chunk], None] | None = None) -> int:  # fmt: skip
-    """Write the result file `out` from the delta file and the (mapped) base bytes; returns its size."""
+                 on_chunk: Callable[[Chunk, np.ndarray], None] | None = None, window: int = 16) -> int:  # fmt: skip
+    """Write the result file `out` from the delta file and the (mapped) base bytes; returns its size.
+    `on_chunk(chunk, result_bytes)` sees each decoded chunk in memory, in the decoding thread. At
+    most `window` chunks are in flight (decoded, or parked by an in-order hash behind a slow one),
+    so memory stays bounded: `window` x 16 MB."""
     data = map_file(delta)
     head, chunks, start = read_header(data, where)
     check_base(head, base, where)
@@ -213,10 +217,22 @@ def rebuild_file(delta: Path, base: np.ndarray | None, out: Path, pool: Executor
             if c.length:
                 os.pwrite(fd, buf.data, c.out)
             if on_chunk is not None:
-                on_chunk(c)
+                on_chunk(c, buf)
 
-        for _ in pool.map(one, chunks):
-            pass
+        flight: deque[Future[None]] = deque()
+        try:
+            for c in chunks:
+                if len(flight) >= max(1, window):
+                    flight.popleft().result()
+                flight.append(pool.submit(one, c))
+            while flight:
+                flight.popleft().result()
+        except BaseException:
+            # no chunk may still write once the descriptor is closed (its number could be reused)
+            for f in flight:
+                f.cancel()
+            wait(flight)
+            raise
         # no fsync: 16 GB through the disk would cost seconds on the update's path, and the result is
         # never trusted from disk alone: the checks hash it against the manifest, and every load
         # (disk reload, loader staging) checks the digests again, so bytes torn by a power cut are

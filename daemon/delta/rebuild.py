@@ -4,28 +4,32 @@
 
 Every delta file is hashed against the signed `delta` section before it is used. Each base file
 the result needs is re-hashed (CRC32C + the strong hash, in a thread beside the decoding) against
-the digests the base was verified with; a base changed on disk since is refused. The result is
-assembled in a hidden temporary folder beside `out_dir` and renamed into place only when
-everything held, so `out_dir` is either whole or absent; any failure removes the temporary
-folder and raises `DeltaError` naming the problem. The result is then verified like any full
-checkpoint (the manifest copied in is the delta's own, signature and all).
+the digests the base was verified with; a base changed on disk since is refused. Each rebuilt
+file is hashed in memory as its chunks are decoded (CRC32C per chunk, the strong hash in file
+order: daemon.bytepipe.sinks), so the result is checked against the manifest with no second read
+of 16 GB. The result is assembled in a hidden temporary folder beside `out_dir` and renamed into
+place only when everything held, so `out_dir` is either whole or absent; any failure removes the
+temporary folder and raises `DeltaError` naming the problem. The result is then verified like any
+full checkpoint (the manifest copied in is the delta's own, signature and all).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
+from daemon.bytepipe.engine import Job
 from daemon.bytepipe.files import hash_files
-from daemon.delta.codec import DeltaError
+from daemon.bytepipe.sinks import Crcs, InOrder
+from daemon.delta.codec import Chunk, DeltaError
 from daemon.delta.container import map_file, rebuild_file
-from daemon.delta.section import DeltaSpec
+from daemon.delta.section import DeltaFile, DeltaSpec
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.hashing import DigestMismatch, FileDigest
 from daemon.manifest import Manifest, ManifestFile
@@ -37,6 +41,30 @@ class Rebuilt:
     delta_bytes: int  # the delta files read (what a host fetches)
     result_bytes: int
     base_bytes: int  # base bytes re-hashed
+
+
+class _InMemory:
+    """The rebuilt files' digests from the decoded chunks, in the decoding threads."""
+
+    def __init__(self, files: list[Path], alg: str, threads: int) -> None:
+        self.alg = alg
+        self.crcs = Crcs()
+        self.strong = InOrder(files, alg, threads=threads)
+
+    def taker(self, target: Path) -> Callable[[Chunk, np.ndarray], None]:
+        def take(c: Chunk, data: np.ndarray) -> None:
+            if c.length:  # an empty chunk adds nothing (and would share its offset with the next)
+                view = data.data  # uint8, contiguous: a byte view
+                self.crcs.feed(target, c.out, view)
+                self.strong.take(Job(target, c.out, c.length), view, None, 0)
+
+        return take
+
+    def digest(self, target: Path, size: int) -> FileDigest:
+        try:
+            return FileDigest(size, self.crcs.result(target, size), self.alg, self.strong.hexdigest(target))
+        except ValueError as exc:  # chunks that do not tile the file
+            raise DeltaError(str(exc)) from None
 
 
 def _check(digest: FileDigest, expected: ManifestFile, what: str) -> None:
@@ -77,25 +105,38 @@ def rebuild(
             if (b.bytes, b.hash) != (f.bytes, f.hash):
                 raise DeltaError(f"{f.path}: no delta file, but the base's file differs from the one listed")
     tmp = out_dir.parent / f".{out_dir.name}.tmp-{os.getpid()}"
+    alg = manifest.hash_alg or "blake3"
+    rebuilt = [(f, by_target[f.path]) for f in manifest.files if f.path in by_target]
+    # the files at once (each its own writer: buffered writes to one file serialize on its inode),
+    # their chunks on one pool of decoding threads; BLAKE3 splits each in-order update
+    in_memory = _InMemory([tmp / f.path for f, _d in rebuilt], alg, max(1, n // max(1, len(rebuilt))))
     shutil.rmtree(tmp, ignore_errors=True)
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp.mkdir()
     try:
         with ThreadPoolExecutor(n, thread_name_prefix="delta-dec") as pool, \
-                ThreadPoolExecutor(1, thread_name_prefix="delta-base") as hasher:  # fmt: skip
-            base_hashes = hasher.submit(hash_files, [base_dir / r for r in needed],
-                                        alg=manifest.hash_alg or "blake3", threads=n)  # fmt: skip
+                ThreadPoolExecutor(1, thread_name_prefix="delta-base") as hasher, \
+                ThreadPoolExecutor(max(1, len(rebuilt)), thread_name_prefix="delta-file") as files:  # fmt: skip
+            base_hashes = hasher.submit(hash_files, [base_dir / r for r in needed], alg=alg, threads=n)
             maps: dict[str, np.ndarray] = {r: map_file(base_dir / r) for r in needed}
-            result = 0
             for f in manifest.files:
+                (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
+                if f.path not in by_target:  # unchanged: the base's file (re-hashed below)
+                    shutil.copyfile(base_dir / f.path, tmp / f.path)
+
+            def one(f: ManifestFile, d: DeltaFile) -> int:
                 target = tmp / f.path
-                target.parent.mkdir(parents=True, exist_ok=True)
-                d = by_target.get(f.path)
-                if d is None:  # unchanged: the base's file (re-hashed below)
-                    shutil.copyfile(base_dir / f.path, target)
-                    result += f.bytes
-                    continue
-                result += rebuild_file(delta_dir / d.path, maps.get(f.path), target, pool, f"{d.path}")
+                size = rebuild_file(delta_dir / d.path, maps.get(f.path), target, pool, d.path,
+                                    on_chunk=in_memory.taker(target), window=2 * n)  # fmt: skip
+                _check(in_memory.digest(target, size), f, f"result file {f.path} (rebuilt from {d.path})")
+                return size
+
+            jobs = [files.submit(one, f, d) for f, d in rebuilt]
+            try:
+                result = sum(j.result() for j in jobs) + sum(f.bytes for f in manifest.files if f.path not in by_target)
+            except BaseException:
+                in_memory.strong.abort()
+                raise
             for rel, digest in zip(needed, base_hashes.result(), strict=True):
                 _check(digest, base_files[rel], f"base file {rel} (changed on this host since it was verified)")
         shutil.copyfile(delta_dir / MANIFEST_NAME, tmp / MANIFEST_NAME)

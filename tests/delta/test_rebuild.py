@@ -1,0 +1,60 @@
+"""The host side of a delta (daemon.delta.rebuild): several result files at once, each hashed in
+memory as it is decoded and checked against the manifest before the folder is renamed into place.
+
+Real safetensors files (the tiny model in two shards, one training-like step), the real publisher.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from conftest import publish_tiny
+from support_delta import step
+
+from daemon.client import publish_delta
+from daemon.delta import DeltaError
+from daemon.delta.rebuild import rebuild
+from daemon.delta.section import parse
+from daemon.manifest import load_manifest
+
+pytestmark = pytest.mark.quick
+
+
+def _delta(tmp_path: Path) -> tuple[Path, Path, Path]:
+    base, new, out = tmp_path / "v1", tmp_path / "v2", tmp_path / "watch" / "v2"
+    publish_tiny(base, seed=1, shards=2)
+    step(base, new, 1e-4, 2, share=0.3)
+    publish_delta(new, base, out)
+    return base, new, out
+
+
+def test_every_shard_is_rebuilt_at_once_bit_identical_and_verified_in_memory(tmp_path: Path) -> None:
+    base, new, out = _delta(tmp_path)
+    m = load_manifest(out)
+    spec = parse(m, "t")
+    assert spec is not None and len(spec.files) == 2  # both shards changed: two files rebuilt side by side
+    for threads in (1, 4):
+        r = rebuild(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, tmp_path / f"r{threads}",
+                    threads=threads)  # fmt: skip
+        assert all((r.directory / f.path).read_bytes() == (new / f.path).read_bytes() for f in m.files)
+        assert r.result_bytes == sum(f.bytes for f in m.files)
+
+
+@pytest.mark.parametrize("field", ["hash", "crc32c"])
+def test_a_result_whose_hashes_differ_from_the_manifest_is_refused_by_the_rebuild(tmp_path: Path, field: str) -> None:
+    """The delta's own bytes are intact (they match the signed delta section), but the result they
+    decode to is not what the manifest lists: refused during the rebuild, nothing left behind."""
+    base, _new, out = _delta(tmp_path)
+    m = load_manifest(out)
+    spec = parse(m, "t")
+    assert spec is not None
+    victim = spec.files[-1].target
+    wrong = "0" * len(getattr(next(f for f in m.files if f.path == victim), field))
+    lying = replace(m, files=[replace(f, **{field: wrong}) if f.path == victim else f for f in m.files])
+    dest = tmp_path / "rebuilt" / "v2"
+    with pytest.raises(DeltaError, match=f"result file {victim} \\(rebuilt from"):
+        rebuild(out, lying, spec, base, {f.path: f for f in load_manifest(base).files}, dest)
+    assert not dest.exists()
+    assert [p.name for p in dest.parent.iterdir()] == []  # no temporary folder either
