@@ -280,8 +280,8 @@ class Broadcasts:
                     reports[h.name].update(ok=False, error=str(exc))
                     reason = reason or str(exc)
         if reason is None and fresh is not None:
-            svc.decisions.mark_serving(fresh, serving, f"broadcast by the trainer (rollout {ses.rollout_id})")
-            journal.set_alias("last_good", fresh.id)
+            svc.served.mark_serving(fresh, serving, f"broadcast by the trainer (rollout {ses.rollout_id})")
+            svc.served.mark_last_good(fresh)
             journal.finish_rollout(ses.rollout_id, RolloutOutcome.SUCCEEDED, {"digest": digest})
             outcome = RolloutOutcome.SUCCEEDED
         else:

@@ -7,6 +7,7 @@ them there, compared against what the workers report on every pass.
                    their results mean for the registry (serving, last_good, rejected, retried)
     health_window  the window after a new version's rollout and its verdict (last_good, or
                    rejected or retried and rolled back)
+    served         the one writer of serving and last_good, the base's and each adapter name's
     startup        the seed, managed workers launched, crash recovery, before the first job
     queue          the runner's job queue and its state (what runs, what waits)
     supervise      managed worker processes: launch, watch, relaunch with backoff, fallback versions
