@@ -14,6 +14,8 @@ them there, compared against what the workers report on every pass.
     problems       what is wrong with the host's workers and rollouts (for daemon.process.health)
     adapters       LoRA adapters' jobs, per adapter name (deploy, rollback, pin, unpin, reconcile)
     adapter_rollout  one adapter version onto every worker with no pause, undone on failure
+    broadcast      a trainer's broadcast session as a rollout: workers with the broadcast
+                   capability paused, joined to its group, fed, checked, resumed or put back
 
 The mechanism it drives (moving workers between versions) is daemon.rollout; the fleet's target
 comes from daemon.fleet. Nothing below imports it; the API and daemon.service do.

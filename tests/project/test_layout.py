@@ -1,5 +1,6 @@
 """The package's shape, checked from its source: the layers (ARCHITECTURE.md), no import cycles,
-one writer of checkpoint status, one of serving and last_good, small modules, a short root, packages that say what they own,
+one writer of checkpoint status, one of serving and last_good, engine clients driven through their
+public interface and declared capabilities, small modules, a short root, packages that say what they own,
 a rollout package of at most 12 modules, and no test hook read by production code.
 
 Import edges are every `import` in a module (top level, inside functions, under TYPE_CHECKING) plus
@@ -286,6 +287,46 @@ def test_the_alias_check_finds_a_write_however_it_is_spelled(tmp_path: Path) -> 
     src.write_text("s.add(Alias(name='serving'))\ns.execute(update(AdapterAlias).values(checkpoint_id=1))\n"
                    "c.exec_driver_sql('UPDATE aliases SET checkpoint_id = 2')\n")
     assert sorted(_alias_writes(src)[1]) == ["m.py:1", "m.py:2", "m.py:3"]
+
+
+def private_client_calls(modules: dict[str, Path]) -> list[str]:
+    """Outside daemon/engines/: calls of an engine client's private method (`h.client._admin(...)`,
+    `client._call(...)`) and any `._admin(` at all. A worker is driven through the public
+    `WorkerClient` interface and what its capabilities declare (daemon/engines/base.py)."""
+    hits = []
+    for m, p in sorted(modules.items()):
+        if m.startswith("daemon.engines"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                attr, receiver = node.func.attr, ast.unparse(node.func.value).rpartition(".")[2]
+                if attr.startswith("_") and not attr.startswith("__") and (attr == "_admin" or receiver.endswith("client")):
+                    hits.append(f"{m}:{node.lineno} {ast.unparse(node.func)}")
+    return hits
+
+
+def test_no_code_outside_the_engines_calls_a_private_method_of_a_client() -> None:
+    assert private_client_calls(MODULES) == []
+
+
+def api_isinstance_of_clients(modules: dict[str, Path]) -> list[str]:
+    """`isinstance(x, C)` in daemon/api/ where C is a class of daemon/engines/ other than the
+    interface (base.py: the protocols and errors): the API picks workers by capability."""
+    engine_classes = {n.name for m, p in modules.items() if m.startswith("daemon.engines") and m != "daemon.engines.base"
+                      for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)}  # fmt: skip
+    hits = []
+    for m, p in sorted(modules.items()):
+        if not m.startswith("daemon.api"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2:
+                named = {ast.unparse(n).rpartition(".")[2] for n in ast.walk(node.args[1]) if isinstance(n, ast.Name | ast.Attribute)}
+                hits += [f"{m}:{node.lineno} isinstance(..., {c})" for c in sorted(named & engine_classes)]
+    return hits
+
+
+def test_the_api_never_asks_which_engine_client_a_worker_has() -> None:
+    assert api_isinstance_of_clients(MODULES) == []
 
 
 def test_rollout_package_has_at_most_twelve_modules() -> None:
