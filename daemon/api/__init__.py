@@ -2,7 +2,8 @@
 
     app               the app, status and metrics routes, the listener (ApiServer), rollout
                       control routes (`/v1/rollout/...`)
-    broadcast         `POST /v1/broadcast...`: a trainer's torch.distributed session into the workers
+    broadcast         `POST /v1/broadcast...`: a trainer's torch.distributed session, parsed and
+                      authenticated here, driven by daemon.controller.broadcast
     readiness         `/ready`: does this host serve
     reverify          `POST /v1/checkpoints/reverify`
     registry_metrics  the Prometheus series read from the registry at scrape time

@@ -7,12 +7,15 @@ them there, compared against what the workers report on every pass.
                    their results mean for the registry (serving, last_good, rejected, retried)
     health_window  the window after a new version's rollout and its verdict (last_good, or
                    rejected or retried and rolled back)
+    served         the one writer of serving and last_good, the base's and each adapter name's
     startup        the seed, managed workers launched, crash recovery, before the first job
     queue          the runner's job queue and its state (what runs, what waits)
     supervise      managed worker processes: launch, watch, relaunch with backoff, fallback versions
     problems       what is wrong with the host's workers and rollouts (for daemon.process.health)
     adapters       LoRA adapters' jobs, per adapter name (deploy, rollback, pin, unpin, reconcile)
     adapter_rollout  one adapter version onto every worker with no pause, undone on failure
+    broadcast      a trainer's broadcast session as a rollout: workers with the broadcast
+                   capability paused, joined to its group, fed, checked, resumed or put back
 
 The mechanism it drives (moving workers between versions) is daemon.rollout; the fleet's target
 comes from daemon.fleet. Nothing below imports it; the API and daemon.service do.

@@ -21,13 +21,13 @@ on its first pass):
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from daemon.checks.base import CheckSettings
 from daemon.common.logging import get_logger
 from daemon.controller.adapter_rollout import AdapterRollout
+from daemon.controller.served import ServedVersions
 from daemon.registry.adapters import AdapterJournal, AdapterVersion
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
@@ -45,12 +45,12 @@ class BaseBinding:
     """Holds every served adapter to the serving base (see the module docstring)."""
 
     def __init__(self, journal: Journal, adapters: AdapterJournal, rollout: AdapterRollout, checks: CheckSettings,
-                 mark_serving: Callable[[AdapterVersion, AdapterVersion | None, str], None]) -> None:  # fmt: skip
+                 versions: ServedVersions) -> None:  # fmt: skip
         self.journal = journal
         self.adapters = adapters
         self.rollout = rollout
         self.checks = checks
-        self.mark_serving = mark_serving
+        self.versions = versions  # the one writer of each name's serving and last_good
         self.unbound: dict[str, str] = {}  # adapter name -> why it serves nothing (the problem)
 
     def problems(self) -> list[tuple[str, str]]:
@@ -129,7 +129,7 @@ class BaseBinding:
             except Exception as exc:  # noqa: BLE001 - said in the event and the problem
                 failed.append(h.name)
                 log.error("adapter_unload_failed", worker=h.name, adapter=name, error=str(exc))
-        self.adapters.set_alias(name, "serving", None)
+        self.versions.clear_adapter_serving(name)
         self.journal.checkpoint_event(av.checkpoint.id, "adapter_unbound",
                                       {"adapter": name, "base": base.version, "reason": why, "not_unloaded": failed}, None)  # fmt: skip
         fresh = self.journal.checkpoint(av.checkpoint.id)
@@ -138,7 +138,7 @@ class BaseBinding:
         # only a version already verified on this base (re-verifying each old one would run a canary apiece)
         good = next((v for v in self.adapters.versions_of(name) if v.checkpoint.id != av.checkpoint.id
                      and bases_of(base) & self.adapters.verified_bases(v.checkpoint.id)), None)  # fmt: skip
-        self.adapters.set_alias(name, "last_good", good.checkpoint.id if good else None)
+        self.versions.mark_adapter_last_good(name, good)
         self.unbound[name] = (f"adapter {name} {av.version} unloaded from every worker"
                               + (f" (not from {', '.join(failed)})" if failed else "") + f": {why}")  # fmt: skip
         if good is None:
@@ -147,7 +147,7 @@ class BaseBinding:
                                      detail={"by": "base_change", "base": base.version})  # fmt: skip
         if result.outcome != RolloutOutcome.SUCCEEDED:
             return "unloaded"
-        self.mark_serving(good, None, f"adapter {name}: {good.version} (verified on base {base.version}) "
-                                      f"replaces {av.version} (rollout {result.rollout_id})")  # fmt: skip
+        self.versions.mark_adapter_serving(good, None, f"adapter {name}: {good.version} (verified on base "
+                                           f"{base.version}) replaces {av.version} (rollout {result.rollout_id})", self.served)  # fmt: skip
         self.served(name)
         return f"replaced by {good.version}"

@@ -29,6 +29,7 @@ from daemon.config import RolloutSettings
 from daemon.controller.adapter_base import BaseBinding
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.queue import CommandError
+from daemon.controller.served import ServedVersions
 from daemon.registry.adapters import AdapterJournal, AdapterVersion
 from daemon.registry.journal import Journal
 from daemon.registry.status import (
@@ -47,14 +48,16 @@ C, T = CheckpointStatus, RolloutTrigger
 
 class AdapterDecisions:
     def __init__(self, journal: Journal, adapters: AdapterJournal, rollout: AdapterRollout, settings: RolloutSettings,
-                 interrupted: Callable[[], bool], checks: CheckSettings | None = None) -> None:  # fmt: skip
+                 interrupted: Callable[[], bool], checks: CheckSettings | None = None, *,
+                 served: ServedVersions) -> None:  # fmt: skip
         self.journal = journal
         self.adapters = adapters
         self.rollout = rollout
         self.settings = settings
         self.interrupted = interrupted  # shutdown: a health window decides nothing
+        self.served = served  # the one writer of each name's serving and last_good
         # each served adapter held to the serving base (daemon/controller/adapter_base.py)
-        self.binding = BaseBinding(journal, adapters, rollout, checks or CheckSettings(), self.mark_serving)
+        self.binding = BaseBinding(journal, adapters, rollout, checks or CheckSettings(), served)
 
     # -- jobs ------------------------------------------------------------------------------
     def deploy_new(self, checkpoint_id: int) -> dict[str, Any]:
@@ -95,7 +98,7 @@ class AdapterDecisions:
 
     def _window(self, av: AdapterVersion, rid: int, previous: AdapterVersion | None) -> dict[str, Any]:
         if self.settings.health_window_s <= 0:
-            self.adapters.set_alias(av.name, "last_good", av.checkpoint.id)
+            self.served.mark_adapter_last_good(av.name, av)
             return {}
         verdict = self.rollout.watch(av, self.settings, self.interrupted)
         window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
@@ -104,7 +107,7 @@ class AdapterDecisions:
             return {"health_window": "aborted"}
         if verdict.ok:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
-            self.adapters.set_alias(av.name, "last_good", av.checkpoint.id)
+            self.served.mark_adapter_last_good(av.name, av)
             return {"health_window": "ok"}
         log.warning("adapter_health_window_failed", adapter=av.name, version=av.version, reason=verdict.reason)
         self.journal.amend_rollout(rid, outcome=RolloutOutcome.ROLLED_BACK,
@@ -123,12 +126,12 @@ class AdapterDecisions:
             for h in self.rollout.workers():
                 with h.busy:
                     self.rollout.restore(h, None, name, None)
-            self.adapters.set_alias(name, "serving", None)
+            self.served.clear_adapter_serving(name)
             return "unloaded"
         result = self.rollout.deploy(target, trigger=T.ROLLBACK, previous=target, detail={"by": by})
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(target, None, f"adapter {name}: restored by {by} (rollout {result.rollout_id})")
-            self.adapters.set_alias(name, "last_good", target.checkpoint.id)
+            self.served.mark_adapter_last_good(name, target)
         return result.outcome.value
 
     def _deployable(self, version: str) -> AdapterVersion:
@@ -168,7 +171,7 @@ class AdapterDecisions:
                 self.journal.checkpoint_event(serving.checkpoint.id, "rolled_back",
                                               {"to": target.version, "by": by}, result.rollout_id)  # fmt: skip
             self.mark_serving(target, serving, f"adapter {name}: restored by operator rollback (rollout {result.rollout_id})")
-            self.adapters.set_alias(name, "last_good", target.checkpoint.id)
+            self.served.mark_adapter_last_good(name, target)
         return {"rollout_id": result.rollout_id, "adapter": name, "version": target.version,
                 "outcome": result.outcome.value, "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
 
@@ -181,7 +184,7 @@ class AdapterDecisions:
         result = self.rollout.deploy(target, trigger=T.MANUAL, previous=serving, detail={"by": by, "pin": True})
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(target, serving, f"adapter {target.name}: pinned by operator (rollout {result.rollout_id})")
-            self.adapters.set_alias(target.name, "last_good", target.checkpoint.id)
+            self.served.mark_adapter_last_good(target.name, target)
         else:
             self.adapters.set_alias(target.name, "pinned", None)
         return {"rollout_id": result.rollout_id, "adapter": target.name, "outcome": result.outcome.value,
@@ -243,12 +246,4 @@ class AdapterDecisions:
 
     # -- registry ----------------------------------------------------------------------------
     def mark_serving(self, av: AdapterVersion, previous: AdapterVersion | None, message: str) -> None:
-        self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
-        self.binding.served(av.name)
-        fresh = self.journal.checkpoint(av.checkpoint.id)
-        if fresh is not None and fresh.status != C.DEPLOYED:
-            self.journal.move_status(av.checkpoint.id, C.DEPLOYED, message)
-        if previous is not None and previous.checkpoint.id != av.checkpoint.id:
-            old = self.journal.checkpoint(previous.checkpoint.id)
-            if old is not None and old.status == C.DEPLOYED:
-                self.journal.move_status(previous.checkpoint.id, C.RETIRED, f"replaced by {av.version}")
+        self.served.mark_adapter_serving(av, previous, message, self.binding.served)

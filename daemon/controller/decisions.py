@@ -5,12 +5,13 @@ skipped when its turn is gone), an operator's rollback, pin and unpin, the fleet
 to, a reconcile of drifted workers (and of a managed worker's fallback); then `conclude`: which
 version is serving, last_good, rejected, retried or held back for unavailable workers.
 
-    decisions = RolloutDecisions(journal, fleet, settings, engine, driver, stager, state, queue,
-                                 stopping, submit=service.submit)
+    decisions = RolloutDecisions(journal, fleet, settings, engine, driver, state, queue, stopping,
+                                 served=served, submit=service.submit)
     decisions.deploy_new(ckpt)
 
 Called only on the service's runner thread (daemon.controller.service), which owns the queue and
-the state; a new version's health window is daemon.controller.health_window.
+the state; a new version's health window is daemon.controller.health_window; serving and
+last_good are written through daemon.controller.served.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.health_window import HealthWindow
 from daemon.controller.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
+from daemon.controller.served import ServedVersions
 from daemon.engines.base import WorkerError
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.outbox import unreachable
@@ -41,7 +43,6 @@ from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.engine import RolloutEngine, RolloutResult
 from daemon.rollout.planner import newer
 from daemon.rollout.recovery import recover_uncertain
-from daemon.rollout.stage import Stager
 from daemon.rollout.states import WorkerSet, WorkerState
 
 log = get_logger(__name__)
@@ -62,11 +63,11 @@ class RolloutDecisions:
         settings: RolloutSettings,
         engine: RolloutEngine,
         driver: WorkerDriver,
-        stager: Stager,
         state: RolloutState,
         queue: RolloutQueue,
         stopping: threading.Event,
         *,
+        served: ServedVersions,
         submit: Callable[[int], None],
     ) -> None:
         self.journal = journal
@@ -74,15 +75,15 @@ class RolloutDecisions:
         self.settings = settings
         self.engine = engine
         self.driver = driver
-        self.stager = stager
         self.state = state
         self.queue = queue
         self.stopping = stopping
+        self.served = served  # the one writer of serving and last_good
         self.submit = submit  # the service's: a version to roll out (again)
         self.health_window = HealthWindow(
             journal, fleet, settings, engine, state,
             interrupted=lambda: queue.has_command(MOVES_FLEET) or stopping.is_set(),
-            mark_serving=self.mark_serving, submit=submit,
+            served=served, submit=submit,
         )  # fmt: skip
         # fleet mode: a converge to a staged rollout's version gets a health window (daemon.fleet.stages)
         self.watch_fleet: Callable[[CheckpointRef], bool] = lambda _ckpt: False
@@ -164,8 +165,8 @@ class RolloutDecisions:
             if old is not None and old.status != C.RETIRED:
                 self.journal.checkpoint_event(serving.id, "rolled_back", {"to": target.version, "by": by}, rid)
                 self.journal.move_status(serving.id, C.RETIRED, f"rolled back by {by} to {target.version}")
-        self.mark_serving(target, None, f"restored by {by}'s rollback (rollout {rid})")
-        self.journal.set_alias("last_good", target.id)
+        self.served.mark_serving(target, None, f"restored by {by}'s rollback (rollout {rid})")
+        self.served.mark_last_good(target)
 
     def pin(self, version: str, force: bool = False, by: str = "operator") -> dict[str, Any]:
         ref = self.journal.checkpoint_by_version(version)
@@ -189,8 +190,8 @@ class RolloutDecisions:
         out.update(rollout_id=result.rollout_id, outcome=result.outcome.value, reason=result.reason)
         if result.outcome == RolloutOutcome.SUCCEEDED:
             def pinned() -> None:
-                self.mark_serving(target, serving, f"pinned by {by} (rollout {result.rollout_id})")
-                self.journal.set_alias("last_good", target.id)
+                self.served.mark_serving(target, serving, f"pinned by {by} (rollout {result.rollout_id})")
+                self.served.mark_last_good(target)
 
             self.recorded(pinned)
         else:
@@ -235,8 +236,8 @@ class RolloutDecisions:
         last_good = self.journal.alias("last_good")
         if last_good is None or last_good.id == serving.id:
             # before serving moves: whoever sees the new serving version sees its last_good too
-            self.journal.set_alias("last_good", ckpt.id)
-        self.mark_serving(ckpt, serving, why)
+            self.served.mark_last_good(ckpt)
+        self.served.mark_serving(ckpt, serving, why)
         log.warning("serving_fell_back", version=ckpt.version, was=serving.version)
         return ckpt
 
@@ -291,11 +292,11 @@ class RolloutDecisions:
         out = {"rollout_id": result.rollout_id, "version": ckpt.version, "outcome": result.outcome.value,
                "reason": result.reason}  # fmt: skip
         if result.outcome == RolloutOutcome.SUCCEEDED:
-            self.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
+            self.served.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
             if (trigger == T.NEW or (trigger == T.FLEET and self.watch_fleet(ckpt))) and self.health_window.wanted(ckpt):
                 out.update(self.health_window.watch(ckpt, result.rollout_id, fallback))
             else:
-                self.journal.set_alias("last_good", ckpt.id)
+                self.served.mark_last_good(ckpt)
         elif result.outcome == RolloutOutcome.FAILED and trigger == T.NEW:
             verdict = attribute(self.journal.registry, ckpt.id, result.kind, result.unrecovered, result.reason,
                                 self.settings.max_infra_retries)  # fmt: skip
@@ -326,19 +327,6 @@ class RolloutDecisions:
                 why = "the daemon shutting down (resumed on its next start)" if self.stopping.is_set() else "an operator command"
                 self.journal.note(ckpt.id, f"rollout {result.rollout_id} stopped for {why}")
         return out
-
-    def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
-        self.journal.set_alias("serving", ckpt.id)
-        self.state.set_serving(ckpt.version)
-        fresh = self.journal.checkpoint(ckpt.id)
-        if fresh is not None and fresh.status != C.DEPLOYED:
-            self.journal.move_status(ckpt.id, C.DEPLOYED, message)
-        if previous is not None and previous.id != ckpt.id:
-            old = self.journal.checkpoint(previous.id)
-            if old is not None and old.status == C.DEPLOYED:
-                self.journal.move_status(previous.id, C.RETIRED, f"replaced by {ckpt.version}")
-        last_good = self.journal.alias("last_good")
-        self.stager.retain({ckpt.version} | ({last_good.version} if last_good else set()))
 
     def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
         fresh = self.journal.checkpoint(ckpt.id)

@@ -7,7 +7,7 @@ earlier version whose files are all here; a window interrupted by a command that
 worker, or by shutdown, decides nothing.
 
     window = HealthWindow(journal, fleet, settings, engine, state,
-                          interrupted=..., mark_serving=..., submit=...)
+                          interrupted=..., served=..., submit=...)
     window.watch(ckpt, rollout_id, fallback)
 
 Run on the service's runner thread: after a new version's rollout (daemon.controller.decisions)
@@ -24,6 +24,7 @@ from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller import trial
 from daemon.controller.queue import RolloutState
+from daemon.controller.served import ServedVersions
 from daemon.gates.runner import GateRunner
 from daemon.gates.settings import GateSettings
 from daemon.registry.journal import CheckpointRef, Journal
@@ -48,7 +49,7 @@ class HealthWindow:
     state: RolloutState
     _: KW_ONLY
     interrupted: Callable[[], bool]  # a command that moves every worker is waiting, or shutdown
-    mark_serving: Callable[[CheckpointRef, CheckpointRef | None, str], None]
+    served: ServedVersions  # the one writer of serving and last_good
     submit: Callable[[int], None]
     gates: GateSettings = field(default_factory=GateSettings)  # the gates of its trial (daemon.controller.trial)
     gate_runner: GateRunner | None = None
@@ -67,7 +68,7 @@ class HealthWindow:
             return {"health_window": "aborted"}
         if verdict.ok:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
-            self.journal.set_alias("last_good", ckpt.id)
+            self.served.mark_last_good(ckpt)
             return {"health_window": "ok"}
         log.warning("health_window_failed", version=ckpt.version, reason=verdict.reason, infra=verdict.infra)
         self.journal.amend_rollout(
@@ -104,8 +105,8 @@ class HealthWindow:
             rb.outcome == RolloutOutcome.FAILED and rb.kind != FailureKind.UNAVAILABLE and reported == fallback.version
         ):
             # A failed rollback still restored every worker it reached to the fallback.
-            self.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
-            self.journal.set_alias("last_good", fallback.id)
+            self.served.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
+            self.served.mark_last_good(fallback)
             if retry is not None and retry.verdict != "reject":
                 self.submit(ckpt.id)
         else:

@@ -38,6 +38,7 @@ from daemon.controller.adapters import AdapterDecisions
 from daemon.controller.decisions import RolloutDecisions
 from daemon.controller.poll import BoundedPoll, Unanswered, serving_port_problem
 from daemon.controller.queue import CommandError, Job, RolloutQueue, RolloutState
+from daemon.controller.served import ServedVersions
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
 from daemon.engines import make_client
@@ -109,8 +110,11 @@ class RolloutService:
         self.queue = RolloutQueue()
         self.state = RolloutState()
         self._stopping = threading.Event()
-        self.decisions = RolloutDecisions(self.journal, self.fleet, settings, self.engine, self.driver, self.stager,
-                                          self.state, self.queue, self._stopping, submit=self.submit)  # fmt: skip
+        self.adapter_journal = AdapterJournal(registry)
+        # the one writer of serving and last_good, the base's and each adapter name's (daemon/controller/served.py)
+        self.served = ServedVersions(self.journal, self.adapter_journal, self.state, self.stager.retain)
+        self.decisions = RolloutDecisions(self.journal, self.fleet, settings, self.engine, self.driver, self.state,
+                                          self.queue, self._stopping, served=self.served, submit=self.submit)  # fmt: skip
         if gates is not None and gates.gate:  # a version's trial runs its gates (daemon.controller.trial)
             self.decisions.health_window.gates = gates
             self.decisions.health_window.gate_runner = GateRunner(registry, gates)
@@ -119,10 +123,9 @@ class RolloutService:
         # managed children: watched from launch, relaunched with backoff (daemon/controller/supervise.py)
         self.supervisor = Supervisor(self.journal, self.fleet, self.driver, settings, self.decisions.fell_back)
         # LoRA adapters: their own jobs, per name, on the same runner (daemon/controller/adapters.py)
-        self.adapter_journal = AdapterJournal(registry)
         self.adapters = AdapterDecisions(self.journal, self.adapter_journal,
                                          AdapterRollout(self.journal, self.adapter_journal, self.fleet), settings,
-                                         interrupted=self._stopping.is_set, checks=checks)  # fmt: skip
+                                         interrupted=self._stopping.is_set, checks=checks, served=self.served)  # fmt: skip
         self.startup = Startup(self.journal, self.fleet, settings, state_dir, self.state, self.queue, self.supervisor,
                                self.leases, self._stopping, self.engine, self.driver, self.decisions,
                                submit=self.submit, observe=self._observe_all)  # fmt: skip

@@ -115,9 +115,7 @@ class Startup:
         if not managed or len(managed) != len(self.fleet) or any(h.spec.model for h in managed):
             return
         if self.journal.alias("serving") is None:
-            seed = ensure_seed(self.journal, self.state_dir)
-            self.journal.set_alias("serving", seed.id)
-            self.journal.set_alias("last_good", seed.id)
+            self.decisions.served.seed(ensure_seed(self.journal, self.state_dir))
 
     def _launch_managed(self) -> CheckpointRef | None:
         managed = [h for h in self.fleet if h.managed is not None]
@@ -143,7 +141,7 @@ class Startup:
             self.decisions.conclude(ckpt, RolloutResult(rollout.id, RolloutOutcome.SUCCEEDED), serving, fallback,
                                     trigger=rollout.trigger)  # fmt: skip
             if rollout.trigger != T.NEW:
-                self.journal.set_alias("last_good", ckpt.id)
+                self.decisions.served.mark_last_good(ckpt)
         else:
             reason = "daemon restarted after the rollout had failed; undone" if not rec.finished else "not every worker recovered"
             self.journal.finish_rollout(rollout.id, RolloutOutcome.FAILED, {**detail, "reason": reason})

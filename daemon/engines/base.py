@@ -8,6 +8,10 @@ version is `rollback(request)`: the daemon passes the update request of the vers
 to, so no engine client has to keep previous weights. A worker that does keep them
 (`restores_itself`) may also be asked to `restore()` them by itself, e.g. after a failed write.
 
+A trainer's broadcast (daemon.controller.broadcast) takes only workers whose client declares
+`capabilities.broadcast`: those join the trainer's torch.distributed group through the public
+`init_weight_group`; every other client refuses that call with a WorkerError.
+
 Calls raise `WorkerError` subclasses with a message naming the worker and the step.
 """
 
@@ -18,13 +22,14 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from daemon.transport.base import Expect, UpdateMode, UpdateRequest
+from daemon.transport.broadcast import GroupSpec
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 
 __all__ = ["AdapterRequest", "AdapterResult", "Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified",
            "PreparesUpdates", "ServedAdapter", "ServesAdapters", "Timeouts", "UpdateMode", "UpdateRefused",
            "UpdateRequest", "UpdateResult",
-           "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "read_token"]  # fmt: skip
+           "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "cannot_broadcast", "read_token"]  # fmt: skip
 
 
 class WorkerError(RuntimeError):
@@ -38,6 +43,12 @@ class WorkerUnreachable(WorkerError):
 class PeerNotVerified(WorkerUnreachable):
     """The peer at the worker's address could not prove it holds the worker's launch secret
     (daemon/common/identity.py): it may be another process on the port. Nothing secret was sent to it."""
+
+
+def cannot_broadcast(worker: str, engine: str) -> WorkerError:
+    """What `init_weight_group` raises on a client without `capabilities.broadcast`."""
+    return WorkerError(f"worker {worker}: init_weight_group: a {engine} worker cannot join a trainer's broadcast "
+                       "(no capabilities.broadcast; the reference worker can)")
 
 
 class NonFiniteOutput(WorkerError):
@@ -62,6 +73,8 @@ class Capabilities:
     adapters: bool = False
     # a new version replaces a served name in one step, between requests (else: unload, then load)
     adapter_swap_atomic: bool = False
+    # joins a trainer's torch.distributed group (`init_weight_group`) and takes the `broadcast` transport
+    broadcast: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +121,11 @@ class WorkerClient(Protocol):
 
     def restore(self) -> UpdateResult:
         """Back to the weights the worker retained by itself (only with `restores_itself`)."""
+        ...
+
+    def init_weight_group(self, spec: GroupSpec, timeout_s: float) -> None:
+        """Join a trainer's weight group before a `broadcast` update (only with
+        `capabilities.broadcast`; other clients raise WorkerError saying they cannot)."""
         ...
 
     def probe(self) -> str: ...  # one short greedy generation; returns the served weight_version

@@ -43,6 +43,7 @@ from daemon.engines.base import (
     read_token,
 )
 from daemon.transport import TRANSPORTS
+from daemon.transport.broadcast import GroupSpec
 
 GET_RETRIES = 2
 INFO_KEYS = ("version", "digest", "state", "in_flight", "tensors", "bytes", "device", "update_count")
@@ -66,6 +67,7 @@ class BuiltinWorkerClient:
         reports_in_flight=True,
         adapters=True,  # unmerged LoRA by request `model` (daemon.worker.lora)
         adapter_swap_atomic=True,  # requests keep the version they were admitted with
+        broadcast=True,  # joins a trainer's group (daemon.worker.weight_group)
     )
 
     def __init__(
@@ -230,6 +232,9 @@ class BuiltinWorkerClient:
         that could not be undone, the last good one."""
         doc = self._admin("/admin/rollback", "rollback", timeout=self.update_timeout)
         return UpdateResult(str(doc["version"]), float(doc.get("duration_ms", 0.0)), doc)
+
+    def init_weight_group(self, spec: GroupSpec, timeout_s: float) -> None:
+        self._admin("/admin/init_weight_group", "init_weight_group", spec.to_json(), timeout=timeout_s)
 
     def probe(self) -> str:
         doc = self._admin("/admin/probe", "probe", {"max_tokens": 4})

@@ -47,6 +47,7 @@ from daemon.engines.base import (
     WeightInfo,
     WorkerError,
     WorkerUnreachable,
+    cannot_broadcast,
     read_token,
 )
 from daemon.engines.engine_common import (
@@ -66,6 +67,7 @@ from daemon.engines.engine_common import (
 from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
 from daemon.engines.sglang_api import SGLangAPI
 from daemon.transport.base import Expect
+from daemon.transport.broadcast import GroupSpec
 
 log = get_logger(__name__)
 TESTED_VERSIONS = sglang_api.TESTED_VERSIONS  # ("0.5.23",)
@@ -238,6 +240,9 @@ class SGLangWorkerClient:
         if last is None:
             raise WorkerError(f"worker {self.name}: rollback: no directory known to have served good weights")
         return self.update(UpdateRequest(last.version, "disk", {"path": last.path}, expect=Expect(digest=last.digest)))
+
+    def init_weight_group(self, spec: GroupSpec, timeout_s: float) -> None:
+        raise cannot_broadcast(self.name, "SGLang")
 
     def probe(self) -> str:
         """Continue (a paused SGLang holds /generate), then a greedy generation: its

@@ -57,6 +57,7 @@ from daemon.engines.base import (
     WeightInfo,
     WorkerError,
     WorkerUnreachable,
+    cannot_broadcast,
     read_token,
 )
 from daemon.engines.engine_common import (
@@ -76,6 +77,7 @@ from daemon.engines.engine_common import (
 from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
 from daemon.engines.vllm_api import VLLMAPI
 from daemon.transport.base import Expect
+from daemon.transport.broadcast import GroupSpec
 
 log = get_logger(__name__)
 TESTED_VERSIONS = vllm_api.TESTED_VERSIONS  # ("0.32.0",)
@@ -262,6 +264,9 @@ class VLLMWorkerClient:
             raise WorkerError(f"worker {self.name}: rollback: no directory known to have served good weights")
         req = UpdateRequest(last.version, "disk", {"path": last.path}, expect=Expect(digest=last.digest))
         return self.update(req)
+
+    def init_weight_group(self, spec: GroupSpec, timeout_s: float) -> None:
+        raise cannot_broadcast(self.name, "vLLM")
 
     def probe(self) -> str:
         """Resume (a paused vLLM queues the probe too), then a greedy generation compared with the

@@ -18,7 +18,7 @@ trainer also signs `session_message` (version, table, the digest it computed bef
 the daemon holds the workers' digest to that; the unsigned claim alone is never trusted.
 
 Daemon side (`BroadcastSender`, the registry's daemon entry): a broadcast version never comes from
-the rollout's own stager (the trainer drives it through `daemon.api.broadcast`), so when
+the rollout's own stager (the trainer drives it through a session, `daemon.controller.broadcast`), so when
 `[rollout] transport = "broadcast"` the ordinary rollouts (a checkpoint from a folder, a rollback
 to a version a worker saved to disk) go as disk updates.
 """

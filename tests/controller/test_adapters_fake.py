@@ -18,6 +18,8 @@ from sqlalchemy import text
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.adapters import AdapterDecisions
+from daemon.controller.queue import RolloutState
+from daemon.controller.served import ServedVersions
 from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
@@ -103,7 +105,9 @@ def rig(reg: Registry, *workers: FakeAdapterWorker, **settings: float) -> tuple[
                    for w in workers])  # fmt: skip
     journal.register_workers((h.name, "builtin", h.url, "cpu") for h in fleet)
     cfg = RolloutSettings(**{"health_window_s": 0.0, **settings})  # type: ignore[arg-type]
-    return AdapterDecisions(journal, aj, AdapterRollout(journal, aj, fleet), cfg, interrupted=lambda: False), aj
+    served = ServedVersions(journal, aj, RolloutState(), lambda _keep: None)  # only adapter aliases here
+    return AdapterDecisions(journal, aj, AdapterRollout(journal, aj, fleet), cfg, interrupted=lambda: False,
+                            served=served), aj  # fmt: skip
 
 
 def served(*workers: FakeAdapterWorker) -> set[str | None]:

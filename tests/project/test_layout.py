@@ -1,5 +1,6 @@
 """The package's shape, checked from its source: the layers (ARCHITECTURE.md), no import cycles,
-one writer of checkpoint status, small modules, a short root, packages that say what they own,
+one writer of checkpoint status, one of serving and last_good, engine clients driven through their
+public interface and declared capabilities, small modules, a short root, packages that say what they own,
 a rollout package of at most 12 modules, and no test hook read by production code.
 
 Import edges are every `import` in a module (top level, inside functions, under TYPE_CHECKING) plus
@@ -229,6 +230,103 @@ def _status_writes(path: Path) -> list[str]:
 def test_checkpoint_status_is_written_in_exactly_one_module() -> None:
     writers = {m: hits for m, p in MODULES.items() if (hits := _status_writes(p))}
     assert list(writers) == ["daemon.registry.status"], writers
+
+
+ALIAS_ROWS = (r"Alias", r"AdapterAlias")
+ALIAS_SQL = re.compile(r"\b(insert\s+into|update|delete\s+from)\s+\W?(adapter_)?aliases\b", re.IGNORECASE)
+
+
+def _alias_writes(path: Path) -> tuple[list[str], list[str]]:
+    """(places that may set an alias through the registry, places that write alias rows themselves).
+
+    The first: every use of `.set_alias` (a call, or the method taken as a value: partial,
+    a variable, getattr's string) except a call naming the `pinned` alias literally, the
+    operator's hold (`journal.set_alias(alias, id)`, `adapters.set_alias(name, alias, id)`).
+    The second: `Alias(...)`, `AdapterAlias(...)`, insert/update/delete of them, SQL text
+    that changes `aliases` or `adapter_aliases`."""
+    tree = ast.parse(path.read_text(), str(path))
+    pinned: set[int] = set()  # the Attribute nodes of `.set_alias("pinned", ...)`-shaped calls
+    rows = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if isinstance(f, ast.Attribute) and f.attr == "set_alias" and not node.keywords and len(node.args) in (2, 3):
+                alias = node.args[len(node.args) - 2]
+                if isinstance(alias, ast.Constant) and alias.value == "pinned":
+                    pinned.add(id(f))
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            first = ast.unparse(node.args[0]) if node.args else ""
+            if name in ALIAS_ROWS or (name in ("insert", "update", "delete") and first in ALIAS_ROWS):
+                rows.append(f"{path.name}:{node.lineno}")
+        elif isinstance(node, ast.Constant) and isinstance(node.value, str) and ALIAS_SQL.search(node.value):
+            rows.append(f"{path.name}:{node.lineno}")
+    sets = [f"{path.name}:{n.lineno}" for n in ast.walk(tree)
+            if (isinstance(n, ast.Attribute) and n.attr == "set_alias" and id(n) not in pinned)
+            or (isinstance(n, ast.Constant) and n.value == "set_alias")]  # fmt: skip
+    return sets, rows
+
+
+def test_serving_and_last_good_are_written_in_exactly_one_module() -> None:
+    """daemon.controller.served decides nothing and writes them all (ARCHITECTURE.md, controller);
+    the registry's set_alias methods are the only code that writes alias rows."""
+    writes = {m: _alias_writes(p) for m, p in MODULES.items()}
+    setters = {m: sets for m, (sets, _) in writes.items() if sets}
+    assert sorted(setters) == ["daemon.controller.served"], setters
+    row_writers = {m: rows for m, (_, rows) in writes.items() if rows}
+    assert sorted(row_writers) == ["daemon.registry.adapters", "daemon.registry.journal"], row_writers
+
+
+def test_the_alias_check_finds_a_write_however_it_is_spelled(tmp_path: Path) -> None:
+    src = tmp_path / "m.py"
+    cases = {"j.set_alias('serving', 1)": 1, "j.set_alias(name, 1)": 1, "a.set_alias(n, 'last_good', 1)": 1,
+             "f = j.set_alias": 1, "getattr(j, 'set_alias')('serving', 1)": 1, "j.set_alias(name='pinned', checkpoint_id=1)": 1,
+             "j.set_alias('pinned', 1)": 0, "a.set_alias(n, 'pinned', None)": 0}  # fmt: skip
+    for code, found in cases.items():
+        src.write_text(code + "\n")
+        assert len(_alias_writes(src)[0]) == found, code
+    src.write_text("s.add(Alias(name='serving'))\ns.execute(update(AdapterAlias).values(checkpoint_id=1))\n"
+                   "c.exec_driver_sql('UPDATE aliases SET checkpoint_id = 2')\n")
+    assert sorted(_alias_writes(src)[1]) == ["m.py:1", "m.py:2", "m.py:3"]
+
+
+def private_client_calls(modules: dict[str, Path]) -> list[str]:
+    """Outside daemon/engines/: calls of an engine client's private method (`h.client._admin(...)`,
+    `client._call(...)`) and any `._admin(` at all. A worker is driven through the public
+    `WorkerClient` interface and what its capabilities declare (daemon/engines/base.py)."""
+    hits = []
+    for m, p in sorted(modules.items()):
+        if m.startswith("daemon.engines"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                attr, receiver = node.func.attr, ast.unparse(node.func.value).rpartition(".")[2]
+                if attr.startswith("_") and not attr.startswith("__") and (attr == "_admin" or receiver.endswith("client")):
+                    hits.append(f"{m}:{node.lineno} {ast.unparse(node.func)}")
+    return hits
+
+
+def test_no_code_outside_the_engines_calls_a_private_method_of_a_client() -> None:
+    assert private_client_calls(MODULES) == []
+
+
+def api_isinstance_of_clients(modules: dict[str, Path]) -> list[str]:
+    """`isinstance(x, C)` in daemon/api/ where C is a class of daemon/engines/ other than the
+    interface (base.py: the protocols and errors): the API picks workers by capability."""
+    engine_classes = {n.name for m, p in modules.items() if m.startswith("daemon.engines") and m != "daemon.engines.base"
+                      for n in ast.walk(ast.parse(p.read_text())) if isinstance(n, ast.ClassDef)}  # fmt: skip
+    hits = []
+    for m, p in sorted(modules.items()):
+        if not m.startswith("daemon.api"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") == "isinstance" and len(node.args) == 2:
+                named = {ast.unparse(n).rpartition(".")[2] for n in ast.walk(node.args[1]) if isinstance(n, ast.Name | ast.Attribute)}
+                hits += [f"{m}:{node.lineno} isinstance(..., {c})" for c in sorted(named & engine_classes)]
+    return hits
+
+
+def test_the_api_never_asks_which_engine_client_a_worker_has() -> None:
+    assert api_isinstance_of_clients(MODULES) == []
 
 
 def test_rollout_package_has_at_most_twelve_modules() -> None:

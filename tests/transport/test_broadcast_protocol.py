@@ -158,10 +158,10 @@ def test_the_trainer_asks_again_after_a_transient_refusal_and_not_after_a_final_
 
 
 def test_only_transient_refusals_tell_the_trainer_when_to_ask_again() -> None:
-    from daemon.api.broadcast import Refusal
+    from daemon.api.broadcast import Refusal, refused
 
-    assert Refusal(409, "worker w0 is busy with a rollout; try again", retry_after_s=1).response().headers["Retry-After"] == "1"
-    assert "Retry-After" not in Refusal(409, "version 'v1' is already recorded").response().headers
+    assert refused(Refusal(409, "worker w0 is busy with a rollout; try again", retry_after_s=1)).headers["Retry-After"] == "1"
+    assert "Retry-After" not in refused(Refusal(409, "version 'v1' is already recorded")).headers
 
 
 def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(tmp_path: Path) -> None:
@@ -189,6 +189,44 @@ def test_a_broadcast_waits_while_a_worker_is_not_running_as_the_daemon_knows_it(
     assert refused.value.status_code == 409 and refused.value.retry_after_s is not None
     assert all(h.busy.acquire(blocking=False) for h in handles), "a refused session kept a worker's lock"
     assert not (tmp_path / "broadcast").exists()
+
+
+def test_a_broadcast_takes_workers_by_their_declared_capability_never_by_class(tmp_path: Path) -> None:
+    """Only clients with `capabilities.broadcast` join a session (a reference worker's client without
+    it is refused like any other), and a client without it refuses `init_weight_group` itself."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from daemon.api.broadcast import Broadcasts, Refusal
+    from daemon.config import WorkerSpec
+    from daemon.engines.base import WorkerError
+    from daemon.engines.builtin import BuiltinWorkerClient
+    from daemon.engines.sglang import SGLangWorkerClient
+    from daemon.engines.vllm import VLLMWorkerClient
+    from daemon.rollout.states import WorkerHandle, WorkerState
+
+    class NoGroup(BuiltinWorkerClient):
+        capabilities = dataclasses.replace(BuiltinWorkerClient.capabilities, broadcast=False)
+
+    url = "http://127.0.0.1:9"
+    clients = [BuiltinWorkerClient("w0", url), NoGroup("w1", url), VLLMWorkerClient("w2", url)]
+    handles = [WorkerHandle(spec=WorkerSpec(name=c.name, url=url), client=c, url=url) for c in clients]  # type: ignore[arg-type]
+    for h in handles:
+        h.observed(WorkerState.RUNNING)
+    service = SimpleNamespace(wait_ready=lambda t: True, fleet=handles, journal=SimpleNamespace(checkpoint_by_version=lambda v: None),
+                              settings=SimpleNamespace(broadcast_max_pause_s=60.0))  # fmt: skip
+    body = {"version": "v9", "table": [{"name": "a", "dtype": "F32", "shape": [2]}], "master_address": "127.0.0.1",
+            "master_port": 29500}  # fmt: skip
+    with pytest.raises(Refusal, match="w1, w2 are not") as refused:
+        Broadcasts(service, tmp_path).begin(body)  # type: ignore[arg-type]
+    assert refused.value.status_code == 409 and refused.value.retry_after_s is None
+    assert all(h.busy.acquire(blocking=False) for h in handles) and not (tmp_path / "broadcast").exists()
+    spec = GroupSpec("127.0.0.1", 29500, 1, 2, "gloo", "g", 5.0)
+    for client in (VLLMWorkerClient("w2", url), SGLangWorkerClient("w3", url)):
+        assert not client.capabilities.broadcast
+        with pytest.raises(WorkerError, match=f"worker {client.name}: init_weight_group: .* cannot join a trainer's broadcast"):
+            client.init_weight_group(spec, timeout_s=1.0)
+    assert BuiltinWorkerClient.capabilities.broadcast and "broadcast" in BuiltinWorkerClient.capabilities.transports
 
 
 def test_a_retry_after_that_lies_is_bounded_or_ignored() -> None:

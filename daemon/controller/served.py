@@ -1,0 +1,83 @@
+"""The one writer of `serving` and `last_good`: the base model's and each LoRA adapter name's.
+
+A job, the health window, start-up or a broadcast session decides; this module writes what it
+decided. Each caller keeps its own order of writes (the fallback path writes last_good before
+serving moves, so whoever sees the new serving version sees its last_good too).
+
+    served = ServedVersions(journal, adapter_journal, state, stager.retain)
+    served.mark_serving(ckpt, previous, "serving on every worker (rollout 7)")
+    served.mark_last_good(ckpt)
+
+`tests/project/test_layout.py` checks that no other module writes these aliases (a `pinned`
+alias is an operator's hold, written where the pin is taken).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from daemon.controller.queue import RolloutState
+from daemon.registry.adapters import AdapterJournal, AdapterVersion
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import CheckpointStatus
+
+C = CheckpointStatus
+
+
+class ServedVersions:
+    """Writes serving / last_good and what goes with them (see the module docstring)."""
+
+    def __init__(self, journal: Journal, adapters: AdapterJournal, state: RolloutState,
+                 retain: Callable[[set[str]], None]) -> None:  # fmt: skip
+        self.journal = journal
+        self.adapters = adapters
+        self.state = state
+        self.retain = retain  # the stager frees every staged version but these
+
+    # -- the base model ----------------------------------------------------------------------
+    def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
+        """`ckpt` serves on every worker: the alias, the runner's state, its status (and the
+        replaced version's), and the stager keeps only serving and last_good."""
+        self.journal.set_alias("serving", ckpt.id)
+        self.state.set_serving(ckpt.version)
+        fresh = self.journal.checkpoint(ckpt.id)
+        if fresh is not None and fresh.status != C.DEPLOYED:
+            self.journal.move_status(ckpt.id, C.DEPLOYED, message)
+        if previous is not None and previous.id != ckpt.id:
+            old = self.journal.checkpoint(previous.id)
+            if old is not None and old.status == C.DEPLOYED:
+                self.journal.move_status(previous.id, C.RETIRED, f"replaced by {ckpt.version}")
+        last_good = self.journal.alias("last_good")
+        self.retain({ckpt.version} | ({last_good.version} if last_good else set()))
+
+    def mark_last_good(self, ckpt: CheckpointRef) -> None:
+        self.journal.set_alias("last_good", ckpt.id)
+
+    def seed(self, ckpt: CheckpointRef) -> None:
+        """Nothing deployed yet and only managed workers: they start on the tiny seed, which is
+        serving and last_good from the start (no status move: the seed is registered as deployed)."""
+        self.journal.set_alias("serving", ckpt.id)
+        self.journal.set_alias("last_good", ckpt.id)
+
+    # -- LoRA adapters, per name ---------------------------------------------------------------
+    def mark_adapter_serving(self, av: AdapterVersion, previous: AdapterVersion | None, message: str,
+                             bound: Callable[[str], None]) -> None:  # fmt: skip
+        """`av` serves its name on every worker; `bound(name)` ends the name's unbound problem
+        (daemon.controller.adapter_base) before its status moves."""
+        self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
+        bound(av.name)
+        fresh = self.journal.checkpoint(av.checkpoint.id)
+        if fresh is not None and fresh.status != C.DEPLOYED:
+            self.journal.move_status(av.checkpoint.id, C.DEPLOYED, message)
+        if previous is not None and previous.checkpoint.id != av.checkpoint.id:
+            old = self.journal.checkpoint(previous.checkpoint.id)
+            if old is not None and old.status == C.DEPLOYED:
+                self.journal.move_status(previous.checkpoint.id, C.RETIRED, f"replaced by {av.version}")
+
+    def clear_adapter_serving(self, name: str) -> None:
+        """The name is unloaded from every worker: no version of it serves."""
+        self.adapters.set_alias(name, "serving", None)
+
+    def mark_adapter_last_good(self, name: str, av: AdapterVersion | None) -> None:
+        """None clears it: no version of the name is known good on the serving base."""
+        self.adapters.set_alias(name, "last_good", av.checkpoint.id if av is not None else None)
