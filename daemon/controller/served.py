@@ -47,11 +47,18 @@ class ServedVersions:
             old = self.journal.checkpoint(previous.id)
             if old is not None and old.status == C.DEPLOYED:
                 self.journal.move_status(previous.id, C.RETIRED, f"replaced by {ckpt.version}")
-        last_good = self.journal.alias("last_good")
-        self.retain({ckpt.version} | ({last_good.version} if last_good else set()))
+        self._keep_staged(ckpt, self.journal.alias("last_good"))
 
     def mark_last_good(self, ckpt: CheckpointRef) -> None:
         self.journal.set_alias("last_good", ckpt.id)
+        self._keep_staged(ckpt, self.journal.alias("serving"))
+
+    def _keep_staged(self, *keep: CheckpointRef | None) -> None:
+        """The stager frees every staged version but serving, last_good and those verified and
+        waiting for their rollout. Run when either alias moves: a version that stopped being
+        last_good after a health window held a GPU copy (16 GB for 8B) until the next rollout, and
+        the next version's staging was deferred for want of that memory."""
+        self.retain({c.version for c in keep if c is not None} | {w.version for w in self.journal.waiting()})
 
     def seed(self, ckpt: CheckpointRef) -> None:
         """Nothing deployed yet and only managed workers: they start on the tiny seed, which is

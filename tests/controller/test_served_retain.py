@@ -1,0 +1,62 @@
+"""What the stager keeps staged (daemon.controller.served): serving, last_good and the versions
+verified and waiting for their rollout, recomputed whenever serving or last_good moves.
+
+On a GPU every staged version is a copy of the model (16 GB for 8B): the version a health window
+retired from last_good held its copy until the next rollout, and on an 80 GB H100 with two 8B
+workers the next version's staging was deferred for want of that memory, for good.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from daemon.controller.queue import RolloutState
+from daemon.controller.served import ServedVersions
+from daemon.registry import Registry, status
+from daemon.registry.adapters import AdapterJournal
+from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.status import CheckpointStatus as C
+
+pytestmark = pytest.mark.quick
+
+
+@pytest.fixture
+def reg(db_url: str) -> Iterator[Registry]:
+    r = Registry(db_url)
+    r.upgrade()
+    yield r
+    r.close()
+
+
+def verified(reg: Registry, tmp_path: Path, version: str) -> CheckpointRef:
+    local = tmp_path / version
+    local.mkdir()
+    with reg.session() as s:
+        c = status.create(s, version=version, source="t", uri=f"file://{local}", local_path=str(local),
+                          commit_signal="manifest")  # fmt: skip
+        assert c is not None
+        status.move(s, c, C.VERIFYING)
+        status.move(s, c, C.VERIFIED)
+        cid = c.id
+    ref = Journal(reg).checkpoint(cid)
+    assert ref is not None
+    return ref
+
+
+def test_a_version_that_leaves_last_good_is_freed_and_a_waiting_one_is_kept(reg: Registry, tmp_path: Path) -> None:
+    journal = Journal(reg)
+    kept: list[set[str]] = []
+    served = ServedVersions(journal, AdapterJournal(reg), RolloutState(), kept.append)
+    v0, v1 = verified(reg, tmp_path, "v0"), verified(reg, tmp_path, "v1")
+    served.mark_serving(v0, None, "first")
+    served.mark_last_good(v0)
+    served.mark_serving(v1, v0, "rollout 2")  # in its health window: v0 stays last_good
+    v2 = verified(reg, tmp_path, "v2")  # verified meanwhile, waiting for its rollout (staged by verify)
+    assert kept[-1] == {"v1", "v0"}
+    served.mark_last_good(v1)  # the health window passed
+    assert kept[-1] == {"v1", "v2"}  # v0's copy goes; v2's, already staged, stays for its rollout
+    served.mark_serving(v2, v1, "rollout 3")
+    assert kept[-1] == {"v2", "v1"}
