@@ -17,6 +17,7 @@
 #       $(.venv/bin/pip list --format=freeze | grep -iE '^(fastapi|starlette|pydantic|pydantic.core|uvicorn)==')
 #   dry run here on the CPU, small layouts:   DRY=1 OUT=.bench-out/h200-dry bash bench/h200_session.sh
 #
+# TRANSPORTS=ipc (default ipc,disk) runs the end-to-end step on one transport only.
 # Writes under $OUT: versions.txt, gpu.txt, wheels.txt (what was installed, or why not), a NAME.log per
 # step, gpu_e2e-<layout>.json (both transports, 5 measured updates each, bad versions, the flip-back),
 # ipc_update-<layout>.json (ipc copy / swap micro + checkpoint-engine's update() anchor),
@@ -62,7 +63,7 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a cap, its output in $OUT/NAM
 step stage_smoke 40 $PY -m bench.stage_smoke --device "$DEV"
 # the whole path: 8B, both transports, 5 updates each under load, bad versions rejected before any pause,
 # then (ipc) the flip-back after a probe that fails after resume, on w0 with the daemon stopped
-TAIL=45 step gpu_e2e "${E2E_CAP:-310}" $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports ipc,disk \
+TAIL=45 step gpu_e2e "${E2E_CAP:-310}" $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports "${TRANSPORTS:-ipc,disk}" \
     --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s "${E2E_BUDGET:-140}" --start-timeout 150 --update-timeout 60 \
     --flip-back 3 --keep-logs --out "$OUT" --delta-updates "${DELTA_UPDATES:-0}" --delta-in ipc
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
