@@ -110,8 +110,11 @@ class RolloutDecisions:
         if (wait := lookahead(facts)) is not None:  # the one query of a pass that waits
             self._waiting = (ckpt.id, since)
             replaced = self.queue.put_back(ckpt, until=min(now + RECHECK_S, wait.until or now))
-            if replaced is not None:  # a newer arrival took the slot meanwhile
-                self.supersede(replaced, by=ckpt if replaced.id != ckpt.id else self.queue.pending)
+            if replaced is not None and replaced.id == ckpt.id:  # a newer one arrived meanwhile
+                self.supersede(ckpt, by=self.queue.pending)
+                return {"version": ckpt.version, "outcome": "superseded"}
+            if replaced is not None:  # an older one had taken the slot meanwhile
+                self.supersede(replaced, by=ckpt)
             return {"version": ckpt.version, "outcome": "waiting", "reason": wait.reason}
         self._waiting = None
         facts = replace(facts, fresh=self.journal.checkpoint(ckpt.id), serving=self.journal.alias("serving"))

@@ -3,8 +3,9 @@
 Operator commands go first, then the newest waiting checkpoint. Checkpoints that arrive while a
 rollout runs wait in a single slot: a newer arrival replaces the waiting one, which the caller
 records as `superseded`. A checkpoint whose desired step is "wait" (daemon.controller.desired)
-is put back in the slot, held there until a given time, and handed out again after it. Operator commands (rollback, pin, unpin) queue in order and carry a
-Future the API waits on; a refused one fails it with `CommandError`.
+is put back in the slot, held there until a given time, and handed out again after it. Operator
+commands (rollback, pin, unpin) queue in order and carry a Future the API waits on; a refused
+one fails it with `CommandError`.
 
 `RolloutState` (pinned, serving, the job in progress, a version held back for unavailable
 workers) is written by the runner thread and read by the API and the health poll: every access
