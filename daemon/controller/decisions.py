@@ -1,9 +1,10 @@
 """The runner's jobs and what their results mean for the registry.
 
-A new checkpoint deployed (after waiting for newer ones still being verified; superseded or
-skipped when its turn is gone), an operator's rollback, pin and unpin, the fleet target converged
-to, a reconcile of drifted workers (and of a managed worker's fallback); then `conclude`: which
-version is serving, last_good, rejected, retried or held back for unavailable workers.
+A new checkpoint deployed, superseded, skipped or put back to wait for newer ones still being
+verified, as its desired state says (daemon.controller.desired); an operator's rollback, pin and
+unpin, the fleet target converged to, a reconcile of drifted workers (and of a managed worker's
+fallback); then `conclude`: which version is serving, last_good, rejected, retried or held back
+for unavailable workers.
 
     decisions = RolloutDecisions(journal, fleet, settings, engine, driver, state, queue, stopping,
                                  served=served, submit=service.submit)
@@ -19,11 +20,13 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.controller.desired import Facts, desired, lookahead
 from daemon.controller.health_window import HealthWindow
 from daemon.controller.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
@@ -49,7 +52,7 @@ log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
 R = TypeVar("R")
 
-LOOKAHEAD_MAX_S = 600.0  # longest wait for newer checkpoints still being verified
+RECHECK_S = 0.5  # a checkpoint waiting for newer ones is looked at again this often (one query each)
 MOVES_FLEET: tuple[JobKind, ...] = ("rollback", "pin")  # operator commands that redeploy every worker
 
 
@@ -88,6 +91,7 @@ class RolloutDecisions:
         # fleet mode: a converge to a staged rollout's version gets a health window (daemon.fleet.stages)
         self.watch_fleet: Callable[[CheckpointRef], bool] = lambda _ckpt: False
         self._fallback_to: str | None = None  # a managed worker fell back to it; made serving by reconcile
+        self._waiting: tuple[int, float] | None = None  # (checkpoint id, since): it waits for newer ones
 
     def _yield_wanted(self, ckpt: CheckpointRef) -> bool:
         """Stop a rollout at the next batch boundary: something that moves every worker anyway is waiting."""
@@ -95,26 +99,33 @@ class RolloutDecisions:
 
     # -- jobs ------------------------------------------------------------------------------
     def deploy_new(self, ckpt: CheckpointRef) -> dict[str, Any]:
-        # Newer checkpoints still being verified would supersede this one: wait for them.
-        deadline = time.monotonic() + LOOKAHEAD_MAX_S
-        while (
-            not self.queue.newer_than(ckpt)
-            and not self.stopping.is_set()
-            and time.monotonic() < deadline
-            and self.journal.newer_in_verification(ckpt.id)
-        ):
-            time.sleep(0.1)
-        if self.queue.newer_than(ckpt):
-            self.supersede(ckpt, by=self.queue.pending)
-            return {"version": ckpt.version, "outcome": "superseded"}
-        fresh = self.journal.checkpoint(ckpt.id)
-        if fresh is None or fresh.status not in WAITING:
-            return {"version": ckpt.version, "outcome": "skipped", "status": fresh.status if fresh else None}
-        serving = self.journal.alias("serving")
-        if serving is not None and serving.id != fresh.id and newer(serving, fresh):
-            # e.g. step-999 verified after step-1000 is serving: newer is the step, not arrival
-            self.supersede(fresh, by=serving)
-            return {"version": fresh.version, "outcome": "superseded", "by": serving.version}
+        """One pass over the waiting checkpoint: its desired step (daemon.controller.desired) done.
+        A wait never blocks the runner: the checkpoint goes back to the queue's waiting slot and
+        is looked at again on a later pass, so operator commands queued meanwhile run first."""
+        now = time.monotonic()
+        since = self._waiting[1] if self._waiting is not None and self._waiting[0] == ckpt.id else now
+        facts = Facts(candidate=ckpt, now=now, waiting_since=since, stopping=self.stopping.is_set(),
+                      newer_queued=self.queue.pending if self.queue.newer_than(ckpt) else None,
+                      newer_verifying=self.journal.newer_in_verification(ckpt.id))  # fmt: skip
+        if (wait := lookahead(facts)) is not None:  # the one query of a pass that waits
+            self._waiting = (ckpt.id, since)
+            replaced = self.queue.put_back(ckpt, until=min(now + RECHECK_S, wait.until or now))
+            if replaced is not None and replaced.id == ckpt.id:  # a newer one arrived meanwhile
+                self.supersede(ckpt, by=self.queue.pending)
+                return {"version": ckpt.version, "outcome": "superseded"}
+            if replaced is not None:  # an older one had taken the slot meanwhile
+                self.supersede(replaced, by=ckpt)
+            return {"version": ckpt.version, "outcome": "waiting", "reason": wait.reason}
+        self._waiting = None
+        facts = replace(facts, fresh=self.journal.checkpoint(ckpt.id), serving=self.journal.alias("serving"))
+        step = desired(facts)
+        fresh, serving = step.checkpoint, facts.serving
+        if step.action == "supersede":
+            self.supersede(fresh, by=step.by)
+            out = {"version": fresh.version, "outcome": "superseded"}
+            return {**out, "by": serving.version} if serving is not None and step.by is serving else out
+        if step.action == "skip":
+            return {"version": ckpt.version, "outcome": "skipped", "status": facts.fresh.status if facts.fresh else None}
         fallback = self.fallback()
         result = self.engine.deploy(
             fresh, trigger=T.NEW, fallback=fallback, should_yield=lambda: self._yield_wanted(fresh)

@@ -2,8 +2,10 @@
 
 Operator commands go first, then the newest waiting checkpoint. Checkpoints that arrive while a
 rollout runs wait in a single slot: a newer arrival replaces the waiting one, which the caller
-records as `superseded`. Operator commands (rollback, pin, unpin) queue in order and carry a
-Future the API waits on; a refused one fails it with `CommandError`.
+records as `superseded`. A checkpoint whose desired step is "wait" (daemon.controller.desired)
+is put back in the slot, held there until a given time, and handed out again after it. Operator
+commands (rollback, pin, unpin) queue in order and carry a Future the API waits on; a refused
+one fails it with `CommandError`.
 
 `RolloutState` (pinned, serving, the job in progress, a version held back for unavailable
 workers) is written by the runner thread and read by the API and the health poll: every access
@@ -13,6 +15,7 @@ takes its lock, and the one compound step (take the held-back version) is one ca
 from __future__ import annotations
 
 import threading
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -45,6 +48,7 @@ class RolloutQueue:
     def __init__(self) -> None:
         self._cond = threading.Condition()
         self._pending: CheckpointRef | None = None
+        self._held_until = 0.0  # monotonic: the waiting checkpoint is not handed out before it
         self._commands: deque[Job] = deque()
 
     def offer(self, ckpt: CheckpointRef) -> CheckpointRef | None:
@@ -54,8 +58,18 @@ class RolloutQueue:
             if old is not None and old.id != ckpt.id and newer(old, ckpt):
                 return ckpt  # an older version (by step, then arrival) is superseded by the waiting one
             self._pending = ckpt
+            self._held_until = 0.0  # a new arrival is looked at now
             self._cond.notify_all()
             return old if old is not None and old.id != ckpt.id else None
+
+    def put_back(self, ckpt: CheckpointRef, until: float) -> CheckpointRef | None:
+        """`ckpt` waits again, not handed out before `until` (monotonic); returns the one superseded,
+        as `offer` does (a newer arrival meanwhile wins the slot and is not held)."""
+        with self._cond:
+            replaced = self.offer(ckpt)
+            if self._pending is not None and self._pending.id == ckpt.id:
+                self._held_until = until
+            return replaced
 
     def command(self, job: Job) -> Future[dict[str, Any]]:
         with self._cond:
@@ -68,14 +82,19 @@ class RolloutQueue:
     def take(self, timeout: float, deploy_allowed: bool) -> Job | None:
         """The next job (commands first; the waiting checkpoint only when deploys are allowed)."""
         with self._cond:
-            if not self._commands and not (deploy_allowed and self._pending):
-                self._cond.wait(timeout)
+            if not self._commands and not self._deployable(deploy_allowed):
+                held = self._held_until - time.monotonic() if deploy_allowed and self._pending else timeout
+                self._cond.wait(max(0.0, min(timeout, held)))
             if self._commands:
                 return self._commands.popleft()
-            if deploy_allowed and self._pending is not None:
+            if self._deployable(deploy_allowed):
+                assert self._pending is not None
                 ckpt, self._pending = self._pending, None
                 return Job("deploy", checkpoint=ckpt)
             return None
+
+    def _deployable(self, deploy_allowed: bool) -> bool:
+        return deploy_allowed and self._pending is not None and time.monotonic() >= self._held_until
 
     def wake(self) -> None:
         with self._cond:

@@ -323,7 +323,7 @@ class RolloutService:
         if job.kind.startswith("adapter"):
             return self._execute_adapter(job)
         out = self._execute_base(job)
-        rebased = self.adapters.binding.rebase()  # adapters belong to a base (daemon/controller/adapter_base.py)
+        rebased = self.adapters.binding.rebase() if out.get("outcome") != "waiting" else {}  # adapter_base.py
         return {**out, "adapters_rebased": rebased} if rebased else out
 
     def gate_problems(self) -> list[tuple[str, str]]:

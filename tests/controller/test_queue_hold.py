@@ -1,0 +1,63 @@
+"""daemon.controller.queue: a checkpoint put back to wait is held in the slot, commands still go first."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from daemon.controller.queue import Job, RolloutQueue
+from daemon.registry.journal import CheckpointRef
+from daemon.registry.status import CheckpointStatus as C
+
+pytestmark = pytest.mark.quick
+
+
+def ref(id: int) -> CheckpointRef:
+    return CheckpointRef(id=id, version=f"v{id}", digest=None, local_path=None, tensor_count=1,
+                         status=C.VERIFIED, verified=True)  # fmt: skip
+
+
+def test_a_held_checkpoint_is_not_handed_out_before_its_time_but_stays_pending() -> None:
+    q = RolloutQueue()
+    assert q.put_back(ref(1), until=time.monotonic() + 60) is None
+    assert q.take(0.01, deploy_allowed=True) is None and q.pending == ref(1)
+
+
+def test_a_command_is_taken_at_once_while_a_checkpoint_is_held() -> None:
+    q = RolloutQueue()
+    q.put_back(ref(1), until=time.monotonic() + 60)
+    pin = Job("pin", version="v0")
+    q.command(pin)
+    assert q.take(30, deploy_allowed=True) is pin and q.pending == ref(1)
+
+
+def test_the_held_checkpoint_is_handed_out_when_its_time_comes_within_one_take() -> None:
+    q = RolloutQueue()
+    q.put_back(ref(1), until=time.monotonic() + 0.05)
+    started = time.monotonic()
+    job = q.take(30, deploy_allowed=True)
+    assert job is not None and job.kind == "deploy" and job.checkpoint == ref(1)
+    assert time.monotonic() - started < 10  # woke at the hold's end, not at the take's timeout
+
+
+def test_a_newer_arrival_replaces_the_held_one_and_is_not_held() -> None:
+    q = RolloutQueue()
+    q.put_back(ref(1), until=time.monotonic() + 60)
+    assert q.offer(ref(2)) == ref(1)  # the caller records v1 superseded
+    job = q.take(0.01, deploy_allowed=True)
+    assert job is not None and job.checkpoint == ref(2)
+
+
+def test_putting_back_behind_a_newer_arrival_supersedes_the_one_put_back() -> None:
+    q = RolloutQueue()
+    q.offer(ref(2))
+    assert q.put_back(ref(1), until=time.monotonic() + 60) == ref(1)
+    job = q.take(0.01, deploy_allowed=True)
+    assert job is not None and job.checkpoint == ref(2)  # not held: v2 never waited
+
+
+def test_nothing_is_deployed_while_pinned_held_or_not() -> None:
+    q = RolloutQueue()
+    q.put_back(ref(1), until=0.0)
+    assert q.take(0.01, deploy_allowed=False) is None and q.pending == ref(1)
