@@ -2,7 +2,8 @@
 
 A thread looks at every `launch = "managed"` worker a few times a second. A child just launched
 (or relaunched by the rollout engine, or adopted) is LAUNCHING until its admin API answers
-RUNNING; one that exits first, or is not healthy within `restart_timeout_s`, has failed. A
+RUNNING (one found DRAINING or PAUSED, as a killed daemon left it, is resumed first); one that
+exits first, or is not healthy within `restart_timeout_s`, has failed. A
 failure is recorded at once through the state machine (UNHEALTHY, an `events` row with
 `action = "launch_failed"`, or `action = "crashed"` for a worker that was healthy and died: no
 launch failed, so the problem is `worker_crashed`, not `worker_launch_failed`) with `workers.last_error` = one line of cause, then the last lines
@@ -33,7 +34,7 @@ from typing import Any
 from daemon.common.backoff import Backoff
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
-from daemon.engines.base import WorkerError
+from daemon.engines.base import WeightInfo, WorkerError
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.rollout.driver import WorkerDriver
 from daemon.rollout.managed import ManagedWorker, PortTaken, target_problem
@@ -257,13 +258,25 @@ class Supervisor:
             return
         info = None
         with contextlib.suppress(WorkerError):
-            info = h.client.weight_info()
+            info = self._in_rotation(h, h.client.weight_info())
         if info is not None and parse_state(info.state) == WorkerState.RUNNING:
             self._healthy(h, w, now, info.version, info.device)
         elif now - w.since > self.settings.restart_timeout_s:
             m.stop()
             m.should_run = True  # stopped by us to relaunch it, not by the operator
             self._failed(h, w, now, f"the worker was not healthy {self.settings.restart_timeout_s:g} s after launch")
+
+    def _in_rotation(self, h: WorkerHandle, info: WeightInfo) -> WeightInfo:
+        """A worker adopted DRAINING or PAUSED (a daemon killed mid-update left it so; nothing moves it
+        now: the supervisor holds `busy`) is whole (an update that fails mid-write reports UNHEALTHY)
+        and serves nobody: resume it. Waiting for RUNNING instead kept a lone worker out of rotation
+        for `restart_timeout_s` (the fault matrix's 194 s)."""
+        if parse_state(info.state) not in (WorkerState.DRAINING, WorkerState.PAUSED):
+            return info
+        log.warning("worker_resumed", worker=h.name, was=info.state, version=info.version,
+                    reason="adopted out of rotation with no rollout moving it")  # fmt: skip
+        h.client.resume()
+        return h.client.weight_info()
 
     def _healthy(self, h: WorkerHandle, w: Watch, now: float, version: str | None, device: str | None) -> None:
         assert h.managed is not None
