@@ -8,7 +8,6 @@ workers the next version's staging was deferred for want of that memory, for goo
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -21,14 +20,6 @@ from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.status import CheckpointStatus as C
 
 pytestmark = pytest.mark.quick
-
-
-@pytest.fixture
-def reg(db_url: str) -> Iterator[Registry]:
-    r = Registry(db_url)
-    r.upgrade()
-    yield r
-    r.close()
 
 
 def verified(reg: Registry, tmp_path: Path, version: str) -> CheckpointRef:
@@ -46,7 +37,8 @@ def verified(reg: Registry, tmp_path: Path, version: str) -> CheckpointRef:
     return ref
 
 
-def test_a_version_that_leaves_last_good_is_freed_and_a_waiting_one_is_kept(reg: Registry, tmp_path: Path) -> None:
+def test_a_version_that_leaves_last_good_is_freed_and_a_waiting_one_is_kept(registry: Registry, tmp_path: Path) -> None:
+    reg = registry  # conftest's: SQLite, and PostgreSQL with HOTSWAP_TEST_POSTGRES_URL
     journal = Journal(reg)
     kept: list[set[str]] = []
     served = ServedVersions(journal, AdapterJournal(reg), RolloutState(), kept.append)
