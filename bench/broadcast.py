@@ -38,9 +38,10 @@ from safetensors.torch import load_file
 
 from bench.common import LAYOUTS, alloc_params, machine_description, print_table, write_checkpoint, write_json
 from daemon.transport.base import TORCH_TO_ST, UpdateRequest, check_table
-from daemon.transport.broadcast import GroupSpec, buckets, parse_table
+from daemon.transport.broadcast import buckets, parse_table
 from daemon.transport.broadcast_worker import bucket_broadcast, join, open_update, vote
 from daemon.transport.disk import DiskTransport
+from daemon.transport.group_spec import GroupSpec
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -29,7 +29,8 @@ from daemon.common.jsonbody import JsonBodyError, parse_object, read_capped
 from daemon.controller.broadcast import BroadcastSessions, Refusal
 from daemon.controller.service import RolloutService
 from daemon.transport.base import BadUpdateRequest
-from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, GroupSpec, parse_table, table_to_json
+from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, parse_table, table_to_json
+from daemon.transport.group_spec import GroupSpec
 
 __all__ = ["Broadcasts", "Refusal", "broadcast_router", "refused"]
 

@@ -56,7 +56,8 @@ from daemon.rollout.failure import FailurePath
 from daemon.rollout.stage import Target
 from daemon.rollout.states import WorkerHandle, WorkerState
 from daemon.transport.base import UpdateRequest
-from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, GroupSpec, parse_table, total_bytes
+from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, parse_table, total_bytes
+from daemon.transport.group_spec import GroupSpec
 
 log = get_logger(__name__)
 C = CheckpointStatus

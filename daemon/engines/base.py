@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from daemon.transport.base import Expect, UpdateMode, UpdateRequest
-from daemon.transport.broadcast import GroupSpec
+from daemon.transport.group_spec import GroupSpec
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 

@@ -43,7 +43,7 @@ from daemon.engines.base import (
     read_token,
 )
 from daemon.transport import TRANSPORTS
-from daemon.transport.broadcast import GroupSpec
+from daemon.transport.group_spec import GroupSpec
 
 GET_RETRIES = 2
 INFO_KEYS = ("version", "digest", "state", "in_flight", "tensors", "bytes", "device", "update_count")

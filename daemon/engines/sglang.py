@@ -67,7 +67,7 @@ from daemon.engines.engine_common import (
 from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
 from daemon.engines.sglang_api import SGLangAPI
 from daemon.transport.base import Expect
-from daemon.transport.broadcast import GroupSpec
+from daemon.transport.group_spec import GroupSpec
 
 log = get_logger(__name__)
 TESTED_VERSIONS = sglang_api.TESTED_VERSIONS  # ("0.5.23",)

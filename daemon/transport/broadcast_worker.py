@@ -49,7 +49,6 @@ from daemon.transport.base import (
 )
 from daemon.transport.broadcast import (
     DEFAULT_BUCKET_BYTES,
-    GroupSpec,
     buckets,
     parse_table,
     stream_digest,
@@ -57,6 +56,7 @@ from daemon.transport.broadcast import (
     total_bytes,
 )
 from daemon.transport.disk import DiskTransport
+from daemon.transport.group_spec import GroupSpec
 
 log = logging.getLogger("hotswap.transport.broadcast")
 

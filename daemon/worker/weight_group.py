@@ -19,8 +19,8 @@ from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
 from daemon.transport.base import BadUpdateRequest, TransportError
-from daemon.transport.broadcast import GroupSpec
 from daemon.transport.broadcast_worker import join
+from daemon.transport.group_spec import GroupSpec
 from daemon.worker.updates import BadRequest, UpdateError
 
 

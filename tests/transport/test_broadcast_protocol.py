@@ -15,8 +15,9 @@ from fastapi.testclient import TestClient
 from daemon.api.broadcast import broadcast_router
 from daemon.common.auth import ControlGuard, ensure_control_token
 from daemon.transport.base import BadUpdateRequest
-from daemon.transport.broadcast import GroupSpec, buckets, parse_table, total_bytes
+from daemon.transport.broadcast import buckets, parse_table, total_bytes
 from daemon.transport.broadcast_worker import _finite
+from daemon.transport.group_spec import GroupSpec
 
 pytestmark = pytest.mark.quick
 
