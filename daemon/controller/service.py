@@ -316,7 +316,7 @@ class RolloutService:
         except WorkerError as exc:
             log.warning("worker_resume_failed", worker=h.name, error=str(exc))
             return None
-        h.observed(parse_state(info.state))
+        self.driver.observed(h, parse_state(info.state), None, version=info.version, why="back in rotation")
         return info
 
     def _execute(self, job: Job) -> dict[str, Any]:

@@ -35,6 +35,7 @@ from daemon.rollout.managed import Restarter
 from daemon.rollout.relaunch import Relauncher
 from daemon.rollout.stage import Target
 from daemon.rollout.states import (
+    ALLOWED,
     BEGIN_STATE,
     Transition,
     TransitionObserver,
@@ -138,6 +139,19 @@ class WorkerDriver:
         for observer in self.observers:
             observer(seen)
 
+    def observed(self, h: WorkerHandle, reported: WorkerState | None, rollout_id: int | None, *,
+                 version: str | None, why: str) -> None:  # fmt: skip
+        """The worker reports `reported`. Where the daemon last recorded it in another state and the
+        state machine allows the move (a step whose record an outage cut short, a worker the service
+        resumed), the move is recorded as observed: the `workers` row never keeps a state the worker
+        left. A move out of UNCERTAIN is never recorded from a report (only a re-install vouches for
+        the weights); there, and where nothing differs, the handle just learns what was reported."""
+        now = h.state
+        if reported is None or now is None or now is S.UNCERTAIN or now == reported or reported not in ALLOWED[now]:
+            h.observed(reported)
+            return
+        self.move(h, rollout_id, reported, duration_ms=None, detail={"observed": True, "why": why}, version=version)
+
     def fail(self, h: WorkerHandle, rollout_id: int | None, step: str, exc: Exception | str, t0: float) -> StepFailed:
         """Record the move to UNHEALTHY (UNCERTAIN when the failed step may have left a non-atomic
         engine partly updated) for a failed step; return the exception to raise."""
@@ -178,12 +192,12 @@ class WorkerDriver:
             raise self.fail(h, rollout_id, "weight_info", exc, t0) from exc
         reported = parse_state(info.state)
         if reported == S.RUNNING and target.matches(info):
-            h.observed(S.RUNNING)
+            self.observed(h, S.RUNNING, rollout_id, version=info.version, why="reports RUNNING on the target")
             return False
         if reported != S.RUNNING:
             h.observed(h.state or S.RUNNING)
             raise self.fail(h, rollout_id, "begin", f"worker reports state {info.state!r}, expected RUNNING", t0)
-        h.observed(S.RUNNING)
+        self.observed(h, S.RUNNING, rollout_id, version=info.version, why="reports RUNNING before its update")
         restart = self.relauncher.needed(info, target)
         if restart is not None:  # other shapes than it serves: relaunched on the target instead
             refusal = self.relauncher.refusal(h, target, restart)

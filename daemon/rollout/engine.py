@@ -189,7 +189,7 @@ class RolloutEngine:
                         # write): it stays UNCERTAIN, whatever it reports, until re-installed here
                         problem = "recorded UNCERTAIN: what it serves is not vouched for until re-installed"
                     elif reported == WorkerState.RUNNING:
-                        h.observed(WorkerState.RUNNING)
+                        self.driver.observed(h, reported, rid, version=info.version, why="reports RUNNING before the rollout")
                         continue
                     else:
                         problem = f"worker reports state {info.state!r}"

@@ -869,3 +869,25 @@ def test_a_worker_that_cannot_be_restarted_is_never_said_to_be_restarting(reg: R
     assert [e["detail"].get("action") for e in events][-1] == "not_restarted", events
     row = worker_row(reg, "w0")
     assert "restarting" not in (row["last_error"] or "") and "not restarted" in row["last_error"], row
+
+
+def test_a_worker_found_running_where_its_last_move_went_unrecorded_is_recorded_running(
+    reg: Registry, tmp_path: Path
+) -> None:
+    """The fault matrix's PostgreSQL outage: w0's UPDATED was recorded, the outage cut the rollout
+    short before its RUNNING was, and the service resumed it. The next rollout finds it RUNNING on
+    the target: the `workers` row must say so too, not keep UPDATED for ever."""
+    r = rig(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
+    v0, v1, v2 = verified(reg, "v0"), verified(reg, "v1"), verified(reg, "v2")
+    assert r.deploy(v1, v0).outcome == RolloutOutcome.SUCCEEDED
+    h, w0 = r.fleet["w0"], r.fakes["w0"]
+    r.driver.move(h, None, S.DRAINING, duration_ms=None)
+    r.driver.move(h, None, S.UPDATED, duration_ms=None, version="v2")
+    w0.version = "v2"  # what the worker serves after the service resumed it; nothing recorded that
+    assert worker_row(reg, "w0")["state"] == "UPDATED"
+    res = r.deploy(v2, v1)
+    assert res.outcome == RolloutOutcome.SUCCEEDED and res.moved == ["w1"], res
+    row = worker_row(reg, "w0")
+    assert (row["state"], row["weight_version"]) == ("RUNNING", "v2"), row
+    observed = [e for e in worker_events(reg, res.rollout_id) if e["worker"] == "w0"]
+    assert [(e["from"], e["to"], e["detail"].get("observed")) for e in observed] == [("UPDATED", "RUNNING", True)]
