@@ -11,11 +11,11 @@ lock, read by the API and the poll threads.
     service.start(scheduler)
     coordinator.on_verified = service.submit
 
-This module is the runner: its inputs, its thread, the job dispatch, status and the poll. What
-each job does and what its result means for the registry is daemon.controller.decisions (the
-health window after a new version: daemon.controller.health_window), start-up and crash
-recovery is daemon.controller.startup. Each is handed what it needs here, and none imports this
-module back.
+This module is the runner: its inputs, its thread (each job a command that runs itself:
+daemon.controller.commands), status and the poll. What each job does and what its result means
+for the registry is daemon.controller.decisions (the health window after a new version:
+daemon.controller.health_window), start-up and crash recovery is daemon.controller.startup.
+Each is handed what it needs here, and none imports this module back.
 """
 
 from __future__ import annotations
