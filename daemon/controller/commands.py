@@ -2,9 +2,10 @@
 
 An operator's rollback, pin and unpin (the base's, or one adapter name's), the fleet's converge, a
 reconcile, and a new version's deploy (the base's, handed out by the queue's waiting slot, or an
-adapter's) are each a `Command`: its arguments, who asked (`by`, recorded in its events), the
-Future the API waits on, and `run`: the one call it makes on what the service holds (`Steps`: the
-base's decisions, daemon.controller.decisions, and the adapters', daemon.controller.adapters).
+adapter's) are each a `Command`: its arguments, who asked (`by`: the API token's name,
+daemon.common.tokens, recorded in its events), the Future the API waits on, and `run`: the one
+call it makes on what the service holds (`Steps`: the base's decisions,
+daemon.controller.decisions, and the adapters', daemon.controller.adapters).
 
     service.queue.command(Pin("v3", force=False, by="alice")).result()
 
