@@ -9,6 +9,7 @@ them there, compared against what the workers report on every pass.
                    rejected or retried and rolled back)
     served         the one writer of serving and last_good, the base's and each adapter name's
     startup        the seed, managed workers launched, crash recovery, before the first job
+    commands       each job the runner can be asked to do, one small class each, that runs itself
     queue          the runner's job queue and its state (what runs, what waits)
     supervise      managed worker processes: launch, watch, relaunch with backoff, fallback versions
     problems       what is wrong with the host's workers and rollouts (for daemon.process.health)

@@ -26,9 +26,10 @@ from typing import Any, TypeVar
 
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.controller.commands import Command, Pin, Reconcile, Rollback
 from daemon.controller.desired import Facts, desired, lookahead
 from daemon.controller.health_window import HealthWindow
-from daemon.controller.queue import CommandError, Job, JobKind, RolloutQueue, RolloutState
+from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.engines.base import WorkerError
 from daemon.registry.journal import CheckpointRef, Journal
@@ -53,7 +54,7 @@ C, T = CheckpointStatus, RolloutTrigger
 R = TypeVar("R")
 
 RECHECK_S = 0.5  # a checkpoint waiting for newer ones is looked at again this often (one query each)
-MOVES_FLEET: tuple[JobKind, ...] = ("rollback", "pin")  # operator commands that redeploy every worker
+MOVES_FLEET: tuple[type[Command], ...] = (Rollback, Pin)  # operator commands that redeploy every worker
 
 
 class RolloutDecisions:
@@ -235,7 +236,7 @@ class RolloutDecisions:
         """The supervisor's `on_fallback`: a managed worker serves `version` because serving's
         files cannot be launched here; the runner makes it serving (and brings the rest to it)."""
         self._fallback_to = version
-        self.queue.command(Job("reconcile"))
+        self.queue.command(Reconcile())
 
     def _take_fallback(self, serving: CheckpointRef | None) -> CheckpointRef | None:
         version, self._fallback_to = self._fallback_to, None

@@ -3,9 +3,10 @@
 Operator commands go first, then the newest waiting checkpoint. Checkpoints that arrive while a
 rollout runs wait in a single slot: a newer arrival replaces the waiting one, which the caller
 records as `superseded`. A checkpoint whose desired step is "wait" (daemon.controller.desired)
-is put back in the slot, held there until a given time, and handed out again after it. Operator
-commands (rollback, pin, unpin) queue in order and carry a Future the API waits on; a refused
-one fails it with `CommandError`.
+is put back in the slot, held there until a given time, and handed out again after it (as a
+`Deploy`). Commands (daemon.controller.commands: rollback, pin, unpin, converge, reconcile, the
+adapters') queue in order and carry a Future the API waits on; a refused one fails it with
+`CommandError`; a reconcile already queued is not queued twice.
 
 `RolloutState` (pinned, serving, the job in progress, a version held back for unavailable
 workers) is written by the runner thread and read by the API and the health poll: every access
@@ -19,29 +20,11 @@ import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from daemon.controller.commands import Command, Deploy
 from daemon.registry.journal import CheckpointRef
 from daemon.rollout.planner import newer
-
-JobKind = Literal["deploy", "rollback", "pin", "unpin", "reconcile", "converge",  # converge: daemon.fleet.agent
-                  # LoRA adapters, per name (daemon.controller.adapters): queued as commands
-                  "adapter", "adapter_rollback", "adapter_pin", "adapter_unpin", "adapter_reconcile"]
-
-
-@dataclass(eq=False)
-class Job:
-    kind: JobKind
-    checkpoint: CheckpointRef | None = None  # deploy
-    version: str | None = None  # rollback --to / pin / converge
-    force: bool = False  # pin: a rejected version too
-    adapter: str | None = None  # adapter jobs: the adapter name
-    by: str = "operator"  # who asked: the API token's name (daemon.common.tokens), recorded in its events
-    future: Future[dict[str, Any]] = field(default_factory=Future)
-
-    def describe(self) -> str:
-        what = self.checkpoint.version if self.checkpoint else self.version or self.adapter
-        return f"{self.kind} {what}" if what else self.kind
 
 
 class RolloutQueue:
@@ -49,7 +32,7 @@ class RolloutQueue:
         self._cond = threading.Condition()
         self._pending: CheckpointRef | None = None
         self._held_until = 0.0  # monotonic: the waiting checkpoint is not handed out before it
-        self._commands: deque[Job] = deque()
+        self._commands: deque[Command] = deque()
 
     def offer(self, ckpt: CheckpointRef) -> CheckpointRef | None:
         """Make `ckpt` the waiting checkpoint; returns the one it replaced (now superseded), if any."""
@@ -71,15 +54,17 @@ class RolloutQueue:
                 self._held_until = until
             return replaced
 
-    def command(self, job: Job) -> Future[dict[str, Any]]:
+    def command(self, cmd: Command) -> Future[dict[str, Any]]:
+        """Queue `cmd` after the commands waiting; one marked `once` and already queued is not queued
+        again: its caller gets the queued one's Future."""
         with self._cond:
-            if job.kind in ("reconcile", "adapter_reconcile") and any(j.kind == job.kind for j in self._commands):
-                return next(j.future for j in self._commands if j.kind == job.kind)
-            self._commands.append(job)
+            if cmd.once and (same := next((c for c in self._commands if c == cmd), None)) is not None:
+                return same.future
+            self._commands.append(cmd)
             self._cond.notify_all()
-        return job.future
+        return cmd.future
 
-    def take(self, timeout: float, deploy_allowed: bool) -> Job | None:
+    def take(self, timeout: float, deploy_allowed: bool) -> Command | None:
         """The next job (commands first; the waiting checkpoint only when deploys are allowed)."""
         with self._cond:
             if not self._commands and not self._deployable(deploy_allowed):
@@ -90,7 +75,7 @@ class RolloutQueue:
             if self._deployable(deploy_allowed):
                 assert self._pending is not None
                 ckpt, self._pending = self._pending, None
-                return Job("deploy", checkpoint=ckpt)
+                return Deploy(ckpt)
             return None
 
     def _deployable(self, deploy_allowed: bool) -> bool:
@@ -104,9 +89,10 @@ class RolloutQueue:
         with self._cond:
             return self._pending is not None and self._pending.id != ckpt.id and newer(self._pending, ckpt)
 
-    def has_command(self, kinds: tuple[JobKind, ...] | None = None) -> bool:
+    def has_command(self, of: tuple[type[Command], ...]) -> bool:
+        """A command of one of these classes waits (the health window yields to a rollback, say)."""
         with self._cond:
-            return any(kinds is None or j.kind in kinds for j in self._commands)
+            return any(isinstance(c, of) for c in self._commands)
 
     @property
     def pending(self) -> CheckpointRef | None:

@@ -11,11 +11,11 @@ lock, read by the API and the poll threads.
     service.start(scheduler)
     coordinator.on_verified = service.submit
 
-This module is the runner: its inputs, its thread, the job dispatch, status and the poll. What
-each job does and what its result means for the registry is daemon.controller.decisions (the
-health window after a new version: daemon.controller.health_window), start-up and crash
-recovery is daemon.controller.startup. Each is handed what it needs here, and none imports this
-module back.
+This module is the runner: its inputs, its thread (each job a command that runs itself:
+daemon.controller.commands), status and the poll. What each job does and what its result means
+for the registry is daemon.controller.decisions (the health window after a new version:
+daemon.controller.health_window), start-up and crash recovery is daemon.controller.startup.
+Each is handed what it needs here, and none imports this module back.
 """
 
 from __future__ import annotations
@@ -35,9 +35,22 @@ from daemon.common.logging import get_logger
 from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.adapters import AdapterDecisions
+from daemon.controller.commands import (
+    AdapterDeploy,
+    AdapterPin,
+    AdapterReconcile,
+    AdapterRollback,
+    AdapterUnpin,
+    Command,
+    Converge,
+    Pin,
+    Reconcile,
+    Rollback,
+    Unpin,
+)
 from daemon.controller.decisions import RolloutDecisions
 from daemon.controller.poll import BoundedPoll, Unanswered, serving_port_problem
-from daemon.controller.queue import CommandError, Job, RolloutQueue, RolloutState
+from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
@@ -197,7 +210,7 @@ class RolloutService:
         if ckpt is None:
             return
         if self.adapter_journal.is_adapter(checkpoint_id):  # a LoRA adapter: its own job, nothing is paused
-            self.queue.command(Job("adapter", checkpoint=ckpt))
+            self.queue.command(AdapterDeploy(ckpt))
             return
         if self.fleet_agent is not None and not self.fleet_agent.admits(ckpt):
             return  # a staged fleet rollout holds it here: the fleet agent converges when this host's stage comes
@@ -213,25 +226,25 @@ class RolloutService:
         """Back to the version before (or `to`); `adapter`, or a `to` that is an adapter version:
         that adapter name only."""
         if adapter is not None or (to is not None and self.adapter_journal.by_version(to) is not None):
-            return self.queue.command(Job("adapter_rollback", version=to, adapter=adapter, by=by))
-        return self.queue.command(Job("rollback", version=to, by=by))
+            return self.queue.command(AdapterRollback(adapter, to, by))
+        return self.queue.command(Rollback(to, by))
 
     def pin(self, version: str, force: bool = False, by: str = "operator") -> Future[dict[str, Any]]:
         """Deploy `version` and hold it; a `rejected` one only with `force`. An adapter version
         pins its adapter name only."""
         adapter = self.adapter_journal.by_version(version) is not None
-        return self.queue.command(Job("adapter_pin" if adapter else "pin", version=version, force=force, by=by))
+        return self.queue.command(AdapterPin(version, force, by) if adapter else Pin(version, force, by))
 
     def unpin(self, adapter: str | None = None, by: str = "operator") -> Future[dict[str, Any]]:
-        return self.queue.command(Job("adapter_unpin", adapter=adapter, by=by) if adapter else Job("unpin", by=by))
+        return self.queue.command(AdapterUnpin(adapter) if adapter else Unpin(by))
 
     def converge(self, version: str) -> Future[dict[str, Any]]:
         """Fleet mode: move this host to the fleet target `version` (daemon.fleet.FleetAgent)."""
-        return self.queue.command(Job("converge", version=version))
+        return self.queue.command(Converge(version))
 
     def _idle(self) -> bool:
         return (self._ready.is_set() and self.state.current_job is None and self.queue.pending is None
-                and not self.queue.has_command(("converge", "rollback", "pin", "reconcile")))  # fmt: skip
+                and not self.queue.has_command((Converge, Rollback, Pin, Reconcile)))  # fmt: skip
 
     def status(self) -> dict[str, Any]:
         pending = self.queue.pending
@@ -278,13 +291,13 @@ class RolloutService:
             finally:
                 self.state.set_current_job(None)
 
-    def _execute_through_outage(self, job: Job) -> dict[str, Any]:
+    def _execute_through_outage(self, job: Command) -> dict[str, Any]:
         """A job the database cut short (a read it needed failed) runs again once the database
         answers and what was kept meanwhile is recorded (daemon.registry.outbox); until then no
         worker is left drained or paused by it."""
         while True:
             try:
-                return self._execute(job)
+                return job.run(self)
             except Exception as exc:
                 if not unreachable(exc) or self.stopping:
                     raise
@@ -319,13 +332,6 @@ class RolloutService:
         self.driver.observed(h, parse_state(info.state), None, version=info.version, why="back in rotation")
         return info
 
-    def _execute(self, job: Job) -> dict[str, Any]:
-        if job.kind.startswith("adapter"):
-            return self._execute_adapter(job)
-        out = self._execute_base(job)
-        rebased = self.adapters.binding.rebase() if out.get("outcome") != "waiting" else {}  # adapter_base.py
-        return {**out, "adapters_rebased": rebased} if rebased else out
-
     def gate_problems(self) -> list[tuple[str, str]]:
         """Gates of a trial that cannot run now, with why (the problem gate_cannot_run)."""
         runner = self.decisions.health_window.gate_runner
@@ -334,36 +340,6 @@ class RolloutService:
     def adapter_problems(self) -> list[tuple[str, str]]:
         """Adapters unloaded because they do not fit the serving base (the problem adapter_not_on_base)."""
         return self.adapters.binding.problems()
-
-    def _execute_base(self, job: Job) -> dict[str, Any]:
-        if job.kind == "deploy":
-            assert job.checkpoint is not None
-            return self.decisions.deploy_new(job.checkpoint)
-        if job.kind == "rollback":
-            return self.decisions.rollback(job.version, job.by)
-        if job.kind == "pin":
-            assert job.version is not None
-            return self.decisions.pin(job.version, job.force, job.by)
-        if job.kind == "unpin":
-            return self.decisions.unpin(job.by)
-        if job.kind == "converge":
-            assert job.version is not None
-            return self.decisions.converge(job.version)
-        return self.decisions.reconcile()
-
-    def _execute_adapter(self, job: Job) -> dict[str, Any]:
-        if job.kind == "adapter":
-            assert job.checkpoint is not None
-            return self.adapters.deploy_new(job.checkpoint.id)
-        if job.kind == "adapter_rollback":
-            return self.adapters.rollback(job.adapter, job.version, job.by)
-        if job.kind == "adapter_pin":
-            assert job.version is not None
-            return self.adapters.pin(job.version, job.force, job.by)
-        if job.kind == "adapter_unpin":
-            assert job.adapter is not None
-            return self.adapters.unpin(job.adapter)
-        return self.adapters.reconcile()
 
     # -- the health poll (an APScheduler job on the daemon's scheduler) ---------------------
     def poll(self) -> None:
@@ -390,9 +366,9 @@ class RolloutService:
         if self._busy():
             return
         if drift:
-            self.queue.command(Job("reconcile"))
+            self.queue.command(Reconcile())
         elif running == len(self.fleet) and self.adapters.drifted():  # e.g. a relaunched worker lost its adapters
-            self.queue.command(Job("adapter_reconcile"))
+            self.queue.command(AdapterReconcile())
         if running == len(self.fleet):
             blocked = self.state.take_blocked()
             if blocked is not None:

@@ -19,8 +19,9 @@ from pathlib import Path
 
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
+from daemon.controller.commands import AdapterReconcile, Reconcile
 from daemon.controller.decisions import RolloutDecisions
-from daemon.controller.queue import Job, RolloutQueue, RolloutState
+from daemon.controller.queue import RolloutQueue, RolloutState
 from daemon.controller.supervise import Supervisor
 from daemon.engines.base import WorkerError
 from daemon.fleet.agent import holding
@@ -91,8 +92,8 @@ class Startup:
                 # The daemon stopped inside a health window: watch again before trusting the version.
                 log.info("health_window_resumed", version=serving.version)
                 self.decisions.health_window.watch(serving, rid, last_good)
-        self.queue.command(Job("reconcile"))
-        self.queue.command(Job("adapter_reconcile"))  # every worker onto each adapter's serving version
+        self.queue.command(Reconcile())
+        self.queue.command(AdapterReconcile())  # every worker onto each adapter's serving version
         serving = self.journal.alias("serving")
         waiting = newest([c for c in self.journal.waiting() if serving is None or newer(c, serving)])
         if waiting is not None:

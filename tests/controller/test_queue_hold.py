@@ -1,4 +1,5 @@
-"""daemon.controller.queue: a checkpoint put back to wait is held in the slot, commands still go first."""
+"""daemon.controller.queue: a checkpoint put back to wait is held in the slot, commands still go first;
+each command (daemon.controller.commands) says what it is."""
 
 from __future__ import annotations
 
@@ -6,7 +7,20 @@ import time
 
 import pytest
 
-from daemon.controller.queue import Job, RolloutQueue
+from daemon.controller.commands import (
+    AdapterDeploy,
+    AdapterPin,
+    AdapterReconcile,
+    AdapterRollback,
+    AdapterUnpin,
+    Converge,
+    Deploy,
+    Pin,
+    Reconcile,
+    Rollback,
+    Unpin,
+)
+from daemon.controller.queue import RolloutQueue
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus as C
 
@@ -27,7 +41,7 @@ def test_a_held_checkpoint_is_not_handed_out_before_its_time_but_stays_pending()
 def test_a_command_is_taken_at_once_while_a_checkpoint_is_held() -> None:
     q = RolloutQueue()
     q.put_back(ref(1), until=time.monotonic() + 60)
-    pin = Job("pin", version="v0")
+    pin = Pin("v0")
     q.command(pin)
     assert q.take(30, deploy_allowed=True) is pin and q.pending == ref(1)
 
@@ -37,7 +51,7 @@ def test_the_held_checkpoint_is_handed_out_when_its_time_comes_within_one_take()
     q.put_back(ref(1), until=time.monotonic() + 0.05)
     started = time.monotonic()
     job = q.take(30, deploy_allowed=True)
-    assert job is not None and job.kind == "deploy" and job.checkpoint == ref(1)
+    assert job == Deploy(ref(1))
     assert time.monotonic() - started < 10  # woke at the hold's end, not at the take's timeout
 
 
@@ -61,3 +75,14 @@ def test_nothing_is_deployed_while_pinned_held_or_not() -> None:
     q = RolloutQueue()
     q.put_back(ref(1), until=0.0)
     assert q.take(0.01, deploy_allowed=False) is None and q.pending == ref(1)
+
+
+def test_each_command_says_what_it_is_for_logs_and_status() -> None:
+    # status's "current" and the fleet agent's "busy with ..." show these; daemon.fleet.behind
+    # tells its own converge apart by "converge VERSION"
+    said = [Deploy(ref(3)), Rollback(), Rollback("v1"), Pin("v2", force=True), Unpin(), Converge("v4"), Reconcile(),
+            AdapterDeploy(ref(5)), AdapterRollback("x"), AdapterRollback("x", "x-v1"), AdapterPin("x-v2"),
+            AdapterUnpin("x"), AdapterReconcile()]  # fmt: skip
+    assert [c.describe() for c in said] == [
+        "deploy v3", "rollback", "rollback v1", "pin v2", "unpin", "converge v4", "reconcile", "adapter v5",
+        "adapter_rollback x", "adapter_rollback x-v1", "adapter_pin x-v2", "adapter_unpin x", "adapter_reconcile"]

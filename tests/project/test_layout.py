@@ -1,7 +1,8 @@
 """The package's shape, checked from its source: the layers (ARCHITECTURE.md), no import cycles,
 one writer of checkpoint status, one of serving and last_good, engine clients driven through their
 public interface and declared capabilities, small modules, a short root, packages that say what they own,
-a rollout package of at most 12 modules, and no test hook read by production code.
+a rollout package of at most 12 modules, no test hook read by production code, and no job-kind
+dispatch in the controller (each command runs itself).
 
 Import edges are every `import` in a module (top level, inside functions, under TYPE_CHECKING) plus
 every registry entry written as "daemon.module:attribute" (resolved by name at run time), so a
@@ -411,3 +412,71 @@ def test_the_registry_imports_no_engine_client_and_no_check() -> None:
     # the registry stores what the config validated; it never reads the engines' or the checks' tables
     assert [f"{m} -> {d}" for m, p in MODULES.items() if m.startswith("daemon.registry")
             for d in _imports(m, p) if d.startswith(("daemon.engines", "daemon.checks"))] == []
+
+
+# the job names the runner once dispatched on; not "deploy" nor "adapter", which also name a desired
+# step (daemon.controller.desired) and a checkpoint kind
+JOB_NAMES = {"rollback", "pin", "unpin", "converge", "reconcile", "adapter_deploy", "adapter_rollback",
+             "adapter_pin", "adapter_unpin", "adapter_reconcile"}  # fmt: skip
+
+
+def _names(node: ast.AST) -> set[str]:
+    return {ast.unparse(n).rpartition(".")[2] for n in ast.walk(node) if isinstance(n, ast.Name | ast.Attribute)}
+
+
+def _job_names(node: ast.AST) -> set[str]:
+    return {n.value for n in ast.walk(node) if isinstance(n, ast.Constant) and n.value in JOB_NAMES}
+
+
+def job_kind_dispatch(modules: dict[str, Path]) -> list[str]:
+    """Job-kind dispatch in daemon/controller/, however spelled: a job name compared or matched
+    (`job.kind == "pin"`, `kind in ("reconcile", ...)`), a `Literal` of job names, a job built from
+    its name (`Job("pin")`, `kind="pin"`), or a command's class asked for (`isinstance(job, Pin)`,
+    `type(job) is Pin`, `case Pin()`, a table keyed by it). Each command of
+    daemon.controller.commands runs itself: the runner never asks which one it holds."""
+    tree = ast.parse(modules["daemon.controller.commands"].read_text())
+    commands = {c.name for c in ast.walk(tree) if isinstance(c, ast.ClassDef) and "Command" in _names(c) | {c.name}}
+    hits = []
+    for m, p in sorted(modules.items()):
+        if not m.startswith("daemon.controller"):
+            continue
+        for node in ast.walk(ast.parse(p.read_text(), str(p))):
+            asks: set[str] = set()
+            if isinstance(node, ast.Compare | ast.MatchValue | ast.MatchClass):
+                asks = _job_names(node) | (_names(node) & commands)
+            elif isinstance(node, ast.Subscript) and ast.unparse(node.value).endswith("Literal"):
+                asks = _job_names(node.slice)
+            elif isinstance(node, ast.Call) and ast.unparse(node.func) in ("isinstance", "issubclass"):
+                asks = _names(node) & commands
+            elif isinstance(node, ast.Call):
+                built = [*node.args[:1], *(k.value for k in node.keywords if k.arg == "kind")]
+                asks = {n for a in built if isinstance(a, ast.Constant) for n in _job_names(a)}
+            elif isinstance(node, ast.Dict):
+                asks = {n for k in node.keys if k is not None for n in _names(k) & commands}
+            if asks:
+                hits.append(f"{m}:{node.lineno} {ast.unparse(node)[:60]}")
+    return hits
+
+
+def test_the_controller_has_no_job_kind_dispatch() -> None:
+    assert job_kind_dispatch(MODULES) == []
+
+
+@pytest.mark.parametrize("source", [
+    'if job.kind == "pin":\n    pass\n',
+    'if job.kind in ("reconcile", "adapter_reconcile"):\n    pass\n',
+    'JobKind = Literal["deploy", "rollback"]\n',
+    'queue.command(Job(kind="pin", version="v1"))\n',
+    'queue.command(Job("reconcile"))\n',
+    'if isinstance(job, Pin):\n    pass\n',
+    'if type(job) is Rollback:\n    pass\n',
+    'match job:\n    case Pin():\n        pass\n',
+    'match job.kind:\n    case "unpin":\n        pass\n',
+    'RUN = {Pin: run_pin}\n',
+])  # fmt: skip
+def test_the_dispatch_check_finds_each_spelling(tmp_path: Path, source: str) -> None:
+    service = tmp_path / "service.py"
+    service.write_text(source)
+    found = job_kind_dispatch({"daemon.controller.commands": MODULES["daemon.controller.commands"],
+                               "daemon.controller.service": service})  # fmt: skip
+    assert len(found) == 1 and found[0].startswith("daemon.controller.service:"), found

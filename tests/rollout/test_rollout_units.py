@@ -7,7 +7,8 @@ import itertools
 import pytest
 
 from daemon.config import EMBEDDED, ConfigError, GroupSettings, RolloutSettings, WorkerSpec, parse_config
-from daemon.controller.queue import Job, RolloutQueue
+from daemon.controller.commands import AdapterReconcile, Deploy, Reconcile, Rollback
+from daemon.controller.queue import RolloutQueue
 from daemon.engines.base import Capabilities
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus
@@ -129,7 +130,7 @@ def test_queue_keeps_only_the_newest_waiting_checkpoint() -> None:
     assert q.offer(_ref(2)) == _ref(2)  # a late older arrival is itself superseded
     assert q.newer_than(_ref(2)) and not q.newer_than(_ref(3))
     job = q.take(0, deploy_allowed=True)
-    assert job is not None and job.kind == "deploy" and job.checkpoint == _ref(3)
+    assert job == Deploy(_ref(3))
     assert q.take(0, deploy_allowed=True) is None
 
 
@@ -149,15 +150,15 @@ def test_queue_commands_go_first_and_pinning_holds_deploys() -> None:
     q = RolloutQueue()
     q.offer(_ref(5))
     assert q.take(0, deploy_allowed=False) is None  # pinned: the checkpoint waits
-    q.command(Job("rollback", version="v1"))
-    first = q.take(0, deploy_allowed=True)
-    assert first is not None and first.kind == "rollback"
-    nxt = q.take(0, deploy_allowed=True)
-    assert nxt is not None and nxt.kind == "deploy"
-    # Reconcile requests coalesce into one job.
-    f1 = q.command(Job("reconcile"))
-    f2 = q.command(Job("reconcile"))
-    assert f1 is f2
+    rollback = Rollback("v1")
+    q.command(rollback)
+    assert q.take(0, deploy_allowed=True) is rollback
+    assert q.take(0, deploy_allowed=True) == Deploy(_ref(5))
+    # Reconcile requests coalesce into one job (the base's and the adapters' apart); other commands never do.
+    f1, f2, fa = q.command(Reconcile()), q.command(Reconcile()), q.command(AdapterReconcile())
+    assert f1 is f2 and fa is not f1 and q.command(AdapterReconcile()) is fa
+    assert q.command(Rollback("v1")) is not q.command(Rollback("v1"))
+    assert [q.take(0, deploy_allowed=True) for _ in range(4)] == [Reconcile(), AdapterReconcile(), Rollback("v1"), Rollback("v1")]
 
 
 @pytest.mark.parametrize(
