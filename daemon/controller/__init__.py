@@ -5,8 +5,9 @@ them there, compared against what the workers report on every pass.
                    health poll)
     decisions      its jobs (new checkpoint, rollback, pin, unpin, converge, reconcile) and what
                    their results mean for the registry (serving, last_good, rejected, retried)
-    health_window  the window after a new version's rollout and its verdict (last_good, or
-                   rejected or retried and rolled back)
+    health_window  the one health window of every served name (the base, each adapter name)
+                   after a rollout, and its verdict (last_good, or rejected or retried and
+                   rolled back)
     served         the one writer of serving and last_good, the base's and each adapter name's
     startup        the seed, managed workers launched, crash recovery, before the first job
     commands       each job the runner can be asked to do, one small class each, that runs itself

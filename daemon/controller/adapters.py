@@ -7,7 +7,8 @@ commands, so a base rollout is not held up by them for long: an adapter load pau
     deploy      a newly verified version: superseded when a newer one of the same name waits
                 or serves; left waiting while the name is pinned; else rolled onto every worker
                 that serves adapters (daemon.controller.adapter_rollout), then the health
-                window of that adapter's requests; a failure rolls the name back
+                window of that adapter's requests (daemon.controller.health_window); a failure
+                rolls the name back
     rollback    the name back to its last_good (or the version deployed before, or --to V)
     pin/unpin   hold the name on one version; unpin lets the newest waiting one deploy
     reconcile   every worker serves each name's serving version (after a relaunch, a restart,
@@ -21,6 +22,7 @@ leaves the version verified, tried again by the next reconcile.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from daemon.checks.base import CheckSettings
@@ -28,6 +30,7 @@ from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.adapter_base import BaseBinding
 from daemon.controller.adapter_rollout import AdapterRollout
+from daemon.controller.health_window import Fallback, HealthWindow
 from daemon.controller.queue import CommandError
 from daemon.controller.served import ServedVersions
 from daemon.registry.adapters import AdapterJournal, AdapterVersion
@@ -40,6 +43,7 @@ from daemon.registry.status import (
     RolloutOutcome,
     RolloutTrigger,
 )
+from daemon.rollout.health import WindowVerdict
 from daemon.rollout.planner import newer
 
 log = get_logger(__name__)
@@ -54,7 +58,7 @@ class AdapterDecisions:
         self.adapters = adapters
         self.rollout = rollout
         self.settings = settings
-        self.interrupted = interrupted  # shutdown: a health window decides nothing
+        self.window = HealthWindow(journal, settings, interrupted)  # shutdown: a health window decides nothing
         self.served = served  # the one writer of each name's serving and last_good
         # each served adapter held to the serving base (daemon/controller/adapter_base.py)
         self.binding = BaseBinding(journal, adapters, rollout, checks or CheckSettings(), served)
@@ -86,7 +90,10 @@ class AdapterDecisions:
                                "outcome": result.outcome.value, "reason": result.reason}  # fmt: skip
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(av, serving, f"adapter {av.name}: serving on every worker (rollout {result.rollout_id})")
-            out.update(self._window(av, result.rollout_id, serving))
+            if self.settings.health_window_s <= 0:
+                self.served.mark_adapter_last_good(av.name, av)
+            else:
+                out.update(self.window.watch(_AdapterWindow(self, av, serving), result.rollout_id))
         elif result.kind == FailureKind.UNREACHABLE:
             self.journal.note(av.checkpoint.id, f"rollout {result.rollout_id}: {result.reason}; tried again when the "
                                                 "worker is back")  # fmt: skip
@@ -95,44 +102,6 @@ class AdapterDecisions:
             self.journal.move_status(av.checkpoint.id, C.REJECTED,
                                      f"rollout {result.rollout_id} failed: {result.reason}; workers serve {where}")  # fmt: skip
         return out
-
-    def _window(self, av: AdapterVersion, rid: int, previous: AdapterVersion | None) -> dict[str, Any]:
-        if self.settings.health_window_s <= 0:
-            self.served.mark_adapter_last_good(av.name, av)
-            return {}
-        verdict = self.rollout.watch(av, self.settings, self.interrupted)
-        window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
-        if verdict.aborted:
-            self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
-            return {"health_window": "aborted"}
-        if verdict.ok:
-            self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
-            self.served.mark_adapter_last_good(av.name, av)
-            return {"health_window": "ok"}
-        log.warning("adapter_health_window_failed", adapter=av.name, version=av.version, reason=verdict.reason)
-        self.journal.amend_rollout(rid, outcome=RolloutOutcome.ROLLED_BACK,
-                                   detail={"health_window": {**window, "ok": False, "reason": verdict.reason}})  # fmt: skip
-        self.journal.move_status(av.checkpoint.id, C.REJECTED, f"adapter {av.name}: rolled back to "
-                                 f"{previous.version if previous else 'none'} after deploy: {verdict.reason}")  # fmt: skip
-        self.journal.checkpoint_event(av.checkpoint.id, "rolled_back", {"to": previous.version if previous else None,
-                                      "by": "health_window", "reason": verdict.reason}, rid)  # fmt: skip
-        rb = self._back_to(av.name, previous, by="health_window")
-        return {"health_window": "failed", "reason": verdict.reason, "rolled_back": previous.version if previous else None,
-                "rollback_outcome": rb}  # fmt: skip
-
-    def _back_to(self, name: str, target: AdapterVersion | None, *, by: str) -> str:
-        """Every worker onto `target` (None: the name unloaded); serving follows what succeeded."""
-        if target is None:
-            for h in self.rollout.workers():
-                with h.busy:
-                    self.rollout.restore(h, None, name, None)
-            self.served.clear_adapter_serving(name)
-            return "unloaded"
-        result = self.rollout.deploy(target, trigger=T.ROLLBACK, previous=target, detail={"by": by})
-        if result.outcome == RolloutOutcome.SUCCEEDED:
-            self.mark_serving(target, None, f"adapter {name}: restored by {by} (rollout {result.rollout_id})")
-            self.served.mark_adapter_last_good(name, target)
-        return result.outcome.value
 
     def _deployable(self, version: str) -> AdapterVersion:
         av = self.adapters.by_version(version)
@@ -247,3 +216,42 @@ class AdapterDecisions:
     # -- registry ----------------------------------------------------------------------------
     def mark_serving(self, av: AdapterVersion, previous: AdapterVersion | None, message: str) -> None:
         self.served.mark_adapter_serving(av, previous, message, self.binding.served)
+
+
+@dataclass
+class _AdapterWindow:
+    """An adapter name's part in a health window over `av` (a daemon.controller.health_window.Watched)."""
+
+    of: AdapterDecisions
+    av: AdapterVersion
+    previous: AdapterVersion | None  # None: a failed window unloads the name
+
+    def __post_init__(self) -> None:
+        self.checkpoint, self.about = self.av.checkpoint, {"adapter": self.av.name, "version": self.av.version}
+
+    def watch(self, interrupted: Callable[[], bool]) -> WindowVerdict:
+        return self.of.rollout.watch(self.av, self.of.settings, interrupted)
+
+    def passed(self) -> None:
+        self.of.served.mark_adapter_last_good(self.av.name, self.av)
+
+    def fallback(self) -> Fallback:
+        return Fallback(self.previous.version if self.previous else None)
+
+    def reject(self, verdict: WindowVerdict, why: str) -> None:
+        self.of.journal.move_status(self.av.checkpoint.id, C.REJECTED, f"adapter {self.av.name}: {why}")
+
+    def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]:
+        """Every worker onto the previous version (or the name unloaded); serving follows what succeeded."""
+        d, name, to = self.of, self.av.name, self.previous
+        if to is None:
+            for h in d.rollout.workers():
+                with h.busy:
+                    d.rollout.restore(h, None, name, None)
+            d.served.clear_adapter_serving(name)
+            return {"rollback_outcome": "unloaded"}
+        result = d.rollout.deploy(to, trigger=T.ROLLBACK, previous=to, detail={"by": "health_window"})
+        if result.outcome == RolloutOutcome.SUCCEEDED:
+            d.mark_serving(to, None, f"adapter {name}: restored by health_window (rollout {result.rollout_id})")
+            d.served.mark_adapter_last_good(name, to)
+        return {"rollback_outcome": result.outcome.value}

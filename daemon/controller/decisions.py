@@ -28,7 +28,7 @@ from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.commands import Command, Pin, Reconcile, Rollback
 from daemon.controller.desired import Facts, desired, lookahead
-from daemon.controller.health_window import HealthWindow
+from daemon.controller.health_window import BaseWindow
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.engines.base import WorkerError
@@ -84,7 +84,7 @@ class RolloutDecisions:
         self.stopping = stopping
         self.served = served  # the one writer of serving and last_good
         self.submit = submit  # the service's: a version to roll out (again)
-        self.health_window = HealthWindow(
+        self.health_window = BaseWindow(
             journal, fleet, settings, engine, state,
             interrupted=lambda: queue.has_command(MOVES_FLEET) or stopping.is_set(),
             served=served, submit=submit,

@@ -1,24 +1,25 @@
-"""The health window after a new version reached every worker, and what its verdict means.
+"""The health window after a version of a served name (the base model, or one LoRA adapter name)
+reached every worker, and its verdict: one sequence for every name. A pass makes the version
+last_good. A failure rejects it (the base model keeps it verified and retries it, bounded, when a
+worker stopped answering: daemon.rollout.attribution) and rolls every worker back to the name's
+fallback (the base's newest earlier version whose files are all here; an adapter's previous one,
+or none: unloaded). A window cut short by a command that moves every worker, or by shutdown,
+decides nothing. How a name is watched, made last_good, rejected and rolled back is its
+`Watched`: the base model's here (health and gates: daemon.controller.trial), an adapter's in
+daemon.controller.adapters.
 
-The workers are watched for `[rollout].health_window_s` (daemon.rollout.health) while the trial's
-gates run (daemon.controller.trial, daemon.gates); a pass of both makes the version last_good. A failure rejects it (or, when a worker stopped answering, keeps it verified
-and retries it, bounded: daemon.rollout.attribution) and rolls every worker back to the newest
-earlier version whose files are all here; a window interrupted by a command that moves every
-worker, or by shutdown, decides nothing.
+    BaseWindow(journal, fleet, settings, engine, state, interrupted=..., served=..., submit=...).watch(ckpt, rid, fallback)
+    HealthWindow(journal, settings, interrupted).watch(watched, rid)   # any served name
 
-    window = HealthWindow(journal, fleet, settings, engine, state,
-                          interrupted=..., served=..., submit=...)
-    window.watch(ckpt, rollout_id, fallback)
-
-Run on the service's runner thread: after a new version's rollout (daemon.controller.decisions)
-and at start-up when the daemon stopped inside a window (daemon.controller.startup).
+Run on the service's runner thread after a rollout, and at start-up when the daemon stopped inside
+a window (daemon.controller.startup).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Protocol
 
 from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
@@ -31,6 +32,7 @@ from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger
 from daemon.rollout.attribution import attribute
 from daemon.rollout.engine import RolloutEngine
+from daemon.rollout.health import WindowVerdict
 from daemon.rollout.recovery import fleet_version
 from daemon.rollout.states import WorkerSet
 
@@ -38,9 +40,62 @@ log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
 
 
+class Fallback(NamedTuple):
+    version: str | None  # None: the name unloaded (an adapter with no earlier version)
+
+
+class Watched(Protocol):
+    """One served name's part in a window over one of its versions."""
+
+    @property
+    def checkpoint(self) -> CheckpointRef: ...  # the version watched
+    @property
+    def about(self) -> dict[str, str]: ...  # who it is, in the log
+    def watch(self, interrupted: Callable[[], bool]) -> WindowVerdict: ...
+    def passed(self) -> None: ...  # the version is last_good
+    def fallback(self) -> Fallback | None: ...  # where a failed version goes back to; None: nowhere
+    def reject(self, verdict: WindowVerdict, why: str) -> None: ...  # the version's status after a failed window
+    def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]: ...  # every worker onto the fallback
+
+
 @dataclass
 class HealthWindow:
-    """Watches a freshly deployed version and acts on the verdict (see the module docstring)."""
+    """The one window sequence, for every served name (see the module docstring)."""
+
+    journal: Journal
+    settings: RolloutSettings
+    interrupted: Callable[[], bool]  # a command that moves every worker is waiting, or shutdown
+
+    def watch(self, name: Watched, rid: int) -> dict[str, Any]:
+        verdict, ckpt = name.watch(self.interrupted), name.checkpoint
+        window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
+        if verdict.aborted:
+            self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
+            return {"health_window": "aborted"}
+        if verdict.ok:
+            self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
+            name.passed()
+            return {"health_window": "ok"}
+        log.warning("health_window_failed", **name.about, reason=verdict.reason, infra=verdict.infra)
+        self.journal.amend_rollout(
+            rid, outcome=RolloutOutcome.ROLLED_BACK,
+            detail={"health_window": {**window, "ok": False, "reason": verdict.reason, "infra": verdict.infra}},
+        )  # fmt: skip
+        back = name.fallback()
+        if back is None:
+            self.journal.note(ckpt.id, f"health window failed ({verdict.reason}) but no earlier version to roll back to")
+            return {"health_window": "failed", "rolled_back": None}
+        # Recorded before the rollback runs: a daemon killed during it finds the verdict written.
+        name.reject(verdict, f"rolled back to {back.version or 'none'} after deploy: {verdict.reason}")
+        self.journal.checkpoint_event(ckpt.id, "rolled_back", {"to": back.version, "by": "health_window",
+                                                               "reason": verdict.reason}, rid)  # fmt: skip
+        return {"health_window": "failed", "rolled_back": back.version, **name.roll_back(verdict, rid), "reason": verdict.reason}
+
+
+@dataclass
+class BaseWindow:
+    """The base model's window: its trial (health and gates), last_good through ServedVersions, and
+    a rollback through the engine onto the newest earlier version whose files are all here."""
 
     journal: Journal
     fleet: WorkerSet
@@ -60,58 +115,61 @@ class HealthWindow:
                                                                           self.gate_runner)[1])  # fmt: skip
 
     def watch(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        verdict = trial.watch(self.journal, self.fleet, self.settings, self.gates, self.gate_runner,
-                              self.interrupted, ckpt)  # fmt: skip
-        window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
-        if verdict.aborted:
-            self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
-            return {"health_window": "aborted"}
-        if verdict.ok:
-            self.journal.amend_rollout(rid, detail={"health_window": {**window, "ok": True}})
-            self.served.mark_last_good(ckpt)
-            return {"health_window": "ok"}
-        log.warning("health_window_failed", version=ckpt.version, reason=verdict.reason, infra=verdict.infra)
-        self.journal.amend_rollout(
-            rid, outcome=RolloutOutcome.ROLLED_BACK,
-            detail={"health_window": {**window, "ok": False, "reason": verdict.reason, "infra": verdict.infra}},
-        )  # fmt: skip
-        # never back onto missing files: the newest earlier version whose files are all there
-        usable = self.engine.fallback_target(fallback, exclude=[ckpt.id]) if fallback is not None else None
-        fallback = usable.checkpoint if usable is not None else None
-        if fallback is None or fallback.id == ckpt.id:
-            self.journal.note(ckpt.id, f"health window failed ({verdict.reason}) but no earlier version to roll back to")
-            return {"health_window": "failed", "rolled_back": None}
-        # Recorded before the rollback runs: a daemon killed during it finds the verdict written.
-        retry = None
+        return HealthWindow(self.journal, self.settings, self.interrupted).watch(_BaseVersion(self, ckpt, fallback), rid)
+
+
+@dataclass
+class _BaseVersion:
+    """The base model's part in a window over `checkpoint` (a Watched)."""
+
+    of: BaseWindow
+    checkpoint: CheckpointRef
+    to: CheckpointRef | None  # the fallback
+    retried: bool = False  # a worker stopped answering, not the version's fault: rolled out again
+
+    @property
+    def about(self) -> dict[str, str]:
+        return {"version": self.checkpoint.version}
+
+    def watch(self, interrupted: Callable[[], bool]) -> WindowVerdict:
+        o = self.of
+        return trial.watch(o.journal, o.fleet, o.settings, o.gates, o.gate_runner, interrupted, self.checkpoint)
+
+    def passed(self) -> None:
+        self.of.served.mark_last_good(self.checkpoint)
+
+    def fallback(self) -> Fallback | None:
+        usable = self.of.engine.fallback_target(self.to, exclude=[self.checkpoint.id])  # never onto missing files
+        self.to = usable.checkpoint if usable is not None else None
+        return Fallback(self.to.version) if self.to is not None and self.to.id != self.checkpoint.id else None
+
+    def reject(self, verdict: WindowVerdict, why: str) -> None:
+        o, ckpt, retry = self.of, self.checkpoint, None
         if verdict.infra:  # a worker stopped answering: like a crash mid-rollout (daemon.rollout.attribution)
-            retry = attribute(self.journal.registry, ckpt.id, FailureKind.UNREACHABLE, [], verdict.reason,
-                              self.settings.max_infra_retries)  # fmt: skip
+            retry = attribute(o.journal.registry, ckpt.id, FailureKind.UNREACHABLE, [], verdict.reason,
+                              o.settings.max_infra_retries)  # fmt: skip
         if retry is not None and retry.verdict != "reject":
-            left = self.settings.max_infra_retries - retry.attempts
-            self.journal.move_status(ckpt.id, C.VERIFIED, f"rolled back to {fallback.version} after deploy: {verdict.reason}; "
-                                     f"not the checkpoint's fault: rolled out again ({left} retries left)")  # fmt: skip
+            self.retried, left = True, o.settings.max_infra_retries - retry.attempts
+            o.journal.move_status(ckpt.id, C.VERIFIED, f"{why}; not the checkpoint's fault: rolled out again ({left} retries left)")
         else:
-            self.journal.move_status(ckpt.id, C.REJECTED, f"rolled back to {fallback.version} after deploy: {verdict.reason}"
-                                     + (f" ({retry.message})" if retry is not None else ""))  # fmt: skip
-        self.journal.checkpoint_event(
-            ckpt.id, "rolled_back", {"to": fallback.version, "by": "health_window", "reason": verdict.reason}, rid
-        )
-        rb = self.engine.deploy(
-            fallback, trigger=T.ROLLBACK, fallback=fallback,
-            detail={"by": "health_window", "from": ckpt.version, "reason": verdict.reason, "rolled_back_rollout": rid},
-        )  # fmt: skip
-        reported = fleet_version(self.fleet)  # serving is what the workers say they serve
+            o.journal.move_status(ckpt.id, C.REJECTED, why + (f" ({retry.message})" if retry is not None else ""))
+
+    def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]:
+        o, ckpt, to = self.of, self.checkpoint, self.to
+        assert to is not None  # fallback() found one
+        rb = o.engine.deploy(to, trigger=T.ROLLBACK, fallback=to, detail={
+            "by": "health_window", "from": ckpt.version, "reason": verdict.reason, "rolled_back_rollout": rid})  # fmt: skip
+        reported = fleet_version(o.fleet)  # serving is what the workers say they serve
         if rb.outcome == RolloutOutcome.SUCCEEDED or (
-            rb.outcome == RolloutOutcome.FAILED and rb.kind != FailureKind.UNAVAILABLE and reported == fallback.version
+            rb.outcome == RolloutOutcome.FAILED and rb.kind != FailureKind.UNAVAILABLE and reported == to.version
         ):
             # A failed rollback still restored every worker it reached to the fallback.
-            self.served.mark_serving(fallback, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
-            self.served.mark_last_good(fallback)
-            if retry is not None and retry.verdict != "reject":
-                self.submit(ckpt.id)
+            o.served.mark_serving(to, None, f"restored by automatic rollback (rollout {rb.rollout_id})")
+            o.served.mark_last_good(to)
+            if self.retried:
+                o.submit(ckpt.id)
         else:
             log.error("automatic_rollback_incomplete", version=ckpt.version, outcome=rb.outcome, reason=rb.reason)
-            if retry is not None and retry.verdict != "reject":
-                self.state.set_blocked(ckpt)  # retried when every worker is back (see the service's poll)
-        return {"health_window": "failed", "rolled_back": fallback.version, "rollback_rollout_id": rb.rollout_id,
-                "rollback_outcome": rb.outcome.value, "reason": verdict.reason}  # fmt: skip
+            if self.retried:
+                o.state.set_blocked(ckpt)  # retried when every worker is back (see the service's poll)
+        return {"rollback_rollout_id": rb.rollout_id, "rollback_outcome": rb.outcome.value}

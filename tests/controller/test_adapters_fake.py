@@ -31,6 +31,7 @@ from daemon.engines.base import (
 from daemon.registry import Registry, status
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.journal import Journal
+from daemon.registry.models import Checkpoint, Event
 from daemon.registry.status import CheckpointStatus as C
 from daemon.rollout.states import WorkerHandle, WorkerSet
 
@@ -178,6 +179,22 @@ def test_the_health_window_of_the_adapter_rolls_it_back_on_its_error_rate(reg: R
     ckpt = Journal(reg).checkpoint(v2)
     assert ckpt is not None and ckpt.status == C.REJECTED
     assert aj.aliases()["sql"]["serving"] == "sql@1" == aj.aliases()["sql"]["last_good"]
+
+
+def test_a_first_version_failing_its_health_window_is_rejected_and_unloaded_everywhere(reg: Registry, tmp_path: Path) -> None:
+    w0, w1 = FakeAdapterWorker("w0"), FakeAdapterWorker("w1")
+    d, aj = rig(reg, w0, w1, **WINDOW)
+    w1.bad = "sql@1"
+    v1 = adapter(reg, tmp_path, "sql@1")
+    out = d.deploy_new(v1)
+    assert (out["health_window"], out["rolled_back"], out["rollback_outcome"]) == ("failed", None, "unloaded"), out
+    assert served(w0, w1) == {None} and aj.alias("sql", "serving") is None
+    with reg.session() as s:
+        row = s.get(Checkpoint, v1)
+        assert row is not None and row.status == C.REJECTED.value
+        assert row.status_message == f"adapter sql: rolled back to none after deploy: {out['reason']}"
+        events = [e.detail for e in s.query(Event).filter(Event.checkpoint_id == v1, Event.to_state == "rolled_back")]
+    assert events == [{"to": None, "by": "health_window", "reason": out["reason"]}]
 
 
 def test_an_older_waiting_version_is_superseded_by_a_newer_one_of_the_same_name(reg: Registry, tmp_path: Path) -> None:
