@@ -150,6 +150,7 @@ class AdapterDecisions:
             raise CommandError(f"adapter version {version!r} was rejected: pin it anyway with --force")
         serving = self.adapters.alias(target.name, "serving")
         self.adapters.set_alias(target.name, "pinned", target.checkpoint.id)
+        self.journal.checkpoint_event(target.checkpoint.id, "pinned", {"by": by, "force": force, "adapter": target.name}, None)
         result = self.rollout.deploy(target, trigger=T.MANUAL, previous=serving, detail={"by": by, "pin": True})
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.mark_serving(target, serving, f"adapter {target.name}: pinned by operator (rollout {result.rollout_id})")
@@ -159,9 +160,11 @@ class AdapterDecisions:
         return {"rollout_id": result.rollout_id, "adapter": target.name, "outcome": result.outcome.value,
                 "pinned": target.version if result.outcome == RolloutOutcome.SUCCEEDED else None, "reason": result.reason}  # fmt: skip
 
-    def unpin(self, name: str) -> dict[str, Any]:
+    def unpin(self, name: str, by: str = "operator") -> dict[str, Any]:
         was = self.adapters.alias(name, "pinned")
         self.adapters.set_alias(name, "pinned", None)
+        if was is not None:
+            self.journal.checkpoint_event(was.checkpoint.id, "unpinned", {"by": by, "adapter": name}, None)
         waiting = self.adapters.newest_waiting(name)
         serving = self.adapters.alias(name, "serving")
         nxt = waiting if waiting is not None and (serving is None or newer(waiting.checkpoint, serving.checkpoint)) else None

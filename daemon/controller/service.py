@@ -236,7 +236,7 @@ class RolloutService:
         return self.queue.command(AdapterPin(version, force, by) if adapter else Pin(version, force, by))
 
     def unpin(self, adapter: str | None = None, by: str = "operator") -> Future[dict[str, Any]]:
-        return self.queue.command(AdapterUnpin(adapter) if adapter else Unpin(by))
+        return self.queue.command(AdapterUnpin(adapter, by) if adapter else Unpin(by))
 
     def converge(self, version: str) -> Future[dict[str, Any]]:
         """Fleet mode: move this host to the fleet target `version` (daemon.fleet.FleetAgent)."""

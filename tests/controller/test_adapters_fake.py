@@ -9,6 +9,7 @@ worker did not answer (then it stays verified, to be tried again).
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,6 +218,21 @@ def test_a_pinned_name_holds_new_versions_until_unpinned(reg: Registry, tmp_path
     assert d.deploy_new(v3)["outcome"] == "waiting" and served(w0) == {"sql@1"}
     out = d.unpin("sql")
     assert out["next"] == "sql@3" and served(w0) == {"sql@3"} and aj.alias("sql", "pinned") is None
+
+
+def test_who_pinned_and_unpinned_an_adapter_is_recorded(reg: Registry, tmp_path: Path) -> None:
+    """As for the base model: the API token's name is in the `pinned` and `unpinned` events."""
+    w0 = FakeAdapterWorker("w0")
+    d, _ = rig(reg, w0)
+    d.deploy_new(adapter(reg, tmp_path, "sql@1"))
+    d.deploy_new(adapter(reg, tmp_path, "sql@2"))
+    d.pin("sql@1", by="alice")
+    d.unpin("sql", by="bob")
+    with reg.session() as s:
+        rows = s.execute(text("SELECT c.version, e.to_state, e.detail FROM events e JOIN checkpoints c "
+                              "ON c.id = e.checkpoint_id WHERE e.to_state IN ('pinned', 'unpinned') ORDER BY e.id")).all()  # fmt: skip
+    got = [(v, to, (det if isinstance(det, dict) else json.loads(det)).get("by")) for v, to, det in rows]
+    assert got == [("sql@1", "pinned", "alice"), ("sql@1", "unpinned", "bob")]
 
 
 def test_the_reconcile_deploys_a_verified_version_of_a_name_no_worker_serves_yet(reg: Registry, tmp_path: Path) -> None:
