@@ -89,5 +89,10 @@ def commit_delta(watch: Path, trainer: Path, prev_full: Path, version: str, seed
     """Make and commit one delta version; (commit time, its perf_counter, what was made, the new full)."""
     stage = watch / f".stage-{version}"
     new, made = make_delta(prev_full, trainer, stage, version=version, seed=seed, density=density)
+    # The trainer runs on another machine in practice: its 16 GB of new files must not sit in this
+    # host's dirty page cache, where the daemon's rebuild writes would pay for their write-back.
+    t = time.perf_counter()
+    os.sync()
+    made["sync_s"] = time.perf_counter() - t
     os.rename(stage, watch / version)
     return datetime.now(UTC), time.perf_counter(), made, new

@@ -157,8 +157,11 @@ class Run:
             t_write = time.perf_counter() - t
             publish(stage, version=version)
             t_publish = time.perf_counter() - t - t_write
+        t = time.perf_counter()
+        os.sync()  # as for delta versions (bench/e2e_delta.py): the writer's write-back is not the daemon's
+        t_sync = time.perf_counter() - t
         os.rename(stage, self.watch / version)
-        return datetime.now(UTC), time.perf_counter(), {"write_s": t_write, "publish_s": t_publish}
+        return datetime.now(UTC), time.perf_counter(), {"write_s": t_write, "publish_s": t_publish, "sync_s": t_sync}
 
     def prune(self, keep: list[str]) -> None:
         """Disk is finite: drop version directories no worker can need (not serving / last good)."""
@@ -393,12 +396,17 @@ def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base
         }
     finally:
         run.stop()
-        if args.keep_logs:
-            dst = Path(args.out) / f"logs-{transport}"
-            dst.mkdir(parents=True, exist_ok=True)
-            for p in run.procs:
-                shutil.copy(p.log, dst / p.log.name)
-        shutil.rmtree(work, ignore_errors=True)
+        try:
+            if args.keep_logs:
+                dst = Path(args.out) / f"logs-{transport}"
+                dst.mkdir(parents=True, exist_ok=True)
+                for p in run.procs:
+                    try:
+                        shutil.copy(p.log, dst / p.log.name)
+                    except OSError as exc:  # a full disk must not keep 16 GB versions for the next step
+                        print(f"[{transport}] log {p.log.name} not kept: {exc}", file=sys.stderr)
+        finally:
+            shutil.rmtree(work, ignore_errors=True)
     return {"transport": transport, "samples": samples, "load": totals, "errors": errors, "skipped": skipped,
             "rejections": rejections, "health": health_seen, "flip_back": flip,
             "seconds": time.perf_counter() - t_start}  # fmt: skip

@@ -69,6 +69,7 @@ TAIL=45 step gpu_e2e "${E2E_CAP:-310}" $PY -m bench.gpu_e2e --model "$MODEL" --d
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
 # checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
 step ipc_update "${IPC_CAP:-130}" $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
+rm -rf /tmp/hotswap-ipc-bench  # its two 16 GB versions: the delta step needs the room on a 64 GB disk
 # ours from host memory (page cache) into the GPU: no checks, and with the digests checked
 step disk_reload_check 65 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
     --sweep '' --skip-cold --check-sweep 16x32x3x4 --worker-path --out "$OUT/disk_reload_check.json"
