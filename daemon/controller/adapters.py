@@ -178,6 +178,7 @@ class AdapterDecisions:
         """Every adapter-serving worker onto each name's serving version; newer waiting versions
         (held back by an unreachable worker) are deployed."""
         rebased = self.binding.rebase()  # the base may have changed while the daemon was down
+        windows = self.resume_windows()
         loaded: dict[str, list[str]] = {}
         for name in self.adapters.names():
             serving = self.adapters.alias(name, "serving")
@@ -200,7 +201,31 @@ class AdapterDecisions:
             if waiting is not None and self.adapters.alias(name, "pinned") is None and (
                     serving is None or newer(waiting.checkpoint, serving.checkpoint)):
                 self.deploy_new(waiting.checkpoint.id)
-        return {"outcome": "reconciled" if loaded or rebased else "in sync", "loaded": loaded, "rebased": rebased}
+        return {"outcome": "reconciled" if loaded or rebased or windows else "in sync", "loaded": loaded,
+                "rebased": rebased, "windows": windows}  # fmt: skip
+
+    def resume_windows(self) -> dict[str, str]:
+        """Each name whose serving version never finished its health window (the daemon stopped
+        inside it, or a command cut it short) is watched again now: a version is last_good only
+        after a window, and a bad one is rolled back rather than left serving untrusted. Run on
+        every reconcile (one is queued at each start), never beside a window: jobs run one at a
+        time on the runner thread. Returns each re-watched name's verdict."""
+        out: dict[str, str] = {}
+        if self.settings.health_window_s <= 0:
+            return out
+        for name in self.adapters.names():
+            serving = self.adapters.alias(name, "serving")
+            last_good = self.adapters.alias(name, "last_good")
+            if serving is None or (last_good is not None and last_good.checkpoint.id == serving.checkpoint.id):
+                continue
+            fresh = self.journal.checkpoint(serving.checkpoint.id)
+            rid = self.journal.last_rollout_of(serving.checkpoint.id)
+            if fresh is None or fresh.status != C.DEPLOYED or rid is None:
+                continue  # rejected (its rollback failed: said where it failed) or never rolled out here
+            log.info("adapter_health_window_resumed", adapter=name, version=serving.version,
+                     last_good=last_good.version if last_good else None)  # fmt: skip
+            out[name] = self.window.watch(_AdapterWindow(self, serving, last_good), rid)["health_window"]
+        return out
 
     def drifted(self) -> bool:
         """Some adapter-serving worker does not serve a name's serving version (for the health poll)."""

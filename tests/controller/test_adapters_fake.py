@@ -182,6 +182,31 @@ def test_the_health_window_of_the_adapter_rolls_it_back_on_its_error_rate(reg: R
     assert aj.aliases()["sql"]["serving"] == "sql@1" == aj.aliases()["sql"]["last_good"]
 
 
+@pytest.mark.parametrize("bad", [True, False])
+def test_an_adapter_window_cut_short_is_watched_again_by_the_next_reconcile(reg: Registry, tmp_path: Path,
+                                                                            bad: bool) -> None:  # fmt: skip
+    """The daemon stopped (or a command cut in) inside an adapter's health window: the version
+    serves but was never trusted. The next reconcile (one is queued at every start) watches it
+    again: a bad version is rolled back, a good one becomes last_good; neither stays in between."""
+    w0, w1 = FakeAdapterWorker("w0"), FakeAdapterWorker("w1")
+    d, aj = rig(reg, w0, w1, **WINDOW)
+    assert d.deploy_new(adapter(reg, tmp_path, "sql@1"))["health_window"] == "ok"
+    if bad:
+        w1.bad = "sql@2"
+    cut = [True]
+    d.window.interrupted = lambda: cut[0]
+    v2 = adapter(reg, tmp_path, "sql@2")
+    assert d.deploy_new(v2)["health_window"] == "aborted"
+    assert aj.aliases()["sql"] == {"serving": "sql@2", "last_good": "sql@1"}
+    cut[0] = False
+    assert d.reconcile()["windows"] == {"sql": "failed" if bad else "ok"}
+    now = "sql@1" if bad else "sql@2"
+    assert served(w0, w1) == {now} and aj.aliases()["sql"] == {"serving": now, "last_good": now}
+    ckpt = Journal(reg).checkpoint(v2)
+    assert ckpt is not None and ckpt.status == (C.REJECTED if bad else C.DEPLOYED)
+    assert d.reconcile()["windows"] == {}  # trusted now: nothing to watch again
+
+
 def test_a_first_version_failing_its_health_window_is_rejected_and_unloaded_everywhere(reg: Registry, tmp_path: Path) -> None:
     w0, w1 = FakeAdapterWorker("w0"), FakeAdapterWorker("w1")
     d, aj = rig(reg, w0, w1, **WINDOW)
