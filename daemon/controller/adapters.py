@@ -43,6 +43,7 @@ from daemon.registry.status import (
     RolloutOutcome,
     RolloutTrigger,
 )
+from daemon.rollout.attribution import attribute
 from daemon.rollout.health import WindowVerdict
 from daemon.rollout.planner import newer
 
@@ -267,7 +268,20 @@ class _AdapterWindow:
         return Fallback(self.previous.version if self.previous else None)
 
     def reject(self, verdict: WindowVerdict, why: str) -> None:
-        self.of.journal.move_status(self.av.checkpoint.id, C.REJECTED, f"adapter {self.av.name}: {why}")
+        """As for the base model (daemon.controller.health_window.BaseWindow.reject): a worker that
+        stopped answering is the fleet's fault, so the version stays verified and is deployed again
+        by the reconcile that puts the worker back, until `max_infra_retries` such windows."""
+        o, ckpt, name, retry = self.of, self.av.checkpoint, self.av.name, None
+        if verdict.infra:
+            retry = attribute(o.journal.registry, ckpt.id, FailureKind.UNREACHABLE, [], verdict.reason,
+                              o.settings.max_infra_retries)  # fmt: skip
+        if retry is not None and retry.verdict != "reject":
+            left = o.settings.max_infra_retries - retry.attempts
+            o.journal.move_status(ckpt.id, C.VERIFIED, f"adapter {name}: {why}; not the version's fault: deployed "
+                                                       f"again when every worker answers ({left} retries left)")  # fmt: skip
+        else:
+            o.journal.move_status(ckpt.id, C.REJECTED,
+                                  f"adapter {name}: {why}" + (f" ({retry.message})" if retry is not None else ""))  # fmt: skip
 
     def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]:
         """Every worker onto the previous version (or the name unloaded); serving follows what succeeded."""

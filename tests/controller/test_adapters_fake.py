@@ -52,6 +52,7 @@ class FakeAdapterWorker:
         self.refuse: set[str] = set()  # versions it refuses to load
         self.unreachable = False
         self.bad: str | None = None  # a version whose requests fail once it serves
+        self.dies_with: str | None = None  # a version under which it stops answering its counters
         self.total = self.failed = 0
 
     def load_adapter(self, request: AdapterRequest) -> AdapterResult:
@@ -75,6 +76,8 @@ class FakeAdapterWorker:
         return version, [sum(map(ord, version)) % 97]
 
     def adapter_counters(self, name: str) -> dict[str, int] | None:
+        if self.dies_with is not None and self.served.get(name, ("",))[0] == self.dies_with:
+            raise WorkerUnreachable(f"worker {self.name}: adapter counters: no answer")
         if self.bad is not None and self.served.get(name, ("",))[0] == self.bad:
             self.total, self.failed = self.total + 10, self.failed + 5  # half of its requests fail
         return {"requests_total": self.total, "requests_failed": self.failed}
@@ -110,6 +113,13 @@ def rig(reg: Registry, *workers: FakeAdapterWorker, **settings: float) -> tuple[
     served = ServedVersions(journal, aj, RolloutState(), lambda _keep: None)  # only adapter aliases here
     return AdapterDecisions(journal, aj, AdapterRollout(journal, aj, fleet), cfg, interrupted=lambda: False,
                             served=served), aj  # fmt: skip
+
+
+def status_of(reg: Registry, checkpoint_id: int) -> tuple[str, str]:
+    with reg.session() as s:
+        row = s.get(Checkpoint, checkpoint_id)
+        assert row is not None
+        return row.status, row.status_message or ""
 
 
 def served(*workers: FakeAdapterWorker) -> set[str | None]:
@@ -205,6 +215,25 @@ def test_an_adapter_window_cut_short_is_watched_again_by_the_next_reconcile(reg:
     ckpt = Journal(reg).checkpoint(v2)
     assert ckpt is not None and ckpt.status == (C.REJECTED if bad else C.DEPLOYED)
     assert d.reconcile()["windows"] == {}  # trusted now: nothing to watch again
+
+
+def test_a_worker_that_stops_answering_in_the_window_is_not_the_adapters_fault_until_it_keeps_happening(
+        reg: Registry, tmp_path: Path) -> None:  # fmt: skip
+    """As for the base model: the window fails and the name goes back, but the version stays
+    verified and the next reconcile deploys it again; after `max_infra_retries` such windows it is
+    rejected (it may be what kills the worker). Before, the first lost worker rejected it."""
+    w0, w1 = FakeAdapterWorker("w0"), FakeAdapterWorker("w1")
+    d, aj = rig(reg, w0, w1, **WINDOW, max_infra_retries=1)
+    assert d.deploy_new(adapter(reg, tmp_path, "sql@1"))["health_window"] == "ok"
+    w1.dies_with = "sql@2"
+    v2 = adapter(reg, tmp_path, "sql@2")
+    out = d.deploy_new(v2)
+    assert out["health_window"] == "failed" and "did not answer" in out["reason"], out
+    assert status_of(reg, v2)[0] == C.VERIFIED.value and "not the version's fault" in status_of(reg, v2)[1]
+    assert served(w0, w1) == {"sql@1"} and aj.aliases()["sql"] == {"serving": "sql@1", "last_good": "sql@1"}
+    d.reconcile()  # the worker answers again: the version is deployed again, and fails the same way
+    assert status_of(reg, v2)[0] == C.REJECTED.value and "gave up after 1 retries" in status_of(reg, v2)[1]
+    assert served(w0, w1) == {"sql@1"}
 
 
 def test_a_first_version_failing_its_health_window_is_rejected_and_unloaded_everywhere(reg: Registry, tmp_path: Path) -> None:
