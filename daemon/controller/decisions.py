@@ -7,7 +7,7 @@ fallback); then `conclude`: which version is serving, last_good, rejected, retri
 for unavailable workers.
 
     decisions = RolloutDecisions(journal, fleet, settings, engine, driver, state, queue, stopping,
-                                 served=served, submit=service.submit)
+                                 served=served, submit=service.submit, gates=gates)
     decisions.deploy_new(ckpt)
 
 Called only on the service's runner thread (daemon.controller.service), which owns the queue and
@@ -32,6 +32,8 @@ from daemon.controller.health_window import BaseWindow
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.engines.base import WorkerError
+from daemon.gates.runner import GateRunner
+from daemon.gates.settings import GateSettings
 from daemon.registry.journal import CheckpointRef, Journal
 from daemon.registry.outbox import unreachable
 from daemon.registry.status import (
@@ -73,7 +75,9 @@ class RolloutDecisions:
         *,
         served: ServedVersions,
         submit: Callable[[int], None],
+        gates: GateSettings | None = None,
     ) -> None:
+        """`gates`: the trial's gates (daemon.controller.trial), run beside the health window."""
         self.journal = journal
         self.fleet = fleet
         self.settings = settings
@@ -89,6 +93,8 @@ class RolloutDecisions:
             interrupted=lambda: queue.has_command(MOVES_FLEET) or stopping.is_set(),
             served=served, submit=submit,
         )  # fmt: skip
+        if gates is not None and gates.gate:
+            self.health_window.gates, self.health_window.gate_runner = gates, GateRunner(journal.registry, gates)
         # fleet mode: a converge to a staged rollout's version gets a health window (daemon.fleet.stages)
         self.watch_fleet: Callable[[CheckpointRef], bool] = lambda _ckpt: False
         self._fallback_to: str | None = None  # a managed worker fell back to it; made serving by reconcile
@@ -275,6 +281,11 @@ class RolloutDecisions:
             serving, trigger=T.ROLLBACK, fallback=serving, only=drifted, detail={"by": "reconcile"}
         )
         return {"rollout_id": result.rollout_id, "outcome": result.outcome.value, "workers": drifted}
+
+    def gate_problems(self) -> list[tuple[str, str]]:
+        """Gates of a trial that cannot run now, with why (the problem gate_cannot_run)."""
+        runner = self.health_window.gate_runner
+        return runner.problems() if runner is not None else []
 
     # -- what a rollout's result means for the registry ------------------------------------
     def recorded(self, step: Callable[[], R]) -> R:

@@ -59,7 +59,6 @@ from daemon.engines.base import Timeouts, WeightInfo, WorkerError
 from daemon.fleet.agent import FleetAgent, leased
 from daemon.fleet.lease import FleetLeases
 from daemon.fleet.settings import FleetSettings
-from daemon.gates.runner import GateRunner
 from daemon.gates.settings import GateSettings
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.db import Registry
@@ -127,10 +126,8 @@ class RolloutService:
         # the one writer of serving and last_good, the base's and each adapter name's (daemon/controller/served.py)
         self.served = ServedVersions(self.journal, self.adapter_journal, self.state, self.stager.retain)
         self.decisions = RolloutDecisions(self.journal, self.fleet, settings, self.engine, self.driver, self.state,
-                                          self.queue, self._stopping, served=self.served, submit=self.submit)  # fmt: skip
-        if gates is not None and gates.gate:  # a version's trial runs its gates (daemon.controller.trial)
-            self.decisions.health_window.gates = gates
-            self.decisions.health_window.gate_runner = GateRunner(registry, gates)
+                                          self.queue, self._stopping, served=self.served, submit=self.submit,
+                                          gates=gates)  # fmt: skip
         if self.fleet_agent is not None:  # a staged rollout's hosts watch it like a new version
             self.decisions.watch_fleet = self.fleet_agent.staged
         # managed children: watched from launch, relaunched with backoff (daemon/controller/supervise.py)
@@ -334,8 +331,7 @@ class RolloutService:
 
     def gate_problems(self) -> list[tuple[str, str]]:
         """Gates of a trial that cannot run now, with why (the problem gate_cannot_run)."""
-        runner = self.decisions.health_window.gate_runner
-        return runner.problems() if runner is not None else []
+        return self.decisions.gate_problems()
 
     def adapter_problems(self) -> list[tuple[str, str]]:
         """Adapters unloaded because they do not fit the serving base (the problem adapter_not_on_base)."""
