@@ -28,7 +28,7 @@ from daemon.bytepipe.engine import Job
 from daemon.bytepipe.files import hash_files
 from daemon.bytepipe.sinks import Crcs, InOrder
 from daemon.delta.codec import Chunk, DeltaError
-from daemon.delta.container import map_file, rebuild_file
+from daemon.delta.container import ChunkBuffers, Lent, map_file, rebuild_file
 from daemon.delta.section import DeltaFile, DeltaSpec
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.hashing import DigestMismatch, FileDigest
@@ -51,12 +51,12 @@ class _InMemory:
         self.crcs = Crcs()
         self.strong = InOrder(files, alg, threads=threads)
 
-    def taker(self, target: Path) -> Callable[[Chunk, np.ndarray], None]:
-        def take(c: Chunk, data: np.ndarray) -> None:
+    def taker(self, target: Path) -> Callable[[Chunk, np.ndarray, Lent], None]:
+        def take(c: Chunk, data: np.ndarray, lent: Lent) -> None:
             if c.length:  # an empty chunk adds nothing (and would share its offset with the next)
                 view = data.data  # uint8, contiguous: a byte view
                 self.crcs.feed(target, c.out, view)
-                self.strong.take(Job(target, c.out, c.length), view, None, 0)
+                self.strong.take(Job(target, c.out, c.length), view, lent, 0)  # parked: the buffer held
 
         return take
 
@@ -119,6 +119,7 @@ def rebuild(
                 ThreadPoolExecutor(max(1, len(rebuilt)), thread_name_prefix="delta-file") as files:  # fmt: skip
             base_hashes = hasher.submit(hash_files, [base_dir / r for r in needed], alg=alg, threads=n)
             maps: dict[str, np.ndarray] = {r: map_file(base_dir / r) for r in needed}
+            buffers = ChunkBuffers()  # shared by the files: about the chunks being decoded, not one per chunk
             for f in manifest.files:
                 (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
                 if f.path not in by_target:  # unchanged: the base's file (re-hashed below)
@@ -127,7 +128,7 @@ def rebuild(
             def one(f: ManifestFile, d: DeltaFile) -> int:
                 target = tmp / f.path
                 size = rebuild_file(delta_dir / d.path, maps.get(f.path), target, pool, d.path,
-                                    on_chunk=in_memory.taker(target), window=2 * n)  # fmt: skip
+                                    on_chunk=in_memory.taker(target), window=2 * n, buffers=buffers)  # fmt: skip
                 _check(in_memory.digest(target, size), f, f"result file {f.path} (rebuilt from {d.path})")
                 return size
 
