@@ -20,7 +20,7 @@ import os
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from daemon.bytepipe.engine import Aborted, Buffer, Job
 from daemon.crc import crc32c_combine, crc32c_shift
@@ -73,6 +73,15 @@ class Crcs:
         return f"{total:08x}"
 
 
+class Holdable(Protocol):
+    """A buffer a sink may keep past `take` (`hold`) and give back (`release`): an engine `Buffer`,
+    a rebuild's chunk buffer (daemon.delta.container)."""
+
+    def hold(self) -> None: ...
+
+    def release(self) -> None: ...
+
+
 class _Ordered:
     __slots__ = ("hasher", "pos", "busy", "parked", "lock")
 
@@ -80,7 +89,7 @@ class _Ordered:
         self.hasher = hasher
         self.pos = 0
         self.busy = False
-        self.parked: dict[int, tuple[memoryview, Buffer | None]] = {}
+        self.parked: dict[int, tuple[memoryview, Holdable | None]] = {}
         self.lock = threading.Lock()
 
 
@@ -92,7 +101,7 @@ class InOrder:
         self._files = {f: _Ordered(new_strong_hash(alg, threads=threads)) for f in files}
         self._aborted = False
 
-    def take(self, job: Job, data: memoryview, buffer: Buffer | None, reader: int) -> None:
+    def take(self, job: Job, data: memoryview, buffer: Holdable | None, reader: int) -> None:
         st = self._files[job.file]
         with st.lock:
             if self._aborted:
@@ -124,7 +133,7 @@ class InOrder:
             raise
 
     def abort(self) -> None:
-        parked: list[Buffer | None] = []
+        parked: list[Holdable | None] = []
         for st in self._files.values():
             with st.lock:
                 self._aborted = True

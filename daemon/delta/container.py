@@ -21,6 +21,7 @@ import json
 import mmap
 import os
 import struct
+import threading
 from collections import deque
 from collections.abc import Callable
 from concurrent.futures import Executor, Future, wait
@@ -197,27 +198,86 @@ def check_base(head: dict[str, Any], base: np.ndarray | None, where: str) -> Non
                              f"expects {dtype} {shape}: dtype or size disagrees with the base")  # fmt: skip
 
 
+class Lent:
+    """One buffer of `ChunkBuffers`, lent out: back in the pool once every `hold` was `release`d."""
+
+    __slots__ = ("array", "_owner", "_holds")
+
+    def __init__(self, owner: ChunkBuffers | None, array: np.ndarray) -> None:
+        self.array = array
+        self._owner = owner
+        self._holds = 1
+
+    def hold(self) -> None:
+        if self._owner is not None:
+            with self._owner._lock:
+                self._holds += 1
+
+    def release(self) -> None:
+        if self._owner is not None:
+            self._owner._release(self)
+
+
+class ChunkBuffers:
+    """Decoded chunks' buffers, reused: a fresh 16 MB array per chunk costs its page faults every
+    time (more than the decoding itself). A buffer is lent to one chunk and comes back once
+    written and hashed (an in-order hash holds it while it waits its turn), so the pool grows only
+    to the chunks in flight: bounded by the callers' windows. A chunk longer than `nbytes` gets an
+    array of its own."""
+
+    def __init__(self, nbytes: int = CHUNK_BYTES) -> None:
+        self.nbytes = nbytes
+        self._lock = threading.Lock()
+        self._free: list[Lent] = []
+        self.made = 0
+
+    def take(self, length: int) -> Lent:
+        if length > self.nbytes:
+            return Lent(None, np.empty(length, np.uint8))
+        with self._lock:
+            if self._free:
+                lent = self._free.pop()
+                lent._holds = 1
+                return lent
+            self.made += 1
+        return Lent(self, np.empty(self.nbytes, np.uint8))
+
+    def _release(self, lent: Lent) -> None:
+        with self._lock:
+            lent._holds -= 1
+            if lent._holds == 0:
+                self._free.append(lent)
+
+
 def rebuild_file(delta: Path, base: np.ndarray | None, out: Path, pool: Executor, where: str,
-                 on_chunk: Callable[[Chunk, np.ndarray], None] | None = None, window: int = 16) -> int:  # fmt: skip
+                 on_chunk: Callable[[Chunk, np.ndarray, Lent], None] | None = None, window: int = 16,
+                 buffers: ChunkBuffers | None = None) -> int:  # fmt: skip
     """Write the result file `out` from the delta file and the (mapped) base bytes; returns its size.
-    `on_chunk(chunk, result_bytes)` sees each decoded chunk in memory, in the decoding thread. At
-    most `window` chunks are in flight (decoded, or parked by an in-order hash behind a slow one),
-    so memory stays bounded: `window` x 16 MB."""
+    `on_chunk(chunk, result_bytes, lent)` sees each decoded chunk in memory, in the decoding thread
+    (`lent.hold()` keeps the bytes past the call: `release()` gives them back). At most `window`
+    chunks are in flight (decoded, or parked by an in-order hash behind a slow one), so memory
+    stays bounded: `window` x 16 MB. `buffers`: a pool shared with other files decoded at once."""
     data = map_file(delta)
     head, chunks, start = read_header(data, where)
     check_base(head, base, where)
+    lend = buffers if buffers is not None else ChunkBuffers()
     fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, head["bytes"])
 
         def one(c: Chunk) -> None:
-            buf = np.empty(c.length, np.uint8)
-            b = base[c.base : c.base + c.length] if base is not None and c.base >= 0 else None
-            decode(c, b, data[start + c.at : start + c.at + c.size].data, buf, where)
-            if c.length:
-                os.pwrite(fd, buf.data, c.out)
-            if on_chunk is not None:
-                on_chunk(c, buf)
+            lent = lend.take(c.length)
+            try:
+                buf = lent.array[: c.length]
+                b = base[c.base : c.base + c.length] if base is not None and c.base >= 0 else None
+                decode(c, b, data[start + c.at : start + c.at + c.size].data, buf, where)
+                done = 0
+                while done < c.length:  # a short write (a full disk) goes on, or raises
+                    done += os.pwrite(fd, buf.data[done:], c.out + done)
+                if on_chunk is not None:
+                    on_chunk(c, buf, lent)
+            finally:
+                lent.release()
 
         flight: deque[Future[None]] = deque()
         try:

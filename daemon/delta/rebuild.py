@@ -3,8 +3,9 @@
     rebuild(delta_dir, manifest, spec, base_dir, base_files, out_dir)
 
 Every delta file is hashed against the signed `delta` section before it is used. Each base file
-the result needs is re-hashed (CRC32C + the strong hash, in a thread beside the decoding) against
-the digests the base was verified with; a base changed on disk since is refused. Each rebuilt
+the result needs is re-hashed (in a thread beside the decoding) against the digests the base was
+verified with: with the strong hash alone where it has one (equal bytes hash equal: the CRC32C
+would prove nothing more), else with CRC32C; a base changed on disk since is refused. Each rebuilt
 file is hashed in memory as its chunks are decoded (CRC32C per chunk, the strong hash in file
 order: daemon.bytepipe.sinks), so the result is checked against the manifest with no second read
 of 16 GB. The result is assembled in a hidden temporary folder beside `out_dir` and renamed into
@@ -19,7 +20,7 @@ import os
 import shutil
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ from daemon.bytepipe.engine import Job
 from daemon.bytepipe.files import hash_files
 from daemon.bytepipe.sinks import Crcs, InOrder
 from daemon.delta.codec import Chunk, DeltaError
-from daemon.delta.container import map_file, rebuild_file
+from daemon.delta.container import ChunkBuffers, Lent, map_file, rebuild_file
 from daemon.delta.section import DeltaFile, DeltaSpec
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.hashing import DigestMismatch, FileDigest
@@ -51,12 +52,12 @@ class _InMemory:
         self.crcs = Crcs()
         self.strong = InOrder(files, alg, threads=threads)
 
-    def taker(self, target: Path) -> Callable[[Chunk, np.ndarray], None]:
-        def take(c: Chunk, data: np.ndarray) -> None:
+    def taker(self, target: Path) -> Callable[[Chunk, np.ndarray, Lent], None]:
+        def take(c: Chunk, data: np.ndarray, lent: Lent) -> None:
             if c.length:  # an empty chunk adds nothing (and would share its offset with the next)
                 view = data.data  # uint8, contiguous: a byte view
                 self.crcs.feed(target, c.out, view)
-                self.strong.take(Job(target, c.out, c.length), view, None, 0)
+                self.strong.take(Job(target, c.out, c.length), view, lent, 0)  # parked: the buffer held
 
         return take
 
@@ -117,8 +118,13 @@ def rebuild(
         with ThreadPoolExecutor(n, thread_name_prefix="delta-dec") as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix="delta-base") as hasher, \
                 ThreadPoolExecutor(max(1, len(rebuilt)), thread_name_prefix="delta-file") as files:  # fmt: skip
-            base_hashes = hasher.submit(hash_files, [base_dir / r for r in needed], alg=alg, threads=n)
+            # a base verified with a strong hash is re-hashed with it alone: equal bytes hash equal,
+            # so its CRC32C adds no proof (a base listed with a CRC alone keeps its CRC check)
+            strong_only = all(base_files[r].hash and base_files[r].hash_alg == alg for r in needed)
+            base_hashes = hasher.submit(hash_files, [base_dir / r for r in needed], alg=alg, crc=not strong_only,
+                                        threads=n)  # fmt: skip
             maps: dict[str, np.ndarray] = {r: map_file(base_dir / r) for r in needed}
+            buffers = ChunkBuffers()  # shared by the files: about the chunks being decoded, not one per chunk
             for f in manifest.files:
                 (tmp / f.path).parent.mkdir(parents=True, exist_ok=True)
                 if f.path not in by_target:  # unchanged: the base's file (re-hashed below)
@@ -127,7 +133,7 @@ def rebuild(
             def one(f: ManifestFile, d: DeltaFile) -> int:
                 target = tmp / f.path
                 size = rebuild_file(delta_dir / d.path, maps.get(f.path), target, pool, d.path,
-                                    on_chunk=in_memory.taker(target), window=2 * n)  # fmt: skip
+                                    on_chunk=in_memory.taker(target), window=2 * n, buffers=buffers)  # fmt: skip
                 _check(in_memory.digest(target, size), f, f"result file {f.path} (rebuilt from {d.path})")
                 return size
 
@@ -138,7 +144,8 @@ def rebuild(
                 in_memory.strong.abort()
                 raise
             for rel, digest in zip(needed, base_hashes.result(), strict=True):
-                _check(digest, base_files[rel], f"base file {rel} (changed on this host since it was verified)")
+                want = replace(base_files[rel], crc32c="") if strong_only else base_files[rel]
+                _check(digest, want, f"base file {rel} (changed on this host since it was verified)")
         shutil.copyfile(delta_dir / MANIFEST_NAME, tmp / MANIFEST_NAME)
         _replace(tmp, out_dir)
     except BaseException:

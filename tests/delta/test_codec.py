@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from daemon.delta.codec import Chunk, DeltaError, bounded_decompress, decode, encode
-from daemon.delta.container import encode_file, map_file, rebuild_file
+from daemon.delta.container import ChunkBuffers, Lent, encode_file, map_file, rebuild_file
 
 pytestmark = pytest.mark.quick
 POOL = ThreadPoolExecutor(2)
@@ -119,6 +119,40 @@ def test_a_non_tensor_file_rebuilds_and_a_new_file_needs_no_base(tmp_path: Path)
         (tmp_path / "d").write_bytes(header + b"".join(payloads))
         rebuild_file(tmp_path / "d", base, tmp_path / "out", POOL, "t")
         assert (tmp_path / "out").read_bytes() == new
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_chunk_buffers_are_reused_only_once_every_holder_gave_them_back(tmp_path: Path, hold: bool) -> None:
+    """A chunk's buffer goes back to the pool after it was written and seen; one that `on_chunk`
+    holds (as an in-order hash parks a chunk) keeps its bytes until released, never reused."""
+    rng = np.random.default_rng(5)
+    old = rng.integers(0, 256, 1 << 20, dtype=np.uint8)
+    new = old.copy()
+    new[rng.random(len(new)) < 0.01] ^= 1
+    (tmp_path / "old").write_bytes(old.tobytes())
+    (tmp_path / "new").write_bytes(new.tobytes())
+    header, payloads, chunks = encode_file("f", map_file(tmp_path / "new"), map_file(tmp_path / "old"), POOL,
+                                           chunk_bytes=4096)  # fmt: skip
+    (tmp_path / "d").write_bytes(header + b"".join(payloads))
+    held: list[tuple[Chunk, np.ndarray, Lent]] = []
+    seen: list[Chunk] = []
+
+    def on_chunk(c: Chunk, data: np.ndarray, lent: Lent) -> None:
+        seen.append(c)
+        if hold:
+            lent.hold()
+            held.append((c, data, lent))
+
+    buffers = ChunkBuffers(4096)
+    rebuild_file(tmp_path / "d", map_file(tmp_path / "old"), tmp_path / "out", POOL, "t", on_chunk, 4, buffers)
+    assert (tmp_path / "out").read_bytes() == new.tobytes() and len(seen) == len(chunks) == 256
+    if hold:
+        assert buffers.made == len(chunks)  # every held buffer stayed out of the pool
+        assert all(data.tobytes() == new[c.out : c.out + c.length].tobytes() for c, data, _ in held)
+        for _c, _d, lent in held:
+            lent.release()
+    else:
+        assert buffers.made <= 4  # no more than the window of chunks in flight
 
 
 # --------------------------------------------------------------------------- refused

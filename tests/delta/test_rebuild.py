@@ -58,3 +58,27 @@ def test_a_result_whose_hashes_differ_from_the_manifest_is_refused_by_the_rebuil
         rebuild(out, lying, spec, base, {f.path: f for f in load_manifest(base).files}, dest)
     assert not dest.exists()
     assert [p.name for p in dest.parent.iterdir()] == []  # no temporary folder either
+
+
+@pytest.mark.parametrize("verified", ["strong", "a shard by crc32c only"])
+def test_a_base_changed_on_disk_since_it_was_verified_is_refused(tmp_path: Path, verified: str) -> None:
+    """A base file the result copies unchanged, edited on this host after it was verified (same
+    size): refused by the base's re-hash, with the strong hash alone where every base file has one,
+    with CRC32C and the strong hash where one of them has a CRC32C alone; nothing left behind."""
+    base, _new, out = _delta(tmp_path)
+    m = load_manifest(out)
+    spec = parse(m, "t")
+    assert spec is not None
+    copied = next(f.path for f in m.files if f.path not in {d.target for d in spec.files})
+    raw = bytearray((base / copied).read_bytes())
+    raw[len(raw) // 2] ^= 1
+    (base / copied).write_bytes(bytes(raw))
+    files = {f.path: f for f in load_manifest(base).files}
+    if verified != "strong":
+        files[spec.files[0].target] = replace(files[spec.files[0].target], hash="", hash_alg=None)
+    dest = tmp_path / "rebuilt" / "v2"
+    with pytest.raises(DeltaError, match=f"base file {copied} \\(changed on this host since it was verified\\): "
+                                         "blake3 .* does not match the verified"):  # fmt: skip
+        rebuild(out, m, spec, base, files, dest)
+    assert not dest.exists()
+    assert [p.name for p in dest.parent.iterdir()] == []
