@@ -30,7 +30,7 @@ from daemon.common.logging import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.adapter_base import BaseBinding
 from daemon.controller.adapter_rollout import AdapterRollout
-from daemon.controller.health_window import Fallback, HealthWindow
+from daemon.controller.health_window import Fallback, HealthWindow, reject_or_retry
 from daemon.controller.queue import CommandError
 from daemon.controller.served import ServedVersions
 from daemon.registry.adapters import AdapterJournal, AdapterVersion
@@ -43,7 +43,6 @@ from daemon.registry.status import (
     RolloutOutcome,
     RolloutTrigger,
 )
-from daemon.rollout.attribution import attribute
 from daemon.rollout.health import WindowVerdict
 from daemon.rollout.planner import newer
 
@@ -54,13 +53,14 @@ C, T = CheckpointStatus, RolloutTrigger
 class AdapterDecisions:
     def __init__(self, journal: Journal, adapters: AdapterJournal, rollout: AdapterRollout, settings: RolloutSettings,
                  interrupted: Callable[[], bool], checks: CheckSettings | None = None, *,
-                 served: ServedVersions) -> None:  # fmt: skip
+                 served: ServedVersions, submit: Callable[[int], None] = lambda _id: None) -> None:  # fmt: skip
         self.journal = journal
         self.adapters = adapters
         self.rollout = rollout
         self.settings = settings
         self.window = HealthWindow(journal, settings, interrupted)  # shutdown: a health window decides nothing
         self.served = served  # the one writer of each name's serving and last_good
+        self.submit = submit  # the service's: a version to deploy (again)
         # each served adapter held to the serving base (daemon/controller/adapter_base.py)
         self.binding = BaseBinding(journal, adapters, rollout, checks or CheckSettings(), served)
 
@@ -254,6 +254,7 @@ class _AdapterWindow:
     of: AdapterDecisions
     av: AdapterVersion
     previous: AdapterVersion | None  # None: a failed window unloads the name
+    retried: bool = False  # a worker stopped answering, not the version's fault: deployed again
 
     def __post_init__(self) -> None:
         self.checkpoint, self.about = self.av.checkpoint, {"adapter": self.av.name, "version": self.av.version}
@@ -268,20 +269,8 @@ class _AdapterWindow:
         return Fallback(self.previous.version if self.previous else None)
 
     def reject(self, verdict: WindowVerdict, why: str) -> None:
-        """As for the base model (daemon.controller.health_window.BaseWindow.reject): a worker that
-        stopped answering is the fleet's fault, so the version stays verified and is deployed again
-        by the reconcile that puts the worker back, until `max_infra_retries` such windows."""
-        o, ckpt, name, retry = self.of, self.av.checkpoint, self.av.name, None
-        if verdict.infra:
-            retry = attribute(o.journal.registry, ckpt.id, FailureKind.UNREACHABLE, [], verdict.reason,
-                              o.settings.max_infra_retries)  # fmt: skip
-        if retry is not None and retry.verdict != "reject":
-            left = o.settings.max_infra_retries - retry.attempts
-            o.journal.move_status(ckpt.id, C.VERIFIED, f"adapter {name}: {why}; not the version's fault: deployed "
-                                                       f"again when every worker answers ({left} retries left)")  # fmt: skip
-        else:
-            o.journal.move_status(ckpt.id, C.REJECTED,
-                                  f"adapter {name}: {why}" + (f" ({retry.message})" if retry is not None else ""))  # fmt: skip
+        self.retried = reject_or_retry(self.of.journal, self.of.settings, self.av.checkpoint.id, verdict,
+                                       f"adapter {self.av.name}: {why}")  # fmt: skip
 
     def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]:
         """Every worker onto the previous version (or the name unloaded); serving follows what succeeded."""
@@ -291,9 +280,14 @@ class _AdapterWindow:
                 with h.busy:
                     d.rollout.restore(h, None, name, None)
             d.served.clear_adapter_serving(name)
-            return {"rollback_outcome": "unloaded"}
-        result = d.rollout.deploy(to, trigger=T.ROLLBACK, previous=to, detail={"by": "health_window"})
-        if result.outcome == RolloutOutcome.SUCCEEDED:
+            outcome = "unloaded"
+        else:
+            result = d.rollout.deploy(to, trigger=T.ROLLBACK, previous=to, detail={"by": "health_window"})
+            outcome = result.outcome.value
+            if result.outcome != RolloutOutcome.SUCCEEDED:
+                return {"rollback_outcome": outcome}  # a worker still drifted: the reconcile that fixes it retries
             d.mark_serving(to, None, f"adapter {name}: restored by health_window (rollout {result.rollout_id})")
             d.served.mark_adapter_last_good(name, to)
-        return {"rollback_outcome": result.outcome.value}
+        if self.retried:  # a worker stopped answering, not the version's fault: deployed again (bounded)
+            d.submit(self.av.checkpoint.id)
+        return {"rollback_outcome": outcome}

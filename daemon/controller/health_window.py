@@ -58,6 +58,23 @@ class Watched(Protocol):
     def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]: ...  # every worker onto the fallback
 
 
+def reject_or_retry(journal: Journal, settings: RolloutSettings, checkpoint_id: int, verdict: WindowVerdict,
+                    why: str) -> bool:  # fmt: skip
+    """A failed window's mark on the version, for every served name: rejected, unless a worker
+    stopped answering (like a crash mid-rollout: daemon.rollout.attribution). Then it stays verified,
+    to be rolled out again after the rollback, until `max_infra_retries` such windows. True: retry it."""
+    retry = None
+    if verdict.infra:
+        retry = attribute(journal.registry, checkpoint_id, FailureKind.UNREACHABLE, [], verdict.reason,
+                          settings.max_infra_retries)  # fmt: skip
+    if retry is not None and retry.verdict != "reject":
+        left = settings.max_infra_retries - retry.attempts
+        journal.move_status(checkpoint_id, C.VERIFIED, f"{why}; not the checkpoint's fault: rolled out again ({left} retries left)")
+        return True
+    journal.move_status(checkpoint_id, C.REJECTED, why + (f" ({retry.message})" if retry is not None else ""))
+    return False
+
+
 @dataclass
 class HealthWindow:
     """The one window sequence, for every served name (see the module docstring)."""
@@ -144,15 +161,7 @@ class _BaseVersion:
         return Fallback(self.to.version) if self.to is not None and self.to.id != self.checkpoint.id else None
 
     def reject(self, verdict: WindowVerdict, why: str) -> None:
-        o, ckpt, retry = self.of, self.checkpoint, None
-        if verdict.infra:  # a worker stopped answering: like a crash mid-rollout (daemon.rollout.attribution)
-            retry = attribute(o.journal.registry, ckpt.id, FailureKind.UNREACHABLE, [], verdict.reason,
-                              o.settings.max_infra_retries)  # fmt: skip
-        if retry is not None and retry.verdict != "reject":
-            self.retried, left = True, o.settings.max_infra_retries - retry.attempts
-            o.journal.move_status(ckpt.id, C.VERIFIED, f"{why}; not the checkpoint's fault: rolled out again ({left} retries left)")
-        else:
-            o.journal.move_status(ckpt.id, C.REJECTED, why + (f" ({retry.message})" if retry is not None else ""))
+        self.retried = reject_or_retry(self.of.journal, self.of.settings, self.checkpoint.id, verdict, why)
 
     def roll_back(self, verdict: WindowVerdict, rid: int) -> dict[str, Any]:
         o, ckpt, to = self.of, self.checkpoint, self.to

@@ -135,7 +135,8 @@ class RolloutService:
         # LoRA adapters: their own jobs, per name, on the same runner (daemon/controller/adapters.py)
         self.adapters = AdapterDecisions(self.journal, self.adapter_journal,
                                          AdapterRollout(self.journal, self.adapter_journal, self.fleet), settings,
-                                         interrupted=self._stopping.is_set, checks=checks, served=self.served)  # fmt: skip
+                                         interrupted=self._stopping.is_set, checks=checks, served=self.served,
+                                         submit=self.submit)  # fmt: skip
         self.startup = Startup(self.journal, self.fleet, settings, state_dir, self.state, self.queue, self.supervisor,
                                self.leases, self._stopping, self.engine, self.driver, self.decisions,
                                submit=self.submit, observe=self._observe_all)  # fmt: skip

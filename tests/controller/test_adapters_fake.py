@@ -224,16 +224,19 @@ def test_a_worker_that_stops_answering_in_the_window_is_not_the_adapters_fault_u
     rejected (it may be what kills the worker). Before, the first lost worker rejected it."""
     w0, w1 = FakeAdapterWorker("w0"), FakeAdapterWorker("w1")
     d, aj = rig(reg, w0, w1, **WINDOW, max_infra_retries=1)
+    submitted: list[int] = []
+    d.submit = submitted.append  # the service queues an AdapterDeploy of it
     assert d.deploy_new(adapter(reg, tmp_path, "sql@1"))["health_window"] == "ok"
     w1.dies_with = "sql@2"
     v2 = adapter(reg, tmp_path, "sql@2")
     out = d.deploy_new(v2)
     assert out["health_window"] == "failed" and "did not answer" in out["reason"], out
-    assert status_of(reg, v2)[0] == C.VERIFIED.value and "not the version's fault" in status_of(reg, v2)[1]
+    assert status_of(reg, v2)[0] == C.VERIFIED.value and "not the checkpoint's fault" in status_of(reg, v2)[1]
     assert served(w0, w1) == {"sql@1"} and aj.aliases()["sql"] == {"serving": "sql@1", "last_good": "sql@1"}
-    d.reconcile()  # the worker answers again: the version is deployed again, and fails the same way
+    assert submitted == [v2]  # deployed again after the rollback, as the base model's is
+    d.deploy_new(submitted.pop())  # and it fails the same way: now it may be what kills the worker
     assert status_of(reg, v2)[0] == C.REJECTED.value and "gave up after 1 retries" in status_of(reg, v2)[1]
-    assert served(w0, w1) == {"sql@1"}
+    assert served(w0, w1) == {"sql@1"} and submitted == []
 
 
 def test_a_first_version_failing_its_health_window_is_rejected_and_unloaded_everywhere(reg: Registry, tmp_path: Path) -> None:
