@@ -46,6 +46,10 @@ def summarise(result: dict[str, Any]) -> dict[str, Any]:
             n: statistics.median(s["checks_ms"][n] for s in measured if n in s["checks_ms"]) for n in checks
         },
         "phases_ms_median": median_phases(measured),
+        "forward_parts_ms_median": {  # the forward check's steps and its child's share (issue 41)
+            k: statistics.median(v for s in measured if (v := (s.get("forward_parts_ms") or {}).get(k)) is not None)
+            for k in sorted({k for s in measured for k in (s.get("forward_parts_ms") or {})})
+        },
         "requests_failed_during_updates": sum(s["requests_failed"] for s in measured),
         "requests_ok_during_updates": sum(s["requests_ok"] for s in measured),
         "all_deployed": all(s["status"] in ("deployed", "retired", "superseded") for s in measured),

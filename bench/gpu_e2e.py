@@ -260,10 +260,12 @@ class Run:
         with self.db() as c:
             status, msg, cid = c.execute("SELECT status, status_message, id FROM checkpoints WHERE version = ?",
                                          (version,)).fetchone()  # fmt: skip
-            checks = {
-                n: d
-                for n, d in c.execute("SELECT name, duration_ms FROM checks WHERE checkpoint_id = ?", (cid,))
-            }
+            checks, forward_parts = {}, {}
+            for n, d, detail in c.execute("SELECT name, duration_ms, detail FROM checks WHERE checkpoint_id = ?", (cid,)):
+                checks[n] = d
+                if n == "forward" and detail:  # where the canary's time goes (issue 41), child and steps
+                    doc = json.loads(detail) if isinstance(detail, str) else detail
+                    forward_parts = {**(doc.get("ms") or {}), **{f"child_{k}": v for k, v in (doc.get("child_ms") or {}).items()}}
             rids = [
                 r
                 for (r,) in c.execute(
@@ -295,7 +297,8 @@ class Run:
                 w["pause_window_ms"] = w.get("worker_pause_window_ms", w["daemon_span_ms"])
         for w in workers.values():
             w.pop("paused_at", None)
-        return {"status": status, "status_message": msg, "checks_ms": checks, "workers": workers}
+        return {"status": status, "status_message": msg, "checks_ms": checks, "forward_parts_ms": forward_parts,
+                "workers": workers}  # fmt: skip
 
 
 def run_transport(args: argparse.Namespace, transport: str, layout: Layout, base: Path | None) -> dict[str, Any]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -159,17 +160,27 @@ def _same_device(a: str, b: str) -> bool:
 
 
 def _canary_logits(
-    ctx: CheckContext, directory: Path, device: str, prompts: list[list[int]]
+    ctx: CheckContext, directory: Path, device: str, prompts: list[list[int]], timing: dict[str, float] | None = None
 ) -> tuple[list[torch.Tensor], str]:
+    """The canary's logits; `timing` (when given) gets the ms of each step: skeleton, views, bind, run."""
+    marks = [time.perf_counter()]
     doc = _config_doc(directory)
     if doc is None:
         raise CheckFailed(f"{directory.name}/config.json missing: cannot build the model for a forward pass")
     canary = CANARIES.get(doc, device, directory.name, ctx.settings.canary_dtype)
+    marks.append(time.perf_counter())
     state, copy, own = _staged_state(ctx, directory, device)
+    marks.append(time.perf_counter())
     bound: dict[str, torch.Tensor] = {}
     try:
         bound = bind(canary, state, directory.name)
-        return run(canary, bound, prompts), "crc32c pass" if not own else "read for the forward check"
+        marks.append(time.perf_counter())
+        logits = run(canary, bound, prompts)
+        marks.append(time.perf_counter())
+        if timing is not None:
+            steps = ("skeleton", "views", "bind", "run")
+            timing.update({k: round((b - a) * 1e3, 2) for k, a, b in zip(steps, marks[:-1], marks[1:], strict=True)})
+        return logits, "crc32c pass" if not own else "read for the forward check"
     finally:
         bound.clear()  # no view may outlive the copy: its memory goes back when it is released
         state.clear()
@@ -186,8 +197,9 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     vocab = vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else 2**31
     prompts, source = prompt_ids(ctx, vocab)
     builds = CANARIES.builds
+    timing: dict[str, float] = {}
     try:
-        new, weights_from = _canary_logits(ctx, ctx.directory, device, prompts)
+        new, weights_from = _canary_logits(ctx, ctx.directory, device, prompts, timing)
     except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
         # the canary is an optimisation: if this transformers/torch cannot run it, build the model
         new = _logits(build_model(ctx.directory, device), prompts, device)
@@ -210,6 +222,7 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
         "max_abs_logit": round(max(float(x.abs().max()) for x in new), 4),
         "weights": weights_from,
         "skeleton": "built" if CANARIES.builds != builds else "reused",
+        "ms": timing,
     }
     wants_reference = settings.forward_top1_min is not None or settings.forward_kl_max is not None
     if not wants_reference:

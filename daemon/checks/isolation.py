@@ -206,11 +206,14 @@ def main(fd: int) -> None:
         staged = fields.pop("staged", None)
         for key, value in fields.items():
             setattr(ctx, key, value)
+        began = time.perf_counter()
         if staged is not None:
             try:
                 ctx.staged = ForkingPickler.loads(staged)
             except Exception:  # noqa: BLE001  (no IPC here, or the buffer is gone: the canary reads the files)
                 ctx.staged = None
+        # the child's share of a check's time, in its detail (issue 41: where the forward's time goes)
+        timing = {"staged_open": _ms_since(began) if staged is not None else None}
         answer: tuple[str, Any]
         try:
             answer = ("ok", resolve(name, adapter)(ctx))
@@ -221,12 +224,20 @@ def main(fd: int) -> None:
         except Exception as exc:  # the runner records it as a crash, with the cause
             answer = ("crashed", f"{type(exc).__name__}: {exc}")
         finally:
+            released = time.perf_counter()
             if ctx.staged is not None:  # let go of the parent's copy before answering: it frees it next
                 with contextlib.suppress(Exception):
                     ctx.staged.release()
                 ctx.staged = None
+        if answer[0] == "ok" and isinstance(answer[1], dict) and staged is not None:
+            timing.update(staged_release=_ms_since(released), child=_ms_since(began))
+            answer[1].setdefault("child_ms", timing)
         with contextlib.suppress(OSError):
             conn.send((*answer, (ctx.headers, ctx.table)))
 
 
 CHECK_PROCESS = CheckProcess()  # the daemon's one child for the isolated checks
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 2)

@@ -74,7 +74,12 @@ def test_the_canary_in_the_check_process_reads_the_loaders_copy_not_the_files(
     d = published(tmp_path / "v1", seed=1, shards=2)
     report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "v1", "cpu"))
     assert report.ok, report.reason
-    assert _detail(report)["forward"]["weights"] == "crc32c pass"
+    forward = _detail(report)["forward"]
+    assert forward["weights"] == "crc32c pass"
+    # where its time went, recorded with it: the steps in the check, the child's open of the copy
+    assert set(forward["ms"]) == {"skeleton", "views", "bind", "run"} and forward["ms"]["run"] > 0, forward
+    child = forward["child_ms"]
+    assert child["staged_open"] > 0 and child["staged_release"] >= 0 and child["child"] >= forward["ms"]["run"], child
     nan = published(tmp_path / "nan", seed=2)
     rewrite_tensors(nan, lambda s: s["model.layers.0.mlp.up_proj.weight"].view(-1).__setitem__(77, float("nan")))
     no_finite = CheckSettings(enabled=tuple(n for n in CheckSettings().enabled if n != "finite"))
