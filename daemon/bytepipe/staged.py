@@ -71,6 +71,12 @@ class StagedTensors:
         instead of reading the files a second time."""
         return False
 
+    @property
+    def owned_elsewhere(self) -> bool:
+        """True when the bytes belong to another process (the loader), which frees them on its own
+        accounting: a view of them may then close after the check answers, off the update's path."""
+        return False
+
     def release(self) -> None:
         raise NotImplementedError
 

@@ -27,6 +27,9 @@ class Staged(Protocol):
     @property
     def shareable(self) -> bool: ...  # the check process can open it without a copy (isolation)
 
+    @property
+    def owned_elsewhere(self) -> bool: ...  # another process (the loader) frees the bytes
+
     def release(self) -> None: ...
 
 

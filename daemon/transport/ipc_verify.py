@@ -62,6 +62,10 @@ class LoaderStaged(StagedTensors):
     def shareable(self) -> bool:
         return True  # the check process opens the loader's handle (or segment) itself
 
+    @property
+    def owned_elsewhere(self) -> bool:
+        return True  # the loader frees its buffer when its own accounting says so, not on our close
+
     def __reduce__(self) -> tuple[Any, ...]:
         # crosses to the check process as the descriptor: it opens the loader's buffer read-only
         return (LoaderStaged, (self.desc, self.device))

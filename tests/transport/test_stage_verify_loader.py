@@ -12,6 +12,7 @@ import pytest
 import torch
 from support_checks import flip_bit_in_data, published, rewrite_tensors, shard_paths
 from support_ipc import LoaderProcess, load_checkpoint, shm_dir
+from support_wait import wait_until
 
 from daemon.checks import CheckSettings, run_checks
 from daemon.handoff.loader_client import LoaderClient, LoaderError
@@ -64,6 +65,29 @@ def test_verify_reads_once_into_the_loader_and_exports_only_after_every_check(
         views = tr.views()
         for name, t in load_checkpoint(d).items():
             assert torch.equal(views[name], t), name
+
+
+def test_the_check_process_closes_its_view_of_the_loaders_copy_after_answering(
+    loader: LoaderProcess, tmp_path: Path
+) -> None:
+    """The check process's view of the loader's buffer is closed after the forward check answers
+    (off the update's path, issue 41), never left mapped: the loader alone decides when it is freed."""
+    from daemon.checks.isolation import CHECK_PROCESS
+
+    d = published(tmp_path / "v1", seed=1, shards=2)
+    report = run_checks(d, CheckSettings(), stager=LoaderStager(loader.client, "v1", "cpu"))
+    assert report.ok, report.reason
+    assert _detail(report)["forward"]["child_ms"]["staged_open"] > 0  # it did open the loader's copy
+    segment = loader.client.descriptor("v1")["buffers"][0]["path"]
+    child = CHECK_PROCESS._proc
+    assert child is not None and child.poll() is None
+    maps = Path(f"/proc/{child.pid}/maps")
+    wait_until(lambda: segment not in maps.read_text(), timeout=30, what=f"the check process to unmap {segment}")
+    # and it still answers: the next version's forward runs in the same child
+    d2 = published(tmp_path / "v2", seed=2, shards=2)
+    report = run_checks(d2, CheckSettings(), stager=LoaderStager(loader.client, "v2", "cpu"))
+    assert report.ok and _detail(report)["forward"]["weights"] == "crc32c pass", report.reason
+    assert CHECK_PROCESS._proc is child
 
 
 def test_the_canary_in_the_check_process_reads_the_loaders_copy_not_the_files(
