@@ -12,9 +12,12 @@ tests compare. `max_batch` bounds how many are active at once; the rest wait in 
 Pause semantics: `pause()` returns once the scheduler is parked between forwards; requests that
 arrive meanwhile queue and run after `resume()`. `pause(wait=True)` first stops admitting
 queued requests and waits (bounded) for the active ones to finish. A step that sees a pause
-asked stops before its next sequence's forward (those wait one step), so a pause waits for at
-most one forward, never for a whole step over `max_batch` sequences (issue 41: the first
-worker's pause call waited ~50 ms for the step under load, the second ~9 ms).
+asked stops before its next sequence's forward (those wait one step), and the forward in flight
+is abandoned at its next decoder layer (`Preempted`, raised by a pre-hook on each layer, on the
+scheduler thread only): a pause waits for one layer, not for a whole forward (issue 41: on an
+H100 the pause call waited ~30 ms median for an 8B forward). The abandoned sequence gets no token
+and re-prefills after resume, as every kept sequence does after new weights: its KV cache was
+written by some layers only, so it is dropped.
 `asked_at` / `parked_at` / `resumed_at` (time.monotonic) mark the last pause: asked (no sequence
 is stepped after it but the one in its forward), parked, and let go; asked -> resumed is the
 worker's pause window.
@@ -38,6 +41,22 @@ from daemon.worker.model import LoadedModel
 from daemon.worker.store import WeightStore
 
 log = logging.getLogger("hotswap.worker.engine")
+
+
+class Preempted(Exception):
+    """Raised at a decoder layer's entry on the scheduler thread when a pause is waiting."""
+
+
+def decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The model's decoder layers: the module list as long as its config's num_hidden_layers
+    (empty when there is none: a pause then waits for the whole forward, as before)."""
+    n = getattr(getattr(model, "config", None), "num_hidden_layers", None)
+    if not isinstance(n, int) or n <= 0:
+        return []
+    for m in model.modules():
+        if isinstance(m, torch.nn.ModuleList) and len(m) == n:
+            return list(m)
+    return []
 
 
 @dataclass(slots=True)
@@ -101,11 +120,20 @@ class Engine:
         self.parked_at = 0.0  # ... when it parked the scheduler
         self.resumed_at = 0.0  # ... and when it was let go again
         self.steps_cut = 0  # steps that stopped early for a pause
+        self.forwards_preempted = 0  # forwards abandoned at a layer for a pause (their sequence re-prefills)
+        self._preempt = False  # a pause waits: the scheduler's forward in flight stops at its next layer
         self._thread = threading.Thread(target=self._run, name="hotswap-scheduler", daemon=True)
         self.steps = 0
         self.wakeups_paused = 0  # the parked loop woke (e.g. a request arrived) and stayed parked
         self.adapters = Adapters(loaded.model)  # LoRA adapters served by `model` name, applied per sequence
         store.invalidators.append(self.invalidate_caches)
+        for layer in decoder_layers(loaded.model):
+            layer.register_forward_pre_hook(self._preempt_at_layer)
+
+    def _preempt_at_layer(self, module: torch.nn.Module, args: Any) -> None:
+        # the scheduler's thread only: a probe run under the store lock right after must never stop
+        if self._preempt and threading.current_thread() is self._thread:
+            raise Preempted
 
     # -- control -------------------------------------------------------------------------------
     def start(self) -> None:
@@ -168,8 +196,10 @@ class Engine:
                     self._cond.wait(left)
             self._paused = True
             self._admitting = True
+            self._preempt = self._in_step  # the forward in flight stops at its next layer
             while self._in_step:
                 self._cond.wait()
+            self._preempt = False
             self.parked_at = time.monotonic()
         return finished
 
@@ -222,11 +252,13 @@ class Engine:
                     self._active.append(self._queue.popleft())
                 batch = list(self._active)
                 self._in_step = True
+                self._preempt = False
             try:
                 self._step(batch)
             finally:
                 with self._cond:
                     self._in_step = False
+                    self._preempt = False
                     self._active = [s for s in self._active if not s.done]
                     self._cond.notify_all()
             if self.step_delay_s:
@@ -250,6 +282,11 @@ class Engine:
                     try:
                         with self.adapters.applied(seq.adapter):
                             token = self._next_token(seq)
+                    except Preempted:  # a pause is waiting: no token; its cache is partly written
+                        seq.cache = None
+                        self.forwards_preempted += 1
+                        self.steps_cut += 1
+                        break
                     except Exception as exc:  # one bad sequence must not stop the others
                         log.exception("generation failed for sequence %s", seq.id)
                         self._finish(seq, "error", f"{type(exc).__name__}: {exc}")

@@ -15,7 +15,7 @@ from daemon.tinymodel import make_tiny_checkpoint
 from daemon.transport.base import UpdateRequest, WorkerTransport, check_table
 from daemon.transport.disk import DiskTransport
 from daemon.worker import updates
-from daemon.worker.engine import Engine, SamplingParams, Sequence
+from daemon.worker.engine import Engine, SamplingParams, Sequence, decoder_layers
 from daemon.worker.model import LoadedModel, build_model
 from daemon.worker.store import VersionRecord, WeightStore
 
@@ -236,3 +236,47 @@ def test_pause_waits_for_one_forward_not_for_the_whole_step(engine_a: Engine) ->
     assert done[0].wait(30) and done[1].wait(30)
     assert len(first.generated) == 5 and len(second.generated) == 5
     assert engine_a.resumed_at >= engine_a.parked_at
+
+
+def test_a_pause_abandons_the_forward_in_flight_at_its_next_layer(engine_a: Engine) -> None:
+    """A pause asked in the middle of a forward stops it at the next decoder layer (issue 41: the
+    pause call waited for a whole 8B forward, ~30 ms): the sequence gets no token from it, drops
+    its half-written KV cache, and after resume re-prefills and ends with the very tokens it
+    would have produced without the pause."""
+    expected = run(engine_a, PROMPT, 4).generated
+    layers = decoder_layers(engine_a.loaded.model)
+    assert len(layers) >= 2, "the tiny model needs two layers for this test"
+    entered: list[int] = []  # layers the scheduler's forwards entered (after the engine's own hook)
+    pauser: list[threading.Thread] = []
+
+    def hold_first_layer(module: torch.nn.Module, args: object) -> None:
+        if threading.current_thread() is not engine_a._thread:
+            return
+        entered.append(layers.index(module))
+        if not pauser and module is layers[0]:
+            t = threading.Thread(target=engine_a.pause)
+            t.start()
+            pauser.append(t)
+            while not engine_a._preempt:  # the pause is asked and waits for this very forward
+                t.join(0.001)
+
+    handles = [layer.register_forward_pre_hook(hold_first_layer) for layer in layers]
+    try:
+        preempted = engine_a.forwards_preempted
+        done = threading.Event()
+        seq = Sequence(PROMPT, SamplingParams(max_tokens=4, ignore_eos=True), on_done=lambda s: done.set())
+        engine_a.submit(seq)
+        while not pauser:
+            assert not done.is_set()
+            threading.Event().wait(0.001)
+        pauser[0].join(30)
+        assert not pauser[0].is_alive()
+        assert entered == [0], entered  # layer 1 was never entered: the forward stopped there
+        assert engine_a.forwards_preempted == preempted + 1
+        assert seq.generated == [] and seq.cache is None and seq.prefills == 1
+        engine_a.resume()
+        assert done.wait(30), "the sequence did not finish after resume"
+    finally:
+        for h in handles:
+            h.remove()
+    assert seq.finish_reason == "length" and seq.generated == expected and seq.prefills == 2
