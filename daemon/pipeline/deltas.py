@@ -53,13 +53,6 @@ class BasePending(Exception):
     """The base is registered but not verified yet: try again later."""
 
 
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    directory: Path
-    spec: DeltaSpec
-    seconds: float
-
-
 def read_delta(directory: Path) -> tuple[Manifest | None, DeltaSpec | None]:
     """The manifest (None when unreadable: the manifest check says why) and its delta section (None for
     a full checkpoint) of a fetched checkpoint. Raises DeltaError."""
@@ -103,11 +96,24 @@ def _base(s: Session, version: str, spec: DeltaSpec) -> tuple[Checkpoint, Path, 
     return base, Path(path), files
 
 
-def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetched: Fetched = _no_count,
-                       keys: CheckSettings | None = None) -> Outcome | None:  # fmt: skip
-    """Rebuild `ckpt` (in the caller's transaction: its row is updated) when it is a delta; None when
-    it is a full checkpoint or was rebuilt already. Raises DeltaError (refused) or BasePending.
-    `on_fetched(source, encoding, bytes)` counts what its source moved, once per checkpoint."""
+@dataclass(frozen=True, slots=True)
+class RebuildPlan:
+    """What a delta checkpoint's rebuild needs, read from the registry in one short session."""
+
+    version: str
+    directory: Path  # the fetched delta
+    manifest: Manifest
+    spec: DeltaSpec
+    base_version: str
+    base_dir: Path
+    base_files: dict[str, ManifestFile]
+
+
+def plan_rebuild(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetched: Fetched = _no_count,
+                 keys: CheckSettings | None = None) -> RebuildPlan | None:  # fmt: skip
+    """The rebuild `ckpt` needs when it is a delta; None when it is a full checkpoint (its row is
+    marked so, in the caller's transaction) or was rebuilt already. Raises DeltaError (refused) or
+    BasePending. `on_fetched(source, encoding, bytes)` counts what its source moved, once per checkpoint."""
     directory = Path(ckpt.local_path or "")
     if not ckpt.local_path or directory.resolve().is_relative_to(delta_root.resolve()):
         return None  # no directory yet, or this is the rebuilt one (a resumed checkpoint)
@@ -127,18 +133,22 @@ def rebuild_checkpoint(s: Session, ckpt: Checkpoint, delta_root: Path, on_fetche
         except SignatureError as exc:
             raise DeltaError(f"{MANIFEST_NAME}: {exc}: not rebuilt") from None
     base, base_dir, files = _base(s, ckpt.version, spec)
-    t0 = time.perf_counter()
-    done = rebuild(directory, manifest, spec, base_dir, files, delta_root / ckpt.version)
-    ckpt.local_path = str(done.directory)
+    return RebuildPlan(ckpt.version, directory, manifest, spec, base.version, base_dir, files)
+
+
+def record_rebuild(ckpt: Checkpoint, plan: RebuildPlan, rebuilt: Path, delta_bytes: int,
+                   on_fetched: Fetched = _no_count) -> None:  # fmt: skip
+    """The rebuilt version on its row (in the caller's transaction): it is served from `rebuilt`."""
+    spec = plan.spec
+    ckpt.local_path = str(rebuilt)
     ckpt.encoding = "delta"
-    ckpt.delta_base = base.version
-    ckpt.fetched_bytes = done.delta_bytes
+    ckpt.delta_base = plan.base_version
+    ckpt.fetched_bytes = delta_bytes
     ckpt.delta_ratio = round(spec.ratio, 9)  # the view's full_bytes (fetched / ratio) stays within a byte or two
     ckpt.tensors_changed, ckpt.elements_changed = spec.tensors_changed, spec.elements_changed
     if spec.compacted is not None:
         ckpt.compacted_from, ckpt.compacted_bytes = spec.compacted.base_version, spec.compacted.delta_bytes
-    on_fetched(ckpt.source, "delta", done.delta_bytes)
-    return Outcome(done.directory, spec, time.perf_counter() - t0)
+    on_fetched(ckpt.source, "delta", delta_bytes)
 
 
 def rebuild_copy(registry: Registry, checkpoint_id: int, directory: Path, delta_root: Path,
@@ -220,23 +230,42 @@ def stale_rebuilt(s: Session, delta_root: Path, protected: frozenset[Path]) -> l
 
 def run_step(registry: Registry, checkpoint_id: int, delta_root: Path, on_fetched: Fetched = _no_count,
              keys: CheckSettings | None = None) -> tuple[bool, str, FetchError | None]:  # fmt: skip
-    """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait)."""
+    """The coordinator's rebuild step: (verify may go on, version, why it failed or must wait).
+
+    The rebuild itself (seconds for 16 GB) runs between two short sessions, never inside one: a
+    transaction open that long would hold a PostgreSQL connection idle in transaction, and through
+    PgBouncer a server connection that the whole fleet shares."""
+    err: FetchError | None = None
     with registry.session() as s:
         ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
         if ckpt is None or ckpt.status not in UNFINISHED:
             return False, "", None
         version, was = ckpt.version, ckpt.status
         try:
-            done = rebuild_checkpoint(s, ckpt, delta_root, on_fetched, keys)
+            plan = plan_rebuild(s, ckpt, delta_root, on_fetched, keys)
         except BasePending as exc:
-            err = FetchError(f"{exc}: waiting for it", retry_after_s=BASE_PENDING_RETRY_S)
+            plan, err = None, FetchError(f"{exc}: waiting for it", retry_after_s=BASE_PENDING_RETRY_S)
+        except (DeltaError, OSError) as exc:
+            plan, err = None, FetchError(f"delta refused: {exc}")
+        else:
+            if plan is None:
+                return True, version, None
+    if plan is not None:
+        t0 = time.perf_counter()
+        try:
+            done = rebuild(plan.directory, plan.manifest, plan.spec, plan.base_dir, plan.base_files,
+                           delta_root / version)  # fmt: skip
         except (DeltaError, OSError) as exc:
             err = FetchError(f"delta refused: {exc}")
         else:
-            if done is not None:
-                log.info("rebuilt from a delta", version=version, base=done.spec.base_version,
-                         directory=str(done.directory), delta_bytes=done.spec.delta_bytes,
-                         ratio=round(done.spec.ratio, 4), seconds=round(done.seconds, 2))  # fmt: skip
+            with registry.session() as s:
+                ckpt = q.get_checkpoint_by_id(s, checkpoint_id)
+                if ckpt is None or ckpt.status not in UNFINISHED:  # deleted or decided meanwhile
+                    return False, "", None
+                record_rebuild(ckpt, plan, done.directory, done.delta_bytes, on_fetched)
+            log.info("rebuilt from a delta", version=version, base=plan.spec.base_version,
+                     directory=str(done.directory), delta_bytes=plan.spec.delta_bytes,
+                     ratio=round(plan.spec.ratio, 4), seconds=round(time.perf_counter() - t0, 2))  # fmt: skip
             return True, version, None
     if was == C.DISCOVERED:  # the failure is recorded from `fetching`, the step it failed in
         with registry.session() as s:
