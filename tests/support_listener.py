@@ -13,6 +13,9 @@ from fastapi import FastAPI, Request
 from daemon.common.httpguard import ListenerLimits, guarded_protocol
 from daemon.common.tcplisten import tcp_listener
 
+# set by /stall once the server's event loop is blocked (a test queues connections meanwhile)
+stalled = threading.Event()
+
 
 @contextmanager
 def serving(limits: ListenerLimits) -> Iterator[tuple[uvicorn.Server, threading.Thread, int]]:
@@ -21,6 +24,12 @@ def serving(limits: ListenerLimits) -> Iterator[tuple[uvicorn.Server, threading.
 
     @app.get("/ping")
     def ping() -> dict[str, bool]:
+        return {"ok": True}
+
+    @app.get("/stall")
+    async def stall(s: float) -> dict[str, bool]:
+        stalled.set()
+        time.sleep(s)  # blocks the event loop on purpose: connections queue up unaccepted
         return {"ok": True}
 
     @app.post("/echo")

@@ -7,7 +7,11 @@ worker was taken for dead. Each listener runs its protocol through `guarded_prot
     max_connections   at most this many open: a new connection beyond it closes the oldest one
                       still waiting for its request's headers (a flood churns itself, a client that
                       sends its request at once still gets in), or, when every open one is busy
-                      with a request, is closed itself; a log line per burst says how many
+                      with a request, is closed itself; a log line per burst says how many. One
+                      whose request is already in its socket, not yet read, is not closed: asyncio
+                      accepts a whole backlog of connections before it reads any of them, and in a
+                      burst from one address the request sent first was closed unread (its client
+                      saw a reset)
     header_timeout_s  a connection must deliver each request's headers within this long of
                       opening (or of its previous response); otherwise it is closed (5 s)
     min_body_rate     a request's body must be in within header_timeout_s plus its length at this
@@ -32,7 +36,10 @@ by each route (daemon.common.jsonbody, the push source's streaming writer).
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import struct
+import termios
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -72,8 +79,9 @@ class _Refusals:
             log.warning("%s: %s: closing idle or late ones (%d so far)", name, what, self.count)
             self.logged_at = now
 
-    def evictable_of(self, address: str) -> Any:
-        return next((c for c in self.waiting if c._address == address), None)
+    def evictable(self, address: str | None = None) -> Any:
+        """The oldest connection to close for a newcomer (of `address` when given), or None."""
+        return next((c for c in self.waiting if (address is None or c._address == address) and not c._unread()), None)
 
 
 def _peer_address(transport: asyncio.BaseTransport) -> str | None:
@@ -104,7 +112,7 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
                 mine = refusals.by_address.setdefault(self._address, {})
                 if len(mine) >= limits.max_per_address:
                     refusals.note(name, limits, f"over {limits.max_per_address} connections from {self._address}")
-                    oldest = refusals.evictable_of(self._address)
+                    oldest = refusals.evictable(self._address)
                     if oldest is None:
                         self._address = None
                         transport.abort()  # this address holds its share, all busy: it waits outside
@@ -113,7 +121,7 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
                 mine[self] = None
             if len(self.connections) > limits.max_connections:
                 refusals.note(name, limits, f"over {limits.max_connections} connections open")
-                oldest = next(iter(refusals.waiting), None)
+                oldest = refusals.evictable()
                 if oldest is None:
                     transport.abort()  # every open connection is serving a request: this one waits outside
                     return
@@ -210,6 +218,17 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
             self._deadline = None
             if self.cycle is None or self.cycle is self._cycle_seen and self.cycle.response_complete:
                 self._drop()
+
+        def _unread(self) -> bool:
+            """Bytes wait in this connection's socket that the loop has not read yet."""
+            sock = self.transport.get_extra_info("socket") if self.transport is not None else None
+            if sock is None:
+                return False
+            try:
+                waiting: int = struct.unpack("i", fcntl.ioctl(sock.fileno(), termios.FIONREAD, b"\0\0\0\0"))[0]
+                return waiting > 0
+            except (OSError, ValueError):
+                return False
 
         def _drop(self) -> None:
             # close, never abort: an idle keep-alive connection gets a FIN its client sees before

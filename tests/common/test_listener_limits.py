@@ -8,11 +8,13 @@ from __future__ import annotations
 import io
 import logging
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import httpx
 import pytest
+import support_listener
 from support_listener import serving
 
 from daemon.common.httpguard import ListenerLimits
@@ -49,6 +51,34 @@ def test_a_flood_of_idle_connections_is_churned_and_a_real_request_still_gets_in
     finally:
         for s in idle:
             s.close()
+
+
+def test_a_request_sent_at_once_survives_a_burst_from_its_own_address() -> None:
+    """asyncio accepts a whole backlog before it reads any connection: a request queued first,
+    followed by more idle connections from its address than its cap, was closed unread (reset)."""
+    with serving(ListenerLimits(max_connections=64, max_per_address=4)) as (_, _, port):
+        support_listener.stalled.clear()
+        other = httpx.Client(transport=httpx.HTTPTransport(local_address="127.0.0.2"), timeout=30)
+        stall = threading.Thread(target=lambda: other.get(f"http://127.0.0.1:{port}/stall", params={"s": 1.0}))
+        stall.start()
+        idle: list[socket.socket] = []
+        try:
+            assert support_listener.stalled.wait(30)
+            # the loop is blocked: these queue in the kernel, the request first, in one accept burst
+            first = socket.create_connection(("127.0.0.1", port))
+            first.sendall(b"GET /ping HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(12)]
+            first.settimeout(30)
+            answer = b""
+            while chunk := first.recv(65536):
+                answer += chunk
+            assert answer.startswith(b"HTTP/1.1 200"), answer
+            first.close()
+        finally:
+            stall.join(timeout=30)
+            other.close()
+            for s in idle:
+                s.close()
 
 
 def test_a_client_that_never_finishes_its_headers_is_cut_off(server) -> None:
