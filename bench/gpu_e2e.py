@@ -216,7 +216,7 @@ class Run:
             "[checks]", f"enabled = {json.dumps(checks)}",
             f'forward_device = "{a.forward_device if a.forward_device != "off" else "cpu"}"',
             f'staging_gpu = "{a.device if a.device.startswith("cuda") else "cuda:0"}"',
-            "[rollout]", f'transport = "{self.transport}"', 'update_mode = "copy"', 'mode = "pause"',
+            "[rollout]", f'transport = "{self.transport}"', f'update_mode = "{a.update_mode}"', 'mode = "pause"',
             f"health_window_s = {a.health_window}", "max_unavailable = 1",
         ]  # fmt: skip
         if self.transport == "ipc":
@@ -429,6 +429,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="after the full versions, this many delta versions (bench/e2e_delta.py)")
     ap.add_argument("--delta-density", type=float, default=0.01, help="share of elements a delta version changes")
     ap.add_argument("--delta-in", default=None, help="the transports whose fleets get them (default: all)")
+    ap.add_argument("--update-mode", default="copy", choices=["copy", "swap"],
+                    help="ipc: the workers copy the staged bytes (copy) or point at the loader's buffer (swap; "
+                         "the loader keeps each served version, so the GPU holds ~3 staged versions more)")
     ap.add_argument("--shards", type=int, default=4)
     ap.add_argument("--clients", type=int, default=4, help="concurrent completion clients")
     ap.add_argument("--max-tokens", type=int, default=4)

@@ -17,7 +17,8 @@
 #       $(.venv/bin/pip list --format=freeze | grep -iE '^(fastapi|starlette|pydantic|pydantic.core|uvicorn)==')
 #   dry run here on the CPU, small layouts:   DRY=1 OUT=.bench-out/h200-dry bash bench/h200_session.sh
 #
-# TRANSPORTS=ipc (default ipc,disk) runs the end-to-end step on one transport only.
+# TRANSPORTS=ipc (default ipc,disk) runs the end-to-end step on one transport only. UPDATE_MODE=swap runs
+# it in swap mode (the workers point at the loader's buffers: 8B needs more than an H100's 80 GB).
 # Writes under $OUT: versions.txt, gpu.txt, wheels.txt (what was installed, or why not), a NAME.log per
 # step, gpu_e2e-<layout>.json (both transports, 5 measured updates each, bad versions, the flip-back),
 # ipc_update-<layout>.json (ipc copy / swap micro + checkpoint-engine's update() anchor),
@@ -65,7 +66,8 @@ step stage_smoke 40 $PY -m bench.stage_smoke --device "$DEV"
 # then (ipc) the flip-back after a probe that fails after resume, on w0 with the daemon stopped
 TAIL=45 step gpu_e2e "${E2E_CAP:-310}" $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" --transports "${TRANSPORTS:-ipc,disk}" \
     --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s "${E2E_BUDGET:-140}" --start-timeout 150 --update-timeout 60 \
-    --flip-back 3 --keep-logs --out "$OUT" --delta-updates "${DELTA_UPDATES:-0}" --delta-in ipc
+    --flip-back 3 --keep-logs --out "$OUT" --delta-updates "${DELTA_UPDATES:-0}" --delta-in ipc \
+    --update-mode "${UPDATE_MODE:-copy}"
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
 # checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
 step ipc_update "${IPC_CAP:-130}" $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
