@@ -38,6 +38,9 @@ from daemon.registry.status import (
     RolloutTrigger,
 )
 
+# statuses every host moves a version to as it deploys or replaces it: the first host's move stands
+_FLEET_WIDE_MOVES = frozenset({CheckpointStatus.DEPLOYED, CheckpointStatus.RETIRED})
+
 
 @dataclass(frozen=True, slots=True)
 class CheckpointRef:
@@ -163,10 +166,15 @@ class Journal:
         """A status transition (see `daemon.registry.status.TRANSITIONS`).
 
         A version another host still serves is never `retired` (the status is fleet-wide):
-        the move becomes a note."""
+        the move becomes a note. A move to `deployed` or `retired` that another host already made
+        is done: two hosts leaving v1 for v2 at once each read v1 `deployed`, and the later one's
+        `retired -> retired` failed its rollout's bookkeeping after the worker served v2 (its
+        aliases then never moved). The row is locked, so the later one sees the earlier's move."""
         with self.registry.session() as s:
-            c = s.get(Checkpoint, checkpoint_id)
+            c = s.get(Checkpoint, checkpoint_id, with_for_update=True)
             if c is None:
+                return
+            if to in _FLEET_WIDE_MOVES and c.status == to.value:
                 return
             if to == CheckpointStatus.RETIRED and (others := hosts.served_elsewhere(s, checkpoint_id)):
                 status.note(s, c, f"{message or 'replaced'} on {hosts.host_of(s)}; still serving on "

@@ -146,10 +146,16 @@ def test_a_lying_descriptor_is_refused_before_any_parameter_changes(rig: Rig, tm
     assert rig.label() == label
     assert api.weight_checksums() == sums  # not one parameter changed
     assert rig.greedy() == tokens
-    row = next(w for w in rig.daemon.get("/status").json()["workers"] if w["worker"] == "vllm0")
-    assert row["state"] == "RUNNING" and row["weight_version"] == label, row
+    # the daemon's row is its last poll's: one taken during the refused update saw the partial label
+    # (what a crash mid-write would leave), so the row is waited for, not read once
+    wait_until(lambda: _row(rig, "vllm0") == ("RUNNING", label), 60, 0.2, f"the daemon's row for vllm0 RUNNING on {label}")
     c.close()
     api.close()
+
+
+def _row(rig: Rig, worker: str) -> tuple[str, str]:
+    row = next(w for w in rig.daemon.get("/status").json()["workers"] if w["worker"] == worker)
+    return row["state"], row["weight_version"]
 
 
 def _with_extra_tensor(d: Path) -> Path:

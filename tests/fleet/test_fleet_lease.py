@@ -144,6 +144,30 @@ def test_two_hosts_keep_their_own_aliases_workers_and_locations(pg_url: str) -> 
         assert "still serving on host-a" in (s.get(Checkpoint, v2.id).status_message or "")  # type: ignore[union-attr]
 
 
+def test_a_status_move_another_host_made_first_is_done(pg_url: str) -> None:
+    """Two hosts leave v1 for v2 at once: each read v1 `deployed` before either moved it. The later
+    one's moves (v2 deployed, v1 retired) failed as `deployed -> deployed` / `retired -> retired`,
+    after its worker already served v2, so its rollout's bookkeeping (aliases, health window)
+    never ran (seen in CI: tests/e2e/test_fleet_converge_daemons.py)."""
+    ra, rb = host_registry(pg_url, "host-a"), host_registry(pg_url, "host-b")
+    with ra.session() as s:
+        v1 = Checkpoint(version="v1", source="local:/a", uri="file:///a/v1", status=CheckpointStatus.DEPLOYED.value)
+        v2 = Checkpoint(version="v2", source="local:/a", uri="file:///a/v2", status=CheckpointStatus.VERIFIED.value)
+        s.add_all([v1, v2])
+    ja, jb = Journal(ra), Journal(rb)
+    for j in (ja, jb):
+        j.set_alias("serving", v2.id)
+    jb.move_status(v2.id, CheckpointStatus.DEPLOYED, "serving on every worker")
+    jb.move_status(v1.id, CheckpointStatus.RETIRED, "replaced by v2")
+    ja.move_status(v2.id, CheckpointStatus.DEPLOYED, "serving on every worker")
+    ja.move_status(v1.id, CheckpointStatus.RETIRED, "replaced by v2")
+    with ra.session() as s:
+        assert s.get(Checkpoint, v1.id).status == CheckpointStatus.RETIRED.value  # type: ignore[union-attr]
+        assert s.get(Checkpoint, v2.id).status == CheckpointStatus.DEPLOYED.value  # type: ignore[union-attr]
+        moves = [(e.checkpoint_id, e.to_state) for e in s.query(Event).filter(Event.checkpoint_id.in_([v1.id, v2.id]))]
+    assert sorted(moves) == sorted([(v2.id, "deployed"), (v1.id, "retired")]), moves  # the first host's, once
+
+
 def test_a_host_never_launches_a_worker_on_another_hosts_path(pg_url: str, tmp_path: Path) -> None:
     ra, rb = host_registry(pg_url, "host-a"), host_registry(pg_url, "host-b")
     ja, jb = Journal(ra), Journal(rb)
