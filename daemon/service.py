@@ -59,7 +59,7 @@ from daemon.fleet.fetch import fetch_here
 from daemon.pipeline import deltas
 from daemon.pipeline.coordinator import Coordinator, StatusObserver
 from daemon.process.health import HealthMonitor, ProblemCollector
-from daemon.process.preflight import port_error, preflight
+from daemon.process.preflight import port_error, run_preflight
 from daemon.process.reload import Reloadable, ReloadResult, reload_config
 from daemon.registry import Registry, retention
 from daemon.registry import queries as q
@@ -353,7 +353,7 @@ def _preload_forward_check() -> None:
 def run_daemon(config: Config, observers: Observers | None = None) -> int:
     lock = StateDirLock(config.state_dir)
     lock.check_free()  # a second daemon on this state dir: one line naming the holder (before its busy port)
-    preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
+    run_preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
     lock.acquire()
     configure_logging(config.daemon.log_level)
     d = build_daemon(config, observers)

@@ -1,6 +1,6 @@
 """The host side: a delta checkpoint + this host's verified copy of its base -> a full version directory.
 
-    rebuild(delta_dir, manifest, spec, base_dir, base_files, out_dir)
+    rebuild_delta(delta_dir, manifest, spec, base_dir, base_files, out_dir)
 
 Every delta file is hashed against the signed `delta` section before it is used. Each base file
 the result needs is re-hashed (in a thread beside the decoding) against the digests the base was
@@ -75,7 +75,7 @@ def _check(digest: FileDigest, expected: ManifestFile, what: str) -> None:
         raise DeltaError(str(exc)) from None
 
 
-def rebuild(
+def rebuild_delta(
     delta_dir: Path,
     manifest: Manifest,
     spec: DeltaSpec,
