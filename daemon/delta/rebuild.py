@@ -25,13 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.bytepipe.engine import Job
-from daemon.bytepipe.files import hash_files
-from daemon.bytepipe.sinks import Crcs, InOrder
+from daemon.bytepipe import Crcs, InOrder, Job, hash_files
 from daemon.delta.codec import Chunk, DeltaError
 from daemon.delta.container import ChunkBuffers, Lent, map_file, rebuild_file
 from daemon.delta.section import DeltaFile, DeltaSpec
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats import MANIFEST_NAME
 from daemon.hashing import DigestMismatch, FileDigest
 from daemon.manifest import Manifest, ManifestFile
 

@@ -20,21 +20,16 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from daemon.bytepipe.files import hash_files
-from daemon.checks import CheckSettings
-from daemon.checks.signatures import SignatureError, verify_manifest_signature
-from daemon.common.logging import get_logger
-from daemon.delta import DeltaError
-from daemon.delta.rebuild import rebuild_delta
-from daemon.delta.section import BaseMissing, DeltaSpec, parse
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.bytepipe import hash_files
+from daemon.checks import CheckSettings, SignatureError, verify_manifest_signature
+from daemon.common import get_logger
+from daemon.delta import BaseMissing, DeltaError, DeltaSpec, parse, rebuild_delta
+from daemon.formats import MANIFEST_NAME
 from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
-from daemon.registry import Checkpoint, Registry, hosts, status
+from daemon.registry import UNFINISHED, Checkpoint, CheckpointFile, CheckpointStatus, Registry, hosts, status
 from daemon.registry import queries as q
-from daemon.registry.models import CheckpointFile
-from daemon.registry.status import UNFINISHED, CheckpointStatus
-from daemon.sources.base import FetchError
+from daemon.sources import FetchError
 
 C = CheckpointStatus
 log = get_logger(__name__)

@@ -24,9 +24,8 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from daemon.checks.signatures import SignatureError, read_ed25519_public, read_hmac_key
-from daemon.common.apiconfig import parse_listen
-from daemon.common.auth import TokenFileError, read_private_token_file, read_token_file
+from daemon.checks import SignatureError, read_ed25519_public, read_hmac_key
+from daemon.common import TokenFileError, parse_listen, read_private_token_file, read_token_file
 from daemon.config import Config, ConfigError
 
 
