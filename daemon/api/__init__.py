@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from daemon.api.readiness import readiness_router
     from daemon.api.registry_metrics import RegistryCollector, RolloutMetrics, version_bytes
 
-
 __all__ = [
     "ApiServer", "ApiState", "RegistryCollector", "RolloutMetrics", "broadcast_router", "create_app",
     "fleet_router", "readiness_router", "reverify", "rollout_router", "status_document", "version_bytes",

@@ -13,7 +13,6 @@ from daemon.client.publish import PushError, publish_delta, publish_s3, push  # 
 if TYPE_CHECKING:
     from daemon.client.publish import parse_s3_url
 
-
 __all__ = ["PushError", "parse_s3_url", "publish_delta", "publish_s3", "push"]
 
 __getattr__ = public_face(__name__)

@@ -56,7 +56,6 @@ if TYPE_CHECKING:
     from daemon.common.tokens import Caller
     from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
 
-
 __all__ = [
     "ApiSettings", "Backoff", "CONFIG_ENV", "CONTENT_TYPE", "Caller", "Changes", "ConfigError",
     "ControlGuard", "DIR_MODE", "DaemonMetrics", "FILE_MODE", "JsonBodyError", "LOG_LEVELS",

@@ -40,7 +40,6 @@ if TYPE_CHECKING:
     from daemon.controller.queue import CommandError
     from daemon.controller.service import RolloutService
 
-
 __all__ = [
     "BroadcastSessions", "CommandError", "Controlled", "PollCollector", "Refusal", "RolloutService",
     "WorkerProbe", "alias_problems", "groups_serving", "last_rollout_problem"

@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from daemon.fleet.target import TargetRefused, fleet_rows, fleet_target, set_fleet_target
     from daemon.fleet.trust import Trust
 
-
 __all__ = [
     "FleetAgent", "FleetLeases", "FleetSettings", "StageCommandRefused", "TargetRefused", "Trust",
     "command", "fetch_here", "fleet_problem", "fleet_rows", "fleet_target", "holding", "leased",

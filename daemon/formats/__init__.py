@@ -45,7 +45,6 @@ if TYPE_CHECKING:
         read_small_file,
     )
 
-
 __all__ = [
     "ADAPTER_WEIGHTS", "AdapterConfig", "AdapterLayoutError", "DTYPE_SIZES", "HEADER_CAP_BYTES",
     "HeaderError", "INDEX_CAP_BYTES", "INDEX_NAME", "LayoutError", "LoraPair", "MANIFEST_CAP_BYTES",

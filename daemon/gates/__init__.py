@@ -25,7 +25,6 @@ if TYPE_CHECKING:
     from daemon.gates.runner import GateRunner, GateVerdict, record
     from daemon.gates.settings import GateSettings, GateSpec, stage_gates_problem
 
-
 __all__ = [
     "GateRunner", "GateSettings", "GateSpec", "GateVerdict", "Measurement", "Trial", "record",
     "stage_gates_problem"

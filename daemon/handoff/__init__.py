@@ -36,7 +36,6 @@ if TYPE_CHECKING:
     from daemon.handoff.shm import ShmError, ShmMapping, ShmSegment, segment_name, segment_owner
     from daemon.handoff.tie import tie_to_loader
 
-
 __all__ = [
     "ALIGN", "BufferRef", "CudaIpcError", "Descriptor", "DescriptorError", "DeviceBuffer", "HOST_DEVICE",
     "ImportedBuffer", "IpcRefused", "LoaderClient", "LoaderError", "LoaderUnavailable",

@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from daemon.pipeline.coordinator import Coordinator, StatusObserver
     from daemon.pipeline.rediscovery import OPERATOR_REVERIFY, changed_since_verdict, request_reverify
 
-
 __all__ = [
     "Coordinator", "OPERATOR_REVERIFY", "StatusObserver", "changed_since_verdict", "deltas",
     "request_reverify"

@@ -15,7 +15,6 @@ if TYPE_CHECKING:
     from daemon.process.preflight import port_error, preflight_problems, run_preflight
     from daemon.process.reload import Reloadable, ReloadResult, reload_config
 
-
 __all__ = [
     "HealthMonitor", "ProblemCollector", "ReloadResult", "Reloadable", "database_problems",
     "health_document", "port_error", "preflight_problems", "reload_config", "run_preflight"

@@ -47,7 +47,6 @@ if TYPE_CHECKING:
         parse_state,
     )
 
-
 __all__ = [
     "FAILED", "FailurePath", "ManagedWorker", "PortTaken", "Recovery", "Restarter", "RolloutEngine",
     "RolloutResult", "Stager", "StepFailed", "Target", "Transition", "TransitionObserver",

@@ -22,7 +22,6 @@ if TYPE_CHECKING:
     from daemon.webhooks.service import start_webhooks
     from daemon.webhooks.settings import WebhookSettings, check_webhook_names
 
-
 __all__ = ["WebhookSettings", "check_webhook_names", "install", "start_webhooks", "webhook_report"]
 
 __getattr__ = public_face(__name__)

@@ -7,7 +7,6 @@ from daemon import public_face
 if TYPE_CHECKING:
     from daemon.worker.server import main
 
-
 __all__ = ["main"]
 
 __getattr__ = public_face(__name__)
