@@ -36,7 +36,7 @@ def test_the_rebuild_runs_with_no_registry_connection_held(
     coord.delta_dir = tmp_path / "deltas"
     src.emit = coord.intake
     held: list[int] = []
-    real = deltas.rebuild
+    real = deltas.rebuild_delta
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         held.append(registry.engine.pool.checkedout())  # connections out of the pool right now
