@@ -38,7 +38,7 @@ from safetensors.torch import load_file, save_file
 from daemon.bytepipe.files import hash_files
 from daemon.delta.anchors import AnchorRule
 from daemon.delta.build import publish_delta
-from daemon.delta.rebuild import rebuild
+from daemon.delta.rebuild import rebuild_delta
 from daemon.delta.section import parse
 from daemon.manifest import load_manifest, publish
 
@@ -101,7 +101,7 @@ def _synthetic(work: Path, density: float, base: Path) -> dict[str, Any]:
     spec = parse(m, "bench")
     assert spec is not None
     t0 = time.perf_counter()
-    r = rebuild(work / "out" / new.name, m, spec, base, {f.path: f for f in load_manifest(base).files},
+    r = rebuild_delta(work / "out" / new.name, m, spec, base, {f.path: f for f in load_manifest(base).files},
                 work / "rebuilt" / new.name)  # fmt: skip
     for f, d in zip(m.files, hash_files([r.directory / f.path for f in m.files], alg=m.hash_alg or "blake3"), strict=True):
         d.check(f, f.path)
@@ -148,7 +148,7 @@ def _layout_run(work: Path, layout_name: str, densities: list[float], gpu: str |
         spec = parse(m, "bench")
         assert spec is not None
         t0 = time.perf_counter()
-        r = rebuild(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, work / "rebuilt" / f"d{i}")
+        r = rebuild_delta(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, work / "rebuilt" / f"d{i}")
         rebuilt_s = time.perf_counter() - t0
         for f, d in zip(m.files, hash_files([r.directory / f.path for f in m.files], alg=m.hash_alg or "blake3"),
                         strict=True):  # fmt: skip

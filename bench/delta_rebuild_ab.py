@@ -1,5 +1,5 @@
 """The host-side delta rebuild alone, repeated: base + one 1 %-density delta made once, then
-`rebuild()` N times, each followed by the checks' read of the result (`hash_files`).
+`rebuild_delta()` N times, each followed by the checks' read of the result (`hash_files`).
 
     python -m bench.delta_rebuild_ab LAYOUT RUNS          # e.g. llama3-8b 3; prints one JSON line
 
@@ -22,7 +22,7 @@ from pathlib import Path
 from bench.common import LAYOUTS, Layout, write_checkpoint
 from bench.e2e_delta import make_delta
 from daemon.bytepipe.files import hash_files
-from daemon.delta.rebuild import rebuild
+from daemon.delta.rebuild import rebuild_delta
 from daemon.delta.section import parse
 from daemon.manifest import load_manifest, publish
 
@@ -49,7 +49,7 @@ def main() -> None:
     for _ in range(runs):
         dest = Path(os.environ.get("RBW_DEST", str(root))) / "rebuilt"
         c0, t0 = time.process_time(), time.perf_counter()
-        r = rebuild(out, m, spec, base, bf, dest)
+        r = rebuild_delta(out, m, spec, base, bf, dest)
         t1 = time.perf_counter()
         cpu.append(time.process_time() - c0)
         files = [r.directory / f.path for f in m.files]

@@ -5,11 +5,11 @@ are errors, so a typo never silently falls back to a default. With no file the d
 embedded default: SQLite under ./state, watching ./checkpoints, one reference worker it runs
 itself. Relative paths are taken relative to the working directory.
 
-Adding a section is one dataclass plus one field on `Config`: the loader walks
-the fields of `Config` and builds each section from its type annotation
-(a dataclass is a `[table]`, `list[dataclass]` is an `[[array]]`). A section's
-`validate(key)` raises `ConfigError` or a plain `ValueError` whose message starts
-with the key; either way the user sees one line naming the file and the key.
+Adding a section is one dataclass plus one field on `Config`: the loader walks the fields of
+`Config` and builds each section from its type annotation (a dataclass is a `[table]`,
+`list[dataclass]` is an `[[array]]`). A section's `validate(key)` raises `ConfigError` or a plain
+`ValueError` whose message starts with the key; either way the user sees one line naming the
+file and the key.
 
 Names that plug in a component are checked against that component's registry: `[[sources]] type`
 (daemon.sources), `[[workers]] kind` (daemon.engines) and `[rollout] transport` (daemon.transport).
@@ -29,16 +29,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 from daemon.checks import CheckSettings
-from daemon.common.apiconfig import ApiSettings, listen_problem, parse_listen
-from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
-from daemon.common.commands import shell_of
-from daemon.common.typedtoml import ConfigError, build_dataclass, convert, type_name
+
+from daemon.common import (  # isort: skip (one statement in two lines: this module is near 450 lines)
+    CONFIG_ENV, LOG_LEVELS, ApiSettings, ConfigError, build_dataclass, convert, listen_problem, parse_listen, shell_of,
+    type_name)
 from daemon.engines import ENGINE_KEYS, ENGINE_PAUSE_MODES, MANAGED_KIND, WORKER_KINDS
-from daemon.fleet.settings import FleetSettings, fleet_problem
-from daemon.gates.settings import GateSettings
+from daemon.fleet import FleetSettings, fleet_problem
+from daemon.gates import GateSettings
 from daemon.sources import SOURCE_TYPES, source_config_type
 from daemon.transport import TRANSPORTS
-from daemon.webhooks.settings import WebhookSettings, check_webhook_names
+from daemon.webhooks import WebhookSettings, check_webhook_names
 
 EMBEDDED = "<embedded default>"
 

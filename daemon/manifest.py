@@ -24,10 +24,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.bytepipe.files import crc32c_file, hash_files
-from daemon.formats.checkpoint import MANIFEST_NAME
-from daemon.formats.names import ManifestError, check_relative_path, check_version_label, version_problem
-from daemon.formats.smallfile import MANIFEST_CAP_BYTES, SmallFileError, SmallFileMissing, read_small_file
+from daemon.bytepipe import crc32c_file, hash_files
+from daemon.formats import (
+    MANIFEST_CAP_BYTES,
+    MANIFEST_NAME,
+    ManifestError,
+    SmallFileError,
+    SmallFileMissing,
+    check_relative_path,
+    check_version_label,
+    read_small_file,
+    version_problem,
+)
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, content_digest, is_hex_digest
 
 __all__ = [

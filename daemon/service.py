@@ -38,36 +38,52 @@ from typing import Any
 
 from apscheduler.schedulers.background import BackgroundScheduler
 
-from daemon.api import reverify
-from daemon.api.app import ApiServer, ApiState, create_app, rollout_router
-from daemon.api.broadcast import broadcast_router
-from daemon.api.control_routes import fleet_router, whoami_router
-from daemon.api.readiness import readiness_router
-from daemon.api.registry_metrics import RegistryCollector, RolloutMetrics, version_bytes
-from daemon.checks.isolation import CHECK_PROCESS, FORWARD_IMPORTS
-from daemon.common import systemd
-from daemon.common.auth import ControlGuard, TokenFileError, build_guard
-from daemon.common.logging import configure_logging, get_logger
-from daemon.common.metrics import DaemonMetrics
-from daemon.common.private import private_dir, write_private
-from daemon.common.problems import Problem
-from daemon.common.statelock import StateDirLock
+from daemon.api import (
+    ApiServer,
+    ApiState,
+    RegistryCollector,
+    RolloutMetrics,
+    broadcast_router,
+    create_app,
+    fleet_router,
+    readiness_router,
+    reverify,
+    rollout_router,
+    version_bytes,
+    whoami_router,
+)
+from daemon.checks import CHECK_PROCESS, FORWARD_IMPORTS
+from daemon.common import (
+    ControlGuard,
+    DaemonMetrics,
+    Problem,
+    StateDirLock,
+    TokenFileError,
+    build_guard,
+    configure_logging,
+    get_logger,
+    private_dir,
+    systemd,
+    write_private,
+)
 from daemon.config import Config, ConfigError
-from daemon.controller.poll import PollCollector
-from daemon.controller.service import RolloutService
-from daemon.fleet.fetch import fetch_here
-from daemon.pipeline import deltas
-from daemon.pipeline.coordinator import Coordinator, StatusObserver
-from daemon.process.health import HealthMonitor, ProblemCollector
-from daemon.process.preflight import port_error, preflight
-from daemon.process.reload import Reloadable, ReloadResult, reload_config
-from daemon.registry import Registry, retention
+from daemon.controller import PollCollector, RolloutService
+from daemon.fleet import fetch_here
+from daemon.pipeline import Coordinator, StatusObserver, deltas
+from daemon.process import (
+    HealthMonitor,
+    ProblemCollector,
+    Reloadable,
+    ReloadResult,
+    port_error,
+    reload_config,
+    run_preflight,
+)
+from daemon.registry import UNFINISHED, WAITING, Registry, redact_url, retention
 from daemon.registry import queries as q
-from daemon.registry.db import redact_url
-from daemon.registry.status import UNFINISHED, WAITING
-from daemon.rollout.states import TransitionObserver
+from daemon.rollout import TransitionObserver
 from daemon.sources import Source, build_source
-from daemon.webhooks.service import start_webhooks
+from daemon.webhooks import start_webhooks
 
 # What the forward check imports on first use (~3 s on a laptop CPU).
 _FORWARD_MODULES = (
@@ -353,7 +369,7 @@ def _preload_forward_check() -> None:
 def run_daemon(config: Config, observers: Observers | None = None) -> int:
     lock = StateDirLock(config.state_dir)
     lock.check_free()  # a second daemon on this state dir: one line naming the holder (before its busy port)
-    preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
+    run_preflight(config)  # port, token and key files, required sources: one line, exit 2, nothing started
     lock.acquire()
     configure_logging(config.daemon.log_level)
     d = build_daemon(config, observers)

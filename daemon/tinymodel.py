@@ -168,7 +168,7 @@ def make_tiny_adapter(
     import torch
     from safetensors.torch import save_file
 
-    from daemon.formats.checkpoint import tensor_table
+    from daemon.formats import tensor_table
 
     d = Path(directory)
     d.mkdir(parents=True, exist_ok=True)

@@ -51,24 +51,24 @@ from fastapi import APIRouter, Depends, FastAPI, HTTPException, Request
 from fastapi.responses import JSONResponse, Response
 
 import daemon
-from daemon.common.auth import ControlGuard
-from daemon.common.httpguard import ListenerLimits, guarded_protocol
-from daemon.common.jsonbody import json_object
-from daemon.common.metrics import CONTENT_TYPE, DaemonMetrics
-from daemon.common.problems import Problem
-from daemon.common.redact import redact_doc
-from daemon.common.tcplisten import tcp_listener
-from daemon.common.tokens import Caller
+from daemon.common import (
+    CONTENT_TYPE,
+    Caller,
+    ControlGuard,
+    DaemonMetrics,
+    ListenerLimits,
+    Problem,
+    guarded_protocol,
+    json_object,
+    redact_doc,
+    tcp_listener,
+)
 from daemon.config import ConfigError
-from daemon.controller.problems import alias_problems
-from daemon.controller.queue import CommandError
-from daemon.controller.service import RolloutService
-from daemon.process.health import database_problems, health_document
-from daemon.registry import Registry
+from daemon.controller import CommandError, RolloutService, alias_problems
+from daemon.process import database_problems, health_document
+from daemon.registry import Registry, redact_url
 from daemon.registry import queries as q
-from daemon.registry.db import redact_url
-from daemon.webhooks.report import webhook_report
-from daemon.webhooks.settings import WebhookSettings
+from daemon.webhooks import WebhookSettings, webhook_report
 
 DEFAULT_WAIT_S = 900.0
 # operators, the CLI, Prometheus and load balancers: a few dozen at most; a flood is refused

@@ -23,14 +23,10 @@ from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
 from daemon.api.broadcast_trust import signed_digest
-from daemon.checks.base import CheckSettings
-from daemon.common.auth import ControlGuard
-from daemon.common.jsonbody import JsonBodyError, parse_object, read_capped
-from daemon.controller.broadcast import BroadcastSessions, Refusal
-from daemon.controller.service import RolloutService
-from daemon.transport.base import BadUpdateRequest
-from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, parse_table, table_to_json
-from daemon.transport.group_spec import GroupSpec
+from daemon.checks import CheckSettings
+from daemon.common import ControlGuard, JsonBodyError, parse_object, read_capped
+from daemon.controller import BroadcastSessions, Refusal, RolloutService
+from daemon.transport import DEFAULT_BUCKET_BYTES, BadUpdateRequest, GroupSpec, parse_table, table_to_json
 
 __all__ = ["Broadcasts", "Refusal", "broadcast_router", "refused"]
 

@@ -13,10 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.checks.base import CheckSettings
-from daemon.checks.signatures import SignatureError, verify_signature
-from daemon.controller.broadcast import Refusal
-from daemon.transport.broadcast import parse_table, session_message
+from daemon.checks import CheckSettings, SignatureError, verify_signature
+from daemon.controller import Refusal
+from daemon.transport import parse_table, session_message
 
 
 def signed_digest(body: dict[str, Any], version: str, table: list[dict[str, Any]],

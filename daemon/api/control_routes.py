@@ -18,14 +18,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from daemon.common.auth import ControlGuard
-from daemon.common.jsonbody import json_object
-from daemon.common.tokens import Caller
-from daemon.fleet.stages import StageCommandRefused, command
-from daemon.fleet.target import TargetRefused, set_fleet_target
-from daemon.fleet.trust import Trust
-from daemon.registry import Registry
-from daemon.registry.journal import Journal
+from daemon.common import Caller, ControlGuard, json_object
+from daemon.fleet import StageCommandRefused, TargetRefused, Trust, command, set_fleet_target
+from daemon.registry import Journal, Registry
 
 ACTION_ROLE = {"pause": "operator", "resume": "operator", "abort": "admin"}
 

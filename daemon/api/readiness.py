@@ -29,10 +29,9 @@ from __future__ import annotations
 from fastapi import APIRouter
 from fastapi.responses import JSONResponse
 
-from daemon.controller.problems import groups_serving
-from daemon.controller.service import RolloutService
-from daemon.engines.base import WorkerError
-from daemon.rollout.states import WorkerState
+from daemon.controller import RolloutService, groups_serving
+from daemon.engines import WorkerError
+from daemon.rollout import WorkerState
 
 NAME_ECHO = 128  # at most this much of an unknown name is echoed back
 

@@ -22,10 +22,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from daemon.registry import Registry
-from daemon.registry.gate_runs import GateRun
-from daemon.registry.models import Alias, Checkpoint, Event, Rollout, Worker
-from daemon.rollout.states import Transition, WorkerState
+from daemon.registry import Alias, Checkpoint, Event, GateRun, Registry, Rollout, Worker
+from daemon.rollout import Transition, WorkerState
 
 WINDOW_BUCKETS = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 AWAY = (WorkerState.DRAINING, WorkerState.PAUSED)

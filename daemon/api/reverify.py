@@ -11,11 +11,9 @@ from typing import Any
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse
 
-from daemon.common.auth import ControlGuard
-from daemon.common.jsonbody import json_object
-from daemon.common.tokens import Caller
-from daemon.pipeline.coordinator import Coordinator
-from daemon.pipeline.rediscovery import OPERATOR_REVERIFY as WHY
+from daemon.common import Caller, ControlGuard, json_object
+from daemon.pipeline import OPERATOR_REVERIFY as WHY
+from daemon.pipeline import Coordinator
 
 
 def router(coordinator: Coordinator, guard: ControlGuard) -> APIRouter:

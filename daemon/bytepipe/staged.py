@@ -23,7 +23,7 @@ import torch
 
 from daemon.bytepipe.files import read_files
 from daemon.bytepipe.sinks import DeviceCopy
-from daemon.formats.checkpoint import TensorLocation
+from daemon.formats import TensorLocation
 from daemon.hashing import CHUNK_BYTES, FileDigest
 
 ALIGN = 256  # each file starts at a multiple of this in the flat buffer

@@ -21,17 +21,22 @@ from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
 from daemon.checks.headers import load_table
-from daemon.formats.adapter import (
+from daemon.formats import (
     ADAPTER_WEIGHTS,
+    MANIFEST_NAME,
     AdapterConfig,
     AdapterLayoutError,
+    LayoutError,
     LoraPair,
+    SmallFileError,
+    TensorLocation,
     identity,
     lora_pairs,
     read_adapter_config,
+    read_config,
+    read_json_object,
+    tensor_table,
 )
-from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError, TensorLocation, read_config, tensor_table
-from daemon.formats.smallfile import SmallFileError, read_json_object
 
 FLOAT_DTYPES = ("F32", "F16", "BF16")
 

@@ -9,8 +9,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.formats.checkpoint import TensorLocation
-from daemon.formats.safetensors import HEADER_CAP_BYTES, SafetensorsHeader
+from daemon.formats import HEADER_CAP_BYTES, SafetensorsHeader, TensorLocation
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, FileDigest
 from daemon.manifest import Manifest, ManifestFile
 

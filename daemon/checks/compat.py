@@ -19,9 +19,8 @@ from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped
 from daemon.checks.headers import load_table
-from daemon.common.logging import get_logger
-from daemon.formats.checkpoint import LayoutError, tensor_table
-from daemon.formats.safetensors import HeaderError
+from daemon.common import get_logger
+from daemon.formats import HeaderError, LayoutError, tensor_table
 
 log = get_logger(__name__)
 

@@ -17,8 +17,8 @@ from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
 from daemon.checks.signatures import SignatureError, verify_manifest_signature
-from daemon.common.logging import get_logger
-from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME, LayoutError, read_config, weight_files
+from daemon.common import get_logger
+from daemon.formats import INDEX_NAME, MANIFEST_NAME, LayoutError, read_config, weight_files
 from daemon.manifest import FORMAT_1, ManifestError, ManifestFile, list_checkpoint_files, load_manifest
 
 log = get_logger(__name__)

@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from daemon.bytepipe.staged import StagedTensors
+from daemon.bytepipe import StagedTensors
 from daemon.checks.base import CheckContext, CheckFailed
 from daemon.checks.finite_staged import FLOAT_BITS as STAGED_BITS
 from daemon.checks.finite_staged import scan_staged
 from daemon.checks.headers import load_table
-from daemon.formats.checkpoint import TensorLocation
+from daemon.formats import TensorLocation
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,8 +24,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from daemon.bytepipe.staged import StagedTensors, typed
-from daemon.formats.checkpoint import TensorLocation
+from daemon.bytepipe import StagedTensors, typed
+from daemon.formats import TensorLocation
 
 SLICE_ELEMENTS = 1 << 26  # bounds the temporaries to ~64 M elements at a time
 

@@ -22,12 +22,11 @@ from typing import Any
 
 import torch
 
-from daemon.bytepipe.staged import StagedTensors, stage_files
+from daemon.bytepipe import StagedTensors, stage_files
 from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
 from daemon.checks.canary import CANARIES, REFERENCES, bind, model_config, run, weights_identity
 from daemon.checks.headers import load_table
-from daemon.formats.checkpoint import LayoutError, read_config, tensor_table, weight_files
-from daemon.formats.safetensors import HeaderError
+from daemon.formats import HeaderError, LayoutError, read_config, tensor_table, weight_files
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")  # as the worker looks
 

@@ -6,8 +6,16 @@ from pathlib import Path
 from typing import Any
 
 from daemon.checks.base import CheckContext, CheckFailed
-from daemon.formats.checkpoint import INDEX_NAME, LayoutError, TensorLocation, read_index, weight_files
-from daemon.formats.safetensors import HeaderError, SafetensorsHeader, read_header
+from daemon.formats import (
+    INDEX_NAME,
+    HeaderError,
+    LayoutError,
+    SafetensorsHeader,
+    TensorLocation,
+    read_header,
+    read_index,
+    weight_files,
+)
 
 
 def load_table(ctx: CheckContext) -> dict[str, TensorLocation]:

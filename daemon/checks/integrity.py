@@ -13,10 +13,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon.bytepipe.files import hash_files
-from daemon.bytepipe.staged import stage_files
+from daemon.bytepipe import hash_files, stage_files
 from daemon.checks.base import CheckContext, CheckFailed
-from daemon.formats.checkpoint import LayoutError, weight_files
+from daemon.formats import LayoutError, weight_files
 from daemon.hashing import FileDigest, content_digest
 from daemon.manifest import ManifestFile
 

@@ -21,7 +21,7 @@ from daemon.checks.base import (
 )
 from daemon.checks.isolation import CHECK_PROCESS, ISOLATED
 from daemon.checks.lookup import resolve
-from daemon.formats.adapter import is_adapter
+from daemon.formats import is_adapter
 from daemon.manifest import ManifestFile
 
 

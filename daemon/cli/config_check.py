@@ -15,7 +15,7 @@ import tomllib
 from pathlib import Path
 from typing import Any
 
-from daemon.common.cliconfig import CONFIG_ENV
+from daemon.common import CONFIG_ENV
 
 # Sections another section's checks read (a non-loopback listen needs [api] TLS; [fleet] enabled
 # needs a PostgreSQL [database]): parsed along with each section, when they parse on their own.
@@ -57,7 +57,7 @@ def check_cmd(args: argparse.Namespace) -> int:
 def config_problems(path: Path) -> tuple[list[str], Any]:
     """Every problem of the file, one line each; the parsed config when there is none."""
     from daemon.config import ConfigError, load_config
-    from daemon.process.preflight import preflight_problems
+    from daemon.process import preflight_problems
 
     try:
         config = load_config(path)

@@ -15,8 +15,13 @@ from typing import Any
 import httpx
 
 from daemon.cli.read import read_runtime_file
-from daemon.common.apiconfig import client_tls
-from daemon.common.auth import TokenFileError, control_token_path, read_private_token_file, read_token_file
+from daemon.common import (
+    TokenFileError,
+    client_tls,
+    control_token_path,
+    read_private_token_file,
+    read_token_file,
+)
 from daemon.config import Config
 
 TOKEN_FILE_ENV = "HOTSWAP_TOKEN_FILE"  # a named token's file ([[api.tokens]]) when no --token-file is given

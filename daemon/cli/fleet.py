@@ -24,14 +24,19 @@ from collections.abc import Sequence
 from typing import Any
 
 from daemon.cli.read import open_existing_registry, read_config, safe
-from daemon.common.auth import TokenFileError, control_token_path, read_token_file
+from daemon.common import TokenFileError, control_token_path, read_token_file
 from daemon.config import CONFIG_ENV, Config, ConfigError
-from daemon.fleet.stages import StageCommandRefused, command, stage_label, status
-from daemon.fleet.target import TargetRefused, fleet_target, set_fleet_target
-from daemon.fleet.trust import Trust
-from daemon.registry.db import RegistryError
-from daemon.registry.gate_runs import summary_line
-from daemon.registry.journal import Journal
+from daemon.fleet import (
+    StageCommandRefused,
+    TargetRefused,
+    Trust,
+    command,
+    fleet_target,
+    set_fleet_target,
+    stage_label,
+    status,
+)
+from daemon.registry import Journal, RegistryError, summary_line
 
 EXIT_OK, EXIT_RUNTIME, EXIT_CONFIG = 0, 1, 2
 TOKEN_HELP = ("a named token's file ([[api.tokens]]; default $HOTSWAP_TOKEN_FILE): sent to this host's daemon, "

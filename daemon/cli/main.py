@@ -32,15 +32,14 @@ from typing import Any
 from daemon import __version__
 from daemon.cli.config_check import add_parser as add_config_parser
 from daemon.cli.show import add_parser as add_show_parser
-from daemon.common.cliconfig import CONFIG_ENV, LOG_LEVELS
-from daemon.common.typedtoml import ConfigError
+from daemon.common import CONFIG_ENV, LOG_LEVELS, ConfigError
 
 # Each command imports what it needs when it runs: `hotswap --version` and the parser import
 # neither FastAPI nor SQLAlchemy (tests/cli/test_cli_speed.py).
 # command -> "module:function" taking argv (list[str]) and returning an exit code
 DELEGATED: dict[str, tuple[str, str]] = {
-    "worker": ("daemon.worker.server:main", "run the reference serving worker"),
-    "loader": ("daemon.loader.server:main", "run the staging loader (CUDA IPC exporter)"),
+    "worker": ("daemon.worker:main", "run the reference serving worker"),
+    "loader": ("daemon.loader:main", "run the staging loader (CUDA IPC exporter)"),
     "verify": ("daemon.cli.verify:main", "run the checks on a checkpoint directory"),
     "publish": ("daemon.cli.publish:publish_main", "write hotswap-manifest.json (last); --to s3://... uploads"),
     "push": ("daemon.cli.push:push_main", "stream a checkpoint to a daemon's push source (--to https://...)"),
@@ -92,7 +91,7 @@ def _main(args_list: list[str]) -> int:
     except BrokenPipeError:
         raise
     except Exception as exc:  # the daemon logs details; the terminal gets one line
-        from daemon.registry.db import RegistryError
+        from daemon.registry import RegistryError
 
         if isinstance(exc, RegistryError):
             return _fail(str(exc), EXIT_RUNTIME)
@@ -192,7 +191,7 @@ def daemon_overrides(args: argparse.Namespace) -> dict[str, dict[str, Any]]:
 
 
 def _cmd_daemon(args: argparse.Namespace) -> int:
-    from daemon.common.statelock import StateDirLocked
+    from daemon.common import StateDirLocked
     from daemon.config import load_config
     from daemon.service import exit_now, run_daemon
 
@@ -217,7 +216,7 @@ def _registry(config: Any, migrate: bool = False) -> Any:
 
 
 def _cmd_db_upgrade(args: argparse.Namespace) -> int:
-    from daemon.registry.db import redact_url
+    from daemon.registry import redact_url
 
     config = _config(args)
     reg = _registry(config)

@@ -73,7 +73,7 @@ def publish_main(argv: Sequence[str] | None = None) -> int:
 
 
 def write_manifest(args: argparse.Namespace) -> int:
-    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
+    from daemon.checks import SignatureError, load_signer  # here: `hotswap` stays quick to start
     from daemon.manifest import ManifestError, publish
 
     signer = None
@@ -100,10 +100,8 @@ def write_manifest(args: argparse.Namespace) -> int:
 
 def write_delta(args: argparse.Namespace) -> int:
     """`hotswap publish DIR --delta-from BASE --out OUT`: the delta (or a full anchor) into OUT, manifest last."""
-    from daemon.checks.signatures import SignatureError, load_signer  # here: `hotswap` stays quick to start
-    from daemon.delta import DeltaError
-    from daemon.delta.anchors import AnchorRule
-    from daemon.delta.build import publish_delta
+    from daemon.checks import SignatureError, load_signer  # here: `hotswap` stays quick to start
+    from daemon.delta import AnchorRule, DeltaError, publish_delta
     from daemon.manifest import ManifestError
 
     if args.out is None or args.adapter:
@@ -147,7 +145,7 @@ def write_delta(args: argparse.Namespace) -> int:
 
 def upload_s3(args: argparse.Namespace) -> int:
     """`hotswap publish DIR --to s3://...`: the manifest (version: the URL's last part), then the upload."""
-    from daemon.client.publish import parse_s3_url
+    from daemon.client import parse_s3_url
 
     try:
         parse_s3_url(args.to)
@@ -164,9 +162,8 @@ def upload(directory: Path, args: argparse.Namespace) -> int:
     """The upload of a published folder to --to: its files (a delta's: only its delta files), manifest last."""
     from botocore.exceptions import BotoCoreError, ClientError  # boto3: only when uploading
 
-    from daemon.client.publish import publish_s3
-    from daemon.delta import DeltaError
-    from daemon.delta.section import shipped_files
+    from daemon.client import publish_s3
+    from daemon.delta import DeltaError, shipped_files
     from daemon.manifest import ManifestError
 
     try:

@@ -13,9 +13,9 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from daemon.checks.signatures import SignatureError
-from daemon.client.publish import PushError, push
-from daemon.common.auth import TokenFileError, read_token_file
+from daemon.checks import SignatureError
+from daemon.client import PushError, push
+from daemon.common import TokenFileError, read_token_file
 from daemon.manifest import ManifestError
 
 

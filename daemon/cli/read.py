@@ -27,7 +27,7 @@ from typing import Any
 
 from daemon.cli.arrival import arrival_lines, delta_cell
 from daemon.cli.text import fmt_bytes, safe
-from daemon.common.apiconfig import client_tls
+from daemon.common import client_tls
 from daemon.config import Config, ConfigError, load_config
 
 
@@ -48,7 +48,7 @@ def open_existing_registry(config: Config, upgrade: bool = True) -> Any:
     from sqlalchemy.engine import make_url
 
     from daemon.registry import Registry
-    from daemon.webhooks.outbox import install as install_webhooks
+    from daemon.webhooks import install as install_webhooks
 
     url = make_url(config.database_url)
     if url.drivername.startswith("sqlite") and url.database not in (None, "", ":memory:"):
@@ -242,8 +242,8 @@ def status_cmd(args: argparse.Namespace) -> int:
 
         doc, health = ask_daemon(str(runtime["api_url"]), client_tls(config.api, str(runtime["api_url"])))
     if doc is None:
-        from daemon.api.app import ApiState, status_document
-        from daemon.common.metrics import DaemonMetrics
+        from daemon.api import ApiState, status_document
+        from daemon.common import DaemonMetrics
 
         doc = status_document(ApiState(open_existing_registry(config), DaemonMetrics(), webhooks=config.webhooks))
     doc["daemon"] = {**doc.get("daemon", {}), "running": running, **(runtime or {})}
@@ -342,8 +342,7 @@ def fleet_status(reg: Any, as_json: bool, signing_key: str = "") -> int:
     from rich.table import Table
     from rich.text import Text
 
-    from daemon.fleet.target import fleet_rows
-    from daemon.fleet.trust import Trust
+    from daemon.fleet import Trust, fleet_rows
 
     doc = fleet_rows(reg, Trust.from_file(signing_key))
     if as_json:

@@ -21,13 +21,12 @@ from typing import Any
 
 from daemon.cli.control import NotRunning, post_control
 from daemon.cli.read import read_config
-from daemon.common.auth import TokenFileError
+from daemon.common import TokenFileError
 from daemon.config import CONFIG_ENV, Config, ConfigError
-from daemon.pipeline.rediscovery import OPERATOR_REVERIFY as WHY
-from daemon.pipeline.rediscovery import request_reverify
-from daemon.registry import Registry
+from daemon.pipeline import OPERATOR_REVERIFY as WHY
+from daemon.pipeline import request_reverify
+from daemon.registry import UNFINISHED, Registry
 from daemon.registry import queries as q
-from daemon.registry.status import UNFINISHED
 
 FAILED = ("rejected", "deferred", "duplicate", "unknown", *UNFINISHED)  # exit 1: its checks did not pass (yet)
 

@@ -59,7 +59,7 @@ def add_parser(sub: Any, with_config: Any) -> None:
 def show_cmd(args: argparse.Namespace) -> int:
     from daemon.cli.read import open_existing_registry, plain, read_config, safe
     from daemon.registry import queries as q
-    from daemon.registry.gate_runs import summary
+    from daemon.registry import summary
 
     reg = open_existing_registry(read_config(args))
     with reg.session() as s:
@@ -85,7 +85,7 @@ def show_lines(row: dict[str, Any], checks: list[dict[str, Any]], width: int,
     """The record as `label: value` lines, long values wrapped under their label, then the checks
     and the gates it was tried by on each host (daemon.gates)."""
     from daemon.cli.read import safe, ts_full
-    from daemon.registry.gate_runs import summary_line
+    from daemon.registry import summary_line
 
     width = max(width, 40)
     out = [f"{'version:':<{_PAD}} {safe(row.get('version'))}"]

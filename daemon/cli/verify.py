@@ -14,15 +14,15 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from daemon.checks.base import (
+from daemon.checks import (
     CHECK_NAMES,
     REQUIRES,
     CheckResult,
     CheckSettings,
     VerifyReport,
     dependency_problem,
+    run_checks,
 )
-from daemon.checks.runner import run_checks
 
 EXIT_OK, EXIT_REJECTED, EXIT_USAGE, EXIT_DEFERRED = 0, 1, 2, 3
 

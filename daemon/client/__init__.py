@@ -5,4 +5,14 @@ the broadcast (`daemon.client.broadcast.BroadcastPush`) needs torch.distributed 
 from its own module, so `hotswap publish` and `hotswap push` never load torch.
 """
 
+from typing import TYPE_CHECKING
+
+from daemon import public_face
 from daemon.client.publish import PushError, publish_delta, publish_s3, push  # noqa: F401
+
+if TYPE_CHECKING:
+    from daemon.client.publish import parse_s3_url
+
+__all__ = ["PushError", "parse_s3_url", "publish_delta", "publish_s3", "push"]
+
+__getattr__ = public_face(__name__)

@@ -34,11 +34,18 @@ import httpx
 import torch
 import torch.distributed as dist
 
-from daemon.checks.signatures import load_signer
-from daemon.common.auth import control_token_path, read_token_file
-from daemon.transport.base import TORCH_TO_ST
-from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, buckets, parse_table, session_message
-from daemon.transport.broadcast_worker import bucket_broadcast, tensors_digest, vote
+from daemon.checks import load_signer
+from daemon.common import control_token_path, read_token_file
+from daemon.transport import (
+    DEFAULT_BUCKET_BYTES,
+    TORCH_TO_ST,
+    bucket_broadcast,
+    buckets,
+    parse_table,
+    session_message,
+    tensors_digest,
+    vote,
+)
 
 
 class BroadcastFailed(RuntimeError):

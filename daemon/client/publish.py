@@ -31,10 +31,10 @@ import boto3
 import httpx
 from rich.progress import DownloadColumn, Progress, TransferSpeedColumn
 
-from daemon.checks.signatures import HmacSigner, read_hmac_key
+from daemon.checks import HmacSigner, read_hmac_key
 from daemon.client.tls_diagnosis import tls_diagnosis, tls_problem
-from daemon.delta.section import shipped_files
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.delta import shipped_files
+from daemon.formats import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, Signature, Signer, load_manifest, publish
 
 __all__ = ["PushError", "ensure_manifest", "parse_s3_url", "publish_delta", "publish_s3", "push"]
@@ -64,7 +64,7 @@ def ensure_manifest(directory: Path, version: str | None = None, signer: Signer 
 def publish_delta(directory: str | os.PathLike[str], base: str | os.PathLike[str], out: str | os.PathLike[str],
                   **options: Any) -> Any:  # fmt: skip
     """daemon.delta.build.publish_delta (imported when called: `hotswap push` loads no numpy)."""
-    from daemon.delta.build import publish_delta as build
+    from daemon.delta import publish_delta as build
 
     return build(directory, base, out, **options)
 

@@ -22,3 +22,27 @@ them there, compared against what the workers report on every pass.
 The mechanism it drives (moving workers between versions) is daemon.rollout; the fleet's target
 comes from daemon.fleet. Nothing below imports it; the API and daemon.service do.
 """
+
+from typing import TYPE_CHECKING
+
+from daemon import public_face
+
+if TYPE_CHECKING:
+    from daemon.controller.broadcast import BroadcastSessions, Refusal
+    from daemon.controller.poll import PollCollector
+    from daemon.controller.problems import (
+        Controlled,
+        WorkerProbe,
+        alias_problems,
+        groups_serving,
+        last_rollout_problem,
+    )
+    from daemon.controller.queue import CommandError
+    from daemon.controller.service import RolloutService
+
+__all__ = [
+    "BroadcastSessions", "CommandError", "Controlled", "PollCollector", "Refusal", "RolloutService",
+    "WorkerProbe", "alias_problems", "groups_serving", "last_rollout_problem"
+]
+
+__getattr__ = public_face(__name__)

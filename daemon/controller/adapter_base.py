@@ -24,13 +24,19 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from daemon.checks.base import CheckSettings
-from daemon.common.logging import get_logger
+from daemon.checks import CheckSettings
+from daemon.common import get_logger
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.served import ServedVersions
-from daemon.registry.adapters import AdapterJournal, AdapterVersion
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
+from daemon.registry import (
+    AdapterJournal,
+    AdapterVersion,
+    CheckpointRef,
+    CheckpointStatus,
+    Journal,
+    RolloutOutcome,
+    RolloutTrigger,
+)
 
 log = get_logger(__name__)
 ON_BASE_CHANGE = ("reverify", "unload")
@@ -72,9 +78,7 @@ class BaseBinding:
         return self._reverify(av, base)
 
     def _reverify(self, av: AdapterVersion, base: CheckpointRef) -> str | None:
-        from daemon.checks.runner import (
-            run_checks,  # the forward canary's imports only when an adapter needs them
-        )
+        from daemon.checks import run_checks  # the forward canary's imports only when an adapter needs them
 
         if not av.checkpoint.local_path or not base.local_path:
             return f"no local copy of {av.version if not av.checkpoint.local_path else base.version} to check"

@@ -27,9 +27,9 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from typing import Any, cast
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutSettings
-from daemon.engines.base import (
+from daemon.engines import (
     AdapterRequest,
     ServesAdapters,
     UpdateRefused,
@@ -37,13 +37,15 @@ from daemon.engines.base import (
     WorkerError,
     WorkerUnreachable,
 )
-from daemon.registry.adapters import AdapterJournal, AdapterVersion
-from daemon.registry.journal import Journal
-from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
-from daemon.rollout import health
-from daemon.rollout.engine import RolloutResult
-from daemon.rollout.stage import registry_expect
-from daemon.rollout.states import WorkerHandle, WorkerSet
+from daemon.registry import (
+    AdapterJournal,
+    AdapterVersion,
+    FailureKind,
+    Journal,
+    RolloutOutcome,
+    RolloutTrigger,
+)
+from daemon.rollout import RolloutResult, WorkerHandle, WorkerSet, health, registry_expect
 
 log = get_logger(__name__)
 TRANSPORT = "adapter"  # `rollouts.transport` of an adapter rollout (crash recovery leaves them to the reconcile)

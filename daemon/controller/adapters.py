@@ -25,26 +25,26 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.checks.base import CheckSettings
-from daemon.common.logging import get_logger
+from daemon.checks import CheckSettings
+from daemon.common import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.adapter_base import BaseBinding
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.health_window import Fallback, HealthWindow, reject_or_retry
 from daemon.controller.queue import CommandError
 from daemon.controller.served import ServedVersions
-from daemon.registry.adapters import AdapterJournal, AdapterVersion
-from daemon.registry.journal import Journal
-from daemon.registry.status import (
+from daemon.registry import (
     DEPLOYABLE,
     WAITING,
+    AdapterJournal,
+    AdapterVersion,
     CheckpointStatus,
     FailureKind,
+    Journal,
     RolloutOutcome,
     RolloutTrigger,
 )
-from daemon.rollout.health import WindowVerdict
-from daemon.rollout.planner import newer
+from daemon.rollout import WindowVerdict, newer
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger

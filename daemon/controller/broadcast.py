@@ -42,22 +42,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from daemon.checks.base import CheckSettings
-from daemon.checks.runner import run_checks
-from daemon.common.logging import get_logger
+from daemon.checks import CheckSettings, run_checks
+from daemon.common import get_logger
 from daemon.controller.service import RolloutService
-from daemon.engines.base import WorkerError
-from daemon.registry import status
-from daemon.registry.journal import CheckpointRef
-from daemon.registry.models import Checkpoint
-from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
-from daemon.rollout.driver import StepFailed
-from daemon.rollout.failure import FailurePath
-from daemon.rollout.stage import Target
-from daemon.rollout.states import WorkerHandle, WorkerState
-from daemon.transport.base import UpdateRequest
-from daemon.transport.broadcast import DEFAULT_BUCKET_BYTES, parse_table, total_bytes
-from daemon.transport.group_spec import GroupSpec
+from daemon.engines import WorkerError
+from daemon.registry import (
+    Checkpoint,
+    CheckpointRef,
+    CheckpointStatus,
+    RolloutOutcome,
+    RolloutTrigger,
+    status,
+)
+from daemon.rollout import FailurePath, StepFailed, Target, WorkerHandle, WorkerState
+from daemon.transport import DEFAULT_BUCKET_BYTES, GroupSpec, UpdateRequest, parse_table, total_bytes
 
 log = get_logger(__name__)
 C = CheckpointStatus

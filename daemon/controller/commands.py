@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
-from daemon.registry.journal import CheckpointRef
+from daemon.registry import CheckpointRef
 
 Result = dict[str, Any]  # what the API answers
 

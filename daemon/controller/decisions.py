@@ -24,32 +24,36 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any, TypeVar
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.commands import Command, Pin, Reconcile, Rollback
 from daemon.controller.desired import Facts, desired, lookahead
 from daemon.controller.health_window import BaseWindow
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
-from daemon.engines.base import WorkerError
-from daemon.gates.runner import GateRunner
-from daemon.gates.settings import GateSettings
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.outbox import unreachable
-from daemon.registry.status import (
+from daemon.engines import WorkerError
+from daemon.gates import GateRunner, GateSettings
+from daemon.registry import (
     DEPLOYABLE,
     WAITING,
+    CheckpointRef,
     CheckpointStatus,
     FailureKind,
+    Journal,
     RolloutOutcome,
     RolloutTrigger,
+    unreachable,
 )
-from daemon.rollout.attribution import attribute
-from daemon.rollout.driver import WorkerDriver
-from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.planner import newer
-from daemon.rollout.recovery import recover_uncertain
-from daemon.rollout.states import WorkerSet, WorkerState
+from daemon.rollout import (
+    RolloutEngine,
+    RolloutResult,
+    WorkerDriver,
+    WorkerSet,
+    WorkerState,
+    attribute,
+    newer,
+    recover_uncertain,
+)
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger

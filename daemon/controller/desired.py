@@ -21,9 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-from daemon.registry.journal import CheckpointRef
-from daemon.registry.status import WAITING
-from daemon.rollout.planner import newer
+from daemon.registry import WAITING, CheckpointRef
+from daemon.rollout import newer
 
 LOOKAHEAD_MAX_S = 600.0  # longest wait for newer checkpoints still being verified
 

@@ -21,20 +21,21 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple, Protocol
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller import trial
 from daemon.controller.queue import RolloutState
 from daemon.controller.served import ServedVersions
-from daemon.gates.runner import GateRunner
-from daemon.gates.settings import GateSettings
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger
-from daemon.rollout.attribution import attribute
-from daemon.rollout.engine import RolloutEngine
-from daemon.rollout.health import WindowVerdict
-from daemon.rollout.recovery import fleet_version
-from daemon.rollout.states import WorkerSet
+from daemon.gates import GateRunner, GateSettings
+from daemon.registry import (
+    CheckpointRef,
+    CheckpointStatus,
+    FailureKind,
+    Journal,
+    RolloutOutcome,
+    RolloutTrigger,
+)
+from daemon.rollout import RolloutEngine, WindowVerdict, WorkerSet, attribute, fleet_version
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger

@@ -32,10 +32,9 @@ from concurrent.futures import TimeoutError as FutureTimeout
 import httpx
 from prometheus_client.core import CounterMetricFamily
 
-from daemon.common.logging import get_logger
-from daemon.common.problems import WARNING, Problem
-from daemon.registry.journal import Journal
-from daemon.rollout.states import WorkerHandle
+from daemon.common import WARNING, Problem, get_logger
+from daemon.registry import Journal
+from daemon.rollout import WorkerHandle
 
 log = get_logger(__name__)
 

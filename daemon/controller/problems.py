@@ -33,14 +33,11 @@ from typing import Protocol
 
 from sqlalchemy import select
 
-from daemon.common.problems import WARNING, Problem
+from daemon.common import WARNING, Problem
 from daemon.config import RolloutSettings
-from daemon.registry import Registry
-from daemon.registry.journal import Journal
-from daemon.registry.models import Checkpoint, Rollout
-from daemon.rollout.stage import registry_expect
-from daemon.rollout.states import WorkerHandle, WorkerSet, WorkerState
-from daemon.transport.check import files_problem
+from daemon.registry import Checkpoint, Journal, Registry, Rollout
+from daemon.rollout import WorkerHandle, WorkerSet, WorkerState, registry_expect
+from daemon.transport import files_problem
 
 HELD_BY_UPDATE = (WorkerState.PAUSED, WorkerState.UPDATED)  # paused requests wait; none is refused
 # A pause longer than this is an outage to its clients (requests wait, unanswered): the reference

@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from daemon.controller.commands import Command, Deploy
-from daemon.registry.journal import CheckpointRef
-from daemon.rollout.planner import newer
+from daemon.registry import CheckpointRef
+from daemon.rollout import newer
 
 
 class RolloutQueue:

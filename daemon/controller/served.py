@@ -17,9 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from daemon.controller.queue import RolloutState
-from daemon.registry.adapters import AdapterJournal, AdapterVersion
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.status import CheckpointStatus
+from daemon.registry import AdapterJournal, AdapterVersion, CheckpointRef, CheckpointStatus, Journal
 
 C = CheckpointStatus
 

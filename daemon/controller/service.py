@@ -30,8 +30,8 @@ from typing import Any
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES
 from apscheduler.schedulers.base import BaseScheduler
 
-from daemon.checks.base import CheckSettings
-from daemon.common.logging import get_logger
+from daemon.checks import CheckSettings
+from daemon.common import get_logger
 from daemon.config import Config, ConfigError, LoaderSettings, RolloutSettings, WorkerSpec
 from daemon.controller.adapter_rollout import AdapterRollout
 from daemon.controller.adapters import AdapterDecisions
@@ -54,24 +54,25 @@ from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
-from daemon.engines import make_client
-from daemon.engines.base import Timeouts, WeightInfo, WorkerError
-from daemon.fleet.agent import FleetAgent, leased
-from daemon.fleet.lease import FleetLeases
-from daemon.fleet.settings import FleetSettings
-from daemon.gates.settings import GateSettings
-from daemon.registry.adapters import AdapterJournal
-from daemon.registry.db import Registry
-from daemon.registry.journal import Journal
-from daemon.registry.models import WORKER_STATES
-from daemon.registry.outbox import unreachable
-from daemon.rollout.driver import WorkerDriver
-from daemon.rollout.engine import RolloutEngine
-from daemon.rollout.managed import ManagedWorker, Restarter
-from daemon.rollout.recovery import check_worker
-from daemon.rollout.stage import Stager, registry_expect
-from daemon.rollout.states import TransitionObserver, WorkerHandle, WorkerSet, WorkerState, parse_state
-from daemon.transport.base import SenderOptions
+from daemon.engines import Timeouts, WeightInfo, WorkerError, make_client
+from daemon.fleet import FleetAgent, FleetLeases, FleetSettings, leased
+from daemon.gates import GateSettings
+from daemon.registry import WORKER_STATES, AdapterJournal, Journal, Registry, unreachable
+from daemon.rollout import (
+    ManagedWorker,
+    Restarter,
+    RolloutEngine,
+    Stager,
+    TransitionObserver,
+    WorkerDriver,
+    WorkerHandle,
+    WorkerSet,
+    WorkerState,
+    check_worker,
+    parse_state,
+    registry_expect,
+)
+from daemon.transport import SenderOptions
 
 log = get_logger(__name__)
 

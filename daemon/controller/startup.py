@@ -17,23 +17,34 @@ from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.commands import AdapterReconcile, Reconcile
 from daemon.controller.decisions import RolloutDecisions
 from daemon.controller.queue import RolloutQueue, RolloutState
 from daemon.controller.supervise import Supervisor
-from daemon.engines.base import WorkerError
-from daemon.fleet.agent import holding
-from daemon.fleet.lease import FleetLeases
-from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
-from daemon.registry.status import CheckpointStatus, RolloutOutcome, RolloutTrigger
-from daemon.rollout.driver import WorkerDriver
-from daemon.rollout.engine import RolloutEngine, RolloutResult
-from daemon.rollout.managed import ensure_seed
-from daemon.rollout.planner import newer, newest
-from daemon.rollout.recovery import Recovery
-from daemon.rollout.states import WorkerSet, WorkerState, parse_state
+from daemon.engines import WorkerError
+from daemon.fleet import FleetLeases, holding
+from daemon.registry import (
+    CheckpointRef,
+    CheckpointStatus,
+    Journal,
+    RolloutOutcome,
+    RolloutRef,
+    RolloutTrigger,
+)
+from daemon.rollout import (
+    Recovery,
+    RolloutEngine,
+    RolloutResult,
+    WorkerDriver,
+    WorkerSet,
+    WorkerState,
+    ensure_seed,
+    newer,
+    newest,
+    parse_state,
+)
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger

@@ -31,17 +31,23 @@ from enum import StrEnum
 from pathlib import Path
 from typing import Any
 
-from daemon.common.backoff import Backoff
-from daemon.common.logging import get_logger
+from daemon.common import Backoff, get_logger
 from daemon.config import RolloutSettings
-from daemon.engines.base import WeightInfo, WorkerError
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.rollout.driver import WorkerDriver
-from daemon.rollout.managed import ManagedWorker, PortTaken, target_problem
-from daemon.rollout.stage import registry_expect
-from daemon.rollout.states import FAILED, WorkerHandle, WorkerSet, WorkerState, parse_state
-from daemon.transport.base import Expect
-from daemon.transport.check import files_problem
+from daemon.engines import WeightInfo, WorkerError
+from daemon.registry import CheckpointRef, Journal
+from daemon.rollout import (
+    FAILED,
+    ManagedWorker,
+    PortTaken,
+    WorkerDriver,
+    WorkerHandle,
+    WorkerSet,
+    WorkerState,
+    parse_state,
+    registry_expect,
+    target_problem,
+)
+from daemon.transport import Expect, files_problem
 
 log = get_logger(__name__)
 

@@ -18,15 +18,10 @@ from collections.abc import Callable
 from dataclasses import replace
 
 from daemon.config import RolloutSettings
-from daemon.fleet.stages import stage_gates
-from daemon.gates.base import Measurement, Trial
-from daemon.gates.runner import GateRunner, GateVerdict, record
-from daemon.gates.settings import GateSettings, GateSpec
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.status import CheckpointStatus
-from daemon.rollout import health
-from daemon.rollout.health import WindowVerdict
-from daemon.rollout.states import WorkerSet
+from daemon.fleet import stage_gates
+from daemon.gates import GateRunner, GateSettings, GateSpec, GateVerdict, Measurement, Trial, record
+from daemon.registry import CheckpointRef, CheckpointStatus, Journal
+from daemon.rollout import WindowVerdict, WorkerSet, health
 
 
 def trial_of(journal: Journal, fleet: WorkerSet, ckpt: CheckpointRef, gates: GateSettings,

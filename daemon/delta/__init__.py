@@ -13,6 +13,20 @@ strong hash), so the signature and every check protect what is served; the delta
 listed, with their own hashes, in the signed `delta` section. Pure functions of bytes and paths.
 """
 
+from typing import TYPE_CHECKING
+
+from daemon import public_face
 from daemon.delta.errors import DeltaError
 
-__all__ = ["DeltaError"]
+if TYPE_CHECKING:
+    from daemon.delta.anchors import AnchorRule
+    from daemon.delta.build import publish_delta
+    from daemon.delta.rebuild import rebuild_delta
+    from daemon.delta.section import BaseMissing, DeltaSpec, fetched_files, is_delta, parse, shipped_files
+
+__all__ = [
+    "AnchorRule", "BaseMissing", "DeltaError", "DeltaSpec", "fetched_files", "is_delta", "parse",
+    "publish_delta", "rebuild_delta", "shipped_files"
+]
+
+__getattr__ = public_face(__name__)

@@ -25,7 +25,7 @@ from daemon.delta.codec import DeltaError
 from daemon.delta.compact import compact_chain
 from daemon.delta.section import KEY, DeltaSpec, delta_path, parse
 from daemon.delta.tree import encode_dir
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats import MANIFEST_NAME
 from daemon.hashing import DEFAULT_HASH_ALG
 from daemon.manifest import (
     Manifest,

@@ -24,7 +24,7 @@ from pathlib import Path
 from daemon.delta.errors import DeltaError
 from daemon.delta.section import COMPACT_DIR, DeltaSpec, compact_path, parse
 from daemon.delta.tree import encode_dir
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats import MANIFEST_NAME
 from daemon.manifest import Manifest, ManifestError, load_manifest
 
 

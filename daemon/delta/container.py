@@ -31,7 +31,7 @@ from typing import Any
 import numpy as np
 
 from daemon.delta.codec import CHUNK_BYTES, Chunk, DeltaError, decode, encode
-from daemon.formats.safetensors import DTYPE_SIZES, HeaderError, SafetensorsHeader, parse_header_bytes
+from daemon.formats import DTYPE_SIZES, HeaderError, SafetensorsHeader, parse_header_bytes
 
 MAGIC = b"HSDELTA1"
 FORMAT = "hotswap.delta-file/1"

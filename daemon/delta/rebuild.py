@@ -1,6 +1,6 @@
 """The host side: a delta checkpoint + this host's verified copy of its base -> a full version directory.
 
-    rebuild(delta_dir, manifest, spec, base_dir, base_files, out_dir)
+    rebuild_delta(delta_dir, manifest, spec, base_dir, base_files, out_dir)
 
 Every delta file is hashed against the signed `delta` section before it is used. Each base file
 the result needs is re-hashed (in a thread beside the decoding) against the digests the base was
@@ -25,13 +25,11 @@ from pathlib import Path
 
 import numpy as np
 
-from daemon.bytepipe.engine import Job
-from daemon.bytepipe.files import hash_files
-from daemon.bytepipe.sinks import Crcs, InOrder
+from daemon.bytepipe import Crcs, InOrder, Job, hash_files
 from daemon.delta.codec import Chunk, DeltaError
 from daemon.delta.container import ChunkBuffers, Lent, map_file, rebuild_file
 from daemon.delta.section import DeltaFile, DeltaSpec
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats import MANIFEST_NAME
 from daemon.hashing import DigestMismatch, FileDigest
 from daemon.manifest import Manifest, ManifestFile
 
@@ -75,7 +73,7 @@ def _check(digest: FileDigest, expected: ManifestFile, what: str) -> None:
         raise DeltaError(str(exc)) from None
 
 
-def rebuild(
+def rebuild_delta(
     delta_dir: Path,
     manifest: Manifest,
     spec: DeltaSpec,

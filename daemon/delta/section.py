@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.delta.errors import DeltaError
-from daemon.formats.names import ManifestError, check_relative_path, check_version_label
+from daemon.formats import ManifestError, check_relative_path, check_version_label
 from daemon.hashing import HASH_ALGORITHMS, is_hex_digest
 from daemon.manifest import Manifest, ManifestFile
 

@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.bytepipe.files import hash_files
+from daemon.bytepipe import hash_files
 from daemon.delta.container import changed_counts, encode_file, map_file, write_file
 from daemon.delta.section import DeltaFile
 from daemon.manifest import ManifestFile

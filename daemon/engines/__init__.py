@@ -15,9 +15,25 @@ config (`[[workers]] kind`), the `workers` table's validation and the rollout pi
 from __future__ import annotations
 
 import importlib
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from daemon import public_face
 from daemon.engines.base import ClientFactory, Timeouts, WorkerClient
+
+if TYPE_CHECKING:
+    from daemon.engines.base import (
+        AdapterRequest,
+        Capabilities,
+        NonFiniteOutput,
+        PreparesUpdates,
+        ResumesAfterUpdate,
+        ServesAdapters,
+        UpdateRefused,
+        UpdateResult,
+        WeightInfo,
+        WorkerError,
+        WorkerUnreachable,
+    )
 
 WORKER_KINDS: dict[str, str] = {
     "builtin": "daemon.engines.builtin:connect",
@@ -42,4 +58,11 @@ def make_client(
     return cast(ClientFactory, factory)(name, url, token_file=token_file, timeouts=timeouts)
 
 
-__all__ = ["ENGINE_KEYS", "ENGINE_PAUSE_MODES", "MANAGED_KIND", "WORKER_KINDS", "make_client"]
+__all__ = [
+    "AdapterRequest", "Capabilities", "ENGINE_KEYS", "ENGINE_PAUSE_MODES", "MANAGED_KIND",
+    "NonFiniteOutput", "PreparesUpdates", "ResumesAfterUpdate", "ServesAdapters", "Timeouts",
+    "UpdateRefused", "UpdateResult", "WORKER_KINDS", "WeightInfo", "WorkerClient", "WorkerError",
+    "WorkerUnreachable", "make_client"
+]
+
+__getattr__ = public_face(__name__)

@@ -21,8 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Protocol, runtime_checkable
 
-from daemon.transport.base import Expect, UpdateMode, UpdateRequest
-from daemon.transport.group_spec import GroupSpec
+from daemon.transport import Expect, GroupSpec, UpdateMode, UpdateRequest
 
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import httpx
 
-from daemon.common.identity import new_nonce, proof_ok
+from daemon.common import new_nonce, proof_ok
 from daemon.engines.base import (
     AdapterRequest,
     AdapterResult,
@@ -42,8 +42,7 @@ from daemon.engines.base import (
     WorkerUnreachable,
     read_token,
 )
-from daemon.transport import TRANSPORTS
-from daemon.transport.group_spec import GroupSpec
+from daemon.transport import TRANSPORTS, GroupSpec
 
 GET_RETRIES = 2
 INFO_KEYS = ("version", "digest", "state", "in_flight", "tensors", "bytes", "device", "update_count")

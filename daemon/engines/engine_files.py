@@ -28,9 +28,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
-from daemon.bytepipe.files import hash_files
-from daemon.transport.base import Expect
-from daemon.transport.check import Reference, reference_for
+from daemon.bytepipe import hash_files
+from daemon.transport import Expect, Reference, reference_for
 
 # What an engine would load from a directory besides the files the manifest lists.
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth")

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.engines import sglang_api
 from daemon.engines.base import (
     AdapterRequest,
@@ -66,8 +66,7 @@ from daemon.engines.engine_common import (
 )
 from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
 from daemon.engines.sglang_api import SGLangAPI
-from daemon.transport.base import Expect
-from daemon.transport.group_spec import GroupSpec
+from daemon.transport import Expect, GroupSpec
 
 log = get_logger(__name__)
 TESTED_VERSIONS = sglang_api.TESTED_VERSIONS  # ("0.5.23",)

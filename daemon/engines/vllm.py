@@ -42,7 +42,7 @@ import contextlib
 import time
 from typing import Any
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.engines import vllm_api, vllm_ipc
 from daemon.engines.base import (
     AdapterRequest,
@@ -76,8 +76,7 @@ from daemon.engines.engine_common import (
 )
 from daemon.engines.engine_http import EngineAPIError, EngineUnreachable
 from daemon.engines.vllm_api import VLLMAPI
-from daemon.transport.base import Expect
-from daemon.transport.group_spec import GroupSpec
+from daemon.transport import Expect, GroupSpec
 
 log = get_logger(__name__)
 TESTED_VERSIONS = vllm_api.TESTED_VERSIONS  # ("0.32.0",)

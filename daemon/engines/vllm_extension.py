@@ -44,11 +44,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-from daemon.bytepipe.expect import BadUpdateRequest, Expect
-from daemon.formats.safetensors import HeaderError, read_header
-from daemon.handoff.descriptor import HOST_DEVICE, Descriptor, IpcRefused, TensorSpec, parse_descriptor
-from daemon.handoff.loader_client import LoaderClient, LoaderError
-from daemon.handoff.tie import tie_to_loader
+from daemon.bytepipe import BadUpdateRequest, Expect
+from daemon.formats import HeaderError, read_header
+from daemon.handoff import (
+    HOST_DEVICE,
+    Descriptor,
+    IpcRefused,
+    LoaderClient,
+    LoaderError,
+    TensorSpec,
+    parse_descriptor,
+    tie_to_loader,
+)
 
 PROTOCOL = 1  # what hotswap_info answers; the daemon's client refuses an extension it does not know
 EXTENSION = "hotswap"
@@ -78,7 +85,7 @@ def _device(worker: Any) -> Any:
 def _device_uuid(device: Any) -> str:
     if device.type == "cpu":
         return HOST_DEVICE
-    from daemon.handoff.cuda import device_uuid
+    from daemon.handoff import device_uuid
 
     return device_uuid(device.index if device.index is not None else 0)
 
@@ -96,7 +103,7 @@ def _checked(worker: Any, raw_descriptor: str, raw_expect: str) -> tuple[Descrip
         raise IpcRefused(f"descriptor of kind {sent.kind!r} cannot feed a vLLM worker on {device} (needs {want!r})")
     if not sent.loader:
         raise IpcRefused(f"version {sent.version!r}: the descriptor names no loader to vouch for the staged bytes")
-    from daemon.transport.ipc_open import TRUSTED_UIDS  # torch: only once a request came
+    from daemon.transport import TRUSTED_UIDS  # torch: only once a request came
 
     client = LoaderClient(sent.loader, timeout=30.0, peer_uids=TRUSTED_UIDS)
     own = parse_descriptor(client.descriptor(sent.version, device=_device_uuid(device)))
@@ -147,7 +154,7 @@ def table_problem(incoming: dict[str, TensorSpec], model: dict[str, TensorSpec])
 
 def _load(worker: Any, desc: Descriptor, checked: dict[str, Any], t0: float) -> dict[str, Any]:
     """Steps 3 to 5 (see the module docstring)."""
-    from daemon.transport.ipc_open import OPENER
+    from daemon.transport import OPENER
 
     device = _device(worker)
     holder = f"vllm-{os.getpid()}"

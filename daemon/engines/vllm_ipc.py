@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from daemon.engines.base import UpdateRefused, UpdateRequest, WorkerError
-from daemon.formats.safetensors import read_header
+from daemon.formats import read_header
 
 INFO_METHOD = "hotswap_info"
 LOAD_METHOD = "hotswap_load_ipc"

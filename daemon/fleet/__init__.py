@@ -12,3 +12,24 @@ fleet converges to, and each host's copy of a version.
 
 Above rollout (an agent drives daemon.rollout.engine); below the controller, which runs the agent.
 """
+
+from typing import TYPE_CHECKING
+
+from daemon import public_face
+
+if TYPE_CHECKING:
+    from daemon.fleet.agent import FleetAgent, holding, leased
+    from daemon.fleet.fetch import fetch_here
+    from daemon.fleet.lease import FleetLeases
+    from daemon.fleet.settings import FleetSettings, fleet_problem
+    from daemon.fleet.stages import StageCommandRefused, command, stage_gates, stage_label, status
+    from daemon.fleet.target import TargetRefused, fleet_rows, fleet_target, set_fleet_target
+    from daemon.fleet.trust import Trust
+
+__all__ = [
+    "FleetAgent", "FleetLeases", "FleetSettings", "StageCommandRefused", "TargetRefused", "Trust",
+    "command", "fetch_here", "fleet_problem", "fleet_rows", "fleet_target", "holding", "leased",
+    "set_fleet_target", "stage_gates", "stage_label", "status"
+]
+
+__getattr__ = public_face(__name__)

@@ -26,17 +26,14 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
-from daemon.common.logging import get_logger
-from daemon.common.problems import Problem
+from daemon.common import Problem, get_logger
 from daemon.fleet import behind as why
 from daemon.fleet import stages, trust
 from daemon.fleet.lease import FleetLeases, holders
 from daemon.fleet.settings import FleetSettings
 from daemon.fleet.target import Target, fleet_mark, fleet_target
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.status import CheckpointStatus
-from daemon.rollout.engine import RolloutEngine
-from daemon.rollout.planner import newer, newest
+from daemon.registry import CheckpointRef, CheckpointStatus, Journal
+from daemon.rollout import RolloutEngine, newer, newest
 
 log = get_logger(__name__)
 SETTLED = frozenset({"updating", "waiting", "converging", "busy"})  # behind, and nothing to do but wait

@@ -27,12 +27,10 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.common.problems import WARNING, Problem
+from daemon.common import WARNING, Problem
 from daemon.fleet.target import Target
-from daemon.registry.db import Registry
-from daemon.registry.journal import CheckpointRef
-from daemon.registry.models import FleetHostReason, utcnow
-from daemon.rollout.planner import newer
+from daemon.registry import CheckpointRef, FleetHostReason, Registry, utcnow
+from daemon.rollout import newer
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,12 @@ from pathlib import Path
 
 from sqlalchemy.orm import Session
 
-from daemon.common.logging import bind_version, get_logger
-from daemon.delta import DeltaError
-from daemon.delta.section import BaseMissing, fetched_files, is_delta
+from daemon.common import bind_version, get_logger
+from daemon.delta import BaseMissing, DeltaError, fetched_files, is_delta
 from daemon.manifest import ManifestError, load_manifest
-from daemon.registry import Checkpoint, hosts
+from daemon.registry import Checkpoint, Registry, hosts
 from daemon.registry import queries as q
-from daemon.registry.db import Registry
-from daemon.sources.base import FetchItem, Source
-from daemon.sources.commit import fingerprint
+from daemon.sources import FetchItem, Source, fingerprint
 
 log = get_logger(__name__)
 # (checkpoint id, fetched directory, from the compacted delta) -> the directory to serve

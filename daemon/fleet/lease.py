@@ -32,11 +32,9 @@ from typing import Any
 from sqlalchemy import func, or_, select, update
 from sqlalchemy.dialects.postgresql import insert as pg_insert
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.fleet.settings import FleetSettings
-from daemon.registry.db import Registry
-from daemon.registry.models import FleetLease, utcnow
-from daemon.registry.queries import record_event
+from daemon.registry import FleetLease, Registry, record_event, utcnow
 
 log = get_logger(__name__)
 

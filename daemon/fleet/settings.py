@@ -26,7 +26,7 @@ import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from daemon.gates.settings import GateSettings, stage_gates_problem
+from daemon.gates import GateSettings, stage_gates_problem
 
 
 @dataclass
@@ -75,7 +75,7 @@ class FleetSettings:
         for i, st in enumerate(self.stages):
             st.validate(f"{key}.stages[{i}]")
         if self.signing_key:
-            from daemon.checks.signatures import read_ed25519_private
+            from daemon.checks import read_ed25519_private
 
             read_ed25519_private(Path(self.signing_key))  # SignatureError (a ValueError) names the file
         if len(self.host) > 255 or any(c.isspace() for c in self.host):

@@ -42,15 +42,25 @@ from sqlalchemy import delete, select, text, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.fleet.settings import FleetSettings, StageSpec
 from daemon.fleet.trust import Trust, admission_message, take_lock
-from daemon.registry.db import Registry
-from daemon.registry.gate_runs import summary as gate_summary
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import Alias, Checkpoint, Event, FleetRollout, FleetRolloutHost, Worker, utcnow
-from daemon.registry.queries import record_event
-from daemon.registry.status import TRANSITIONS, CheckpointStatus
+from daemon.registry import (
+    TRANSITIONS,
+    Alias,
+    Checkpoint,
+    CheckpointRef,
+    CheckpointStatus,
+    Event,
+    FleetRollout,
+    FleetRolloutHost,
+    Journal,
+    Registry,
+    Worker,
+    record_event,
+    utcnow,
+)
+from daemon.registry import summary as gate_summary
 
 log = get_logger(__name__)
 ACTIVE = ("running", "paused")

@@ -24,19 +24,21 @@ from sqlalchemy.orm import Session
 from daemon.fleet.lease import holders
 from daemon.fleet.stages import held_back
 from daemon.fleet.trust import Trust, refused_target, target_message
-from daemon.registry.db import Registry
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.models import (
+from daemon.registry import (
+    DEPLOYABLE,
     GOOD_WHERE,
     Alias,
     Checkpoint,
     CheckpointLocation,
+    CheckpointRef,
+    CheckpointStatus,
     FleetRollout,
     FleetTarget,
+    Journal,
+    Registry,
+    record_event,
     utcnow,
 )
-from daemon.registry.queries import record_event
-from daemon.registry.status import DEPLOYABLE, CheckpointStatus
 
 SILENT_AFTER = timedelta(seconds=120)  # no worker poll recorded for this long: the host is "silent"
 

@@ -36,9 +36,9 @@ from sqlalchemy import select, text
 from sqlalchemy.exc import IntegrityError, OperationalError
 from sqlalchemy.orm import Session
 
-from daemon.checks.signatures import read_ed25519_private
-from daemon.common.problems import WARNING, Problem
-from daemon.registry.models import (
+from daemon.checks import read_ed25519_private
+from daemon.common import WARNING, Problem
+from daemon.registry import (
     Checkpoint,
     Event,
     FleetDecider,

@@ -15,3 +15,19 @@ gate that cannot run is a problem, and the trial waits or fails as configured: i
 The built-in checks of the health window (error_rate, greedy_probe, finite_logits) are recorded
 as gate runs of the same shape by daemon.controller.health_window. Rows: daemon.registry.gate_runs.
 """
+
+from typing import TYPE_CHECKING
+
+from daemon import public_face
+
+if TYPE_CHECKING:
+    from daemon.gates.base import Measurement, Trial
+    from daemon.gates.runner import GateRunner, GateVerdict, record
+    from daemon.gates.settings import GateSettings, GateSpec, stage_gates_problem
+
+__all__ = [
+    "GateRunner", "GateSettings", "GateSpec", "GateVerdict", "Measurement", "Trial", "record",
+    "stage_gates_problem"
+]
+
+__getattr__ = public_face(__name__)

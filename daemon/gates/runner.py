@@ -16,14 +16,12 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.gates.base import Gate, Measurement, Trial
 from daemon.gates.evalcmd import EvalGate
 from daemon.gates.prometheus import PrometheusGate
 from daemon.gates.settings import GateSettings, GateSpec
-from daemon.registry.db import Registry
-from daemon.registry.gate_runs import add_run, last_good_score
-from daemon.registry.models import utcnow
+from daemon.registry import Registry, add_run, last_good_score, utcnow
 
 log = get_logger(__name__)
 RETRY_MIN_S = 1.0

@@ -31,7 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from daemon.formats.safetensors import DTYPE_SIZES
+from daemon.formats import DTYPE_SIZES
 
 
 @dataclass(frozen=True, slots=True)

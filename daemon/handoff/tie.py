@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.bytepipe.expect import Expect, reference_for
+from daemon.bytepipe import Expect, reference_for
 from daemon.handoff.descriptor import Descriptor, IpcRefused
 
 

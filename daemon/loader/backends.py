@@ -9,10 +9,8 @@ import os
 from pathlib import Path
 from typing import Any, Protocol
 
-from daemon.bytepipe.check import LoadCheck
-from daemon.bytepipe.expect import Expect
-from daemon.bytepipe.sinks import Crcs
-from daemon.handoff.descriptor import HOST_DEVICE, BufferRef, TensorSlot
+from daemon.bytepipe import Crcs, Expect, LoadCheck
+from daemon.handoff import HOST_DEVICE, BufferRef, TensorSlot
 from daemon.hashing import DEFAULT_HASH_ALG, HASH_ALGORITHMS, DigestMismatch
 from daemon.loader.staging import (
     ChunkCheck,
@@ -154,7 +152,7 @@ class ShmBackend:
         self._seq = itertools.count(1)  # next() is atomic: concurrent stages get distinct names
 
     def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
-        from daemon.handoff.shm import ShmSegment, segment_name
+        from daemon.handoff import ShmSegment, segment_name
 
         seq = next(self._seq)
         return [_ShmBuffer(ShmSegment(self.directory, segment_name(os.getpid(), seq, name), nbytes))]
@@ -174,7 +172,7 @@ class ShmBackend:
 
     def cleanup_stale(self) -> list[str]:
         """Remove segments left by loaders that died without cleaning up (SIGKILL, OOM)."""
-        from daemon.handoff.shm import segment_owner
+        from daemon.handoff import segment_owner
 
         removed: list[str] = []
         for p in self.directory.iterdir():
@@ -209,7 +207,7 @@ class CudaBackend:
     kind = "cuda"
 
     def __init__(self, indices: list[int], threads: int = 8) -> None:
-        from daemon.handoff.cuda import device_uuid
+        from daemon.handoff import device_uuid
 
         self.indices = indices
         self.devices = [device_uuid(i) for i in indices]
@@ -217,7 +215,7 @@ class CudaBackend:
         self._pool: PinnedPool | None = None
 
     def allocate(self, name: str, nbytes: int) -> list[StagedBuffer]:
-        from daemon.handoff.cuda import CudaIpcError, DeviceBuffer
+        from daemon.handoff import CudaIpcError, DeviceBuffer
 
         out: list[StagedBuffer] = []
         try:

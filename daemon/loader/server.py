@@ -22,17 +22,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from daemon.formats.checkpoint import LayoutError
-from daemon.formats.safetensors import HeaderError
-from daemon.handoff.loader_protocol import (
-    MAX_REQUEST_BYTES,
-    OPS,
-    ProtocolError,
-    decode,
-    encode,
-    read_line,
-)
-from daemon.handoff.shm import ShmError
+from daemon.formats import HeaderError, LayoutError
+from daemon.handoff import MAX_REQUEST_BYTES, OPS, ProtocolError, ShmError, decode, encode, read_line
 from daemon.loader.staging import StagingError
 from daemon.loader.store import Backend, CudaBackend, LoaderStore, ShmBackend, StoreError
 
@@ -160,7 +151,7 @@ def build_backend(devices: list[str], shm_dir: Path, threads: int) -> Backend:
         if removed:
             log.info("removed %d stale segments from dead loaders: %s", len(removed), ", ".join(removed))
         return backend
-    from daemon.handoff.cuda import device_index
+    from daemon.handoff import device_index
 
     indices: list[int] = []
     for d in devices:
@@ -181,7 +172,7 @@ def build_backend(devices: list[str], shm_dir: Path, threads: int) -> Backend:
 
 def _configure_logging(level: str) -> None:
     try:
-        from daemon.common.logging import configure_logging
+        from daemon.common import configure_logging
 
         configure_logging(level)
     except ImportError:  # structlog missing (bare GPU box): plain logging will do

@@ -15,11 +15,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
-from daemon.bytepipe.check import DigestMismatch
-from daemon.bytepipe.engine import Buffer, BufferPool, Job, OpenFiles, Sink, pread_exact, run
-from daemon.bytepipe.sinks import DeviceCopy
-from daemon.formats.checkpoint import TensorLocation
-from daemon.handoff.descriptor import TensorSlot
+from daemon.bytepipe import (
+    Buffer,
+    BufferPool,
+    DeviceCopy,
+    DigestMismatch,
+    Job,
+    OpenFiles,
+    Sink,
+    pread_exact,
+    run,
+)
+from daemon.formats import TensorLocation
+from daemon.handoff import TensorSlot
 
 if TYPE_CHECKING:
     import torch

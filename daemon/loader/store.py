@@ -18,11 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from daemon.bytepipe.check import ensure_contained
-from daemon.bytepipe.expect import BadUpdateRequest, Expect
-from daemon.bytepipe.sinks import Crcs
-from daemon.formats.checkpoint import tensor_table, weight_files
-from daemon.handoff.descriptor import (
+from daemon.bytepipe import BadUpdateRequest, Crcs, Expect, ensure_contained
+from daemon.formats import tensor_table, weight_files
+from daemon.handoff import (
     ALIGN,
     HOST_DEVICE,
     MAX_VERSION_CHARS,
@@ -304,7 +302,7 @@ class LoaderStore:
             return HOST_DEVICE
         idx = device.removeprefix("cuda:")
         if self.backend.kind == "cuda" and idx.isdigit():
-            from daemon.handoff.cuda import device_uuid
+            from daemon.handoff import device_uuid
 
             return device_uuid(int(idx))
         raise StoreError(f"unknown device {device!r}; staged devices: {', '.join(self.backend.devices)}")

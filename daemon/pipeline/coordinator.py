@@ -29,19 +29,14 @@ from pathlib import Path
 from sqlalchemy.orm import Session
 from structlog.stdlib import BoundLogger
 
-from daemon.checks import CheckResult, CheckSettings, VerifyReport, run_checks
-from daemon.checks.base import VerifyStager
-from daemon.checks.isolation import CHECK_PROCESS
-from daemon.common.logging import bind_version, get_logger
-from daemon.common.metrics import DaemonMetrics
+from daemon.checks import CHECK_PROCESS, CheckResult, CheckSettings, VerifyReport, VerifyStager, run_checks
+from daemon.common import DaemonMetrics, bind_version, get_logger
 from daemon.pipeline import deltas, rediscovery
 from daemon.pipeline.kinds import record_kind
 from daemon.pipeline.warmup import warm_up
-from daemon.registry import Registry, hosts, status
+from daemon.registry import UNFINISHED, CheckpointStatus, Registry, hosts, status, unreachable
 from daemon.registry import queries as q
-from daemon.registry.outbox import unreachable
-from daemon.registry.status import UNFINISHED, CheckpointStatus
-from daemon.sources.base import DiscoveredCheckpoint, FetchError, FetchItem, Source
+from daemon.sources import DiscoveredCheckpoint, FetchError, FetchItem, Source
 
 log = get_logger(__name__)
 DB_RETRY_S = 5.0

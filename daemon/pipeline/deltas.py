@@ -20,21 +20,16 @@ from pathlib import Path
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from daemon.bytepipe.files import hash_files
-from daemon.checks import CheckSettings
-from daemon.checks.signatures import SignatureError, verify_manifest_signature
-from daemon.common.logging import get_logger
-from daemon.delta import DeltaError
-from daemon.delta.rebuild import rebuild
-from daemon.delta.section import BaseMissing, DeltaSpec, parse
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.bytepipe import hash_files
+from daemon.checks import CheckSettings, SignatureError, verify_manifest_signature
+from daemon.common import get_logger
+from daemon.delta import BaseMissing, DeltaError, DeltaSpec, parse, rebuild_delta
+from daemon.formats import MANIFEST_NAME
 from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
-from daemon.registry import Checkpoint, Registry, hosts, status
+from daemon.registry import UNFINISHED, Checkpoint, CheckpointFile, CheckpointStatus, Registry, hosts, status
 from daemon.registry import queries as q
-from daemon.registry.models import CheckpointFile
-from daemon.registry.status import UNFINISHED, CheckpointStatus
-from daemon.sources.base import FetchError
+from daemon.sources import FetchError
 
 C = CheckpointStatus
 log = get_logger(__name__)
@@ -173,7 +168,7 @@ def rebuild_copy(registry: Registry, checkpoint_id: int, directory: Path, delta_
         _base_row, base_dir, files = _base(s, version, spec)
         verified = {r.path: ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg)
                     for r in s.scalars(select(CheckpointFile).where(CheckpointFile.checkpoint_id == checkpoint_id))}
-    done = rebuild(directory, manifest, spec, base_dir, files, delta_root / version)
+    done = rebuild_delta(directory, manifest, spec, base_dir, files, delta_root / version)
     try:
         if sorted(verified) != sorted(f.path for f in manifest.files):
             raise DeltaError(f"{version}: the rebuilt files are not the ones it was verified with")
@@ -253,7 +248,7 @@ def run_step(registry: Registry, checkpoint_id: int, delta_root: Path, on_fetche
     if plan is not None:
         t0 = time.perf_counter()
         try:
-            done = rebuild(plan.directory, plan.manifest, plan.spec, plan.base_dir, plan.base_files,
+            done = rebuild_delta(plan.directory, plan.manifest, plan.spec, plan.base_dir, plan.base_files,
                            delta_root / version)  # fmt: skip
         except (DeltaError, OSError) as exc:
             err = FetchError(f"delta refused: {exc}")

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from daemon.checks import VerifyReport
-from daemon.formats.adapter import AdapterLayoutError, identity, is_adapter
+from daemon.formats import AdapterLayoutError, identity, is_adapter
 from daemon.registry import Checkpoint
 
 

@@ -29,11 +29,8 @@ from typing import Any, Literal
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from daemon.registry import hosts, status
-from daemon.registry.models import Checkpoint, Event
-from daemon.registry.status import CheckpointStatus
-from daemon.sources.base import DiscoveredCheckpoint
-from daemon.sources.commit import fingerprint
+from daemon.registry import Checkpoint, CheckpointStatus, Event, hosts, status
+from daemon.sources import DiscoveredCheckpoint, fingerprint
 
 __all__ = ["fingerprint", "handle", "changed_since_verdict", "request_reverify"]
 

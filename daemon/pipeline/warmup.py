@@ -17,7 +17,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 
 log = get_logger(__name__)
 WARMUP_BEAT_MAX_S = 600.0

@@ -40,17 +40,13 @@ from prometheus_client.registry import Collector
 from sqlalchemy import text
 from sqlalchemy.exc import OperationalError
 
-from daemon.checks.compat import has_tokenizer
-from daemon.common.logging import get_logger
-from daemon.common.problems import WARNING, Changes, Problem, ProblemBook
-from daemon.controller.problems import Controlled, WorkerProbe, alias_problems, last_rollout_problem
-from daemon.pipeline.rediscovery import changed_since_verdict
+from daemon.checks import has_tokenizer
+from daemon.common import WARNING, Changes, Problem, ProblemBook, get_logger
+from daemon.controller import Controlled, WorkerProbe, alias_problems, last_rollout_problem
+from daemon.pipeline import changed_since_verdict
 from daemon.process.storage import storage_problems
-from daemon.registry import Registry
+from daemon.registry import Journal, Registry, unreachable, utcnow
 from daemon.registry import queries as q
-from daemon.registry.journal import Journal
-from daemon.registry.models import utcnow
-from daemon.registry.outbox import unreachable
 from daemon.sources import Source
 
 log = get_logger(__name__)

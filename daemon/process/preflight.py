@@ -1,6 +1,6 @@
 """What `hotswap daemon` checks before it touches anything: each problem is one line and exit 2.
 
-`preflight(config)` runs before the database is migrated, a seed is made or a worker launched,
+`run_preflight(config)` runs before the database is migrated, a seed is made or a worker launched,
 so a daemon that cannot work fails in a fraction of a second instead of after its start-up:
 
 * the API port (`[daemon] listen`) is free: bound once here and released;
@@ -24,13 +24,12 @@ from collections.abc import Callable, Iterator
 from functools import partial
 from pathlib import Path
 
-from daemon.checks.signatures import SignatureError, read_ed25519_public, read_hmac_key
-from daemon.common.apiconfig import parse_listen
-from daemon.common.auth import TokenFileError, read_private_token_file, read_token_file
+from daemon.checks import SignatureError, read_ed25519_public, read_hmac_key
+from daemon.common import TokenFileError, parse_listen, read_private_token_file, read_token_file
 from daemon.config import Config, ConfigError
 
 
-def preflight(config: Config) -> None:
+def run_preflight(config: Config) -> None:
     """Raise `ConfigError` (one line naming the file or port) for the first problem found."""
     problems = preflight_problems(config)
     if problems:
@@ -38,7 +37,7 @@ def preflight(config: Config) -> None:
 
 
 def preflight_problems(config: Config) -> list[str]:
-    """Every problem the start would hit, one line each, in the order `preflight` looks
+    """Every problem the start would hit, one line each, in the order `run_preflight` looks
     (`hotswap config check` prints them all)."""
     out: list[str] = []
     for check in _checks(config):

@@ -17,9 +17,9 @@ from typing import Any
 
 from apscheduler.schedulers.base import BaseScheduler
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import Config, ConfigError, load_config
-from daemon.pipeline.coordinator import Coordinator
+from daemon.pipeline import Coordinator
 from daemon.sources import Source, build_source
 
 log = get_logger(__name__)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from sqlalchemy.engine import make_url
 
-from daemon.common.problems import Problem
+from daemon.common import Problem
 from daemon.registry import Registry
 
 MIN_FREE_BYTES = 1 << 20  # under this, SQLite cannot grow its WAL by a page batch: writes fail

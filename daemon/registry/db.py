@@ -23,9 +23,7 @@ from sqlalchemy import Engine, create_engine, event, exc, inspect, text
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import Session, sessionmaker
 
-from daemon.common import redact
-from daemon.common.logging import get_logger
-from daemon.common.private import FILE_MODE, open_private, private_dir, tighten
+from daemon.common import FILE_MODE, get_logger, open_private, private_dir, redact, tighten
 from daemon.registry import hosts
 from daemon.registry.migratelock import migration_lock
 from daemon.registry.outbox import Outbox

@@ -24,7 +24,7 @@ from typing import ParamSpec, TypeVar
 
 from sqlalchemy.exc import DBAPIError, InterfaceError, OperationalError
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 
 log = get_logger(__name__)
 P = ParamSpec("P")

@@ -21,3 +21,38 @@ Settings are sections of daemon.config; rows are written through daemon.registry
 to roll out and when is decided above, in daemon.controller (and daemon.fleet for a fleet);
 this package never imports either.
 """
+
+from typing import TYPE_CHECKING
+
+from daemon import public_face
+
+if TYPE_CHECKING:
+    from daemon.rollout import health
+    from daemon.rollout.attribution import attribute
+    from daemon.rollout.driver import StepFailed, WorkerDriver
+    from daemon.rollout.engine import RolloutEngine, RolloutResult
+    from daemon.rollout.failure import FailurePath
+    from daemon.rollout.health import WindowVerdict
+    from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed, target_problem
+    from daemon.rollout.planner import newer, newest
+    from daemon.rollout.recovery import Recovery, check_worker, fleet_version, recover_uncertain
+    from daemon.rollout.stage import Stager, Target, registry_expect
+    from daemon.rollout.states import (
+        FAILED,
+        Transition,
+        TransitionObserver,
+        WorkerHandle,
+        WorkerSet,
+        WorkerState,
+        parse_state,
+    )
+
+__all__ = [
+    "FAILED", "FailurePath", "ManagedWorker", "PortTaken", "Recovery", "Restarter", "RolloutEngine",
+    "RolloutResult", "Stager", "StepFailed", "Target", "Transition", "TransitionObserver",
+    "WindowVerdict", "WorkerDriver", "WorkerHandle", "WorkerSet", "WorkerState", "attribute",
+    "check_worker", "ensure_seed", "fleet_version", "health", "newer", "newest", "parse_state",
+    "recover_uncertain", "registry_expect", "target_problem"
+]
+
+__getattr__ = public_face(__name__)

@@ -23,9 +23,7 @@ from typing import Literal
 
 from sqlalchemy import select
 
-from daemon.registry.db import Registry
-from daemon.registry.models import Rollout
-from daemon.registry.status import FailureKind, RolloutOutcome, RolloutTrigger
+from daemon.registry import FailureKind, Registry, Rollout, RolloutOutcome, RolloutTrigger
 
 INFRA_KINDS: frozenset[FailureKind] = frozenset({FailureKind.UNREACHABLE, FailureKind.UNAVAILABLE})
 

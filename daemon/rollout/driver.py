@@ -17,9 +17,9 @@ import time
 from collections.abc import Iterable
 from typing import Any
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutMode, RolloutSettings
-from daemon.engines.base import (
+from daemon.engines import (
     NonFiniteOutput,
     PreparesUpdates,
     ResumesAfterUpdate,
@@ -29,8 +29,7 @@ from daemon.engines.base import (
     WorkerError,
     WorkerUnreachable,
 )
-from daemon.registry.journal import Journal
-from daemon.registry.status import FailureKind
+from daemon.registry import FailureKind, Journal
 from daemon.rollout.managed import Restarter
 from daemon.rollout.relaunch import Relauncher
 from daemon.rollout.stage import Target

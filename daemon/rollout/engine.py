@@ -16,12 +16,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
-from daemon.engines.base import PreparesUpdates, WorkerError
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.registry.outbox import unreachable
-from daemon.registry.status import CheckpointStatus, FailureKind, RolloutOutcome, RolloutTrigger
+from daemon.engines import PreparesUpdates, WorkerError
+from daemon.registry import (
+    CheckpointRef,
+    CheckpointStatus,
+    FailureKind,
+    Journal,
+    RolloutOutcome,
+    RolloutTrigger,
+    unreachable,
+)
 from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.failure import FailurePath
 from daemon.rollout.planner import Batch, modes_of, pauses_safely, plan

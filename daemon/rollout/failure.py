@@ -14,8 +14,8 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 
-from daemon.common.logging import get_logger
-from daemon.engines.base import WeightInfo, WorkerError
+from daemon.common import get_logger
+from daemon.engines import WeightInfo, WorkerError
 from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.stage import Target
 from daemon.rollout.states import FAILED, WorkerHandle, WorkerState, parse_state

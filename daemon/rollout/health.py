@@ -26,9 +26,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutSettings
-from daemon.engines.base import NonFiniteOutput, WorkerError, WorkerUnreachable
+from daemon.engines import NonFiniteOutput, WorkerError, WorkerUnreachable
 from daemon.rollout.states import WorkerHandle, WorkerSet
 
 log = get_logger(__name__)

@@ -42,18 +42,17 @@ from urllib.parse import urlsplit
 
 import psutil
 
-from daemon.bytepipe.files import hash_files
-from daemon.common.identity import socket_dir, write_secret
-from daemon.common.logging import get_logger
-from daemon.common.private import DIR_MODE, FILE_MODE, open_private, private_dir, tighten, write_private
-from daemon.common.tcplisten import tcp_listener
+from daemon.bytepipe import hash_files
+
+from daemon.common import (  # isort: skip (one statement in two lines: this module is near 450 lines)
+    DIR_MODE, FILE_MODE, get_logger, open_private, private_dir, socket_dir, tcp_listener, tighten, write_private,
+    write_secret)
 from daemon.config import WorkerSpec
-from daemon.formats.checkpoint import MANIFEST_NAME, tensor_table
+from daemon.formats import MANIFEST_NAME, tensor_table
 from daemon.manifest import load_manifest, publish
-from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry import CheckpointRef, Journal
 from daemon.tinymodel import make_tiny_checkpoint
-from daemon.transport.base import Expect
-from daemon.transport.check import reference_for
+from daemon.transport import Expect, reference_for
 
 log = get_logger(__name__)
 

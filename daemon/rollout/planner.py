@@ -21,8 +21,8 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from daemon.config import RolloutMode, RolloutSettings, WorkerSpec
-from daemon.engines.base import Capabilities
-from daemon.registry.journal import CheckpointRef
+from daemon.engines import Capabilities
+from daemon.registry import CheckpointRef
 
 
 @dataclass(frozen=True, slots=True)

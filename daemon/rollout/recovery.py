@@ -24,10 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.config import RolloutMode
-from daemon.engines.base import WeightInfo, WorkerError
-from daemon.registry.journal import CheckpointRef, Journal, RolloutRef
+from daemon.engines import WeightInfo, WorkerError
+from daemon.registry import CheckpointRef, Journal, RolloutRef
 from daemon.rollout.driver import StepFailed, WorkerDriver
 from daemon.rollout.engine import RolloutEngine
 from daemon.rollout.failure import FailurePath

@@ -49,17 +49,15 @@ from typing import Any, Protocol
 import httpx
 import psutil
 
-from daemon.common.logging import get_logger
-from daemon.common.private import write_private
+from daemon.common import get_logger, write_private
 from daemon.config import RolloutMode, RolloutSettings
-from daemon.engines.base import UpdateRefused, WeightInfo, WorkerError
-from daemon.formats.checkpoint import LayoutError, tensor_table
-from daemon.formats.safetensors import HeaderError
-from daemon.registry.journal import Journal
+from daemon.engines import UpdateRefused, WeightInfo, WorkerError
+from daemon.formats import HeaderError, LayoutError, tensor_table
+from daemon.registry import Journal
 from daemon.rollout.managed import STOP_TIMEOUT_S, ManagedWorker, Restarter, target_problem
 from daemon.rollout.stage import Target, registry_expect
 from daemon.rollout.states import WorkerHandle, WorkerState, parse_state
-from daemon.transport.base import Expect
+from daemon.transport import Expect
 
 log = get_logger(__name__)
 S = WorkerState

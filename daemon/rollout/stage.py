@@ -10,11 +10,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from daemon.checks.base import VerifyStager
-from daemon.engines.base import WeightInfo
-from daemon.registry.journal import CheckpointRef, Journal
-from daemon.transport import daemon_transport
-from daemon.transport.base import (
+from daemon.checks import VerifyStager
+from daemon.engines import WeightInfo
+from daemon.registry import CheckpointRef, Journal
+from daemon.transport import (
     DaemonTransport,
     Expect,
     ExpectedFile,
@@ -22,6 +21,7 @@ from daemon.transport.base import (
     SenderOptions,
     StageError,
     UpdateRequest,
+    daemon_transport,
 )
 
 __all__ = ["StageError", "Stager", "Target"]

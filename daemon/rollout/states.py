@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from daemon.config import WorkerSpec
-from daemon.engines.base import WorkerClient
+from daemon.engines import WorkerClient
 from daemon.rollout.managed import ManagedWorker
 
 

@@ -17,9 +17,13 @@ another source's client library.
 from __future__ import annotations
 
 import importlib
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from daemon import public_face
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Source, SourceType
+
+if TYPE_CHECKING:
+    from daemon.sources.commit import fingerprint
 
 SOURCE_TYPES: dict[str, str] = {
     "local": "daemon.sources.local:LocalSource",
@@ -55,5 +59,9 @@ def build_source(config: Any, emit: Emit, scheduler: Any = None) -> Source:
     return source_type(config.type)(config, emit, scheduler)
 
 
-__all__ = ["SOURCE_CONFIGS", "SOURCE_TYPES", "DiscoveredCheckpoint", "Emit", "FetchError", "FetchItem", "Source", "build_source",
-           "source_config_type", "source_type"]  # fmt: skip
+__all__ = [
+    "DiscoveredCheckpoint", "Emit", "FetchError", "FetchItem", "SOURCE_CONFIGS", "SOURCE_TYPES", "Source",
+    "build_source", "fingerprint", "source_config_type", "source_type"
+]
+
+__getattr__ = public_face(__name__)

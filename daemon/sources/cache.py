@@ -13,7 +13,7 @@ import os
 import shutil
 from pathlib import Path
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 
 log = get_logger(__name__)
 

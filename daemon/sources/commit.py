@@ -38,8 +38,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
-from daemon.formats.smallfile import INDEX_CAP_BYTES, SmallFileError, read_json_object
+from daemon.formats import INDEX_CAP_BYTES, INDEX_NAME, MANIFEST_NAME, SmallFileError, read_json_object
 from daemon.sources.base import DiscoveredCheckpoint
 
 MANIFEST_PEEK_BYTES = INDEX_CAP_BYTES  # the larger of the manifest's and the index's caps

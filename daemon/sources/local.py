@@ -33,7 +33,7 @@ from watchdog.events import FileSystemEvent, FileSystemEventHandler
 from watchdog.observers import Observer
 from watchdog.observers.api import BaseObserver
 
-from daemon.common.logging import get_logger
+from daemon.common import get_logger
 from daemon.manifest import version_problem
 from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.commit import CommitDetector, Snapshot, discovered, escapes, snapshot

@@ -27,11 +27,8 @@ from apscheduler.schedulers.background import BackgroundScheduler
 from apscheduler.schedulers.base import BaseScheduler
 from fastapi import FastAPI
 
-from daemon.common.auth import read_token_file
-from daemon.common.httpguard import ListenerLimits, guarded_protocol
-from daemon.common.logging import get_logger
-from daemon.common.tcplisten import tcp_listener
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.common import ListenerLimits, get_logger, guarded_protocol, read_token_file, tcp_listener
+from daemon.formats import MANIFEST_NAME
 from daemon.manifest import ManifestError, load_manifest, version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache

@@ -42,12 +42,10 @@ from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse
 from starlette.requests import ClientDisconnect
 
-from daemon.checks.signatures import SignatureError, verify_manifest_signature
-from daemon.common.logging import get_logger
-from daemon.delta import DeltaError
-from daemon.delta.section import shipped_files
-from daemon.formats.checkpoint import MANIFEST_NAME
-from daemon.formats.smallfile import MANIFEST_CAP_BYTES
+from daemon.checks import SignatureError, verify_manifest_signature
+from daemon.common import get_logger
+from daemon.delta import DeltaError, shipped_files
+from daemon.formats import MANIFEST_CAP_BYTES, MANIFEST_NAME
 from daemon.hashing import HASH_ALGORITHMS, DigestMismatch, FileDigest, FileHasher
 from daemon.manifest import ManifestError, check_relative_path, load_manifest, parse_manifest, version_problem
 from daemon.sources.push_gate import Limits, PushGate, client_address

@@ -39,10 +39,9 @@ from apscheduler.schedulers.base import BaseScheduler
 from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
-from daemon.common.logging import get_logger
-from daemon.delta import DeltaError
-from daemon.delta.section import fetched_files
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.common import get_logger
+from daemon.delta import DeltaError, fetched_files
+from daemon.formats import MANIFEST_NAME
 from daemon.manifest import version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache

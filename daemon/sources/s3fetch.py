@@ -39,12 +39,10 @@ from typing import Any
 
 from botocore.exceptions import BotoCoreError, ClientError
 
-from daemon.bytepipe.files import hash_files
-from daemon.common.logging import get_logger
-from daemon.delta import DeltaError
-from daemon.delta.section import fetched_files, is_delta
-from daemon.formats.checkpoint import MANIFEST_NAME
-from daemon.formats.smallfile import MANIFEST_CAP_BYTES
+from daemon.bytepipe import hash_files
+from daemon.common import get_logger
+from daemon.delta import DeltaError, fetched_files, is_delta
+from daemon.formats import MANIFEST_CAP_BYTES, MANIFEST_NAME
 from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, parse_manifest
 from daemon.sources.base import FetchError, Progress

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
 
-from daemon.common.apiconfig import is_loopback
+from daemon.common import is_loopback
 
 COMMIT_SIGNALS = ("manifest", "index", "marker")  # the local source's commit signals (daemon.sources.commit)
 GIB = 1024**3

@@ -26,8 +26,9 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
+from daemon import public_face
 from daemon.transport.base import (
     DaemonTransport,
     DaemonTransportFactory,
@@ -36,6 +37,39 @@ from daemon.transport.base import (
     WorkerTransport,
     WorkerTransportFactory,
 )
+
+if TYPE_CHECKING:
+    from daemon.transport.base import (
+        TORCH_TO_ST,
+        BadUpdateRequest,
+        Expect,
+        ExpectedFile,
+        OpensBeforePause,
+        Outgoing,
+        PlansCopies,
+        SourceChanged,
+        StageError,
+        StagesAhead,
+        SwapCapable,
+        SwapLease,
+        TableMismatch,
+        TransportError,
+        UpdateMode,
+        check_table,
+    )
+    from daemon.transport.broadcast import (
+        DEFAULT_BUCKET_BYTES,
+        buckets,
+        parse_table,
+        session_message,
+        table_to_json,
+        total_bytes,
+    )
+    from daemon.transport.broadcast_worker import bucket_broadcast, join, tensors_digest, vote
+    from daemon.transport.check import Reference, files_problem, load_expect_file, reference_for
+    from daemon.transport.disk import DiskTransport
+    from daemon.transport.group_spec import GroupSpec
+    from daemon.transport.ipc_open import OPENER, TRUSTED_UIDS
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,3 +100,17 @@ def worker_transport(request: UpdateRequest, store: Any) -> WorkerTransport:
     """Build the worker side for `request` (its name must be in TRANSPORTS; the caller checks)."""
     factory = cast(WorkerTransportFactory, _resolve(TRANSPORTS[request.transport].worker_side))
     return factory(request, store)
+
+
+__all__ = [
+    "BadUpdateRequest", "DEFAULT_BUCKET_BYTES", "DaemonTransport", "DaemonTransportFactory",
+    "DiskTransport", "Expect", "ExpectedFile", "GroupSpec", "OPENER", "OpensBeforePause", "Outgoing",
+    "PlansCopies", "Reference", "SenderOptions", "SourceChanged", "StageError", "StagesAhead",
+    "SwapCapable", "SwapLease", "TORCH_TO_ST", "TRANSPORTS", "TRUSTED_UIDS", "TableMismatch",
+    "TransportEntry", "TransportError", "UpdateMode", "UpdateRequest", "WorkerTransport",
+    "WorkerTransportFactory", "bucket_broadcast", "buckets", "check_table", "daemon_transport",
+    "files_problem", "join", "load_expect_file", "parse_table", "reference_for", "session_message",
+    "table_to_json", "tensors_digest", "total_bytes", "vote", "worker_transport"
+]
+
+__getattr__ = public_face(__name__)

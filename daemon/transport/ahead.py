@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from daemon.handoff.cuda import DeviceBuffer
-from daemon.handoff.descriptor import ALIGN, layout_tensors
+from daemon.handoff import ALIGN, DeviceBuffer, layout_tensors
 from daemon.transport.base import TORCH_TO_ST
 from daemon.transport.copyplan import plan_copies, run_copies
 

@@ -33,10 +33,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from daemon.bytepipe.expect import BadUpdateRequest as BadUpdateRequest
-from daemon.bytepipe.expect import Expect as Expect
-from daemon.bytepipe.expect import ExpectedFile as ExpectedFile
-from daemon.handoff.descriptor import TensorSpec as TensorSpec
+from daemon.bytepipe import BadUpdateRequest as BadUpdateRequest
+from daemon.bytepipe import Expect as Expect
+from daemon.bytepipe import ExpectedFile as ExpectedFile
+from daemon.handoff import TensorSpec as TensorSpec
 
 if TYPE_CHECKING:
     import torch

@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from daemon.formats.checkpoint import MANIFEST_NAME
+from daemon.formats import MANIFEST_NAME
 from daemon.transport.base import (
     BadUpdateRequest,
     TableMismatch,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from daemon.bytepipe.check import (
+from daemon.bytepipe import (
     DigestMismatch,
     LoadCheck,
     OrderedHasher,

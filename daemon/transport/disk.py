@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from daemon.formats.checkpoint import MANIFEST_NAME, TensorLocation, tensor_table, weight_files
+from daemon.formats import MANIFEST_NAME, TensorLocation, tensor_table, weight_files
 from daemon.manifest import load_manifest
 from daemon.transport.base import (
     BadUpdateRequest,

@@ -32,9 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from daemon.bytepipe.engine import BufferPool, Job, OpenFiles, Sink, run
-from daemon.bytepipe.sinks import Checked, DeviceCopy
-from daemon.formats.checkpoint import TensorLocation
+from daemon.bytepipe import BufferPool, Checked, DeviceCopy, Job, OpenFiles, Sink, run
+from daemon.formats import TensorLocation
 from daemon.transport.base import SourceChanged, TransportError
 from daemon.transport.check import DigestMismatch, LoadCheck
 

@@ -36,15 +36,16 @@ from typing import Any
 
 import torch
 
-from daemon.handoff.descriptor import (
+from daemon.handoff import (
     HOST_DEVICE,
     Descriptor,
     DescriptorError,
     IpcRefused,
+    LoaderClient,
+    LoaderError,
     parse_descriptor,
+    tie_to_loader,
 )
-from daemon.handoff.loader_client import LoaderClient, LoaderError
-from daemon.handoff.tie import tie_to_loader
 from daemon.transport.base import (
     BadUpdateRequest,
     Expect,
@@ -70,7 +71,7 @@ def _device_uuid_of(device: torch.device) -> str:
     if device.type == "cpu":
         return HOST_DEVICE
     if device.type == "cuda":
-        from daemon.handoff.cuda import device_uuid
+        from daemon.handoff import device_uuid
 
         return device_uuid(device.index if device.index is not None else torch.cuda.current_device())
     raise DescriptorError(f"the ipc transport does not support device {device}")

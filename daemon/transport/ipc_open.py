@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from daemon.handoff.descriptor import BufferRef, Descriptor, DescriptorError, IpcRefused
+from daemon.handoff import BufferRef, Descriptor, DescriptorError, IpcRefused
 from daemon.transport.base import ST_TO_TORCH
 
 log = logging.getLogger("hotswap.transport.ipc")
@@ -101,11 +101,11 @@ OPENER = IpcOpener()
 
 def _map_buffer(desc: Descriptor, buf: BufferRef) -> Any:
     if desc.kind == "shm":
-        from daemon.handoff.shm import ShmMapping
+        from daemon.handoff import ShmMapping
 
         assert buf.path is not None
         return ShmMapping(buf.path, buf.buffer_bytes, trusted_uids=TRUSTED_UIDS)
-    from daemon.handoff.cuda import CudaIpcError, ImportedBuffer
+    from daemon.handoff import CudaIpcError, ImportedBuffer
 
     assert buf.handle is not None
     try:

@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from daemon.common.logging import get_logger
-from daemon.handoff.loader_client import LoaderClient, LoaderError, LoaderUnavailable
+from daemon.common import get_logger
+from daemon.handoff import LoaderClient, LoaderError, LoaderUnavailable
 from daemon.transport.base import (
     DaemonTransportFactory,
     Outgoing,

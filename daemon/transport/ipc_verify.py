@@ -19,13 +19,19 @@ from typing import Any
 
 import torch
 
-from daemon.bytepipe.staged import StagedTensors
-from daemon.common.logging import get_logger
-from daemon.formats.checkpoint import TensorLocation
-from daemon.handoff.cuda import ImportedBuffer, device_index, device_uuid
-from daemon.handoff.descriptor import Descriptor, parse_descriptor
-from daemon.handoff.loader_client import LoaderClient, LoaderError
-from daemon.handoff.shm import ShmMapping
+from daemon.bytepipe import StagedTensors
+from daemon.common import get_logger
+from daemon.formats import TensorLocation
+from daemon.handoff import (
+    Descriptor,
+    ImportedBuffer,
+    LoaderClient,
+    LoaderError,
+    ShmMapping,
+    device_index,
+    device_uuid,
+    parse_descriptor,
+)
 from daemon.hashing import FileDigest
 from daemon.manifest import ManifestFile
 

@@ -11,3 +11,17 @@ A delivery is written with its event (a daemon killed after the event was record
 it after its restart), keeps one delivery id across every retry (a receiver drops a repeat), and
 is sent by a thread of its own webhook: a slow or failing receiver never waits a rollout.
 """
+
+from typing import TYPE_CHECKING
+
+from daemon import public_face
+
+if TYPE_CHECKING:
+    from daemon.webhooks.outbox import install
+    from daemon.webhooks.report import webhook_report
+    from daemon.webhooks.service import start_webhooks
+    from daemon.webhooks.settings import WebhookSettings, check_webhook_names
+
+__all__ = ["WebhookSettings", "check_webhook_names", "install", "start_webhooks", "webhook_report"]
+
+__getattr__ = public_face(__name__)

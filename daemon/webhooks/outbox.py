@@ -10,10 +10,8 @@ from typing import Any
 from sqlalchemy import insert, select
 from sqlalchemy.orm import Session
 
-from daemon.common.redact import redact_doc
-from daemon.registry import Registry
-from daemon.registry.models import Checkpoint, Event, utcnow
-from daemon.registry.webhook_rows import WebhookDelivery
+from daemon.common import redact_doc
+from daemon.registry import Checkpoint, Event, Registry, WebhookDelivery, utcnow
 from daemon.webhooks.events import webhook_event
 from daemon.webhooks.settings import WebhookSettings
 

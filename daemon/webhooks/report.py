@@ -10,8 +10,7 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 
-from daemon.registry import Registry
-from daemon.registry.webhook_rows import DELIVERY_STATES, WebhookDelivery
+from daemon.registry import DELIVERY_STATES, Registry, WebhookDelivery
 from daemon.webhooks.settings import WebhookSettings
 
 

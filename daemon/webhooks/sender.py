@@ -16,12 +16,8 @@ import httpx
 from sqlalchemy import select, update
 
 import daemon
-from daemon.common.auth import read_private_token_file
-from daemon.common.backoff import backoff_delay
-from daemon.common.logging import get_logger
-from daemon.registry import Registry
-from daemon.registry.models import utcnow
-from daemon.registry.webhook_rows import WebhookDelivery
+from daemon.common import backoff_delay, get_logger, read_private_token_file
+from daemon.registry import Registry, WebhookDelivery, utcnow
 from daemon.webhooks.settings import WebhookSettings
 from daemon.webhooks.signing import DELIVERY_HEADER, EVENT_HEADER, SIGNATURE_HEADER, sign
 

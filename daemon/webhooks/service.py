@@ -4,8 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry
 
-from daemon.common.auth import TokenFileError
-from daemon.common.typedtoml import ConfigError
+from daemon.common import ConfigError, TokenFileError
 from daemon.registry import Registry
 from daemon.webhooks.outbox import install
 from daemon.webhooks.report import WebhookCollector

@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from urllib.parse import urlsplit
 
-from daemon.common.typedtoml import ConfigError
+from daemon.common import ConfigError
 from daemon.webhooks.events import WEBHOOK_EVENTS
 
 

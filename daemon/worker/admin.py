@@ -42,9 +42,15 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 from starlette.concurrency import run_in_threadpool
 
-from daemon.common.httpguard import ListenerLimits, guarded_protocol
-from daemon.common.identity import check_private_socket_dir, proof, valid_nonce
-from daemon.common.jsonbody import JsonBodyError, parse_object
+from daemon.common import (
+    JsonBodyError,
+    ListenerLimits,
+    check_private_socket_dir,
+    guarded_protocol,
+    parse_object,
+    proof,
+    valid_nonce,
+)
 from daemon.worker import lora_admin
 from daemon.worker.limits import ADMIN_MAX_BODY_BYTES, BodyLimit
 from daemon.worker.updates import UpdateError

@@ -39,7 +39,7 @@ from collections.abc import Callable, Sequence
 from enum import StrEnum
 from typing import Any
 
-from daemon.transport.base import StagesAhead, TransportError, UpdateRequest
+from daemon.transport import StagesAhead, TransportError, UpdateRequest
 from daemon.worker import updates
 from daemon.worker.after_write import flip_back, probe_failure, probe_now
 from daemon.worker.engine import Engine, probe

@@ -17,9 +17,9 @@ from collections.abc import Sequence
 
 import torch
 
-from daemon.formats.checkpoint import tensor_table
-from daemon.handoff.descriptor import ALIGN, layout_tensors
-from daemon.transport.base import TORCH_TO_ST
+from daemon.formats import tensor_table
+from daemon.handoff import ALIGN, layout_tensors
+from daemon.transport import TORCH_TO_ST
 
 
 def checkpoint_order(directory: str) -> list[str]:

@@ -32,16 +32,9 @@ from typing import Any
 
 import torch
 
-from daemon.formats.adapter import (
-    ADAPTER_WEIGHTS,
-    AdapterLayoutError,
-    lora_pairs,
-    name_problem,
-    read_adapter_config,
-)
+from daemon.formats import ADAPTER_WEIGHTS, AdapterLayoutError, lora_pairs, name_problem, read_adapter_config
 from daemon.hashing import HASH_ALGORITHMS, new_strong_hash
-from daemon.transport.base import Expect
-from daemon.transport.check import reference_for
+from daemon.transport import Expect, reference_for
 
 MAX_ADAPTER_BYTES = 4 * 1024**3  # read whole into memory to hash and parse the same bytes
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from daemon.transport.base import BadUpdateRequest, Expect
+from daemon.transport import BadUpdateRequest, Expect
 from daemon.worker.engine import probe
 from daemon.worker.lora import AdapterRefused
 from daemon.worker.updates import BadRequest, Refused, UpdateError

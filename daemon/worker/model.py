@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from daemon.formats.checkpoint import LayoutError, tensor_table
+from daemon.formats import LayoutError, tensor_table
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 

@@ -59,14 +59,9 @@ from typing import Any
 import uvicorn
 from fastapi import FastAPI
 
-from daemon.common.httpguard import ListenerLimits, guarded_protocol
-from daemon.common.identity import PrivateDirError
-from daemon.common.tcplisten import tcp_listener
-from daemon.formats.checkpoint import MANIFEST_NAME, LayoutError
-from daemon.formats.safetensors import HeaderError
-from daemon.transport.base import TableMismatch, TransportError, check_table
-from daemon.transport.check import load_expect_file
-from daemon.transport.disk import DiskTransport
+from daemon.common import ListenerLimits, PrivateDirError, guarded_protocol, tcp_listener
+from daemon.formats import MANIFEST_NAME, HeaderError, LayoutError
+from daemon.transport import DiskTransport, TableMismatch, TransportError, check_table, load_expect_file
 from daemon.worker.admin import (
     AdminServer,
     ProbesFirst,
@@ -221,7 +216,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None, *, before_write: Sequence[Any] = ()) -> int:
     args = parse_args(argv)
     try:
-        from daemon.common.logging import configure_logging
+        from daemon.common import configure_logging
 
         configure_logging(args.log_level)
     except Exception:  # logging is a convenience; never the reason a worker fails to start

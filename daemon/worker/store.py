@@ -44,7 +44,7 @@ from typing import Any
 
 import torch
 
-from daemon.transport.base import SwapLease
+from daemon.transport import SwapLease
 
 
 @dataclass(slots=True)

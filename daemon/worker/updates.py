@@ -33,10 +33,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from daemon.formats.checkpoint import LayoutError
-from daemon.formats.safetensors import HeaderError
-from daemon.transport import TRANSPORTS, worker_transport
-from daemon.transport.base import (
+from daemon.formats import HeaderError, LayoutError
+from daemon.transport import (
+    TRANSPORTS,
     BadUpdateRequest,
     OpensBeforePause,
     PlansCopies,
@@ -48,6 +47,7 @@ from daemon.transport.base import (
     UpdateRequest,
     WorkerTransport,
     check_table,
+    worker_transport,
 )
 from daemon.worker.store import VersionRecord, WeightStore
 

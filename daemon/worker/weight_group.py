@@ -18,9 +18,7 @@ from typing import Any
 from fastapi import Request
 from starlette.concurrency import run_in_threadpool
 
-from daemon.transport.base import BadUpdateRequest, TransportError
-from daemon.transport.broadcast_worker import join
-from daemon.transport.group_spec import GroupSpec
+from daemon.transport import BadUpdateRequest, GroupSpec, TransportError, join
 from daemon.worker.updates import BadRequest, UpdateError
 
 

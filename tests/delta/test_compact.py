@@ -20,7 +20,7 @@ from daemon.client import publish_delta
 from daemon.delta import DeltaError
 from daemon.delta.anchors import AnchorRule
 from daemon.delta.compact import compact_chain
-from daemon.delta.rebuild import rebuild
+from daemon.delta.rebuild import rebuild_delta
 from daemon.delta.section import COMPACT_DIR, DELTA_DIR, fetched_files, parse, shipped_files
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import load_manifest
@@ -75,7 +75,7 @@ def test_the_cli_writes_the_compacted_delta_from_the_anchor_and_it_rebuilds_the_
         f"{DELTA_DIR}/{HSD}",
         f"{COMPACT_DIR}/{HSD}",
     ]  # the upload
-    done = rebuild(
+    done = rebuild_delta(
         out, m, c, tmp_path / "tr" / "v1", {f.path: f for f in anchor.files}, tmp_path / "rebuilt" / "v3"
     )
     for f in m.files:  # from the anchor alone, bit-identical to the trainer's v3

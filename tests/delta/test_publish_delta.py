@@ -16,7 +16,7 @@ from support_delta import step
 from daemon.client import publish_delta
 from daemon.delta import DeltaError
 from daemon.delta.anchors import AnchorRule
-from daemon.delta.rebuild import rebuild
+from daemon.delta.rebuild import rebuild_delta
 from daemon.delta.section import DELTA_DIR, parse
 from daemon.formats.checkpoint import MANIFEST_NAME
 from daemon.manifest import ManifestError, load_manifest
@@ -28,7 +28,7 @@ def rebuilt_equals(out: Path, base: Path, new: Path, tmp: Path) -> bool:
     m = load_manifest(out)
     spec = parse(m, "t")
     assert spec is not None
-    r = rebuild(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, tmp / "rebuilt" / out.name)
+    r = rebuild_delta(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, tmp / "rebuilt" / out.name)
     return all((r.directory / f.path).read_bytes() == (new / f.path).read_bytes() for f in m.files)
 
 

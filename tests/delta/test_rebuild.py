@@ -15,7 +15,7 @@ from support_delta import step
 
 from daemon.client import publish_delta
 from daemon.delta import DeltaError
-from daemon.delta.rebuild import rebuild
+from daemon.delta.rebuild import rebuild_delta
 from daemon.delta.section import parse
 from daemon.manifest import load_manifest
 
@@ -36,7 +36,7 @@ def test_every_shard_is_rebuilt_at_once_bit_identical_and_verified_in_memory(tmp
     spec = parse(m, "t")
     assert spec is not None and len(spec.files) == 2  # both shards changed: two files rebuilt side by side
     for threads in (1, 4):
-        r = rebuild(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, tmp_path / f"r{threads}",
+        r = rebuild_delta(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, tmp_path / f"r{threads}",
                     threads=threads)  # fmt: skip
         assert all((r.directory / f.path).read_bytes() == (new / f.path).read_bytes() for f in m.files)
         assert r.result_bytes == sum(f.bytes for f in m.files)
@@ -55,7 +55,7 @@ def test_a_result_whose_hashes_differ_from_the_manifest_is_refused_by_the_rebuil
     lying = replace(m, files=[replace(f, **{field: wrong}) if f.path == victim else f for f in m.files])
     dest = tmp_path / "rebuilt" / "v2"
     with pytest.raises(DeltaError, match=f"result file {victim} \\(rebuilt from"):
-        rebuild(out, lying, spec, base, {f.path: f for f in load_manifest(base).files}, dest)
+        rebuild_delta(out, lying, spec, base, {f.path: f for f in load_manifest(base).files}, dest)
     assert not dest.exists()
     assert [p.name for p in dest.parent.iterdir()] == []  # no temporary folder either
 
@@ -79,6 +79,6 @@ def test_a_base_changed_on_disk_since_it_was_verified_is_refused(tmp_path: Path,
     dest = tmp_path / "rebuilt" / "v2"
     with pytest.raises(DeltaError, match=f"base file {copied} \\(changed on this host since it was verified\\): "
                                          "blake3 .* does not match the verified"):  # fmt: skip
-        rebuild(out, m, spec, base, files, dest)
+        rebuild_delta(out, m, spec, base, files, dest)
     assert not dest.exists()
     assert [p.name for p in dest.parent.iterdir()] == []

@@ -36,13 +36,13 @@ def test_the_rebuild_runs_with_no_registry_connection_held(
     coord.delta_dir = tmp_path / "deltas"
     src.emit = coord.intake
     held: list[int] = []
-    real = deltas.rebuild
+    real = deltas.rebuild_delta
 
     def watched(*args: Any, **kwargs: Any) -> Any:
         held.append(registry.engine.pool.checkedout())  # connections out of the pool right now
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(deltas, "rebuild", watched)
+    monkeypatch.setattr(deltas, "rebuild_delta", watched)
     for version in ("v1", "v2"):
         src.offer(version)
         coord.process(coord._queue.get_nowait())
