@@ -119,10 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                     main_stream.wait_stream(st)
 
             methods[f"copy_ x {k} on {s} streams"] = run
-        methods.update({k: v for k, v in _triton_methods(src, dst).items() if k.startswith("triton copy")})
+    triton = _triton_methods(src, dst) if cuda else {}  # built (and compiled) once
+    methods.update({k: v for k, v in triton.items() if k.startswith("triton copy")})
     methods["checksum (torch)"] = lambda: checksum([dst], [True], 8)
-    if cuda:
-        methods.update({k: v for k, v in _triton_methods(src, dst).items() if k.startswith("checksum")})
+    methods.update({k: v for k, v in triton.items() if k.startswith("checksum")})
     rows: list[dict[str, Any]] = []
     for name, fn in methods.items():
         try:
