@@ -153,6 +153,7 @@ class Controller:
             "paused": self.engine.paused,
             # changes only if a parameter was reallocated (in-place updates keep it)
             "storage_id": hashlib.sha1(repr(sorted(self.store.data_ptrs().items())).encode()).hexdigest()[:16],
+            "own_storage": self.store.own_storage,  # "released": swap mode let the worker's own copy go
             "unhealthy_reason": self.store.unhealthy,
             "model_dir": self.model_dir,
             "last_update": self.store.last_update,

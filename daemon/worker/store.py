@@ -31,6 +31,11 @@ every parameter at the lease's tensors (the worker's own storage is remembered a
 swap), and `prepare_for_copy()`, called before every in-place write, points them back at the
 worker's own storage first (a leased buffer is never written) and forgets "own storage holds
 version X", since the write is about to overwrite it. Rollback is a pointer flip both ways.
+Once no retained version lives in the own storage (two swaps on: current and previous are both
+leases), `commit` lets it go: on a GPU it is a whole model that the loader needs for the next
+staged version (8B swap mode with two workers then fits an 80 GB card: the loader's serving,
+previous and next copies, not those plus each worker's own). A copy-mode write after that
+allocates it again, holding the current values, before writing (`own_storage` says which).
 Swap mode breaks captured CUDA graphs (they keep the old addresses); copy mode is the default.
 """
 
@@ -45,6 +50,7 @@ from typing import Any
 import torch
 
 from daemon.transport import SwapLease
+from daemon.worker.flat import pack_flat
 
 
 @dataclass(slots=True)
@@ -94,6 +100,8 @@ class WeightStore:
         self.invalidators: list[Callable[[], None]] = []
         self.last_update: dict[str, Any] = {}
         self._own: _Flip | None = None  # the worker's own storage, captured at the first swap
+        self._own_released = False  # let go in swap mode: allocated again before a copy-mode write
+        self._own_order: list[str] | None = None  # names by offset in the flat buffer, when packed
         self._pointing_at: _Flip | None = None  # where the parameters point now (None: never swapped)
         self.defer_releases = False  # True: `release` keeps closers until `take_deferred`
         self._deferred: list[Callable[[], None]] = []
@@ -129,6 +137,7 @@ class WeightStore:
         self.unhealthy = None
         if dropped is not None and dropped.release is not None and dropped is not self.current:
             self.release(dropped.release)
+        self._release_own_if_unused()
 
     def release(self, fn: Callable[[], None]) -> None:
         """Let go of something an update opened: now, or with `defer_releases` once serving again."""
@@ -159,8 +168,10 @@ class WeightStore:
     # -- swap mode (call with `lock` held) ---------------------------------------------------
     def swap_in(self, lease: SwapLease, record: VersionRecord) -> None:
         """Point every parameter at the lease's tensors; `record` gets the flip back and the release."""
-        if self._own is None:  # first swap: the parameters are on the worker's own storage
+        if self._own is None and not self._own_released:  # first swap: the parameters are on own storage
             self._own = _Flip(self, [(p, p.data) for p in self.params.values()])
+            if self.flat is not None:
+                self._own_order = sorted(self.params, key=lambda n: self.params[n].data_ptr())
             self._pointing_at = self._own
         came_from = self._pointing_at
         flip = _Flip(self, lease.pairs)
@@ -181,8 +192,44 @@ class WeightStore:
 
         record.release = release
 
+    @property
+    def own_storage(self) -> str:
+        """"own" (never swapped, or own storage kept), "released" (swap mode let it go)."""
+        return "released" if self._own_released else "own"
+
+    def _release_own_if_unused(self) -> None:
+        own = self._own
+        if own is None or self._pointing_at is own:
+            return
+        if any(rec is not None and rec.restore is own for rec in (self.current, self.previous)):
+            return  # a rollback flips back to it
+        held: list[Any] = [own, self.flat]  # the last references, dropped after resume
+        self._own, self._own_released, self.flat = None, True, None
+
+        def drop() -> None:
+            own.clear()
+            held.clear()
+            if self.device.type == "cuda":
+                torch.cuda.empty_cache()  # back to the driver: the loader allocates the next version there
+
+        self.release(drop)
+
+    def _own_again(self) -> _Flip:
+        """Own storage allocated again, holding the current values (a write need not cover every tensor)."""
+        with torch.no_grad():
+            if self._own_order is not None:
+                self.flat = pack_flat(self.params, self._own_order)
+            else:
+                for p in self.params.values():
+                    p.data = p.data.clone()
+        self._own_released = False
+        return _Flip(self, [(p, p.data) for p in self.params.values()])
+
     def prepare_for_copy(self) -> None:
         """Before writing in place: back onto own storage, which no longer holds its old version."""
+        if self._own_released:  # allocate it again (an out-of-memory error fails the write, restored)
+            self._own = self._pointing_at = self._own_again()
+            return
         if self._own is None:
             return
         if self._pointing_at is not self._own:

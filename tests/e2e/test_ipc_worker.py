@@ -118,6 +118,30 @@ def test_copy_and_swap_match_a_disk_update_and_rollback_flips_back(
     assert r.status_code == 200 and a.greedy(PROMPT) == reference["v3"]
 
 
+def test_swap_mode_lets_the_own_copy_go_and_a_later_copy_allocates_it_again(
+    root: Path, loader: LoaderProcess, reference: dict[str, list[int]]
+) -> None:
+    """Two swaps on, no retained version lives in the worker's own storage: it is let go (the
+    loader needs that memory for the next version). Rollbacks still flip between the leases, and
+    a copy-mode update allocates own storage again, never writing a leased buffer."""
+    w = start_worker(root / "v1", root / "token", extra=["--version", "v1"])
+    try:
+        assert ipc_update(w, loader, "v2", mode="swap").status_code == 200
+        assert w.info()["own_storage"] == "own"  # v1 lives there: a rollback flips back to it
+        assert ipc_update(w, loader, "v3", mode="swap").status_code == 200
+        assert w.info()["own_storage"] == "released" and w.greedy(PROMPT) == reference["v3"]
+        rb = w.admin("/admin/rollback")
+        assert rb["version"] == "v2" and w.greedy(PROMPT) == reference["v2"]
+        assert w.admin("/admin/rollback")["version"] == "v3"
+        r = w.post("/admin/update", {"version": "v1", "transport": "disk", "path": str(root / "v1")}, admin=True)
+        assert r.status_code == 200, r.text
+        assert w.info()["own_storage"] == "own" and w.greedy(PROMPT) == reference["v1"]
+        rb = w.admin("/admin/rollback")  # the v3 lease, untouched by the copy
+        assert rb["version"] == "v3" and w.greedy(PROMPT) == reference["v3"]
+    finally:
+        w.stop()
+
+
 def _mutated(loader: LoaderProcess, version: str, fn: Any) -> dict[str, Any]:
     doc = json.loads(json.dumps(loader.client.descriptor(version)))
     fn(doc)
