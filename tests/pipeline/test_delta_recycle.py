@@ -6,6 +6,7 @@ gone and its row has a `files_recycled` event. In-process, on SQLite and Postgre
 
 from __future__ import annotations
 
+import shutil
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,23 @@ def test_the_config_switch_reaches_the_coordinator(tmp_path: Path) -> None:
             assert d.coordinator.recycle_rebuilt is value
         finally:
             d.registry.close()
+
+
+def test_a_fleet_hosts_own_copy_recycles_too(registry: Registry, tmp_path: Path) -> None:
+    """rebuild_copy (a fleet host rebuilding its copy of a registered version) picks the same way."""
+    from daemon.pipeline import deltas
+
+    w = World(registry, tmp_path)
+    w.move("v2", C.REJECTED)
+    w.coord.recycle_rebuilt = False
+    w.rebuild_v3()  # v3 registered and verified, from fresh files; then this host's copy is gone
+    shutil.rmtree(w.coord.delta_dir / "v3")
+    before = w.inodes()
+    row = w.journal.checkpoint_by_version("v3")
+    assert row is not None
+    out = deltas.rebuild_copy(registry, row.id, w.src.cache / "v3", w.coord.delta_dir)
+    assert out == w.coord.delta_dir / "v3" and not w.stale.exists()
+    assert {n: (out / n).stat().st_ino for n in w.shards} == before
+    trainer = tmp_path / "trainer" / "v3"
+    assert all((out / p.name).read_bytes() == p.read_bytes() for p in trainer.iterdir())
+    assert [(e["checkpoint"], e["into"]) for e in w.recycled_events()] == [("v2", "v3")]
