@@ -170,6 +170,8 @@ def _recycle(stale: Path, tmp: Path, want: Mapping[str, int]) -> int | None:
     """`stale` renamed to `tmp` (one step: it is never half-present under its own name), keeping only
     the regular, unshared files of a path and size in `want`; the bytes kept, or None when it could
     not be taken (gone: retention or another rebuild took it first; then nothing was changed)."""
+    if stale.is_symlink():  # its files are another directory's
+        return None
     try:
         os.rename(stale, tmp)
     except OSError:
