@@ -51,6 +51,7 @@ class DaemonConfig:
     watchdog_interval_s: float = 0.0  # 0 = use systemd's WATCHDOG_USEC when set
     retention_interval_s: float = 300.0  # how often sources may prune directories they created
     keep_workers_on_stop: bool = True  # managed workers keep serving while the daemon restarts (adopted at start)
+    recycle_rebuilt: bool = True  # a delta's rebuild overwrites a stale rebuilt version's same-size files in place
 
     def validate(self, key: str) -> None:
         if self.retention_interval_s <= 0:
@@ -298,9 +299,6 @@ class LoaderSettings:
 
     socket: str = ""  # Unix socket of `hotswap loader`; "" = <state_dir>/loader.sock
     token_file: str = ""  # the loader's bearer token file ("" = none)
-
-    def validate(self, key: str) -> None:
-        return None
 
 
 def check_fleet(rollout: RolloutSettings, workers: list[WorkerSpec]) -> None:

@@ -79,7 +79,7 @@ from daemon.process import (
     reload_config,
     run_preflight,
 )
-from daemon.registry import UNFINISHED, WAITING, Registry, redact_url, retention
+from daemon.registry import Registry, redact_url, retention
 from daemon.registry import queries as q
 from daemon.rollout import TransitionObserver
 from daemon.sources import Source, build_source
@@ -301,10 +301,8 @@ class Daemon:
     def protected_paths(self) -> frozenset[Path]:
         """Serving, last good and pinned, every checkpoint still on its way to a worker, and the bases
         that fetched delta checkpoints are to be rebuilt from."""
-        with self.registry.session() as s:  # this host's copies (checkpoint_locations)
-            paths = q.protected_local_paths(s, (*UNFINISHED, *WAITING))
-            paths |= deltas.bases_of_pending(s, self.coordinator.delta_dir)
-            return frozenset(Path(p) for p in paths)
+        with self.registry.session() as s:  # this host's copies (checkpoint_locations); recycling keeps them too
+            return deltas.protected_paths(s, self.coordinator.delta_dir)
 
     def _status_counts(self) -> dict[str, int]:
         with self.registry.session() as s:
@@ -331,6 +329,7 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
     # register -> fetch -> verify: the coordinator (its queue is what the sources feed)
     coordinator = Coordinator(registry, config.checks, metrics, observers=seen.statuses)
     coordinator.delta_dir = config.state_dir / "deltas"  # delta checkpoints rebuilt into full versions
+    coordinator.recycle_rebuilt = config.daemon.recycle_rebuilt  # over a stale rebuilt version's files
     # discover: one source per [[sources]] entry, by its type
     sources = [build_source(c, coordinator.intake, scheduler) for c in config.sources]
     coordinator.sources = {s.label: s for s in sources}  # the fetch step asks a checkpoint's source
@@ -345,7 +344,8 @@ def build_daemon(config: Config, observers: Observers | None = None) -> Daemon:
         if rollout.fleet_agent is not None:  # fleet mode: a version registered elsewhere is fetched here
             rollout.fleet_agent.fetch = lambda cid: fetch_here(
                 registry, coordinator.sources, cid,
-                lambda i, d, c: deltas.rebuild_copy(registry, i, d, coordinator.delta_dir, c), 0, metrics.fetched)
+                lambda i, d, c: deltas.rebuild_copy(registry, i, d, coordinator.delta_dir, c,
+                                                    coordinator.recycle_rebuilt), 0, metrics.fetched)  # fmt: skip
             rollout.fleet_agent.doing = lambda: rollout.state.current_job or (None if rollout.wait_ready(0) else "start-up")
     return Daemon(config, registry, metrics, scheduler, coordinator, sources, rollout)
 

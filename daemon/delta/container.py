@@ -261,7 +261,10 @@ def rebuild_file(delta: Path, base: np.ndarray | None, out: Path, pool: Executor
     head, chunks, start = read_header(data, where)
     check_base(head, base, where)
     lend = buffers if buffers is not None else ChunkBuffers()
-    fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # no O_TRUNC: a recycled file (daemon.delta.rebuild) keeps its blocks and cached pages and is
+    # overwritten in place; ftruncate makes any file exactly the result's size, and the chunks tile
+    # it (read_header), so every byte is written and no stale tail is left
+    fd = os.open(out, os.O_WRONLY | os.O_CREAT, 0o644)
     try:
         os.ftruncate(fd, head["bytes"])
 
@@ -297,6 +300,8 @@ def rebuild_file(delta: Path, base: np.ndarray | None, out: Path, pool: Executor
         # never trusted from disk alone: the checks hash it against the manifest, and every load
         # (disk reload, loader staging) checks the digests again, so bytes torn by a power cut are
         # refused, never served (daemon.delta.rebuild)
+        if os.fstat(fd).st_size != head["bytes"]:
+            raise DeltaError(f"{where}: {out} is {os.fstat(fd).st_size} bytes after the rebuild, not {head['bytes']}")
     finally:
         os.close(fd)
     return int(head["bytes"])

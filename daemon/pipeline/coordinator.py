@@ -79,6 +79,7 @@ class Coordinator:
         self.verify_stager: Callable[[str, str], VerifyStager | None] | None = None
         self._heartbeat_s = 0.0
         self.delta_dir = Path("deltas")  # where delta checkpoints are rebuilt (the service: <state_dir>/deltas)
+        self.recycle_rebuilt = True  # a rebuild may overwrite a stale rebuilt version's files (daemon.pipeline.deltas)
 
     # -- plumbing -------------------------------------------------------------------------
 
@@ -333,7 +334,7 @@ class Coordinator:
     def rebuild(self, checkpoint_id: int) -> bool:
         """A delta checkpoint: rebuilt from its base (daemon.pipeline.deltas); True when verify may go on."""
         go_on, version, err = deltas.run_step(self.registry, checkpoint_id, self.delta_dir, self.metrics.fetched,
-                                              self.check_settings)
+                                              self.check_settings, self.recycle_rebuilt)
         return go_on if err is None else self._fetch_failed(checkpoint_id, err, bind_version(log, version))
 
     # -- step: verify --------------------------------------------------------------------
