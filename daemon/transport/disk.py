@@ -202,6 +202,7 @@ class DiskTransport:
 
     def close(self) -> None:
         self._locations = None
+        self.flat = None  # the worker's buffer: a closed transport must not keep it alive (swap mode frees it)
         if self.ahead is not None:
             ahead, self.ahead = self.ahead, None
             ahead.free()

@@ -266,6 +266,8 @@ class IpcTransport:
         return lease
 
     def close(self) -> None:
+        self.flat = None  # the worker's buffer: a closed transport must not keep it alive (swap mode frees it)
+        self._prepared_copy = None  # its plan holds views of the parameters' storage
         if self._opened is not None:
             opened, self._opened = self._opened, None
             self._opener.release(opened)

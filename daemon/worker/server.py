@@ -146,14 +146,18 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
             log.warning("weights stay in separate allocations (ipc copies one per tensor): %s", no_room)
     expect = load_expect_file(args.expect_file)  # checked while loading; kept for restores
     transport = DiskTransport(model_dir, expect=expect)
-    check_table(transport.table(), loaded.params)
-    transport.write_into(loaded.params)
+    try:
+        check_table(transport.table(), loaded.params)
+        transport.write_into(loaded.params)
+    finally:
+        transport.close()
     load_s = time.perf_counter() - t0
     record = VersionRecord(version=version, digest=expect.digest or digest, transport="disk", path=str(model_dir),
                            request={"transport": "disk", "path": str(model_dir), "version": version,
                                     **({"expect": expect.to_json()} if expect.files else {})})
     store = WeightStore(loaded.params, device, record)
     store.flat = flat
+    del flat, transport  # the store holds them now: swap mode can let its own copy go (daemon.worker.store)
     store.stage_disk = args.stage_disk
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
     ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write,

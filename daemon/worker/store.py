@@ -48,6 +48,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from daemon.transport import SwapLease
 from daemon.worker.flat import pack_flat
@@ -102,6 +103,8 @@ class WeightStore:
         self._own: _Flip | None = None  # the worker's own storage, captured at the first swap
         self._own_released = False  # let go in swap mode: allocated again before a copy-mode write
         self._own_order: list[str] | None = None  # names by offset in the flat buffer, when packed
+        self._own_refs: list[StorageWeakRef] = []  # the released own storage, to observe that it went
+        self._own_drop: Callable[[], None] | None = None  # its release (run after the others)
         self._pointing_at: _Flip | None = None  # where the parameters point now (None: never swapped)
         self.defer_releases = False  # True: `release` keeps closers until `take_deferred`
         self._deferred: list[Callable[[], None]] = []
@@ -148,10 +151,12 @@ class WeightStore:
             self._deferred.append(fn)
 
     def take_deferred(self) -> list[Callable[[], None]]:
-        """The releases kept since the last call, in order (the caller runs them)."""
+        """The releases kept since the last call, in order (the caller runs them); the own storage's
+        last: its memory goes back to the device only once the transports closed before it, which
+        held the flat buffer, are gone too."""
         with self._deferred_lock:
             fns, self._deferred = self._deferred, []
-        return fns
+        return [f for f in fns if f is not self._own_drop] + [f for f in fns if f is self._own_drop]
 
     def swap_current_and_previous(self) -> None:
         """After a rollback: the version we came from becomes the retained one."""
@@ -194,8 +199,11 @@ class WeightStore:
 
     @property
     def own_storage(self) -> str:
-        """"own" (never swapped, or own storage kept), "released" (swap mode let it go)."""
-        return "released" if self._own_released else "own"
+        """"own" (never swapped, or own storage kept); "released" once swap mode let it go and its
+        memory really went (observed: no tensor anywhere refers to it); "releasing" until then."""
+        if not self._own_released:
+            return "own"
+        return "released" if all(ref.expired() for ref in self._own_refs) else "releasing"
 
     def _release_own_if_unused(self) -> None:
         own = self._own
@@ -204,6 +212,8 @@ class WeightStore:
         if any(rec is not None and rec.restore is own for rec in (self.current, self.previous)):
             return  # a rollback flips back to it
         held: list[Any] = [own, self.flat]  # the last references, dropped after resume
+        storages = {t.untyped_storage().data_ptr(): t.untyped_storage() for _p, t in own.pairs or ()}
+        self._own_refs = [StorageWeakRef(st) for st in storages.values()]
         self._own, self._own_released, self.flat = None, True, None
 
         def drop() -> None:
@@ -212,6 +222,7 @@ class WeightStore:
             if self.device.type == "cuda":
                 torch.cuda.empty_cache()  # back to the driver: the loader allocates the next version there
 
+        self._own_drop = drop
         self.release(drop)
 
     def _own_again(self) -> _Flip:

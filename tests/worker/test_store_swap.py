@@ -93,3 +93,38 @@ def test_the_own_storage_is_kept_while_a_rollback_returns_to_it() -> None:
         store.swap_current_and_previous()
     swap(store, "v3", 3.0)  # previous is v1, in own storage: kept
     assert store.own_storage == "own" and store.flat is not None
+
+
+def test_released_is_observed_a_stray_reference_keeps_it_releasing() -> None:
+    """"released" means the memory went: a reference held anywhere (once: the worker's start-up
+    kept the flat buffer in a local variable for its whole life) shows as "releasing"."""
+    store = make_store(packed=True)
+    swap(store, "v2", 2.0)
+    stray = store.flat
+    swap(store, "v3", 3.0)
+    assert store.own_storage == "releasing"
+    del stray
+    gc.collect()
+    assert store.own_storage == "released"
+
+
+def test_the_own_storage_goes_after_the_releases_queued_with_it() -> None:
+    """The update's transport is closed after the commit (after resume, with the others): it held
+    the flat buffer, so the own storage's release runs last, or on a GPU its memory would stay in
+    the worker's allocator cache instead of going back to the device for the loader (seen on an H100)."""
+    store = make_store(packed=True)
+    store.defer_releases = True
+    swap(store, "v2", 2.0)
+    for fn in store.take_deferred():
+        fn()
+    transport_flat = [store.flat]  # what a transport opened before this update holds
+
+    swap(store, "v3", 3.0)  # queues the own storage's release
+    store.release(transport_flat.clear)  # then the update's transport is closed, as apply_update does
+    fns = store.take_deferred()
+    for fn in fns[:-1]:
+        fn()
+    assert not transport_flat and store.own_storage == "releasing"  # the transport closed first
+    fns[-1]()
+    gc.collect()
+    assert store.own_storage == "released"
