@@ -21,12 +21,12 @@ from daemon.delta.errors import DeltaError
 if TYPE_CHECKING:
     from daemon.delta.anchors import AnchorRule
     from daemon.delta.build import publish_delta
-    from daemon.delta.rebuild import rebuild_delta
+    from daemon.delta.rebuild import rebuild_delta, reusable_size
     from daemon.delta.section import BaseMissing, DeltaSpec, fetched_files, is_delta, parse, shipped_files
 
 __all__ = [
     "AnchorRule", "BaseMissing", "DeltaError", "DeltaSpec", "fetched_files", "is_delta", "parse",
-    "publish_delta", "rebuild_delta", "shipped_files"
+    "publish_delta", "rebuild_delta", "reusable_size", "shipped_files"
 ]
 
 __getattr__ = public_face(__name__)

@@ -181,11 +181,9 @@ def _recycle(stale: Path, tmp: Path, want: Mapping[str, int]) -> int | None:
         for root, dirs, names in os.walk(tmp, topdown=False):
             for name in names:
                 path = Path(root, name)
-                st = os.lstat(path)
-                rel = path.relative_to(tmp).as_posix()
-                # a link shared with another file (a base's?) would be overwritten under it: never
-                if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 and want.get(rel) == st.st_size:
-                    kept += st.st_size
+                size = reusable_size(path)
+                if size >= 0 and want.get(path.relative_to(tmp).as_posix()) == size:
+                    kept += size
                 else:
                     path.unlink()
             for name in dirs:
@@ -198,6 +196,16 @@ def _recycle(stale: Path, tmp: Path, want: Mapping[str, int]) -> int | None:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return kept
+
+
+def reusable_size(path: Path) -> int:
+    """The size of a file a rebuild may overwrite in place: a regular file no other name links to
+    (a link shared with another file, a base's say, would be overwritten under it); else -1."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return -1
+    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else -1
 
 
 def _replace(tmp: Path, out_dir: Path) -> None:

@@ -17,7 +17,6 @@ so does recycling, plus a `files_recycled` event on it naming the version that t
 from __future__ import annotations
 
 import shutil
-import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -29,7 +28,7 @@ from sqlalchemy.orm import Session
 from daemon.bytepipe import hash_files
 from daemon.checks import CheckSettings, SignatureError, verify_manifest_signature
 from daemon.common import get_logger
-from daemon.delta import BaseMissing, DeltaError, DeltaSpec, parse, rebuild_delta
+from daemon.delta import BaseMissing, DeltaError, DeltaSpec, parse, rebuild_delta, reusable_size
 from daemon.formats import MANIFEST_NAME
 from daemon.hashing import DigestMismatch
 from daemon.manifest import Manifest, ManifestError, ManifestFile, load_manifest
@@ -221,15 +220,6 @@ def protected_paths(s: Session, delta_root: Path) -> frozenset[Path]:
     return frozenset(Path(p) for p in paths)
 
 
-def _size(path: Path) -> int:
-    """A regular file's size when no other name links to it (else -1: never overwritten in place)."""
-    try:
-        st = path.lstat()
-    except OSError:
-        return -1
-    return st.st_size if stat.S_ISREG(st.st_mode) and st.st_nlink == 1 else -1
-
-
 def pick_recycle(s: Session, delta_root: Path, version: str, manifest: Manifest, spec: DeltaSpec) -> Path | None:
     """The stale rebuilt directory (`stale_rebuilt` with what retention protects: one retention would
     delete) holding the most bytes in files of `version`'s rebuilt files' paths and sizes; None when
@@ -238,7 +228,7 @@ def pick_recycle(s: Session, delta_root: Path, version: str, manifest: Manifest,
     want = {f.path: f.bytes for f in manifest.files if f.path in targets}
     best, most = None, 0
     for d in stale_rebuilt(s, delta_root, protected_paths(s, delta_root)):
-        n = sum(size for rel, size in want.items() if _size(d / rel) == size) if d.name != version else 0
+        n = sum(size for rel, size in want.items() if reusable_size(d / rel) == size) if d.name != version else 0
         if n > most:
             best, most = d, n
     return best

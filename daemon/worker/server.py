@@ -157,7 +157,6 @@ def build_worker(args: argparse.Namespace, *, before_write: Sequence[Any] = ()) 
                                     **({"expect": expect.to_json()} if expect.files else {})})
     store = WeightStore(loaded.params, device, record)
     store.flat = flat
-    del flat, transport  # the store holds them now: swap mode can let its own copy go (daemon.worker.store)
     store.stage_disk = args.stage_disk
     engine = Engine(loaded, store, max_batch=args.max_batch, step_delay_s=args.step_delay_ms / 1000)
     ctl = Controller(loaded, store, engine, model_dir=str(model_dir), before_write=before_write,
