@@ -202,7 +202,8 @@ def test_rollout_and_worker_series_pass_promtool(
                           if ln.startswith("hotswap_worker_generated_tokens_total")))  # fmt: skip
 
     before = tokens()
-    httpx.post(f"{w0.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3}, timeout=60)
+    httpx.post(f"{w0.url}/v1/completions", json={"prompt": [1, 2, 3], "max_tokens": 3, "ignore_eos": True},
+               timeout=60)  # a sampled EOS would end it early
     httpx.post(f"{w0.url}/v1/completions", json={"prompt": [1], "max_tokens": -1}, timeout=60)  # a 400
     scrape = d.get("/metrics").text
     assert 'hotswap_rollouts_total{outcome="succeeded",trigger="new"}' in scrape, scrape
