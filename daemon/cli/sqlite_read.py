@@ -54,9 +54,20 @@ def history_rows(url: str, host: str, limit: int | None, adapter: str | None) ->
         return None  # an installed wheel carries its migrations elsewhere: the registry knows where
     try:
         with closing(sqlite3.connect(f"{path.as_uri()}?mode=ro", uri=True, timeout=5.0)) as conn:
-            return _read(conn, host, limit, adapter, newest_revision(migrations))
+            return read(conn, host, limit, adapter, newest_revision(migrations))
     except sqlite3.Error:
         return None
+
+
+def read(conn: sqlite3.Connection, host: str, limit: int | None, adapter: str | None,
+         newest: str | None) -> list[dict[str, Any]] | None:  # fmt: skip
+    """One read transaction (sqlite3 begins none for a SELECT): a row's status and this host's
+    `serving` come from the same moment, as queries.history's single statement does."""
+    conn.execute("BEGIN")
+    try:
+        return _read(conn, host, limit, adapter, newest)
+    finally:
+        conn.rollback()
 
 
 def _read(conn: sqlite3.Connection, host: str, limit: int | None, adapter: str | None,

@@ -38,14 +38,18 @@ class ServedVersions:
         replaced version's), and the stager keeps only serving and last_good."""
         self.journal.set_alias("serving", ckpt.id)
         self.state.set_serving(ckpt.version)
-        fresh = self.journal.checkpoint(ckpt.id)
-        if fresh is not None and fresh.status != C.DEPLOYED:
-            self.journal.move_status(ckpt.id, C.DEPLOYED, message)
+        self._replace(ckpt, previous, message)
+        self._keep_staged(ckpt, self.journal.alias("last_good"))
+
+    def _replace(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
+        """`ckpt` deployed (a no-op when it is already) and `previous` (when deployed) retired, in
+        one transaction."""
+        moves: list[tuple[int, CheckpointStatus, str | None]] = [(ckpt.id, C.DEPLOYED, message)]
         if previous is not None and previous.id != ckpt.id:
             old = self.journal.checkpoint(previous.id)
             if old is not None and old.status == C.DEPLOYED:
-                self.journal.move_status(previous.id, C.RETIRED, f"replaced by {ckpt.version}")
-        self._keep_staged(ckpt, self.journal.alias("last_good"))
+                moves.append((previous.id, C.RETIRED, f"replaced by {ckpt.version}"))
+        self.journal.move_statuses(moves)
 
     def mark_last_good(self, ckpt: CheckpointRef) -> None:
         self.journal.set_alias("last_good", ckpt.id)
@@ -71,13 +75,7 @@ class ServedVersions:
         (daemon.controller.adapter_base) before its status moves."""
         self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
         bound(av.name)
-        fresh = self.journal.checkpoint(av.checkpoint.id)
-        if fresh is not None and fresh.status != C.DEPLOYED:
-            self.journal.move_status(av.checkpoint.id, C.DEPLOYED, message)
-        if previous is not None and previous.checkpoint.id != av.checkpoint.id:
-            old = self.journal.checkpoint(previous.checkpoint.id)
-            if old is not None and old.status == C.DEPLOYED:
-                self.journal.move_status(previous.checkpoint.id, C.RETIRED, f"replaced by {av.version}")
+        self._replace(av.checkpoint, previous.checkpoint if previous is not None else None, message)
 
     def clear_adapter_serving(self, name: str) -> None:
         """The name is unloaded from every worker: no version of it serves."""

@@ -170,17 +170,28 @@ class Journal:
         is done: two hosts leaving v1 for v2 at once each read v1 `deployed`, and the later one's
         `retired -> retired` failed its rollout's bookkeeping after the worker served v2 (its
         aliases then never moved). The row is locked, so the later one sees the earlier's move."""
+        self._move([(checkpoint_id, to, message)], detail)
+
+    @deferrable
+    def move_statuses(self, moves: list[tuple[int, CheckpointStatus, str | None]]) -> None:
+        """Several `move_status` in one transaction: a new version `deployed` and the one it
+        replaced `retired` are seen together or not at all (a reader never finds both deployed).
+        Rows are locked in id order, so two hosts moving the same pair never wait on each other."""
+        self._move(moves)
+
+    def _move(self, moves: list[tuple[int, CheckpointStatus, str | None]], detail: dict[str, Any] | None = None) -> None:
         with self.registry.session() as s:
-            c = s.get(Checkpoint, checkpoint_id, with_for_update=True)
-            if c is None:
-                return
-            if to in _FLEET_WIDE_MOVES and c.status == to.value:
-                return
-            if to == CheckpointStatus.RETIRED and (others := hosts.served_elsewhere(s, checkpoint_id)):
-                status.note(s, c, f"{message or 'replaced'} on {hosts.host_of(s)}; still serving on "
-                            f"{', '.join(sorted(others))}")  # fmt: skip
-                return
-            status.move(s, c, to, message, detail=detail)
+            rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_([m[0] for m in moves]))
+                                                .order_by(Checkpoint.id).with_for_update())}  # fmt: skip
+            for checkpoint_id, to, message in moves:
+                c = rows.get(checkpoint_id)
+                if c is None or (to in _FLEET_WIDE_MOVES and c.status == to.value):
+                    continue
+                if to == CheckpointStatus.RETIRED and (others := hosts.served_elsewhere(s, checkpoint_id)):
+                    status.note(s, c, f"{message or 'replaced'} on {hosts.host_of(s)}; still serving on "
+                                f"{', '.join(sorted(others))}")  # fmt: skip
+                    continue
+                status.move(s, c, to, message, detail=detail)
 
     @deferrable
     def note(self, checkpoint_id: int, message: str) -> None:

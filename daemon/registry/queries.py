@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from sqlalchemy import Column as SAColumn
-from sqlalchemy import Float, Integer, MetaData, String, Table, Text, select
+from sqlalchemy import Float, Integer, MetaData, String, Table, Text, or_, select
 from sqlalchemy.orm import Session
 
 from daemon.registry import hosts
@@ -239,11 +239,20 @@ def history(
     `delta_ratio`, `tensors_changed`, `elements_changed`, `compacted_from`, `compacted_bytes` (delta
     checkpoints). `adapter`: only that adapter name's versions. The view computes its columns for the rows returned only (migration 0011)."""
     order = version_history.c.checkpoint_id.desc() if newest_first else version_history.c.checkpoint_id
+    host = hosts.host_of(s)
+    # this host's serving, in the same statement as the status: separate SELECTs are separate
+    # snapshots (SQLite without BEGIN, PostgreSQL's read committed), and a status read after an
+    # alias read could pair "deployed" with the moment before its version began to serve
+    here_serving = or_(
+        Checkpoint.id.in_(select(Alias.checkpoint_id).where(Alias.host == host, Alias.name == "serving")),
+        Checkpoint.id.in_(select(AdapterAlias.checkpoint_id).where(AdapterAlias.host == host,
+                                                                  AdapterAlias.name == "serving")),
+    )  # fmt: skip
     q = (
         select(version_history, Checkpoint.last_deployed_at, Checkpoint.kind, Checkpoint.adapter_name,
                Checkpoint.base_model, Checkpoint.encoding, Checkpoint.delta_base, Checkpoint.fetched_bytes,
                Checkpoint.delta_ratio, Checkpoint.tensors_changed, Checkpoint.elements_changed,
-               Checkpoint.compacted_from, Checkpoint.compacted_bytes)
+               Checkpoint.compacted_from, Checkpoint.compacted_bytes, here_serving.label("here_serving"))
         .join(Checkpoint, Checkpoint.id == version_history.c.checkpoint_id)
         .order_by(order)
     )  # fmt: skip
@@ -253,14 +262,10 @@ def history(
         q = q.where(Checkpoint.adapter_name == adapter)
     if limit:
         q = q.limit(limit)
-    serving = hosts.alias_row(s, "serving")
-    adapters_serving = set(s.scalars(select(AdapterAlias.checkpoint_id).where(
-        AdapterAlias.host == hosts.host_of(s), AdapterAlias.name == "serving")))  # fmt: skip
     rows = [dict(r) for r in s.execute(q).mappings()]
     here = hosts.local_paths(s, [r["checkpoint_id"] for r in rows] if limit or checkpoint_id is not None else None)
     for r in rows:  # the view's `serving` is "on any host"; this host's is what callers mean
-        r["serving"] = int(serving is not None and serving.checkpoint_id == r["checkpoint_id"]
-                           or r["checkpoint_id"] in adapters_serving)  # fmt: skip
+        r["serving"] = int(bool(r.pop("here_serving")))
         r["local_path"] = here.get(r["checkpoint_id"], r["local_path"])
     return rows
 

@@ -102,3 +102,38 @@ def test_history_reads_from_sqlite_what_the_registry_reads(tmp_path: Path) -> No
     assert history_rows(url, "host-1", None, None) is None  # older: the registry migrates it
     assert history_rows(f"sqlite:///{tmp_path / 'none.db'}", "", None, None) is None  # not there: it says so
     assert history_rows("postgresql+psycopg://u@127.0.0.1/db", "", None, None) is None
+
+
+def test_history_from_sqlite_reads_one_moment_while_the_daemon_writes(tmp_path: Path) -> None:
+    """v1 begins to serve (alias, statuses) between the reader's statements: every row still says
+    what held at one moment, not v1 `verified` and serving beside v0 `deployed` and not."""
+    from support_fleet import seed_versions
+
+    from daemon.cli.sqlite_read import newest_revision, read
+    from daemon.registry import Registry
+    from daemon.registry.journal import Journal
+    from daemon.registry.status import CheckpointStatus as C
+
+    url = f"sqlite:///{tmp_path / 'hotswap.db'}"
+    reg = Registry(url, "host-a")
+    reg.upgrade()
+    ids = seed_versions(reg, tmp_path / "ckpts", {"v0": C.DEPLOYED, "v1": C.VERIFIED})
+    j = Journal(reg)
+    j.set_alias("serving", ids["v0"])
+    moved: list[str] = []
+
+    def between(sql: str) -> None:  # as the reader's `serving` statement starts
+        if "FROM aliases WHERE host" in sql and not moved:
+            moved.append(sql)
+            j.set_alias("serving", ids["v1"])
+            j.move_statuses([(ids["v1"], C.DEPLOYED, None), (ids["v0"], C.RETIRED, None)])
+
+    with sqlite3.connect(f"{(tmp_path / 'hotswap.db').as_uri()}?mode=ro", uri=True) as conn:
+        conn.set_trace_callback(between)
+        rows = read(conn, "host-a", None, None, newest_revision(REPO / "migrations"))
+    conn.close()
+    reg.close()
+    assert moved and rows is not None
+    seen = {r["version"]: (r["status"], r["serving"]) for r in rows}
+    assert seen in ({"v0": ("deployed", 1), "v1": ("verified", 0)},
+                    {"v0": ("retired", 0), "v1": ("deployed", 1)}), seen  # fmt: skip

@@ -11,12 +11,14 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from sqlalchemy import select
 
 from daemon.controller.queue import RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.registry import Registry, status
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.journal import CheckpointRef, Journal
+from daemon.registry.models import Checkpoint
 from daemon.registry.status import CheckpointStatus as C
 
 pytestmark = pytest.mark.quick
@@ -52,3 +54,26 @@ def test_a_version_that_leaves_last_good_is_freed_and_a_waiting_one_is_kept(regi
     assert kept[-1] == {"v1", "v2"}  # v0's copy goes; v2's, already staged, stays for its rollout
     served.mark_serving(v2, v1, "rollout 3")
     assert kept[-1] == {"v2", "v1"}
+
+
+def test_a_reader_never_finds_the_new_version_and_the_one_it_replaced_both_deployed(
+    registry: Registry, tmp_path: Path
+) -> None:
+    """Deployed and retired commit together (CI reads the old row right after the new one's
+    status: between two commits a busy host showed both `deployed`)."""
+    journal = Journal(registry)
+    served = ServedVersions(journal, AdapterJournal(registry), RolloutState(), lambda _k: None)
+    v0, v1 = verified(registry, tmp_path, "v0"), verified(registry, tmp_path, "v1")
+    served.mark_serving(v0, None, "first")
+    seen: list[dict[str, str]] = []
+    reader = Registry(registry.url)
+
+    def look(_s: object) -> None:  # after each of the writer's commits
+        with reader.session() as s:
+            seen.append({c.version: c.status for c in s.scalars(select(Checkpoint))})
+
+    registry.listen("after_commit", look)
+    served.mark_serving(v1, v0, "rollout 2")
+    reader.close()
+    assert seen and seen[-1] == {"v0": "retired", "v1": "deployed"}, seen
+    assert all(list(s.values()).count("deployed") == 1 for s in seen), seen

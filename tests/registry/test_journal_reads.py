@@ -9,7 +9,7 @@ from pathlib import Path
 from sqlalchemy import event
 from support_fleet import seed_versions
 
-from daemon.registry import Registry, hosts
+from daemon.registry import Registry, hosts, queries
 from daemon.registry.journal import Journal
 from daemon.registry.status import CheckpointStatus
 
@@ -43,3 +43,29 @@ def test_one_statement_each_and_this_hosts_copy_only(db_url: str, tmp_path: Path
     assert a_serving.status is CheckpointStatus.DEPLOYED and a_serving.verified and a_serving.step == 0
     ra.close()
     rb.close()
+
+
+def test_history_pairs_a_status_with_the_serving_of_the_same_moment(db_url: str, tmp_path: Path) -> None:
+    """A version begins to serve (alias, then status) between two of a reader's statements: the
+    row says what held at one moment, never "deployed" beside "not serving" (CI saw that once)."""
+    reader, writer = Registry(db_url, "host-a"), Registry(db_url, "host-a")
+    reader.upgrade()
+    ids = seed_versions(reader, tmp_path, {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.VERIFIED})
+    j = Journal(writer)
+    j.set_alias("serving", ids["v0"])
+    moved: list[bool] = []
+
+    def between(*_a: object) -> None:  # after the reader's first statement, once
+        if not moved:
+            moved.append(True)
+            j.set_alias("serving", ids["v1"])
+            j.move_status(ids["v1"], CheckpointStatus.DEPLOYED)
+
+    event.listen(reader.engine, "after_cursor_execute", between)
+    with reader.session() as s:
+        rows = {r["version"]: r for r in queries.history(s)}
+    assert moved
+    seen = {v: (r["status"], r["serving"]) for v, r in rows.items()}
+    assert seen["v1"] in (("verified", 0), ("deployed", 1)), seen
+    reader.close()
+    writer.close()
