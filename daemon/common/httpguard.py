@@ -71,6 +71,9 @@ class _Refusals:
     logged_at: float = 0.0
     waiting: dict[Any, None] = field(default_factory=dict)  # evictable connections, oldest first
     by_address: dict[str, dict[Any, None]] = field(default_factory=dict)  # open connections per TCP peer
+    # closed by us, not yet lost: still in uvicorn's set until the loop runs their connection_lost,
+    # which in a burst comes after later connections' connection_made; not counted as open
+    gone: dict[Any, None] = field(default_factory=dict)
 
     def note(self, name: str, limits: ListenerLimits, what: str) -> None:
         self.count += 1
@@ -114,16 +117,15 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
                     refusals.note(name, limits, f"over {limits.max_per_address} connections from {self._address}")
                     oldest = refusals.evictable(self._address)
                     if oldest is None:
-                        self._address = None
-                        transport.abort()  # this address holds its share, all busy: it waits outside
+                        self._refuse()  # this address holds its share, all busy: it waits outside
                         return
                     oldest._drop()
                 mine[self] = None
-            if len(self.connections) > limits.max_connections:
+            if len(self.connections) - len(refusals.gone) > limits.max_connections:
                 refusals.note(name, limits, f"over {limits.max_connections} connections open")
                 oldest = refusals.evictable()
                 if oldest is None:
-                    transport.abort()  # every open connection is serving a request: this one waits outside
+                    self._refuse()  # every open connection is serving a request: this one waits outside
                     return
                 oldest._drop()
             self._idle_since = self.loop.time()
@@ -169,12 +171,22 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
         def connection_lost(self, exc: Exception | None) -> None:
             self._disarm()
             self._disarm_body()
+            self._forget_address()
+            refusals.gone.pop(self, None)
+            super().connection_lost(exc)
+
+        def _forget_address(self) -> None:
             if self._address is not None:
                 mine = refusals.by_address.get(self._address, {})
                 mine.pop(self, None)
                 if not mine:
                     refusals.by_address.pop(self._address, None)
-            super().connection_lost(exc)
+                self._address = None
+
+        def _refuse(self) -> None:
+            self._forget_address()
+            refusals.gone[self] = None
+            self.transport.abort()
 
         def _arm_body(self) -> None:
             """The body is due within the header timeout plus its length at `min_body_rate`,
@@ -235,6 +247,8 @@ def guarded_protocol(limits: ListenerLimits, name: str) -> type[asyncio.Protocol
             # reusing it (a reset there fails the client's next request); with nothing left to
             # send the socket, and its FD, are released at once either way
             self._disarm()
+            self._forget_address()  # no longer one of its address's share, nor open (`gone`)
+            refusals.gone[self] = None
             self.transport.close()
 
     Guarded.__name__ = Guarded.__qualname__ = f"Guarded{base.__name__}"
