@@ -23,6 +23,25 @@ BASE_NAME = "hotswap-test/tiny-llama"
 TARGETS = ("q_proj", "v_proj")
 
 
+def verified_row(reg: Any, tmp_path: Path, version: str, adapter: str | None = None) -> int:
+    """A checkpoint row moved to `verified` (an adapter version of `adapter` when given, trained
+    for base "base"), with an empty local folder: for in-process tests of the jobs."""
+    from daemon.registry import status
+    from daemon.registry.status import CheckpointStatus
+
+    local = tmp_path / version
+    local.mkdir()
+    with reg.session() as s:
+        c = status.create(s, version=version, source="t", uri=f"file://{local}", local_path=str(local),
+                          commit_signal="manifest")  # fmt: skip
+        assert c is not None
+        if adapter is not None:
+            c.kind, c.adapter_name, c.base_model = "adapter", adapter, "base"
+        status.move(s, c, CheckpointStatus.VERIFYING)
+        status.move(s, c, CheckpointStatus.VERIFIED)
+        return int(c.id)
+
+
 def make_base(directory: Path, seed: int = 0, *, dtype: str = "float32", overrides: dict[str, Any] | None = None,
               lm_head_scale: float = 1.0) -> Path:  # fmt: skip
     """A tiny random Llama whose config names it BASE_NAME. `lm_head_scale` widens the logits, so

@@ -140,6 +140,7 @@ class RolloutService:
                                          submit=self.submit)  # fmt: skip
         self.startup = Startup(self.journal, self.fleet, settings, state_dir, self.state, self.queue, self.supervisor,
                                self.leases, self._stopping, self.engine, self.driver, self.decisions,
+        self.engine.before_workers = self.adapters.binding.prepare  # no adapter serves on a base unverified
                                submit=self.submit, observe=self._observe_all)  # fmt: skip
         self._ready = threading.Event()
         self.polls = 0  # health poll passes finished (GET /v1/rollout shows them)

@@ -70,6 +70,7 @@ def leased(engine: RolloutEngine, leases: FleetLeases, stopping: Callable[[], bo
     """`engine` as a LeasedEngine (same journal, fleet, driver and stager)."""
     out = LeasedEngine(engine.journal, engine.fleet, engine.settings, engine.driver, engine.stager)
     out.leases, out.stopping = leases, stopping
+    out.before_workers = engine.before_workers
     return out
 
 

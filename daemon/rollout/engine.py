@@ -58,6 +58,9 @@ class RolloutEngine:
         self.driver = driver
         self.failure = FailurePath(driver)
         self.stager = stager
+        # after the preflight, before any worker takes the version: what else must hold it first
+        # (LoRA adapters re-verified on the new base, daemon.controller.adapter_base.BaseBinding.prepare)
+        self.before_workers: Callable[[CheckpointRef], None] | None = None
         self._warned: set[str] = set()  # groups already warned about leaving rotation during updates
 
     def plan(self, only: Collection[str] | None = None) -> list[Batch]:
@@ -155,6 +158,11 @@ class RolloutEngine:
                       "unrecovered": unavailable}  # fmt: skip
             return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable,
                                  kind=FailureKind.UNAVAILABLE), detail  # fmt: skip
+        if self.before_workers is not None:
+            try:
+                self.before_workers(ckpt)
+            except Exception as exc:  # noqa: BLE001 - the rebase after the rollout holds adapters to the base too
+                log.error("before_workers_failed", rollout=rid, version=ckpt.version, error=str(exc))
 
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         drained_last = False  # the previous batch took a worker out of a load balancer's rotation

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from sqlalchemy import text
+from support_adapters import verified_row
 
 from daemon.config import RolloutSettings, WorkerSpec
 from daemon.controller.adapter_rollout import AdapterRollout
@@ -29,7 +30,7 @@ from daemon.engines.base import (
     UpdateRefused,
     WorkerUnreachable,
 )
-from daemon.registry import Registry, status
+from daemon.registry import Registry
 from daemon.registry.adapters import AdapterJournal
 from daemon.registry.journal import Journal
 from daemon.registry.models import Checkpoint, Event
@@ -92,16 +93,7 @@ def reg(db_url: str) -> Iterator[Registry]:  # SQLite, and PostgreSQL with HOTSW
 
 
 def adapter(reg: Registry, tmp_path: Path, version: str, name: str = "sql") -> int:
-    local = tmp_path / version
-    local.mkdir()
-    with reg.session() as s:
-        c = status.create(s, version=version, source="t", uri=f"file://{local}", local_path=str(local),
-                          commit_signal="manifest")  # fmt: skip
-        assert c is not None
-        c.kind, c.adapter_name, c.base_model = "adapter", name, "base"
-        status.move(s, c, C.VERIFYING)
-        status.move(s, c, C.VERIFIED)
-        return c.id
+    return verified_row(reg, tmp_path, version, name)
 
 
 def rig(reg: Registry, *workers: FakeAdapterWorker, **settings: float) -> tuple[AdapterDecisions, AdapterJournal]:

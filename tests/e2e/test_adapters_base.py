@@ -4,6 +4,9 @@ two real workers: its managed reference worker and the SGLang 0.5.23 stand-in (-
 Base base-v0 serves two adapters: `sql` (trained for the base's name, so it may fit a later base
 of that name) and `old` (trained for the version base-v0 itself). Then base-v1 is published:
 
+Both are held to base-v1 before any worker takes it (its rollout's first worker event comes after
+their events):
+
 - `sql` is re-verified on base-v1 (compat + forward canary) and stays: both workers answer
   `model: sql` with base-v1 merged with sql@1 (computed in float64, independent of hotswap), and
   base-v1 is recorded among the bases sql@1 was verified on;
@@ -140,4 +143,15 @@ def test_a_new_base_keeps_the_adapters_that_pass_on_it_and_unloads_the_others_on
     verified = [json.loads(d) if isinstance(d, str) else d
                 for (d,) in env.sql("SELECT detail FROM events WHERE to_state = 'adapter_base_verified'")]  # fmt: skip
     assert [v["base"] for v in verified] == ["base-v1"], verified
+
+    # both held to base-v1 before any worker took it: sql re-verified, old unloaded from each worker
+    # (an adapter never serves, even for a moment, on a base it was not verified on)
+    (first_move,) = env.sql(
+        "SELECT min(e.id) FROM events e JOIN rollouts r ON r.id = e.rollout_id JOIN checkpoints c ON c.id = r.checkpoint_id "
+        "WHERE c.version = 'base-v1' AND e.worker IS NOT NULL AND e.to_state IN ('PAUSED', 'DRAINING', 'UPDATED')"
+    )  # fmt: skip
+    assert first_move[0] is not None
+    held = env.sql("SELECT e.id, e.to_state, e.worker FROM events e WHERE e.to_state IN "
+                   "('adapter_base_verified', 'adapter_unloaded', 'adapter_unbound')")  # fmt: skip
+    assert len(held) == 4 and all(i < first_move[0] for i, _, _ in held), (held, first_move)
     assert {a[1]: a[2] for a in aliases if a[0] == "sql"} == {"serving": "sql@1", "last_good": "sql@1"}
