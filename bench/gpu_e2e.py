@@ -182,7 +182,8 @@ class Run:
             self.worker_urls.append(f"http://127.0.0.1:{port}")
             self.procs.append(Proc.start(f"w{i}", ["worker", "--model", str(self.watch / "v0"), "--port", str(port),
                                                    "--token-file", str(self.token_file), "--device", a.device,
-                                                   "--version", "v0"], self.work / f"w{i}.log", REPO))  # fmt: skip
+                                                   "--version", "v0", *(["--stage-disk", a.stage_disk] if a.stage_disk else [])],
+                                                  self.work / f"w{i}.log", REPO))  # fmt: skip
         wait_for(
             lambda: all(v == "v0" for v in self.versions()),
             a.start_timeout,
@@ -433,6 +434,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="ipc: the workers copy the staged bytes (copy) or point at the loader's buffer (swap; "
                          "the loader keeps each served version, so the GPU holds ~3 staged versions more)")
     ap.add_argument("--shards", type=int, default=4)
+    ap.add_argument("--stage-disk", default=None, choices=["auto", "on", "off"],
+                    help="the workers' --stage-disk (default: theirs, auto); 'on' reads ahead on the CPU too")
     ap.add_argument("--clients", type=int, default=4, help="concurrent completion clients")
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--health-window", type=float, default=1.0)

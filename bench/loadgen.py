@@ -4,9 +4,12 @@ Client threads send short completions round-robin across workers. Before each re
 client skips workers whose last `/ready` answer (polled every 50 ms; or another readiness URL per worker) was not 200, as a load
 balancer's health check would; a request a worker answers 503 (it started draining meanwhile)
 is retried on the next worker, like nginx `proxy_next_upstream http_503`, and counted in
-`retried_503`. Anything else is a failed request: another status, a connection error, a timeout,
-503 on every worker, or a 200 whose body is not a completion (not a JSON object with a non-empty
-`choices` list). Bounded in request count and in time; loopback only.
+`retried_503`. When no worker answered ready (on a busy host a readiness probe can time out) a
+request still goes out, to each in turn; a connection error from one that was not ready is tried on
+the next too (`retried_unready`). Anything else is a failed request: another status, a connection
+error or timeout from a worker that was ready, 503 on every worker, or a 200 whose body is not a
+completion (not a JSON object with a non-empty `choices` list). Bounded in time (and optionally in
+request count); loopback only.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ class LoadStats:
     ok: int = 0
     failed: int = 0
     retried_503: int = 0
+    retried_unready: int = 0  # a connection error from a worker not ready, tried on the next
     errors: list[str] = field(default_factory=list)  # the first MAX_KEPT_ERRORS failures, one line each
     versions: Counter[str] = field(default_factory=Counter)  # weight_version of each success
     latencies: list[float] = field(default_factory=list)  # seconds per successful request
@@ -55,7 +59,7 @@ class LoadGen:
         urls: list[str],
         *,
         concurrency: int = 2,
-        max_requests: int = 20000,
+        max_requests: int | None = None,
         max_seconds: float = 600.0,
         max_tokens: int = 3,
         body: dict[str, Any] | None = None,
@@ -64,7 +68,9 @@ class LoadGen:
         ready_urls: dict[str, str] | None = None,
     ) -> None:
         """`ready_urls`: where each worker's readiness is read, when not `{url}/ready` (a vLLM has
-        none: the daemon's `GET /v1/workers/{name}/ready` says it, as a load balancer would be told)."""
+        none: the daemon's `GET /v1/workers/{name}/ready` says it, as a load balancer would be told).
+        `max_requests`: stop sending after that many (None: `max_seconds` alone bounds the load; a
+        fixed count ran out in a test whose rollouts were slow on a busy host)."""
         self.urls = urls
         self.ready_urls = {u: (ready_urls or {}).get(u, f"{u}/ready") for u in urls}
         self.headers = dict(headers or {})  # e.g. an engine's bearer token, sent with every completion
@@ -102,14 +108,24 @@ class LoadGen:
         return self.stats
 
     def wait_requests(self, n: int, timeout: float = 60.0) -> None:
-        """Block until `n` more requests have succeeded."""
+        """Block until `n` more requests have succeeded; an error naming why as soon as no request
+        can come any more (the load stopped sending), or past `timeout`."""
         start, deadline = self.stats.ok, time.monotonic() + timeout
         while self.stats.ok < start + n:
+            if not any(t.is_alive() for t in self._threads[1:]) and self.stats.ok < start + n:
+                raise RuntimeError(f"load: stopped sending after {self.stats.sent} requests ({self._why_stopped()}); "
+                                   f"{self.stats.ok - start} of {n} more succeeded")  # fmt: skip
             if time.monotonic() > deadline:
-                raise TimeoutError(
-                    f"load: fewer than {n} successful requests in {timeout:g}s; errors {self.stats.errors[:3]}"
-                )
+                raise TimeoutError(f"load: fewer than {n} successful requests in {timeout:g}s "
+                                   f"({self.stats.sent} sent in all); errors {self.stats.errors[:3]}")  # fmt: skip
             time.sleep(0.02)
+
+    def _why_stopped(self) -> str:
+        if self._stop.is_set():
+            return "stopped"
+        if self.max_requests is not None and self.stats.sent >= self.max_requests:
+            return f"max_requests {self.max_requests} reached"
+        return f"max_seconds {self.max_seconds:g} passed"
 
     def snapshot(self) -> dict[str, Any]:
         """Counters and latency percentiles so far (benchmarks diff two snapshots)."""
@@ -117,7 +133,7 @@ class LoadGen:
             s = self.stats
             lat = sorted(s.latencies)
             return {
-                "ok": s.ok, "failed": s.failed, "retried_503": s.retried_503,
+                "ok": s.ok, "failed": s.failed, "retried_503": s.retried_503, "retried_unready": s.retried_unready,
                 "latency_p50_ms": 1000 * lat[len(lat) // 2] if lat else None,
                 "latency_p99_ms": 1000 * lat[int(0.99 * (len(lat) - 1))] if lat else None,
                 "latency_max_ms": 1000 * lat[-1] if lat else None,
@@ -145,7 +161,7 @@ class LoadGen:
         with httpx.Client(timeout=self.request_timeout_s, headers=self.headers) as client:
             while not self._stop.is_set() and time.monotonic() < self._deadline:
                 with self._lock:
-                    if self.stats.sent >= self.max_requests:
+                    if self.max_requests is not None and self.stats.sent >= self.max_requests:
                         return
                     self.stats.sent += 1
                 self._one(client)
@@ -154,10 +170,17 @@ class LoadGen:
         t0, sent_at = time.perf_counter(), time.time()
         last = ""
         for attempt, url in enumerate(self._order()):
+            ready = bool(self._ready.get(url))
             try:
                 r = client.post(f"{url}/v1/completions", json=self.body)
             except httpx.HTTPError as exc:
                 last = f"{url}: {type(exc).__name__}: {exc}"
+                if not ready and attempt + 1 < len(self.urls):
+                    # no worker answered ready (its readiness probe timed out on a busy host) and
+                    # this one, tried anyway, was not serving: a balancer tries the next, as on a 503
+                    with self._lock:
+                        self.stats.retried_unready += 1
+                    continue
                 break
             if r.status_code == 503 and attempt + 1 < len(self.urls):
                 self._ready[url] = False

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
 from datetime import datetime
 from pathlib import Path
@@ -35,9 +35,16 @@ class Staged(Protocol):
 class VerifyStager(Protocol):
     """Where the crc32c pass stages the weight files instead of this process (the ipc loader:
     daemon.transport.ipc_verify.LoaderStager, which matches it without importing it); run_checks
-    calls `finish` once the checks are over."""
+    calls `finish` once the checks are over.
 
-    def stage(self, root: Path, rels: list[str], alg: str) -> tuple[list[FileDigest], Staged] | None: ...
+    `holds_bytes`: True when `stage` copies the bytes (the loader), which `checks.stage_device =
+    "off"` turns down; False when it only hears that the read began (the disk workers' read
+    ahead, daemon.transport.disk.ReadAheadAsk), which holds with any stage_device."""
+
+    holds_bytes: bool
+
+    def stage(self, root: Path, rels: list[str], alg: str,
+              on_mapped: Callable[[Any], None] | None = None) -> tuple[list[FileDigest], Staged] | None: ...  # fmt: skip
 
     def finish(self, ok: bool, files: list[ManifestFile], digest: str | None) -> None: ...
 
@@ -295,6 +302,8 @@ class CheckContext:
     table: dict[str, TensorLocation] | None = None
     staged: Staged | None = None  # the hashed bytes on the staging device; released by run_checks
     stager: VerifyStager | None = None  # stage in the loader (ipc) rather than in this process
+    # given the stager's buffer to open in the check process while the loader reads (runner)
+    premap: Callable[[Any], None] | None = None
 
     @property
     def total_bytes(self) -> int:

@@ -119,7 +119,7 @@ def _hash_in_loader(
     if not rels:
         return None
     try:
-        got = ctx.stager.stage(root, rels, alg)
+        got = ctx.stager.stage(root, rels, alg, on_mapped=ctx.premap)
     except OSError as exc:
         raise CheckFailed(f"reading for crc32c failed: {exc}") from None
     except (RuntimeError, ValueError) as exc:
@@ -135,7 +135,8 @@ def _hash_in_loader(
     except OSError as exc:
         raise CheckFailed(f"reading for crc32c failed: {exc}") from None
     by_path.update(zip(rest, others, strict=True))
-    note = f"in the loader on {staged.device} ({len(rels)} weight files, hashed as staged; {len(rest)} others here)"
+    ahead = "; its buffer opened here while the loader read" if getattr(staged, "opened_ahead", False) else ""
+    note = f"in the loader on {staged.device} ({len(rels)} weight files, hashed as staged; {len(rest)} others here{ahead})"
     return note, [by_path[f.path] for f in files]
 
 

@@ -62,6 +62,7 @@ class CheckProcess:
         self.beat_s = 5.0
         self.starts = 0  # children started (a killed one is replaced by the next check)
         self.running: str | None = None  # the check in the child now
+        self._premapped = False  # the child was handed a premap it has not been told to let go
 
     def start(self, imports: tuple[str, ...] = ()) -> None:
         """Start the child now (the daemon's warm-up) and wait for its imports."""
@@ -109,6 +110,28 @@ class CheckProcess:
             raise RuntimeError(payload)
         result: dict[str, Any] = payload
         return result
+
+    def premap(self, token: object | None) -> None:
+        """Hand the child a loader buffer to open now, before the forward check that reads it (a
+        daemon.transport.ipc_verify.Premap: it opens where it is unpickled), or None: let go of
+        one no check took. Never starts the child and never waits on a check in flight: a child
+        not up, or busy, opens the buffer at the check, as without this."""
+        if not self._lock.acquire(blocking=token is None):
+            return
+        try:
+            conn = self._conn
+            if conn is None or self._proc is None or self._proc.poll() is not None:
+                return
+            if token is not None:
+                self._premapped = True
+            elif not self._premapped:
+                return
+            else:
+                self._premapped = False
+            with contextlib.suppress(OSError):  # a dead child is found and replaced by the next check
+                conn.send(("premap", None if token is None else bytes(ForkingPickler.dumps(token))))
+        finally:
+            self._lock.release()
 
     def stop(self) -> None:
         """End the child when no check is in flight. One in flight is left to finish (or meet its
@@ -185,12 +208,21 @@ def main(fd: int) -> None:
     with contextlib.suppress(OSError, AttributeError):  # Linux: killed with the daemon, even mid-check
         ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     conn = Connection(fd)
+    premapped: Any = None  # a loader buffer opened ahead of the check that will read it
 
     while True:
         try:
             request = conn.recv()
         except (EOFError, OSError, KeyboardInterrupt):
             return
+        if request[0] == "premap":  # unanswered: the parent does not wait for it
+            if premapped is not None:
+                _release(premapped, "discard")
+            premapped = None
+            if request[1] is not None:
+                with contextlib.suppress(Exception):  # then the check opens the buffer itself
+                    premapped = ForkingPickler.loads(request[1])
+            continue
         if request[0] == "import":
             try:
                 for module in request[1]:
@@ -214,6 +246,7 @@ def main(fd: int) -> None:
                 ctx.staged = None
         # the child's share of a check's time, in its detail (issue 41: where the forward's time goes)
         timing = {"staged_open": _ms_since(began) if staged is not None else None}
+        opened_ahead = bool(getattr(ctx.staged, "opened_ahead", False))  # taken from a premap
         answer: tuple[str, Any]
         try:
             answer = ("ok", resolve(name, adapter)(ctx))
@@ -235,6 +268,7 @@ def main(fd: int) -> None:
         if answer[0] == "ok" and isinstance(answer[1], dict) and staged is not None:
             timing.update(staged_release=_ms_since(released), child=_ms_since(began))
             answer[1].setdefault("child_ms", timing)
+            answer[1].setdefault("staged_opened_ahead", opened_ahead)
         with contextlib.suppress(OSError):
             conn.send((*answer, (ctx.headers, ctx.table)))
         if later is not None:
@@ -248,6 +282,6 @@ def _ms_since(t0: float) -> float:
     return round((time.perf_counter() - t0) * 1e3, 2)
 
 
-def _release(staged: Any) -> None:
+def _release(staged: Any, how: str = "release") -> None:
     with contextlib.suppress(Exception):
-        staged.release()
+        getattr(staged, how)()

@@ -50,7 +50,9 @@ def run_checks(
     ctx = CheckContext(Path(directory), settings, Path(reference) if reference else settings.reference_dir)
     rows = [ManifestFile(r.path, r.bytes, r.crc32c or "", r.hash or "", r.hash_alg) for r in recorded or ()]
     ctx.recorded = rows or None  # nothing recorded (e.g. crc32c was off then): nothing to hold it to
-    ctx.stager = stager if settings.stage_device != "off" else None
+    ctx.stager = None if stager is None or (settings.stage_device == "off" and stager.holds_bytes) else stager
+    if settings.isolate_checks and "forward" in settings.enabled:  # its view opened while the loader reads
+        ctx.premap = CHECK_PROCESS.premap
     results: list[CheckResult] = []
     failure: CheckResult | None = None
     completed = False

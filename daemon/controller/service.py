@@ -64,6 +64,7 @@ from daemon.rollout import (
     RolloutEngine,
     Stager,
     TransitionObserver,
+    WorkerAsks,
     WorkerDriver,
     WorkerHandle,
     WorkerSet,
@@ -112,6 +113,7 @@ class RolloutService:
         options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
                                 loader.socket if loader else "")  # fmt: skip
         self.stager = Stager(settings.transport, options, journal=self.journal)
+        self.stager.asks = WorkerAsks(self.fleet)  # workers open (ipc) or read (disk) a version while it is verified
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
         # fleet mode: every rollout under a fleet-wide lease; an agent converges to the fleet target
         self.leases = FleetLeases(registry, fleet) if fleet is not None and fleet.enabled else None
@@ -138,9 +140,9 @@ class RolloutService:
                                          AdapterRollout(self.journal, self.adapter_journal, self.fleet), settings,
                                          interrupted=self._stopping.is_set, checks=checks, served=self.served,
                                          submit=self.submit)  # fmt: skip
+        self.engine.before_workers = self.adapters.binding.prepare  # no adapter serves on a base unverified
         self.startup = Startup(self.journal, self.fleet, settings, state_dir, self.state, self.queue, self.supervisor,
                                self.leases, self._stopping, self.engine, self.driver, self.decisions,
-        self.engine.before_workers = self.adapters.binding.prepare  # no adapter serves on a base unverified
                                submit=self.submit, observe=self._observe_all)  # fmt: skip
         self._ready = threading.Event()
         self.polls = 0  # health poll passes finished (GET /v1/rollout shows them)

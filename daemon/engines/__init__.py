@@ -24,8 +24,10 @@ if TYPE_CHECKING:
     from daemon.engines.base import (
         AdapterRequest,
         Capabilities,
+        MapsAhead,
         NonFiniteOutput,
         PreparesUpdates,
+        ReadsAhead,
         ResumesAfterUpdate,
         ServesAdapters,
         UpdateRefused,
@@ -60,7 +62,7 @@ def make_client(
 
 __all__ = [
     "AdapterRequest", "Capabilities", "ENGINE_KEYS", "ENGINE_PAUSE_MODES", "MANAGED_KIND",
-    "NonFiniteOutput", "PreparesUpdates", "ResumesAfterUpdate", "ServesAdapters", "Timeouts",
+    "MapsAhead", "NonFiniteOutput", "PreparesUpdates", "ReadsAhead", "ResumesAfterUpdate", "ServesAdapters", "Timeouts",
     "UpdateRefused", "UpdateResult", "WORKER_KINDS", "WeightInfo", "WorkerClient", "WorkerError",
     "WorkerUnreachable", "make_client"
 ]

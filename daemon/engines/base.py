@@ -26,7 +26,7 @@ from daemon.transport import Expect, GroupSpec, UpdateMode, UpdateRequest
 PauseMode = Literal["keep", "wait"]  # keep: requests stay queued; wait: active ones finish first
 
 __all__ = ["AdapterRequest", "AdapterResult", "Capabilities", "NonFiniteOutput", "PauseMode", "PeerNotVerified",
-           "PreparesUpdates", "ServedAdapter", "ServesAdapters", "Timeouts", "UpdateMode", "UpdateRefused",
+           "MapsAhead", "PreparesUpdates", "ServedAdapter", "ServesAdapters", "Timeouts", "UpdateMode", "UpdateRefused",
            "UpdateRequest", "UpdateResult",
            "WeightInfo", "WorkerClient", "WorkerError", "WorkerUnreachable", "cannot_broadcast", "read_token"]  # fmt: skip
 
@@ -138,6 +138,25 @@ class PreparesUpdates(Protocol):
     (`prepare(request)`, before the pause), so the update itself only writes."""
 
     def prepare(self, request: UpdateRequest) -> None: ...
+
+
+@runtime_checkable
+class MapsAhead(Protocol):
+    """Optional: the worker can open a version's loader buffer while the daemon still verifies it
+    (`map_ahead(version, loader)`, answered at once), so its prepare finds the buffer open;
+    `map_ahead(None, None)` lets go of it (the version failed its checks)."""
+
+    def map_ahead(self, version: str | None, loader: str | None) -> None: ...
+
+
+@runtime_checkable
+class ReadsAhead(Protocol):
+    """Optional: the worker can read a disk version into a buffer of its own while the daemon
+    still verifies it, hashing each file with `alg` (`read_ahead(version, path, alg)`, answered
+    at once); its prepare takes that buffer when the digests are the verified ones.
+    `read_ahead(None, None, None)` lets go of it (the version failed its checks)."""
+
+    def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None: ...
 
 
 @runtime_checkable

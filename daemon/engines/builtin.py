@@ -222,6 +222,14 @@ class BuiltinWorkerClient:
         """`POST /admin/prepare`: open and validate `request`'s source now, while serving."""
         self._admin("/admin/prepare", "prepare", request.to_json(), timeout=self.update_timeout)
 
+    def map_ahead(self, version: str | None, loader: str | None) -> None:
+        """`POST /admin/map_ahead`: open `version`'s loader buffer now (MapsAhead); answered at once."""
+        self._admin("/admin/map_ahead", "map_ahead", {"version": version, "loader": loader})
+
+    def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None:
+        """`POST /admin/read_ahead`: read `version`'s files at `path` now (ReadsAhead); answered at once."""
+        self._admin("/admin/read_ahead", "read_ahead", {"version": version, "path": path, "alg": alg})
+
     def rollback(self, request: UpdateRequest) -> UpdateResult:
         """Back to an earlier version: the same in-place update, from the request the daemon kept."""
         return self.update(request)

@@ -4,7 +4,8 @@ Request:  {"op": "stage", "version": "step-1200", "path": "/ckpt/step-1200", "id
 Response: {"ok": true, "id": 7, "result": {...}}  or  {"ok": false, "id": 7, "error": "reason"}
 
 Ops: stage{version, path, digest?, files?, verify_alg?} -> {version, bytes, tensors, devices, digests?};
-descriptor{version, device?, purpose?} -> descriptor JSON (see daemon.handoff.descriptor);
+descriptor{version, device?, purpose?} -> descriptor JSON (see daemon.handoff.descriptor; purpose
+"check": a version held back for the daemon's checks, "map": the buffers of one still staging);
 verified{version, files, digest?} -> {version, verified} (a version staged with verify_alg: now exported);
 acquire{version, worker, pid?} / release{version, worker} -> {version, holders};
 drop{version} -> {version, freed}; status{} -> {devices, budget_bytes, used_bytes, versions}.

@@ -44,6 +44,8 @@ from daemon.loader.backends import (
 
 log = logging.getLogger("hotswap.loader")
 
+MAP_WAIT_S = 30.0  # a `purpose="map"` descriptor's wait for the buffers (a 16 GB cuMemAlloc: ~0.1 s)
+
 __all__ = ["Backend", "CudaBackend", "LoaderStore", "ShmBackend", "StagedBuffer", "StoreError"]
 
 
@@ -91,6 +93,8 @@ class StagedVersion:
     checked: bool = False  # every file matched the reference the daemon gave
     verified: bool = True  # False: staged for the daemon's checks; exported only once `verified`
     crc32c: dict[str, str] = field(default_factory=dict)  # per file, when staged for verification
+    # set once the buffers exist (or the stage failed): a `purpose="map"` descriptor waits for it
+    allocated: threading.Event = field(default_factory=threading.Event)
 
     def live_holders(self) -> dict[str, Holder]:
         for worker, h in list(self.holders.items()):
@@ -118,6 +122,7 @@ class LoaderStore:
         self.hash_threads = max(1, os.cpu_count() or 1)
         self._versions: dict[str, StagedVersion] = {}
         self._lock = threading.Lock()
+        self._added = threading.Condition(self._lock)  # a version was registered (a map descriptor waits)
 
     # -- stage ---------------------------------------------------------------------------
 
@@ -166,12 +171,16 @@ class LoaderStore:
                 return self._existing(existing, directory)
             self._make_room(entry.buffer_bytes, version)
             self._versions[version] = entry
+            self._added.notify_all()
         t0 = time.perf_counter()
         crcs = Crcs() if verify_alg is not None else None
         check = StageCheck(directory, expect, self.hash_threads, verify_alg or DEFAULT_HASH_ALG, crcs)
         entry.verified = verify_alg is None
         try:
-            entry.buffers = self.backend.allocate(version, entry.buffer_bytes)
+            try:
+                entry.buffers = self.backend.allocate(version, entry.buffer_bytes)
+            finally:
+                entry.allocated.set()
             self.backend.fill(entry.buffers, table, slots, check)
             entry.files, entry.checked = check.finish()
             if crcs is not None:
@@ -276,24 +285,53 @@ class LoaderStore:
         return v
 
     def descriptor(self, version: str, device: str | None = None, purpose: str | None = None) -> dict[str, Any]:
-        """`purpose="check"`: the daemon's checks read a version not yet `verified` (not exported)."""
-        if purpose not in (None, "check"):
+        """`purpose="check"`: the daemon's checks read a version not yet `verified` (not exported).
+        `purpose="map"`: the buffers of a version still staging, as soon as they are allocated
+        (waits up to MAP_WAIT_S), with no file digests: the daemon's checks open them while the
+        bytes arrive (a CUDA IPC open costs ~80-100 ms for 8B) and read them only after `stage`
+        answered. Its bytes are as unverified as a check descriptor's; it exports nothing."""
+        if purpose not in (None, "check", "map"):
             raise StoreError(f"descriptor: unknown purpose {purpose!r}")
+        if purpose == "map":
+            return self._map_descriptor(version, device)
         with self._lock:
             v = self._ready(version)
             if not v.verified and purpose != "check":
                 raise StoreError(f"version {version!r} is staged but not verified yet; not exported")
-            buffers = [b.ref() for b in v.buffers]
-            if device is not None:
-                uuid = self._resolve_device(device)
-                buffers = [b for b in buffers if b.device_uuid == uuid]
-                if not buffers:
-                    raise StoreError(f"version {version!r} is not staged on device {device}")
+            buffers = self._buffers_on(v, device)
             v.exported = v.exported or purpose is None
-            kind: Literal["cuda", "shm"] = "cuda" if self.backend.kind == "cuda" else "shm"
-            desc = Descriptor(version, kind, v.size, v.slots, tuple(buffers), v.digest, self.socket_path,
-                              v.files, v.checked)  # fmt: skip
-            return desc.to_json()
+            return self._descriptor(v, buffers, v.digest, v.files, v.checked)
+
+    def _map_descriptor(self, version: str, device: str | None) -> dict[str, Any]:
+        # asked beside the stage request, which may not have registered the version yet
+        deadline = time.monotonic() + MAP_WAIT_S
+        with self._added:
+            self._added.wait_for(lambda: version in self._versions, timeout=MAP_WAIT_S)
+            v = self._versions.get(version)
+        if v is None:
+            raise StoreError(f"version {version!r} is not staged (waited {MAP_WAIT_S:g} s for its stage)")
+        if not v.allocated.wait(max(0.0, deadline - time.monotonic())):
+            raise StoreError(f"version {version!r}: its buffers were not allocated within {MAP_WAIT_S:g} s")
+        with self._lock:
+            if self._versions.get(version) is not v or not v.buffers:
+                raise StoreError(f"version {version!r} is no longer staging (its stage failed or it was dropped)")
+            return self._descriptor(v, self._buffers_on(v, device), None, (), False)  # nothing known of the bytes yet
+
+    def _buffers_on(self, v: StagedVersion, device: str | None) -> list[Any]:
+        """References to `v`'s buffers, only the one on `device` when named."""
+        buffers = [b.ref() for b in v.buffers]
+        if device is not None:
+            uuid = self._resolve_device(device)
+            buffers = [b for b in buffers if b.device_uuid == uuid]
+            if not buffers:
+                raise StoreError(f"version {v.version!r} is not staged on device {device}")
+        return buffers
+
+    def _descriptor(self, v: StagedVersion, buffers: list[Any], digest: str | None,
+                    files: tuple[tuple[str, int, str, str], ...], checked: bool) -> dict[str, Any]:  # fmt: skip
+        kind: Literal["cuda", "shm"] = "cuda" if self.backend.kind == "cuda" else "shm"
+        desc = Descriptor(v.version, kind, v.size, v.slots, tuple(buffers), digest, self.socket_path, files, checked)
+        return desc.to_json()
 
     def _resolve_device(self, device: str) -> str:
         if device in self.backend.devices:

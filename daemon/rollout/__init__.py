@@ -36,7 +36,14 @@ if TYPE_CHECKING:
     from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed, target_problem
     from daemon.rollout.planner import newer, newest
     from daemon.rollout.recovery import Recovery, check_worker, fleet_version, recover_uncertain
-    from daemon.rollout.stage import Stager, Target, registry_expect
+    from daemon.rollout.stage import (
+        Stager,
+        Target,
+        WorkerAsks,
+        ask_to_map_ahead,
+        ask_to_read_ahead,
+        registry_expect,
+    )
     from daemon.rollout.states import (
         FAILED,
         Transition,
@@ -49,7 +56,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "FAILED", "FailurePath", "ManagedWorker", "PortTaken", "Recovery", "Restarter", "RolloutEngine",
-    "RolloutResult", "Stager", "StepFailed", "Target", "Transition", "TransitionObserver",
+    "RolloutResult", "Stager", "StepFailed", "Target", "WorkerAsks", "ask_to_map_ahead", "ask_to_read_ahead", "Transition", "TransitionObserver",
     "WindowVerdict", "WorkerDriver", "WorkerHandle", "WorkerSet", "WorkerState", "attribute",
     "check_worker", "ensure_seed", "fleet_version", "health", "newer", "newest", "parse_state",
     "recover_uncertain", "registry_expect", "target_problem"

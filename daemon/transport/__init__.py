@@ -55,6 +55,7 @@ if TYPE_CHECKING:
         TableMismatch,
         TransportError,
         UpdateMode,
+        WorkersAhead,
         check_table,
     )
     from daemon.transport.broadcast import (
@@ -69,6 +70,7 @@ if TYPE_CHECKING:
     from daemon.transport.check import Reference, files_problem, load_expect_file, reference_for
     from daemon.transport.disk import DiskTransport
     from daemon.transport.group_spec import GroupSpec
+    from daemon.transport.ipc import map_ahead
     from daemon.transport.ipc_open import OPENER, TRUSTED_UIDS
 
 
@@ -108,8 +110,8 @@ __all__ = [
     "PlansCopies", "Reference", "SenderOptions", "SourceChanged", "StageError", "StagesAhead",
     "SwapCapable", "SwapLease", "TORCH_TO_ST", "TRANSPORTS", "TRUSTED_UIDS", "TableMismatch",
     "TransportEntry", "TransportError", "UpdateMode", "UpdateRequest", "WorkerTransport",
-    "WorkerTransportFactory", "bucket_broadcast", "buckets", "check_table", "daemon_transport",
-    "files_problem", "join", "load_expect_file", "parse_table", "reference_for", "session_message",
+    "WorkerTransportFactory", "WorkersAhead", "bucket_broadcast", "buckets", "check_table", "daemon_transport",
+    "files_problem", "join", "load_expect_file", "map_ahead", "parse_table", "reference_for", "session_message",
     "table_to_json", "tensors_digest", "total_bytes", "vote", "worker_transport"
 ]
 

@@ -152,6 +152,17 @@ class Outgoing:
 
 
 @dataclass(frozen=True, slots=True)
+class WorkersAhead:
+    """How a sender's verify stager reaches this host's workers while a version is verified, so
+    they start on it before the rollout: `map` (ipc: open the loader's buffer; (version, loader))
+    and `read` (disk: read and hash the files; (version, path, alg)); None: no worker asked.
+    Called with a version of None, each lets go of what it took (the version failed)."""
+
+    map: Callable[[str | None, str | None], None] | None = None
+    read: Callable[[str | None, str | None, str | None], None] | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SenderOptions:
     """What a daemon side may need from the daemon's config (built by the rollout service)."""
 

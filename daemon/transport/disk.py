@@ -28,10 +28,12 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from daemon.formats import MANIFEST_NAME, TensorLocation, tensor_table, weight_files
+from daemon.hashing import FileDigest
 from daemon.manifest import load_manifest
 from daemon.transport.base import (
     BadUpdateRequest,
@@ -45,9 +47,17 @@ from daemon.transport.base import (
     TensorSpec,
     TransportError,
     UpdateRequest,
+    WorkersAhead,
     WorkerTransportFactory,
 )
-from daemon.transport.check import DigestMismatch, LoadCheck, ensure_contained, files_problem, wants_check
+from daemon.transport.check import (
+    DigestMismatch,
+    LoadCheck,
+    ensure_contained,
+    files_problem,
+    reference_for,
+    wants_check,
+)
 from daemon.transport.disk_read import (
     DEFAULT_CHECK_BUFFERS,
     DEFAULT_CHUNK_BYTES,
@@ -78,11 +88,38 @@ class DiskSender:
             raise StageError(f"{item.version}: {problem}")
         return Prepared(UpdateRequest(item.version, "disk", {"path": item.local_path}, "copy", item.expect))
 
+    def verify_stager(self, version: str, device: str, workers: WorkersAhead | None = None) -> ReadAheadAsk | None:
+        """For the daemon's verify: asks the host's workers to read `version` while it is verified
+        (daemon.worker.read_ahead); the crc32c pass still reads and hashes it here."""
+        return ReadAheadAsk(version, workers.read) if workers is not None and workers.read is not None else None
+
     def retain(self, versions: set[str]) -> None:
         return None  # nothing held: the directories are the registry's
 
     def close(self) -> None:
         return None
+
+
+class ReadAheadAsk:
+    """A VerifyStager (daemon.checks) that stages nothing: when the crc32c pass starts, with the
+    file list and the strong hash known, it asks the workers to read the version; a version that
+    fails its checks has them let go. The workers' reads are vouched for by the verified digests
+    at their prepare, never by this."""
+
+    holds_bytes = False  # asked with checks.stage_device "off" too: the workers read, not the checks
+
+    def __init__(self, version: str, read: Callable[[str | None, str | None, str | None], None]) -> None:
+        self.version, self.read = version, read
+        self.asked = False
+
+    def stage(self, root: Path, rels: list[str], alg: str, on_mapped: Any = None) -> None:
+        if alg != "crc32c":  # a read ahead is vouched for by a strong hash only
+            self.read(self.version, str(root), alg)
+            self.asked = True
+
+    def finish(self, ok: bool, files: list[Any], digest: str | None) -> None:
+        if self.asked and not ok:
+            self.read(None, None, None)
 
 
 def open_update(request: UpdateRequest, store: object) -> DiskTransport:
@@ -110,17 +147,22 @@ class DiskTransport:
         staged: bool | None = None,
         expect: Expect | None = None,
         check: bool | None = None,
+        compute_alg: str | None = None,
     ) -> None:
         """`staged`: None picks the pinned-pool path for CUDA parameters and direct reads for CPU
         ones; True sends CPU parameters through the pool too (exercises the chunk logic in CI).
         `expect`: the registry's per-file digests; every byte read is hashed and compared with
-        them (check while loading) unless `check` is False. `check` True without digests refuses."""
+        them (check while loading) unless `check` is False. `check` True without digests refuses.
+        `compute_alg`: a read ahead of verification (daemon.worker.read_ahead): no digests yet,
+        every file read is hashed with this algorithm and kept in `computed` for `vouch`."""
         self.directory = Path(directory)
         self.expect = expect or Expect()
-        self.check = wants_check(self.expect) if check is None else check
-        if self.check and not wants_check(self.expect):
+        self.compute_alg = compute_alg
+        self.check = compute_alg is not None or (wants_check(self.expect) if check is None else check)
+        if self.check and compute_alg is None and not wants_check(self.expect):
             raise BadUpdateRequest("check while loading needs expect.files (the verified per-file digests)")
         self.checked: dict[str, Any] = {}
+        self.computed: dict[str, FileDigest] = {}  # with compute_alg: what each file read hashed to
         self.staged = staged
         self.readers = max(1, readers or min(DEFAULT_READERS, os.cpu_count() or 1))
         self.chunk_bytes = chunk_bytes
@@ -184,6 +226,30 @@ class DiskTransport:
         copies = int(self.ahead.copy_into(params, self.flat))
         self.last_stats = WriteStats(bytes=int(self.ahead.nbytes), tensors=len(params), chunks=copies,
                                      seconds=time.perf_counter() - t0, path="ahead")  # fmt: skip
+
+    def vouch(self, expect: Expect) -> str | None:
+        """After a read ahead (`compute_alg`): None when what it read is exactly what `expect` (the
+        registry's verified digests) names: every file read listed and equal in size and strong
+        digest, every listed weight file read; else why not. Then `expect` is this transport's."""
+        if self.compute_alg is None or not self.computed:
+            return "nothing was read ahead with digests"
+        listed = {f.path: f for f in expect.files}
+        for rel, got in sorted(self.computed.items()):
+            f = listed.get(rel)
+            ref = reference_for(f) if f is not None else None
+            if ref is None or not ref.strong:
+                return f"{rel}: the registry has no verified strong digest for this file"
+            if ref.alg != got.hash_alg:
+                return f"{rel}: read ahead with {got.hash_alg}, verified with {ref.alg}"
+            if got.bytes != ref.bytes or got.hash != ref.value:
+                return f"{rel}: the bytes read ahead are not the verified ones (changed since they were read)"
+        unread = sorted(p for p in listed if p.endswith(".safetensors") and p not in self.computed)
+        if unread:
+            return f"{unread[0]}: verified weight file was not read ahead"
+        self.expect = expect
+        self.checked = {**self.checked, "check_alg": self.compute_alg, "checked_files": len(self.computed),
+                        "check_weak": False, "read_ahead_of_verify": True}  # fmt: skip
+        return None
 
     def source_digest(self) -> str | None:
         """The checkpoint's manifest digest, or None when it has no manifest."""
@@ -252,7 +318,8 @@ class DiskTransport:
             for loc in direct_locs:
                 ranges.setdefault(loc.file, []).append((loc.entry.start, loc.entry.nbytes))
             try:
-                check = LoadCheck(self.directory, self.expect, ranges, threads=self.hash_threads)
+                check = LoadCheck(self.directory, self.expect, ranges, threads=self.hash_threads,
+                                  compute_alg=self.compute_alg)  # fmt: skip
             except DigestMismatch as exc:
                 raise SourceChanged(f"check while loading: {exc}") from None
             except OSError as exc:
@@ -267,6 +334,7 @@ class DiskTransport:
             if check is not None:
                 try:
                     self.checked = check.finish()
+                    self.computed = dict(check.digests) if self.compute_alg is not None else {}
                 except DigestMismatch as exc:
                     raise SourceChanged(f"check while loading: {exc}; nothing committed") from None
                 except OSError as exc:

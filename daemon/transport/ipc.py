@@ -315,6 +315,24 @@ def point_params_at(params: Mapping[str, torch.Tensor], targets: Mapping[str, to
     return previous
 
 
+def map_ahead(loader: str, version: str, device: torch.device | str, opener: IpcOpener | None = None) -> OpenedVersion:
+    """Worker side, before the update (issue 41): open `version`'s buffer in this process while the
+    loader still fills it or the daemon still checks it, so the update's own open finds it open.
+    Nothing is read through it here; the update still takes its descriptor from the loader once
+    exported and ties it to the registry's digests. The caller gives the reference back
+    (`opener.release`). A shared-memory segment opens only once sealed (after the stage)."""
+    dev = torch.device(device)
+    client = LoaderClient(loader, timeout=10.0, peer_uids=TRUSTED_UIDS)
+    try:
+        desc = parse_descriptor(client.descriptor(version, device=_device_uuid_of(dev), purpose="map"))
+    except LoaderError as exc:
+        raise LoaderRefused(f"version {version!r}: {exc}") from None
+    want = "shm" if dev.type == "cpu" else "cuda"
+    if desc.kind != want or desc.version != version:
+        raise DescriptorError(f"the loader's map descriptor of {version!r} ({desc.kind}) cannot feed a worker on {dev}")
+    return (opener or OPENER).open(desc, desc.buffer_for(_device_uuid_of(dev)))
+
+
 def open_update(request: UpdateRequest, store: Any) -> IpcTransport:
     """Worker side, from an update request: `descriptor` is the loader's JSON descriptor."""
     descriptor = request.source.get("descriptor")

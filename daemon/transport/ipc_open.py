@@ -63,19 +63,45 @@ class IpcOpener:
 
     def __init__(self) -> None:
         self._open: dict[tuple[str, str], OpenedVersion] = {}
+        self._opening: dict[tuple[str, str], threading.Event] = {}  # being mapped by a thread now
         self._lock = threading.Lock()
 
     def open(self, desc: Descriptor, buf: BufferRef) -> OpenedVersion:
         key = (desc.version, buf.path or (buf.handle or b"").hex())
-        with self._lock:
-            opened = self._open.get(key)
-            if opened is None:
+        while True:
+            with self._lock:
+                opened = self._open.get(key)
+                if opened is not None:
+                    return self._take(opened, desc)
+                opening = self._opening.get(key)
+                if opening is None:
+                    self._opening[key] = threading.Event()
+            if opening is not None:  # another thread maps this buffer now: take its mapping
+                opening.wait()
+                continue
+            # mapped outside the lock (a CUDA IPC open of 8B takes ~80 ms): an open ahead of the
+            # next version (`map_ahead`) never holds up the open of another, and a buffer is
+            # never mapped twice at once
+            try:
                 mapping = _map_buffer(desc, buf)
                 payload = mapping.tensor()[buf.offset : buf.offset + desc.size]
-                opened = OpenedVersion(key, desc.version, mapping, payload, desc)
-                self._open[key] = opened
-            opened.refs += 1
-            return opened
+                with self._lock:
+                    self._open[key] = OpenedVersion(key, desc.version, mapping, payload, desc)
+                    return self._take(self._open[key], desc)
+            finally:
+                with self._lock:
+                    self._opening.pop(key).set()
+
+    @staticmethod
+    def _take(opened: OpenedVersion, desc: Descriptor) -> OpenedVersion:
+        if opened.descriptor is not desc:
+            # opened ahead (`map_ahead`, a descriptor with no digests yet): the same buffer must
+            # hold the same layout; views are built from the newest descriptor
+            if (opened.descriptor.size, opened.descriptor.tensors) != (desc.size, desc.tensors):
+                raise DescriptorError(f"version {desc.version!r}: its buffer was opened with another layout")
+            opened.descriptor = desc
+        opened.refs += 1
+        return opened
 
     def release(self, opened: OpenedVersion) -> bool:
         """Drop one reference; at zero, drop our views and the mapping. True when unmapped now."""
@@ -86,6 +112,7 @@ class IpcOpener:
             self._open.pop(opened.key, None)
             opened._views = None
             opened.payload = torch.empty(0, dtype=torch.uint8)
+            # closed under the lock: an open of the same buffer never runs beside its close
             closed = bool(opened.mapping.close())
         if not closed:
             log.info("ipc buffer of %s stays mapped until its last view is gone", opened.version)

@@ -19,6 +19,7 @@ from daemon.transport.base import (
     SenderOptions,
     StageError,
     UpdateRequest,
+    WorkersAhead,
 )
 from daemon.transport.check import files_problem
 
@@ -67,13 +68,15 @@ class IpcSender:
         request = UpdateRequest(item.version, "ipc", source, self.options.update_mode, item.expect)
         return Prepared(request, staged=True)
 
-    def verify_stager(self, version: str, device: str) -> Any:  # a LoaderStager (daemon.checks.base.VerifyStager's shape)
+    def verify_stager(self, version: str, device: str, workers: WorkersAhead | None = None) -> Any:
         """For the daemon's verify: the crc32c pass stages `version` in the loader (one read);
-        once verified it counts as staged here (prepare finds it, retain may drop it)."""
+        once verified it counts as staged here (prepare finds it, retain may drop it). `workers`:
+        asks the host's workers to open its buffer while the checks run (LoaderStager)."""
         # imported here: it needs torch, which a daemon without checks that use it never loads
         from daemon.transport.ipc_verify import LoaderStager
 
-        return LoaderStager(self.loader, version, device, on_verified=self._staged.add)
+        return LoaderStager(self.loader, version, device, on_verified=self._staged.add,
+                            workers=workers.map if workers is not None else None)  # fmt: skip
 
     def retain(self, versions: set[str]) -> None:
         for version in sorted(self._staged - versions):

@@ -199,6 +199,14 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
     async def rollback(request: Request) -> dict[str, Any]:
         return await run_in_threadpool(ctl.rollback)
 
+    async def map_ahead(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        return await run_in_threadpool(ctl.map_ahead, body)
+
+    async def read_ahead(request: Request) -> dict[str, Any]:
+        body = await body_of(request)
+        return await run_in_threadpool(ctl.read_ahead, body)
+
     async def probe_route(request: Request) -> dict[str, Any]:
         body = await body_of(request)
         n = body.get("max_tokens", 4)
@@ -222,7 +230,8 @@ def admin_router(ctl: Any, token: bytes | None) -> APIRouter:
     router.add_api_route("/admin/identify", identify, methods=["POST"])
     router.add_api_route("/weight_info", admin(weight_info), methods=["GET"])
     for name, fn in (("drain", drain), ("pause", pause), ("resume", resume), ("update", update),
-                     ("prepare", prepare), ("rollback", rollback), ("probe", probe_route)):
+                     ("prepare", prepare), ("rollback", rollback), ("probe", probe_route), ("map_ahead", map_ahead),
+                     ("read_ahead", read_ahead)):
         router.add_api_route(f"/admin/{name}", admin(fn), methods=["POST"])
     router.add_api_route("/admin/init_weight_group", admin(weight_group_route(ctl)), methods=["POST"])  # broadcast
     router.add_api_route("/admin/adapters/load", admin(adapter_load), methods=["POST"])  # LoRA: lora_admin.py

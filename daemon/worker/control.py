@@ -43,7 +43,9 @@ from daemon.transport import StagesAhead, TransportError, UpdateRequest
 from daemon.worker import updates
 from daemon.worker.after_write import flip_back, probe_failure, probe_now
 from daemon.worker.engine import Engine, probe
+from daemon.worker.map_ahead import MappedAhead
 from daemon.worker.model import LoadedModel
+from daemon.worker.read_ahead import ReadAhead
 from daemon.worker.store import WeightStore
 
 log = logging.getLogger("hotswap.worker.control")
@@ -103,6 +105,8 @@ class Controller:
         self._prepared_at = 0.0  # time.monotonic() of the preparation held
         self.prepared_ttl_s = prepared_ttl_s
         self._prepare_lock = threading.Lock()
+        self.mapped_ahead = MappedAhead(store.device, self.event)  # a loader buffer opened before its update
+        self.disk_ahead = ReadAhead(store, self.event)  # a disk version read while the daemon verifies it
         store.defer_releases = True  # closing what an update opened waits until serving again
         self._releases: queue.SimpleQueue[list[Callable[[], None]]] = queue.SimpleQueue()
         self._releaser: threading.Thread | None = None
@@ -133,6 +137,8 @@ class Controller:
 
     def weight_info(self) -> dict[str, Any]:
         self._expire_prepared()  # asked every few seconds by the daemon's health poll
+        self.mapped_ahead.expire()
+        self.disk_ahead.expire()
         cur, prev = self.store.current, self.store.previous
         return {
             "version": cur.version,
@@ -158,10 +164,24 @@ class Controller:
             "model_dir": self.model_dir,
             "last_update": self.store.last_update,
             "prepared_version": self._prepared_version(),
+            "mapped_ahead": self.mapped_ahead.version(),
+            "read_ahead": self.disk_ahead.version(),
             "events": self.recent_events(),
             "adapters": self.engine.adapters.info(),  # LoRA adapters served by name (lora.py)
             "adapter_requests": self.engine.adapters.counters(),
         }
+
+    def map_ahead(self, raw: Any) -> dict[str, Any]:
+        """Open a version's loader buffer ahead of its update (daemon.worker.map_ahead); answers at once."""
+        version, loader = updates.parse_map_ahead(raw)
+        self.mapped_ahead.want(version, loader)
+        return {"version": version, "state": self.state.value}
+
+    def read_ahead(self, raw: Any) -> dict[str, Any]:
+        """Read a disk version ahead of its verification (daemon.worker.read_ahead); answers at once."""
+        version, path, alg = updates.parse_read_ahead(raw)
+        self.disk_ahead.want(version, path, alg)
+        return {"version": version, "state": self.state.value}
 
     def _prepared_version(self) -> str | None:
         held = self._prepared
@@ -222,15 +242,8 @@ class Controller:
             return {"version": request.version, "prepared": False, "state": self.state.value,
                     "reason": f"transport {request.transport!r} is opened by the update itself"}  # fmt: skip
         self._drop_prepared()
-        opened = updates.open_and_validate(request, self.store)
-        if request.mode == "copy" and isinstance(opened.transport, StagesAhead):
-            t0 = time.perf_counter()
-            try:  # read and check the whole version now, into a buffer of its own
-                opened.transport.stage(self.store.params)
-            except (TransportError, OSError, ValueError) as exc:
-                opened.close(self.store)
-                raise updates.BadRequest(f"cannot read the new weights ahead of the pause: {exc}") from None
-            opened.open_ms += (time.perf_counter() - t0) * 1e3
+        opened = self.disk_ahead.take(request) or self._open_ahead(request)
+        self.mapped_ahead.taken(request.version)  # the transport holds its own reference now
         with self._prepare_lock:
             old, self._prepared = self._prepared, (_key(request), opened)
             self._prepared_at = time.monotonic()
@@ -242,6 +255,19 @@ class Controller:
             self._release_deferred()
         return {"version": request.version, "prepared": True, "open_ms": opened.open_ms, "state": self.state.value}
 
+    def _open_ahead(self, request: UpdateRequest) -> updates.Opened:
+        """Open and validate `request`'s source, and read a disk copy ahead into a buffer of its own."""
+        opened = updates.open_and_validate(request, self.store)
+        if request.mode == "copy" and isinstance(opened.transport, StagesAhead):
+            t0 = time.perf_counter()
+            try:  # read and check the whole version now, into a buffer of its own
+                opened.transport.stage(self.store.params)
+            except (TransportError, OSError, ValueError) as exc:
+                opened.close(self.store)
+                raise updates.BadRequest(f"cannot read the new weights ahead of the pause: {exc}") from None
+            opened.open_ms += (time.perf_counter() - t0) * 1e3
+        return opened
+
     def update(self, raw: Any, *, resume_after: bool = False) -> dict[str, Any]:
         """Write body `raw`'s version and probe it; `resume_after`: see the module docstring."""
         request = updates.parse_request(raw)
@@ -252,6 +278,7 @@ class Controller:
             nonlocal used
             used = True
             result = updates.apply_update(self.store, request, before_write=self.before_write, prepared=prepared)
+            self.mapped_ahead.taken(request.version)
             if not resume_after:
                 result["probe"] = probe_now(self.engine, self.store)
             self.event("updated", version=request.version, prepared=prepared is not None,
@@ -311,12 +338,11 @@ class Controller:
         """The preparation of exactly this request, taken out of its slot; any other one is let go."""
         with self._prepare_lock:
             held, self._prepared = self._prepared, None
-        if held is None:
-            return None
-        if held[0] == _key(request):
+        if held is not None and held[0] == _key(request):
             return held[1]
-        held[1].close(self.store)
-        return None
+        if held is not None:
+            held[1].close(self.store)
+        return self.disk_ahead.take(request)
 
     def _expire_prepared(self) -> None:
         """Let go of a preparation no update used within `prepared_ttl_s` (its rollout stopped

@@ -20,6 +20,8 @@ compared in constant time; without --token-file the admin routes answer 403):
     POST /admin/update    {version, transport, path|descriptor, mode, expect: {digest, tensors, files}}
                           answers with `probe`: one greedy forward under the new weights (post-check)
     POST /admin/prepare   the same body, while serving: opened and validated before the pause
+    POST /admin/map_ahead {version, loader}: open a version's loader buffer while it is verified
+    POST /admin/read_ahead {version, path, alg}: read a disk version while it is verified
     POST /admin/probe     {max_tokens, adapter?}: one greedy generation even while paused (post-update check)
     POST /admin/adapters/load|unload  LoRA adapters by name beside the base, nothing paused (lora_admin.py);
                           a request's `model` naming one runs with it

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from daemon.formats import HeaderError, LayoutError
+from daemon.handoff import MAX_VERSION_CHARS
 from daemon.transport import (
     TRANSPORTS,
     BadUpdateRequest,
@@ -50,6 +51,8 @@ from daemon.transport import (
     worker_transport,
 )
 from daemon.worker.store import VersionRecord, WeightStore
+
+STRONG_ALGS = ("blake3", "sha256")  # what a read ahead of verification may hash with (vouched for by it)
 
 log = logging.getLogger("hotswap.worker.updates")
 
@@ -99,6 +102,37 @@ def parse_request(raw: Any) -> UpdateRequest:
     if request.transport not in TRANSPORTS:
         raise BadRequest(f"unknown transport {request.transport!r}; this worker has {sorted(TRANSPORTS)}")
     return request
+
+
+def parse_read_ahead(raw: Any) -> tuple[str | None, str | None, str | None]:
+    """The body of `POST /admin/read_ahead`: {"version": str | null, "path": absolute checkpoint
+    directory, "alg": the strong hash its files are verified with}."""
+    if not isinstance(raw, dict) or set(raw) - {"version", "path", "alg"}:
+        raise BadRequest("read_ahead takes {'version': str or null, 'path': a checkpoint directory, 'alg': blake3|sha256}")
+    version, path, alg = raw.get("version"), raw.get("path"), raw.get("alg")
+    if version is None:
+        return None, None, None
+    if not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_CHARS or "\x00" in version:
+        raise BadRequest(f"'version' must be a version label of 1 to {MAX_VERSION_CHARS} characters")
+    if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096 or "\x00" in path:
+        raise BadRequest("'path' must be the absolute path of the checkpoint directory")
+    if alg not in STRONG_ALGS:
+        raise BadRequest(f"'alg' must be one of {', '.join(STRONG_ALGS)} (a strong hash: the read is vouched for by it)")
+    return version, path, alg
+
+
+def parse_map_ahead(raw: Any) -> tuple[str | None, str | None]:
+    """The body of `POST /admin/map_ahead`: {"version": str | null, "loader": absolute socket path}."""
+    if not isinstance(raw, dict) or set(raw) - {"version", "loader"}:
+        raise BadRequest("map_ahead takes {'version': str or null, 'loader': the loader's socket path}")
+    version, loader = raw.get("version"), raw.get("loader")
+    if version is None:
+        return None, None
+    if not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_CHARS or "\x00" in version:
+        raise BadRequest(f"'version' must be a version label of 1 to {MAX_VERSION_CHARS} characters")
+    if not isinstance(loader, str) or not loader.startswith("/") or len(loader) > 4096 or "\x00" in loader:
+        raise BadRequest("'loader' must be the absolute path of the loader's socket")
+    return version, loader
 
 
 @dataclass(slots=True)

@@ -89,3 +89,38 @@ def test_headroom_alone_parses_the_headers_in_the_child_too(tmp_path: Path, monk
         assert run_checks(good, CheckSettings(enabled=("headroom",))).ok
     finally:
         proc.stop()
+
+
+def test_a_premap_is_opened_by_a_running_child_and_let_go_without_upsetting_its_answers(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """`premap` hands the child a loader buffer to open before the forward check (issue 41): the
+    child opens it (unpickles it) unasked-for, answers nothing, lets it go on `premap(None)`; a
+    premap that cannot be opened costs nothing; the next check's answer is its own."""
+    from support_premap import Marker
+
+    tests = Path(__file__).resolve().parents[1]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(tests), os.environ.get("PYTHONPATH")])))
+    proc = CheckProcess()
+    monkeypatch.setattr("daemon.checks.runner.CHECK_PROCESS", proc)
+    good = make_tiny_checkpoint(tmp_path / "good", seed=1)
+    publish(good, version="good")
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    try:
+        proc.premap(Marker(str(first)))  # no child yet: nothing is started for it
+        assert proc._proc is None and not (first / "opened").exists()
+        proc.start()
+        proc.premap(Marker(str(first)))
+        wait_until(lambda: (first / "opened").exists(), timeout=30, what="the child to open the premap")
+        assert run_checks(good, CheckSettings(enabled=FEW)).ok  # its answer, not one for the premap
+        proc.premap(Marker(str(second)))  # a newer one: the first is let go
+        wait_until(lambda: (first / "discarded").exists(), timeout=30, what="the child to let the first go")
+        assert (second / "opened").exists() and not (second / "discarded").exists()
+        proc.premap(None)
+        wait_until(lambda: (second / "discarded").exists(), timeout=30, what="the child to let the second go")
+        proc.premap(Marker(str(tmp_path / "missing")))  # its open fails in the child
+        report = run_checks(good, CheckSettings(enabled=FEW))
+        assert report.ok and proc.starts == 1, report.reason
+    finally:
+        proc.stop()

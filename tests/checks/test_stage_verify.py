@@ -24,6 +24,7 @@ from daemon.checks.canary import CANARIES, REFERENCES
 from daemon.checks.finite_staged import scan_staged
 from daemon.formats.checkpoint import tensor_table
 from daemon.tinymodel import make_tiny_checkpoint
+from daemon.transport import SenderOptions, WorkersAhead, daemon_transport
 
 NO_FINITE = CheckSettings(isolate_checks=False, enabled=tuple(n for n in CHECK_NAMES if n != "finite"))  # the canary must catch it
 
@@ -92,6 +93,33 @@ def test_stage_device_off_keeps_the_file_reading_checks(tmp_path: Path) -> None:
     assert detail["crc32c"]["staged"].startswith("no ")
     assert detail["finite"]["scanned"] == "files"
     assert detail["forward"]["weights"] == "read for the forward check"
+
+
+def test_stage_device_off_still_asks_the_disk_workers_to_read_ahead_but_stages_nothing(tmp_path: Path) -> None:
+    """"off" turns down a copy of the bytes (the loader's), not the disk workers' read ahead."""
+    d = published(tmp_path / "v")
+    reads: list[tuple[str | None, str | None, str | None]] = []
+    sender = daemon_transport("disk", SenderOptions(state_dir=tmp_path))
+    ask = sender.verify_stager("v1", "cpu", WorkersAhead(read=lambda *a: reads.append(a)))
+    assert ask is not None and not ask.holds_bytes
+
+    class Copies:  # the loader's shape: a copy of the weights
+        holds_bytes = True
+        staged: list[list[str]] = []
+
+        def stage(self, root: Path, rels: list[str], alg: str, on_mapped: Any = None) -> None:
+            self.staged.append(rels)
+
+        def finish(self, ok: bool, files: list[Any], digest: str | None) -> None:
+            pass
+
+    off = CheckSettings(isolate_checks=False, stage_device="off", hash_alg="blake3")
+    assert run_checks(d, off, stager=ask).ok
+    assert reads == [("v1", str(d), "blake3")]  # asked once, never let go (the version passed)
+    copies = Copies()
+    assert run_checks(d, off, stager=copies).ok and copies.staged == []
+    on = CheckSettings(isolate_checks=False, hash_alg="blake3")
+    assert run_checks(d, on, stager=copies).ok and len(copies.staged) == 1
 
 
 @pytest.mark.parametrize(

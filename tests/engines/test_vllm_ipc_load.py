@@ -114,8 +114,12 @@ def test_three_updates_under_load_in_drain_mode_fail_no_request(pair: Pair) -> N
     stats = load.stats
     assert stats.failed == 0 and stats.ok > 20, (stats.failed, stats.ok, stats.errors[:5])
     for v in VERSIONS:
-        (r,) = [r for r in rollouts(d.registry) if r["version"] == v]
+        *retried, r = [r for r in rollouts(d.registry) if r["version"] == v]
         assert r["outcome"] == "succeeded" and r["transport"] == "disk+ipc", r
+        # on a busy host a vLLM's post-update probe can time out: that rollout is undone and the
+        # version rolled out again (not the checkpoint's fault); never a second try for another reason
+        for earlier in retried:
+            assert earlier["outcome"] == "failed" and earlier["detail"].get("kind") == "unreachable", earlier
         used = {e["worker"]: e["detail"]["transport"] for e in worker_events(d.registry, r["id"]) if e["to"] == "UPDATED"}
         assert used == {"vllm0": "ipc", "vllm1": "disk"}, used
         for w in ("vllm0", "vllm1"):

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import itertools
+import threading
+import time
+from typing import Any
 
 import pytest
 
 from daemon.config import EMBEDDED, ConfigError, GroupSettings, RolloutSettings, WorkerSpec, parse_config
 from daemon.controller.commands import AdapterReconcile, Deploy, Reconcile, Rollback
 from daemon.controller.queue import RolloutQueue
-from daemon.engines.base import Capabilities
+from daemon.engines.base import Capabilities, WorkerError
 from daemon.registry.journal import CheckpointRef
 from daemon.registry.status import CheckpointStatus
 from daemon.rollout.planner import modes_of, newer, newest, pauses_safely, plan
@@ -209,3 +212,79 @@ def test_default_fleet_is_one_managed_worker_only_without_a_config_file() -> Non
     assert cfg.rollout.health_window_s == 5.0 and cfg.rollout.max_error_rate == 0.01
     spec = WorkerSpec(name="w", url="http://x:1", restart_command="relaunch --model {path} --port {port}")
     assert spec.restart_argv() == ["relaunch", "--model", "{path}", "--port", "{port}"]
+
+
+class _Mapper:
+    """A worker client that can map ahead: records what it is asked, or blocks, or refuses."""
+
+    def __init__(self, name: str, gate: Any = None, refuse: bool = False) -> None:
+        self.name, self.gate, self.refuse = name, gate, refuse
+        self.asked: list[tuple[str | None, str | None]] = []
+        self.done = threading.Event()
+
+    def map_ahead(self, version: str | None, loader: str | None) -> None:
+        if self.gate is not None:
+            assert self.gate.wait(30)
+        self.asked.append((version, loader))
+        self.done.set()
+        if self.refuse:
+            raise WorkerError(f"worker {self.name}: map_ahead: HTTP 503")
+
+
+def test_workers_that_can_map_ahead_are_asked_each_on_its_own_and_a_stuck_one_delays_nothing() -> None:
+    from daemon.rollout.stage import ask_to_map_ahead
+    from daemon.rollout.states import WorkerHandle, WorkerSet
+
+    gate = threading.Event()
+    stuck, refusing, fine = _Mapper("stuck", gate), _Mapper("refusing", refuse=True), _Mapper("fine")
+    cannot = object()  # a client without map_ahead (vLLM, SGLang): never asked
+    handles = [WorkerHandle(WorkerSpec(name=c.name, url=f"http://fake/{c.name}", kind="fake"), c, f"http://fake/{c.name}")  # type: ignore[arg-type]
+               for c in (stuck, refusing, fine)]  # fmt: skip
+    handles.append(WorkerHandle(WorkerSpec(name="cannot", url="http://fake/cannot", kind="fake"), cannot, "http://fake/cannot"))  # type: ignore[arg-type]
+    ask_to_map_ahead(WorkerSet(handles))("v7", "/run/loader.sock")  # returns with `stuck` still blocked
+    assert fine.done.wait(30) and refusing.done.wait(30)
+    assert fine.asked == refusing.asked == [("v7", "/run/loader.sock")] and stuck.asked == []
+    gate.set()
+    assert stuck.done.wait(30) and stuck.asked == [("v7", "/run/loader.sock")]
+
+
+def test_a_let_go_never_overtakes_the_ask_it_answers_on_one_worker_and_reads_ahead_are_asked_alike() -> None:
+    from daemon.rollout.stage import ask_to_read_ahead
+    from daemon.rollout.states import WorkerHandle, WorkerSet
+
+    gate = threading.Event()
+
+    class Reader:
+        name = "slow"
+
+        def __init__(self) -> None:
+            self.asked: list[tuple[str | None, str | None, str | None]] = []
+
+        def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None:
+            if version is not None:  # the ask is slow; the let-go that follows is not
+                assert gate.wait(30)
+            self.asked.append((version, path, alg))
+
+    r = Reader()
+    ask = ask_to_read_ahead(WorkerSet([WorkerHandle(WorkerSpec(name="slow", url="http://fake/slow", kind="fake"), r, "http://fake/slow")]))  # type: ignore[arg-type]
+    ask("v7", "/ckpt/v7", "blake3")
+    ask(None, None, None)  # the version failed its checks while the worker was still being asked
+    gate.set()
+    deadline = time.monotonic() + 30
+    while len(r.asked) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert r.asked == [("v7", "/ckpt/v7", "blake3"), (None, None, None)]
+
+
+def test_worker_asks_settle_once_every_ask_was_answered_and_say_so_when_one_hangs() -> None:
+    from daemon.rollout.stage import WorkerAsks
+    from daemon.rollout.states import WorkerHandle, WorkerSet
+
+    gate = threading.Event()
+    slow = _Mapper("slow", gate)
+    asks = WorkerAsks(WorkerSet([WorkerHandle(WorkerSpec(name="slow", url="http://fake/slow", kind="fake"), slow, "http://fake/slow")]))  # type: ignore[arg-type]
+    assert asks.settle(0.0)  # nothing asked: settled
+    asks.map_ahead("v7", "/run/loader.sock")
+    assert not asks.settle(0.2) and slow.asked == []  # still on its way: a prepare now would overtake it
+    gate.set()
+    assert asks.settle(30) and slow.asked == [("v7", "/run/loader.sock")]

@@ -18,7 +18,7 @@ from daemon.checks import CheckSettings, run_checks
 from daemon.handoff.loader_client import LoaderClient, LoaderError
 from daemon.manifest import load_manifest
 from daemon.transport.ipc import IpcTransport
-from daemon.transport.ipc_verify import LoaderStager
+from daemon.transport.ipc_verify import OPENED_AHEAD, LoaderStager
 
 pytestmark = pytest.mark.quick
 
@@ -194,6 +194,11 @@ def test_on_a_gpu_verify_reads_into_the_loaders_gpu_buffer(tmp_path: Path) -> No
             v2 = published(tmp_path / "v2", seed=3, shards=2, dtype="bfloat16")
             report = run_checks(v2, isolated, stager=LoaderStager(lp.client, "v2", "cuda:0"))
             assert report.ok and _detail(report)["forward"]["weights"] == "crc32c pass", _detail(report)["forward"]
+            # both opened the loader's buffer while it filled (issue 41): the daemon's view and the
+            # check process's, each taken then instead of opened; nothing opened ahead is left over
+            assert "opened here while the loader read" in _detail(report)["crc32c"]["staged"], _detail(report)["crc32c"]
+            assert _detail(report)["forward"]["staged_opened_ahead"] is True, _detail(report)["forward"]
+            assert OPENED_AHEAD.held() == 0
             report = run_checks(nan, settings, stager=LoaderStager(lp.client, "nan", "cuda:0"))
             assert (report.reason or "").startswith("finite: ") and "element 77" in (report.reason or "")
             assert "nan" not in _versions(lp)
