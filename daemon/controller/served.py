@@ -36,20 +36,20 @@ class ServedVersions:
     def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
         """`ckpt` serves on every worker: the alias, the runner's state, its status (and the
         replaced version's), and the stager keeps only serving and last_good."""
-        self.journal.set_alias("serving", ckpt.id)
+        self.journal.serve(ckpt.id, self._moves(ckpt, previous, message))  # the alias with the statuses
         self.state.set_serving(ckpt.version)
-        self._replace(ckpt, previous, message)
         self._keep_staged(ckpt, self.journal.alias("last_good"))
 
-    def _replace(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
-        """`ckpt` deployed (a no-op when it is already) and `previous` (when deployed) retired, in
-        one transaction."""
+    def _moves(self, ckpt: CheckpointRef, previous: CheckpointRef | None,
+               message: str) -> list[tuple[int, CheckpointStatus, str | None]]:  # fmt: skip
+        """`ckpt` deployed (a no-op when it is already) and `previous` (when deployed) retired:
+        written in one transaction by the caller."""
         moves: list[tuple[int, CheckpointStatus, str | None]] = [(ckpt.id, C.DEPLOYED, message)]
         if previous is not None and previous.id != ckpt.id:
             old = self.journal.checkpoint(previous.id)
             if old is not None and old.status == C.DEPLOYED:
                 moves.append((previous.id, C.RETIRED, f"replaced by {ckpt.version}"))
-        self.journal.move_statuses(moves)
+        return moves
 
     def mark_last_good(self, ckpt: CheckpointRef) -> None:
         self.journal.set_alias("last_good", ckpt.id)
@@ -75,7 +75,8 @@ class ServedVersions:
         (daemon.controller.adapter_base) before its status moves."""
         self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
         bound(av.name)
-        self._replace(av.checkpoint, previous.checkpoint if previous is not None else None, message)
+        self.journal.move_statuses(self._moves(av.checkpoint, previous.checkpoint if previous is not None else None,
+                                               message))  # fmt: skip
 
     def clear_adapter_serving(self, name: str) -> None:
         """The name is unloaded from every worker: no version of it serves."""

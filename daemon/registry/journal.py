@@ -114,6 +114,35 @@ def _recently_deployed(exclude_ids: Iterable[int]) -> Select[Checkpoint]:
     )
 
 
+def _set_alias(s: Session, name: str, checkpoint_id: int | None) -> None:
+    if checkpoint_id is None:
+        s.execute(delete(Alias).where(Alias.host == hosts.host_of(s), Alias.name == name))
+        return
+    now = utcnow()
+    a = hosts.alias_row(s, name)
+    if a is None:
+        s.add(Alias(host=hosts.host_of(s), name=name, checkpoint_id=checkpoint_id, updated_at=now))
+    else:
+        a.checkpoint_id = checkpoint_id
+        a.updated_at = now
+    if name == "last_good":
+        s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(last_good_at=now))
+
+
+def _move(s: Session, moves: list[tuple[int, CheckpointStatus, str | None]], detail: dict[str, Any] | None = None) -> None:
+    rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_([m[0] for m in moves]))
+                                        .order_by(Checkpoint.id).with_for_update())}  # fmt: skip
+    for checkpoint_id, to, message in moves:
+        c = rows.get(checkpoint_id)
+        if c is None or (to in _FLEET_WIDE_MOVES and c.status == to.value):
+            continue
+        if to == CheckpointStatus.RETIRED and (others := hosts.served_elsewhere(s, checkpoint_id)):
+            status.note(s, c, f"{message or 'replaced'} on {hosts.host_of(s)}; still serving on "
+                        f"{', '.join(sorted(others))}")  # fmt: skip
+            continue
+        status.move(s, c, to, message, detail=detail)
+
+
 class Journal:
     def __init__(self, registry: Registry) -> None:
         self.registry = registry
@@ -146,18 +175,15 @@ class Journal:
         """Set (or clear) one of this host's aliases. A `last_good` is also remembered on the
         checkpoint (`last_good_at`): the fleet target is the newest version ever good somewhere."""
         with self.registry.session() as s:
-            if checkpoint_id is None:
-                s.execute(delete(Alias).where(Alias.host == hosts.host_of(s), Alias.name == name))
-                return
-            now = utcnow()
-            a = hosts.alias_row(s, name)
-            if a is None:
-                s.add(Alias(host=hosts.host_of(s), name=name, checkpoint_id=checkpoint_id, updated_at=now))
-            else:
-                a.checkpoint_id = checkpoint_id
-                a.updated_at = now
-            if name == "last_good":
-                s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(last_good_at=now))
+            _set_alias(s, name, checkpoint_id)
+
+    @deferrable
+    def serve(self, checkpoint_id: int, moves: list[tuple[int, CheckpointStatus, str | None]]) -> None:
+        """This host's `serving` alias and the status moves that go with it (`move_statuses`) in one
+        transaction: a reader never finds `serving` on a version whose status is not yet `deployed`."""
+        with self.registry.session() as s:
+            _set_alias(s, "serving", checkpoint_id)
+            _move(s, moves)
 
     @deferrable
     def move_status(
@@ -170,28 +196,16 @@ class Journal:
         is done: two hosts leaving v1 for v2 at once each read v1 `deployed`, and the later one's
         `retired -> retired` failed its rollout's bookkeeping after the worker served v2 (its
         aliases then never moved). The row is locked, so the later one sees the earlier's move."""
-        self._move([(checkpoint_id, to, message)], detail)
+        with self.registry.session() as s:
+            _move(s, [(checkpoint_id, to, message)], detail)
 
     @deferrable
     def move_statuses(self, moves: list[tuple[int, CheckpointStatus, str | None]]) -> None:
         """Several `move_status` in one transaction: a new version `deployed` and the one it
         replaced `retired` are seen together or not at all (a reader never finds both deployed).
         Rows are locked in id order, so two hosts moving the same pair never wait on each other."""
-        self._move(moves)
-
-    def _move(self, moves: list[tuple[int, CheckpointStatus, str | None]], detail: dict[str, Any] | None = None) -> None:
         with self.registry.session() as s:
-            rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_([m[0] for m in moves]))
-                                                .order_by(Checkpoint.id).with_for_update())}  # fmt: skip
-            for checkpoint_id, to, message in moves:
-                c = rows.get(checkpoint_id)
-                if c is None or (to in _FLEET_WIDE_MOVES and c.status == to.value):
-                    continue
-                if to == CheckpointStatus.RETIRED and (others := hosts.served_elsewhere(s, checkpoint_id)):
-                    status.note(s, c, f"{message or 'replaced'} on {hosts.host_of(s)}; still serving on "
-                                f"{', '.join(sorted(others))}")  # fmt: skip
-                    continue
-                status.move(s, c, to, message, detail=detail)
+            _move(s, moves)
 
     @deferrable
     def note(self, checkpoint_id: int, message: str) -> None:

@@ -77,3 +77,26 @@ def test_a_reader_never_finds_the_new_version_and_the_one_it_replaced_both_deplo
     reader.close()
     assert seen and seen[-1] == {"v0": "retired", "v1": "deployed"}, seen
     assert all(list(s.values()).count("deployed") == 1 for s in seen), seen
+
+
+def test_a_reader_never_finds_serving_on_a_version_not_yet_deployed(registry: Registry, tmp_path: Path) -> None:
+    """The serving alias moves with the statuses (before, the alias committed first: between the
+    two commits `hotswap status` showed serving v1 while v1 was still `verified`)."""
+    journal = Journal(registry)
+    served = ServedVersions(journal, AdapterJournal(registry), RolloutState(), lambda _k: None)
+    v0, v1 = verified(registry, tmp_path, "v0"), verified(registry, tmp_path, "v1")
+    served.mark_serving(v0, None, "first")
+    seen: list[tuple[str | None, dict[str, str]]] = []
+    reader = Journal(Registry(registry.url))
+
+    def look(_s: object) -> None:  # after each of the writer's commits
+        with reader.registry.session() as s:
+            statuses = {c.version: c.status for c in s.scalars(select(Checkpoint))}
+        alias = reader.alias("serving")
+        seen.append((alias.version if alias else None, statuses))
+
+    registry.listen("after_commit", look)
+    served.mark_serving(v1, v0, "rollout 2")
+    reader.registry.close()
+    assert seen and seen[-1] == ("v1", {"v0": "retired", "v1": "deployed"}), seen
+    assert all(statuses[version] == "deployed" for version, statuses in seen if version), seen
