@@ -182,12 +182,15 @@ class RolloutDecisions:
                 "reason": result.reason, "from": serving.version if serving else None}  # fmt: skip
 
     def _rolled_back(self, target: CheckpointRef, serving: CheckpointRef | None, rid: int, by: str) -> None:
-        if serving is not None and serving.id != target.id:
-            old = self.journal.checkpoint(serving.id)
+        replaced = serving if serving is not None and serving.id != target.id else None
+        if replaced is not None:
+            old = self.journal.checkpoint(replaced.id)
             if old is not None and old.status != C.RETIRED:
-                self.journal.checkpoint_event(serving.id, "rolled_back", {"to": target.version, "by": by}, rid)
-                self.journal.move_status(serving.id, C.RETIRED, f"rolled back by {by} to {target.version}")
-        self.served.mark_serving(target, None, f"restored by {by}'s rollback (rollout {rid})")
+                self.journal.checkpoint_event(replaced.id, "rolled_back", {"to": target.version, "by": by}, rid)
+        # the target deployed and the version it replaced retired in one transaction: a reader
+        # never finds no version deployed between them
+        self.served.mark_serving(target, replaced, f"restored by {by}'s rollback (rollout {rid})",
+                                 retired_why=f"rolled back by {by} to {target.version}")  # fmt: skip
         self.served.mark_last_good(target)
 
     def pin(self, version: str, force: bool = False, by: str = "operator") -> dict[str, Any]:

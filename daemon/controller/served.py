@@ -33,22 +33,23 @@ class ServedVersions:
         self.retain = retain  # the stager frees every staged version but these
 
     # -- the base model ----------------------------------------------------------------------
-    def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str) -> None:
+    def mark_serving(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str,
+                     retired_why: str | None = None) -> None:  # fmt: skip
         """`ckpt` serves on every worker: the alias, the runner's state, its status (and the
-        replaced version's), and the stager keeps only serving and last_good."""
-        self.journal.serve(ckpt.id, self._moves(ckpt, previous, message))  # the alias with the statuses
+        replaced version's, `retired_why` its message), and the stager keeps only serving and last_good."""
+        self.journal.serve(ckpt.id, self._moves(ckpt, previous, message, retired_why))  # the alias with the statuses
         self.state.set_serving(ckpt.version)
         self._keep_staged(ckpt, self.journal.alias("last_good"))
 
-    def _moves(self, ckpt: CheckpointRef, previous: CheckpointRef | None,
-               message: str) -> list[tuple[int, CheckpointStatus, str | None]]:  # fmt: skip
+    def _moves(self, ckpt: CheckpointRef, previous: CheckpointRef | None, message: str,
+               retired_why: str | None = None) -> list[tuple[int, CheckpointStatus, str | None]]:  # fmt: skip
         """`ckpt` deployed (a no-op when it is already) and `previous` (when deployed) retired:
         written in one transaction by the caller."""
         moves: list[tuple[int, CheckpointStatus, str | None]] = [(ckpt.id, C.DEPLOYED, message)]
         if previous is not None and previous.id != ckpt.id:
             old = self.journal.checkpoint(previous.id)
             if old is not None and old.status == C.DEPLOYED:
-                moves.append((previous.id, C.RETIRED, f"replaced by {ckpt.version}"))
+                moves.append((previous.id, C.RETIRED, retired_why or f"replaced by {ckpt.version}"))
         return moves
 
     def mark_last_good(self, ckpt: CheckpointRef) -> None:

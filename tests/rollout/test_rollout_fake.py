@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from conftest import wait_until
 from fake_worker import FAKES, MIXED, FakeWorkerClient, Restarts
+from sqlalchemy import select
 from support_rollout import rollouts, worker_events, worker_row
 
 from daemon import engines
@@ -838,6 +839,42 @@ def test_a_rollback_to_a_version_the_worker_refuses_leaves_it_serving_what_it_ha
         assert svc.fleet["w0"].state == WorkerState.RUNNING
     finally:
         svc.stop()
+
+
+def test_an_operator_rollback_never_shows_no_version_deployed_nor_serving_on_one_not_deployed(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """The target's `deployed`, the rolled-back version's `retired` and the serving alias commit
+    together (before, the retire committed first: a reader between saw nothing deployed)."""
+    w0 = FakeWorkerClient("w0", version="v1")
+    svc = _service(reg, tmp_path, w0)
+    reader = Journal(Registry(reg.url))
+    seen: list[tuple[str | None, dict[str, str]]] = []
+    try:
+        v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+        for v in (v0, v1):
+            svc.journal.move_status(v.id, C.DEPLOYED, "served once")
+        svc.journal.move_status(v0.id, C.RETIRED, "rolled forward")
+        svc.journal.set_alias("serving", v1.id)
+        svc.journal.set_alias("last_good", v1.id)
+
+        def look(_s: object) -> None:  # after each commit, in the committing thread
+            with reader.registry.session() as s:
+                statuses = {c.version: c.status for c in s.scalars(select(Checkpoint))}
+            serving = reader.alias("serving")
+            seen.append((serving.version if serving else None, statuses))
+
+        reg.listen("after_commit", look)
+        out = svc.decisions.rollback("v0")
+        assert out["outcome"] == "succeeded", out
+        assert seen[-1] == ("v0", {"v0": "deployed", "v1": "retired"}), seen[-1]
+        assert all(list(st.values()).count("deployed") == 1 for _v, st in seen), seen
+        assert all(st[v] == "deployed" for v, st in seen if v), seen
+        with reg.session() as s:
+            assert s.get(Checkpoint, v1.id).status_message == "rolled back by operator to v0"  # type: ignore[union-attr]
+    finally:
+        svc.stop()
+        reader.registry.close()
 
 
 def test_a_worker_whose_fallback_cannot_be_installed_goes_back_on_its_intact_weights(
