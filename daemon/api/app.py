@@ -180,7 +180,7 @@ def wait_s(body: dict[str, Any]) -> float:
 
 
 def status_document(state: ApiState) -> dict[str, Any]:
-    with state.registry.session() as s:
+    with state.registry.snapshot() as s:  # counts, rows, aliases and workers of one moment
         counts = q.status_counts(s)
         latest = q.history(s, limit=10)
         workers = q.worker_rows(s)

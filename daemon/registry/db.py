@@ -236,6 +236,22 @@ class Registry:
         finally:
             s.close()
 
+    @contextmanager
+    def snapshot(self) -> Iterator[Session]:
+        """A read-only session whose statements all see one moment (a document read in several
+        SELECTs: apart, each is its own snapshot under SQLite without BEGIN and PostgreSQL's read
+        committed, and could pair a status with an alias of another moment). Rolled back."""
+        s = self._sessions(info={"host": self.host})
+        try:
+            if self.dialect == "sqlite":
+                s.connection().exec_driver_sql("BEGIN")  # pysqlite begins only before a write
+            else:
+                s.connection(execution_options={"isolation_level": "REPEATABLE READ"})
+            yield s
+        finally:
+            s.rollback()
+            s.close()
+
     def answers(self) -> bool:
         """`SELECT 1` works (reads; a read-only or full database still answers)."""
         try:

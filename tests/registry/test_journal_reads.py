@@ -69,3 +69,39 @@ def test_history_pairs_a_status_with_the_serving_of_the_same_moment(db_url: str,
     assert seen["v1"] in (("verified", 0), ("deployed", 1)), seen
     reader.close()
     writer.close()
+
+
+def test_the_status_document_reads_one_moment_while_a_version_begins_to_serve(db_url: str, tmp_path: Path) -> None:
+    """`/status` and `hotswap status` read counts, rows, aliases and workers in several
+    statements; a version that begins to serve between two of them must not show as serving in
+    one part of the document and as waiting in another."""
+    from daemon.api.app import ApiState, status_document
+    from daemon.common.metrics import DaemonMetrics
+    from daemon.controller.queue import RolloutState
+    from daemon.controller.served import ServedVersions
+    from daemon.registry.adapters import AdapterJournal
+
+    reader, writer = Registry(db_url, "host-a"), Registry(db_url, "host-a")
+    reader.upgrade()
+    ids = seed_versions(reader, tmp_path, {"v0": CheckpointStatus.DEPLOYED, "v1": CheckpointStatus.VERIFIED})
+    j = Journal(writer)
+    j.set_alias("serving", ids["v0"])
+    v0, v1 = j.checkpoint(ids["v0"]), j.checkpoint(ids["v1"])
+    served = ServedVersions(j, AdapterJournal(writer), RolloutState(), lambda _k: None)
+    moved: list[bool] = []
+
+    def between(_c: object, _cur: object, sql: str, *_a: object) -> None:  # after the first SELECT, once
+        if not moved and sql.lstrip().upper().startswith("SELECT"):
+            moved.append(True)
+            assert v1 is not None
+            served.mark_serving(v1, v0, "rollout 2")
+
+    event.listen(reader.engine, "after_cursor_execute", between)
+    doc = status_document(ApiState(registry=reader, metrics=DaemonMetrics()))
+    assert moved
+    statuses = {r["version"]: r["status"] for r in doc["latest"]}
+    before = (doc["checkpoints"].get("deployed"), doc["checkpoints"].get("verified"), doc["aliases"].get("serving"), statuses)
+    assert before in ((1, 1, "v0", {"v0": "deployed", "v1": "verified"}),
+                      (1, None, "v1", {"v0": "retired", "v1": "deployed"})), before  # fmt: skip
+    reader.close()
+    writer.close()
