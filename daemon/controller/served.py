@@ -74,10 +74,9 @@ class ServedVersions:
                              bound: Callable[[str], None]) -> None:  # fmt: skip
         """`av` serves its name on every worker; `bound(name)` ends the name's unbound problem
         (daemon.controller.adapter_base) before its status moves."""
-        self.adapters.set_alias(av.name, "serving", av.checkpoint.id)
         bound(av.name)
-        self.journal.move_statuses(self._moves(av.checkpoint, previous.checkpoint if previous is not None else None,
-                                               message))  # fmt: skip
+        self.adapters.serve(av.name, av.checkpoint.id,  # the alias with the statuses, one transaction
+                            self._moves(av.checkpoint, previous.checkpoint if previous is not None else None, message))
 
     def clear_adapter_serving(self, name: str) -> None:
         """The name is unloaded from every worker: no version of it serves."""

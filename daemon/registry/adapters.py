@@ -26,7 +26,7 @@ from sqlalchemy import delete, func, select
 
 from daemon.registry import hosts
 from daemon.registry.db import Registry
-from daemon.registry.journal import CheckpointRef, _ref
+from daemon.registry.journal import CheckpointRef, _ref, apply_moves
 from daemon.registry.models import AdapterAlias, Check, Checkpoint, Event, WorkerAdapter, utcnow
 from daemon.registry.queries import adapter_aliases, record_event
 from daemon.registry.status import WAITING, CheckpointStatus
@@ -150,16 +150,14 @@ class AdapterJournal:
 
     def set_alias(self, name: str, alias: str, checkpoint_id: int | None) -> None:
         with self.registry.session() as s:
-            host = hosts.host_of(s)
-            if checkpoint_id is None:
-                s.execute(delete(AdapterAlias).where(AdapterAlias.host == host, AdapterAlias.adapter == name,
-                                                     AdapterAlias.name == alias))  # fmt: skip
-                return
-            row = s.get(AdapterAlias, (host, name, alias))
-            if row is None:
-                s.add(AdapterAlias(host=host, adapter=name, name=alias, checkpoint_id=checkpoint_id, updated_at=utcnow()))
-            else:
-                row.checkpoint_id, row.updated_at = checkpoint_id, utcnow()
+            _set_alias(s, name, alias, checkpoint_id)
+
+    def serve(self, name: str, checkpoint_id: int, moves: list[tuple[int, CheckpointStatus, str | None]]) -> None:
+        """The name's `serving` alias and the status moves that go with it in one transaction (as
+        `Journal.serve` for the base model)."""
+        with self.registry.session() as s:
+            _set_alias(s, name, "serving", checkpoint_id)
+            apply_moves(s, moves)
 
     def names(self) -> list[str]:
         """Every adapter name with an alias on this host."""
@@ -222,3 +220,16 @@ class AdapterJournal:
                     c = s.get(Checkpoint, cid)
                     return _ref(s, c) if c else None
         return None
+
+
+def _set_alias(s: Any, name: str, alias: str, checkpoint_id: int | None) -> None:
+    host = hosts.host_of(s)
+    if checkpoint_id is None:
+        s.execute(delete(AdapterAlias).where(AdapterAlias.host == host, AdapterAlias.adapter == name,
+                                             AdapterAlias.name == alias))  # fmt: skip
+        return
+    row = s.get(AdapterAlias, (host, name, alias))
+    if row is None:
+        s.add(AdapterAlias(host=host, adapter=name, name=alias, checkpoint_id=checkpoint_id, updated_at=utcnow()))
+    else:
+        row.checkpoint_id, row.updated_at = checkpoint_id, utcnow()

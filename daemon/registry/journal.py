@@ -129,7 +129,8 @@ def _set_alias(s: Session, name: str, checkpoint_id: int | None) -> None:
         s.execute(update(Checkpoint).where(Checkpoint.id == checkpoint_id).values(last_good_at=now))
 
 
-def _move(s: Session, moves: list[tuple[int, CheckpointStatus, str | None]], detail: dict[str, Any] | None = None) -> None:
+def apply_moves(s: Session, moves: list[tuple[int, CheckpointStatus, str | None]], detail: dict[str, Any] | None = None) -> None:
+    """`Journal.move_statuses` inside the caller's transaction (rows locked in id order)."""
     rows = {c.id: c for c in s.scalars(select(Checkpoint).where(Checkpoint.id.in_([m[0] for m in moves]))
                                         .order_by(Checkpoint.id).with_for_update())}  # fmt: skip
     for checkpoint_id, to, message in moves:
@@ -183,7 +184,7 @@ class Journal:
         transaction: a reader never finds `serving` on a version whose status is not yet `deployed`."""
         with self.registry.session() as s:
             _set_alias(s, "serving", checkpoint_id)
-            _move(s, moves)
+            apply_moves(s, moves)
 
     @deferrable
     def move_status(
@@ -197,7 +198,7 @@ class Journal:
         `retired -> retired` failed its rollout's bookkeeping after the worker served v2 (its
         aliases then never moved). The row is locked, so the later one sees the earlier's move."""
         with self.registry.session() as s:
-            _move(s, [(checkpoint_id, to, message)], detail)
+            apply_moves(s, [(checkpoint_id, to, message)], detail)
 
     @deferrable
     def move_statuses(self, moves: list[tuple[int, CheckpointStatus, str | None]]) -> None:
@@ -205,7 +206,7 @@ class Journal:
         replaced `retired` are seen together or not at all (a reader never finds both deployed).
         Rows are locked in id order, so two hosts moving the same pair never wait on each other."""
         with self.registry.session() as s:
-            _move(s, moves)
+            apply_moves(s, moves)
 
     @deferrable
     def note(self, checkpoint_id: int, message: str) -> None:

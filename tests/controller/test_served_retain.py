@@ -100,3 +100,27 @@ def test_a_reader_never_finds_serving_on_a_version_not_yet_deployed(registry: Re
     reader.registry.close()
     assert seen and seen[-1] == ("v1", {"v0": "retired", "v1": "deployed"}), seen
     assert all(statuses[version] == "deployed" for version, statuses in seen if version), seen
+
+
+def test_an_adapter_name_never_shows_serving_a_version_not_yet_deployed(registry: Registry, tmp_path: Path) -> None:
+    """As for the base model: the name's serving alias commits with its status moves."""
+    from daemon.registry.adapters import AdapterVersion
+
+    journal, adapters = Journal(registry), AdapterJournal(registry)
+    served = ServedVersions(journal, adapters, RolloutState(), lambda _k: None)
+    a0, a1 = verified(registry, tmp_path, "a0"), verified(registry, tmp_path, "a1")
+    served.mark_adapter_serving(AdapterVersion(a0, "sql", None), None, "first", lambda _n: None)
+    seen: list[tuple[str | None, dict[str, str]]] = []
+    reader = Registry(registry.url)
+
+    def look(_s: object) -> None:  # after each of the writer's commits
+        with reader.session() as s:
+            statuses = {c.version: c.status for c in s.scalars(select(Checkpoint))}
+        seen.append((AdapterJournal(reader).aliases().get("sql", {}).get("serving"), statuses))
+
+    registry.listen("after_commit", look)
+    served.mark_adapter_serving(AdapterVersion(a1, "sql", None), AdapterVersion(a0, "sql", None), "rollout 2",
+                                lambda _n: None)  # fmt: skip
+    reader.close()
+    assert seen and seen[-1] == ("a1", {"a0": "retired", "a1": "deployed"}), seen
+    assert all(statuses[version] == "deployed" for version, statuses in seen if version), seen
