@@ -155,6 +155,7 @@ class RolloutSettings:
     # the version it served and fails the rollout. false: the probe runs inside the pause (requests
     # held), so a version that passed the checks but fails the probe never serves a request.
     probe_after_resume: bool = True
+    workers_ahead: bool = True  # reference workers open (ipc) or read (disk) a version while it is verified
     # A restart rollout of a managed worker in a pause group (a lone worker's): "auto" starts the new
     # process beside the old one when the host has memory for both (then hands over and stops the old
     # one: no outage); "off" always stops first.

@@ -113,7 +113,8 @@ class RolloutService:
         options = SenderOptions(state_dir, settings.update_mode, settings.request_timeout_s, settings.stage_timeout_s,
                                 loader.socket if loader else "")  # fmt: skip
         self.stager = Stager(settings.transport, options, journal=self.journal)
-        self.stager.asks = WorkerAsks(self.fleet)  # workers open (ipc) or read (disk) a version while it is verified
+        if settings.workers_ahead:  # workers open (ipc) or read (disk) a version while it is verified
+            self.stager.asks = WorkerAsks(self.fleet)
         self.engine = RolloutEngine(self.journal, self.fleet, settings, self.driver, self.stager)
         # fleet mode: every rollout under a fleet-wide lease; an agent converges to the fleet target
         self.leases = FleetLeases(registry, fleet) if fleet is not None and fleet.enabled else None

@@ -521,6 +521,22 @@ def _service(reg: Registry, tmp_path: Path, *fakes: FakeWorkerClient, **settings
     return svc
 
 
+def test_workers_ahead_false_leaves_the_stager_without_asks_and_the_default_has_them(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """`[rollout] workers_ahead = false`: no worker is asked to open or read a version while it is
+    verified (the stager's asks are what sends those requests)."""
+    from daemon.config import parse_config
+
+    assert parse_config({"rollout": {"workers_ahead": False}}, "t.toml").rollout.workers_ahead is False
+    for ahead in (True, False):
+        svc = _service(reg, tmp_path / str(ahead), FakeWorkerClient(f"w-{ahead}"), workers_ahead=ahead)
+        try:
+            assert (svc.stager.asks is not None) is ahead
+        finally:
+            svc.stop()
+
+
 def test_service_deploys_a_new_checkpoint_and_records_serving(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
     svc = _service(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
     try:
