@@ -65,11 +65,11 @@ def worker(args: argparse.Namespace) -> None:
     disk_s: list[float] = []
     for i in range(args.repeats + 1):  # round 0 warms the page cache
         t0 = time.perf_counter()
-        tr = DiskTransport(dirs[i % 2])
-        check_table(tr.table(), params)
-        tr.write_into(params)
+        disk = DiskTransport(dirs[i % 2])
+        check_table(disk.table(), params)
+        disk.write_into(params)
         _sync(device)
-        tr.close()
+        disk.close()
         if i:
             disk_s.append(time.perf_counter() - t0)
     table = json.loads(Path(args.dir, "table.json").read_text())

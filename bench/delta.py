@@ -165,8 +165,8 @@ def _layout_run(work: Path, layout_name: str, densities: list[float], gpu: str |
         print(json.dumps(row), flush=True)
         if on_row is not None:  # written as it goes: a run stopped at its cap keeps what it measured
             on_row({"layout": layout_name, "rows": rows})
-        for d in (new, out, r.directory):
-            shutil.rmtree(d, ignore_errors=True)
+        for left in (new, out, r.directory):
+            shutil.rmtree(left, ignore_errors=True)
     return {"layout": layout_name, "rows": rows}
 
 

@@ -52,6 +52,7 @@ def main() -> None:
         (root / "ready").write_text("1")
     m = load_manifest(out)
     spec = parse(m, "bench")
+    assert spec is not None, f"{out}: not a delta"
     bf = {f.path: f for f in load_manifest(base).files}
     if "--recycle" in sys.argv:
         at = sys.argv.index("--json") + 1 if "--json" in sys.argv else 0
@@ -113,9 +114,9 @@ def recycle_ab(layout: str, root: Path, out: Path, base: Path, runs: int, json_p
            "median_rebuild_verify_s": {k: round(statistics.median(v), 3) for k, v in verify.items()}}  # fmt: skip
     print(f"{layout}: {total / 1e9:.2f} GB, {runs} alternating pairs (medians)")
     print(f"{'':10} {'rebuild s':>10} {'GB/s':>6} {'+verify s':>10}")
-    for k in times:
-        med = statistics.median(times[k])
-        print(f"{k:10} {med:10.3f} {total / 1e9 / med:6.2f} {statistics.median(verify[k]):10.3f}")
+    for mode_name in times:
+        med = statistics.median(times[mode_name])
+        print(f"{mode_name:10} {med:10.3f} {total / 1e9 / med:6.2f} {statistics.median(verify[mode_name]):10.3f}")
     json_path.write_text(json.dumps(doc, indent=1) + "\n")
     print(f"wrote {json_path}")
 

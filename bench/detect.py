@@ -12,6 +12,7 @@ Then the daemon sits idle and its CPU time is sampled with psutil.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import platform
@@ -20,8 +21,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 import psutil
 from rich.console import Console
@@ -31,7 +34,7 @@ from sqlalchemy import create_engine, text
 REPO = Path(__file__).resolve().parents[1]
 
 
-def wait_for(fn, timeout: float, what: str):  # noqa: ANN001, ANN201
+def wait_for(fn: Callable[[], Any], timeout: float, what: str) -> Any:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = fn()
@@ -100,9 +103,9 @@ def main(argv: list[str] | None = None) -> int:
             publish(d, version=f"step-{i}")
             written = datetime.now(UTC)  # publish returns right after the rename (+ directory fsync)
             t0 = time.monotonic()
-            at = wait_for(lambda v=f"step-{i}": discovered_at(v), 10, f"step-{i} discovered")
+            at = wait_for(functools.partial(discovered_at, f"step-{i}"), 10, f"step-{i} discovered")
             latencies_ms.append((at - written).total_seconds() * 1000.0)
-            st = wait_for(lambda v=f"step-{i}": status(v), 60, f"step-{i} verified")
+            st = wait_for(functools.partial(status, f"step-{i}"), 60, f"step-{i} verified")
             verify_s.append(time.monotonic() - t0)
             assert st == "verified", f"step-{i} is {st}"
 

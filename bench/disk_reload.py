@@ -140,7 +140,7 @@ def raw_read(files: list[Path], how: str) -> dict[str, Any]:
                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL) for f in files]
         for p in procs:
             if p.wait() != 0:
-                raise RuntimeError(f"dd failed on {p.args}")
+                raise RuntimeError(f"dd failed on {p.args!r}")
     elif how == "buffered_parallel":
         def read_all(f: Path) -> None:
             buf = bytearray(16 << 20)

@@ -88,7 +88,7 @@ def print_results(args: argparse.Namespace, layout: Layout, results: list[dict[s
             ["transport", *cols, "sum", "commit->fleet"],
             [[r["transport"], *[_fmt(r["summary"]["phases_ms_median"].get(c)) for c in cols],
               _fmt(sum(r["summary"]["phases_ms_median"].values())),
-              _fmt((m := r["summary"]["commit_to_fleet_s"]) and m["median"] * 1000)] for r in ok],
+              _fmt((cf := r["summary"]["commit_to_fleet_s"]) and cf["median"] * 1000)] for r in ok],
         )  # fmt: skip
     rejections = [x for r in results for x in r.get("rejections", [])]
     if rejections:

@@ -79,7 +79,7 @@ def staged_canary_fails(n: int, args: argparse.Namespace, log: Any) -> dict[str,
         with engine.connect() as c:
             started = c.execute(text("SELECT DISTINCT r.host FROM rollouts r JOIN checkpoints k ON k.id = r.checkpoint_id "
                                      "WHERE k.version = 'bad'")).scalars().all()  # fmt: skip
-            serving = dict(c.execute(text("SELECT a.host, k.version FROM aliases a JOIN checkpoints k ON k.id = "
+            serving: dict[str, str] = dict(c.execute(text("SELECT a.host, k.version FROM aliases a JOIN checkpoints k ON k.id = "
                                           "a.checkpoint_id WHERE a.name = 'serving'")).all())  # fmt: skip
             status = c.execute(text("SELECT status FROM checkpoints WHERE version = 'bad'")).scalar_one()
         engine.dispose()

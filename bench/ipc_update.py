@@ -244,7 +244,7 @@ class WorkerProc:
             assert self.proc.stdin is not None
             self.proc.stdin.write(json.dumps({"cmd": cmd, **args}) + "\n")
             self.proc.stdin.flush()
-            resp = json.loads(self._readline())
+            resp: dict[str, Any] = json.loads(self._readline())
         if "error" in resp:
             raise RuntimeError(f"worker {cmd}: {resp['error']}")
         return resp

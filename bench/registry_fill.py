@@ -136,7 +136,7 @@ def _version(i: int, n: int, rng: random.Random, d: Dialect, root: str, rows: di
     verified = fate in ("retired", "rolled_back", "superseded")
     deployed = fate in ("retired", "rolled_back")
     reason: str | None = None
-    checks = CHECKS
+    checks: tuple[tuple[str, float, str], ...] = CHECKS
     if fate == "rejected":
         k, reason = REJECTIONS[rng.randrange(len(REJECTIONS))]
         checks = CHECKS[: k + 1]
@@ -273,8 +273,8 @@ def _fill_sqlite(url: str, n: int, root: str, log: Callable[[str], None]) -> dic
         for table, cols in TABLES.items():
             load(table, cols, rows[table])
         log(f"  sqlite: {counts['checkpoints']:,} versions")
-    for table, rows in _small_rows(n, d, root).items():
-        load(table, SMALL_COLUMNS[table], rows)
+    for table, small in _small_rows(n, d, root).items():
+        load(table, SMALL_COLUMNS[table], small)
     db.execute("COMMIT")
     for kind, name, sql in indexes:
         log(f"  sqlite: {kind} {name}")
@@ -310,8 +310,8 @@ def _fill_postgres(url: str, n: int, root: str, log: Callable[[str], None]) -> d
             for table, cols in TABLES.items():
                 load(table, cols, rows[table])
             log(f"  postgresql: {counts['checkpoints']:,} versions")
-        for table, rows in _small_rows(n, d, root).items():
-            load(table, SMALL_COLUMNS[table], rows)
+        for table, small in _small_rows(n, d, root).items():
+            load(table, SMALL_COLUMNS[table], small)
         for name, sql in indexes:
             log(f"  postgresql: index {name}")
             conn.execute(text(sql))

@@ -92,7 +92,7 @@ def run_probe(url: str, config: Path, what: str, repeat: int, timeout_s: float) 
 
 def whole_command(config: Path, argv: list[str], repeat: int, timeout_s: float) -> dict[str, Any]:
     """`python -m daemon.cli.main ARGV -c CONFIG` from outside: what a person at a shell waits."""
-    runs = []
+    runs: list[float] = []
     for _ in range(repeat):
         t0 = time.perf_counter()
         try:
@@ -218,7 +218,7 @@ def _starts(backend: str, url: str, work: Path, args: argparse.Namespace, log: A
             errors += [f"{which}: {r.get('error') or 'timed out'}"] if not r["runs"] else []
     drop(urls["empty"])
     drop(urls["small"])
-    out = {f"daemon start ({which} registry)": {"runs": rs, "median_s": round(statistics.median(rs), 4) if rs else None}
+    out: dict[str, dict[str, Any]] = {f"daemon start ({which} registry)": {"runs": rs, "median_s": round(statistics.median(rs), 4) if rs else None}
            for which, rs in runs.items()}  # fmt: skip
     out.update({f"daemon start, its SQL ({which} registry)": {"runs": rs, "median_s": round(statistics.median(rs), 4),
                                                               "slowest_statement_s": slowest[which]}
@@ -237,7 +237,7 @@ def _show(r: dict[str, Any]) -> str:
         return f"{r['median_s'] * 1000:.1f} ms (runs {', '.join(f'{x * 1000:.0f}' for x in r['runs'])})"
     if "timed_out_after_s" in r:
         return f"> {r['timed_out_after_s']:.0f} s (killed)"
-    return r.get("error", "?")
+    return str(r.get("error", "?"))
 
 
 def table(doc: dict[str, Any]) -> str:

@@ -23,6 +23,7 @@ recorded too: helpers sharing a small machine skew it.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import os
@@ -30,6 +31,7 @@ import resource
 import shutil
 import statistics
 import struct
+import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -179,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             for threads in sorted({1, args.threads}):
                 best, med, cpu, got = best_of(
-                    args.repeats, lambda t=threads, a=alg, c=crc: hash_files(paths, alg=a, crc=c, threads=t)
+                    args.repeats, functools.partial(hash_files, paths, alg=alg, crc=crc, threads=threads)
                 )
                 for p, d in zip(paths, got, strict=True):
                     assert not crc or d.crc32c == expected[p.name].crc32c, "engine disagrees on crc32c"
@@ -275,7 +277,7 @@ def _report(args: argparse.Namespace, argv: list[str] | None, rows: list[dict[st
             "date": datetime.now(UTC).isoformat(timespec="seconds"),
             "machine": machine_description()
             | {"loadavg_before": load_before, "loadavg_after": os.getloadavg()},
-            "command": "python -m bench.verify " + " ".join(argv if argv is not None else os.sys.argv[1:]),
+            "command": "python -m bench.verify " + " ".join(argv if argv is not None else sys.argv[1:]),
             "bytes": nbytes,
             "shards": args.shards,
             "threads": args.threads,
