@@ -17,6 +17,7 @@
 #       $(.venv/bin/pip list --format=freeze | grep -iE '^(fastapi|starlette|pydantic|pydantic.core|uvicorn)==')
 #   dry run here on the CPU, small layouts:   DRY=1 OUT=.bench-out/h200-dry bash bench/h200_session.sh
 #
+# ONE_READ=1 first times the verify pass's one read alone over a sweep of threads x chunk (bench/one_read.py).
 # TRANSPORTS=ipc (default ipc,disk) runs the end-to-end step on one transport only. UPDATE_MODE=swap runs
 # it in swap mode (the workers point at the loader's buffers: 8B needs more than an H100's 80 GB).
 # Writes under $OUT: versions.txt, gpu.txt, wheels.txt (what was installed, or why not), a NAME.log per
@@ -60,6 +61,11 @@ step() {  # step NAME LIMIT_S CMD...: run CMD with a cap, its output in $OUT/NAM
     grep -v '^{' "$OUT/$name.log" | grep -v '| INFO ' | tail -n "${TAIL:-18}" | cut -c1-400
 }
 
+# the verify pass's one read alone (ONE_READ=1): reader threads x chunk size, staged and hash only
+if [ "${ONE_READ:-0}" = "1" ]; then
+    step one_read "${ONE_READ_CAP:-120}" $PY -m bench.one_read --layout "$LAYOUT" --device "$DEV" --out "$OUT/one_read.json" \
+        $( [ "$DEV" = cpu ] && echo --sweep 2x8,2x2 --repeats 2 )
+fi
 # the GPU-only branches of stage-while-verify (CUDA staging copy, finite scan, canary on IPC memory)
 step stage_smoke 40 $PY -m bench.stage_smoke --device "$DEV"
 # the whole path: 8B, both transports, 5 updates each under load, bad versions rejected before any pause,
