@@ -146,8 +146,10 @@ def _take_pinned(n: int, nbytes: int) -> list[Any]:
 
     with _PINNED_LOCK:
         taken = [b for b in _PINNED if b.numel() >= nbytes][:n]
-        for b in taken:
-            _PINNED.remove(b)
+        # by identity: list.remove compares with ==, elementwise on tensors, which raises once the
+        # free list holds buffers of two sizes (a pool of 8 MiB chunks, then one of 16 MiB)
+        kept = {id(b) for b in taken}
+        _PINNED[:] = [b for b in _PINNED if id(b) not in kept]
     while len(taken) < n:
         taken.append(torch.empty(nbytes, dtype=torch.uint8, pin_memory=True))
     return taken

@@ -90,3 +90,17 @@ def test_the_first_error_stops_every_reader_and_is_raised(tmp_path: Path) -> Non
     # the same files read again in full still hash right (nothing left over from the failed run)
     got = read_files(paths, [p.name for p in paths], alg="sha256", crc=False, threads=3, chunk=4096)
     assert [d.hash for d in got] == [hashlib.sha256(p.read_bytes()).hexdigest() for p in paths]
+
+
+def test_pinned_buffers_of_two_sizes_are_taken_from_the_free_list_by_identity(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A pool of 8 MiB chunks given back, then one of 16 MiB and one that fits in either: the free
+    list holds both sizes, and taking a larger one behind a smaller must not compare tensors (the
+    H100 run of 2026-12-07: "The size of tensor a (8388608) must match ... (16777216)")."""
+    torch = pytest.importorskip("torch")
+    from daemon.bytepipe import engine
+
+    small, large, other = torch.zeros(8), torch.zeros(16), torch.zeros(16)
+    monkeypatch.setattr(engine, "_PINNED", [small, large, other])
+    taken = engine._take_pinned(1, 12)  # only the 16-element ones fit; the first of them
+    assert len(taken) == 1 and taken[0] is large
+    assert [id(b) for b in engine._PINNED] == [id(small), id(other)]
