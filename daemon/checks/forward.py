@@ -189,6 +189,7 @@ def _canary_logits(
 
 
 def check_forward(ctx: CheckContext) -> dict[str, Any]:
+    began = time.perf_counter()
     load_table(ctx)  # headers are sound before torch reads them
     settings = ctx.settings
     device = settings.forward_device
@@ -197,7 +198,7 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     vocab = vocab_size if isinstance(vocab_size, int) and vocab_size > 0 else 2**31
     prompts, source = prompt_ids(ctx, vocab)
     builds = CANARIES.builds
-    timing: dict[str, float] = {}
+    timing: dict[str, float] = {"before": _ms_since(began)}  # issue 41: every part of the check's time
     try:
         new, weights_from = _canary_logits(ctx, ctx.directory, device, prompts, timing)
     except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
@@ -222,6 +223,7 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
             )
     with contextlib.suppress(OSError, LayoutError):  # the next version's reference, if this one serves
         REFERENCES.put(_reference_key(ctx.directory, device, prompts), new)
+    timing["after"] = round(_ms_since(began) - sum(timing.values()), 2)  # the logits scanned, the reference kept
     detail: dict[str, Any] = {
         "device": device,
         "prompts": len(prompts),
@@ -277,3 +279,7 @@ def _reference_key(directory: Path, device: str, prompts: list[list[int]]) -> tu
         device,
         tuple(tuple(p) for p in prompts),
     )
+
+
+def _ms_since(t0: float) -> float:
+    return round((time.perf_counter() - t0) * 1e3, 2)

@@ -101,7 +101,7 @@ def test_the_canary_in_the_check_process_reads_the_loaders_copy_not_the_files(
     forward = _detail(report)["forward"]
     assert forward["weights"] == "crc32c pass"
     # where its time went, recorded with it: the steps in the check, the child's open of the copy
-    assert set(forward["ms"]) == {"skeleton", "views", "bind", "run"} and forward["ms"]["run"] > 0, forward
+    assert set(forward["ms"]) == {"before", "skeleton", "views", "bind", "run", "after"} and forward["ms"]["run"] > 0, forward
     child = forward["child_ms"]
     assert child["staged_open"] > 0 and child["staged_release"] >= 0 and child["child"] >= forward["ms"]["run"], child
     nan = published(tmp_path / "nan", seed=2)
