@@ -129,7 +129,7 @@ def _staged_state(ctx: CheckContext, directory: Path, device: str) -> tuple[dict
     copy: StagedTensors
     if own:
         try:
-            rels = sorted({loc.file.relative_to(directory).as_posix() for loc in table.values()})
+            rels = sorted(f.relative_to(directory).as_posix() for f in {loc.file for loc in table.values()})
             _digests, copy = stage_files(directory, rels, device, alg=None, crc=False,
                                          threads=ctx.settings.crc_threads)  # fmt: skip
         except OSError as exc:
