@@ -24,7 +24,7 @@ import torch
 
 from daemon.bytepipe import StagedTensors, stage_files
 from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
-from daemon.checks.canary import CANARIES, REFERENCES, bind, model_config, run, weights_identity
+from daemon.checks.canary import CANARIES, REFERENCES, bind, model_config, run_scanned, weights_identity
 from daemon.checks.headers import load_table
 from daemon.formats import HeaderError, LayoutError, read_config, tensor_table, weight_files
 
@@ -161,8 +161,9 @@ def _same_device(a: str, b: str) -> bool:
 
 def _canary_logits(
     ctx: CheckContext, directory: Path, device: str, prompts: list[list[int]], timing: dict[str, float] | None = None
-) -> tuple[list[torch.Tensor], str]:
-    """The canary's logits; `timing` (when given) gets the ms of each step: skeleton, views, bind, run."""
+) -> tuple[list[torch.Tensor], list[tuple[float, float]], str]:
+    """The canary's logits and each prompt's extremes (daemon.checks.canary.run_scanned); `timing`
+    (when given) gets the ms of each step: skeleton, views, bind, run."""
     marks = [time.perf_counter()]
     doc = _config_doc(directory)
     if doc is None:
@@ -175,12 +176,12 @@ def _canary_logits(
     try:
         bound = bind(canary, state, directory.name)
         marks.append(time.perf_counter())
-        logits = run(canary, bound, prompts)
+        logits, extremes = run_scanned(canary, bound, prompts)
         marks.append(time.perf_counter())
         if timing is not None:
             steps = ("skeleton", "views", "bind", "run")
             timing.update({k: round((b - a) * 1e3, 2) for k, a, b in zip(steps, marks[:-1], marks[1:], strict=True)})
-        return logits, "crc32c pass" if not own else "read for the forward check"
+        return logits, extremes, "crc32c pass" if not own else "read for the forward check"
     finally:
         bound.clear()  # no view may outlive the copy: its memory goes back when it is released
         state.clear()
@@ -200,17 +201,17 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     builds = CANARIES.builds
     timing: dict[str, float] = {"before": _ms_since(began)}  # issue 41: every part of the check's time
     try:
-        new, weights_from = _canary_logits(ctx, ctx.directory, device, prompts, timing)
+        new, extremes, weights_from = _canary_logits(ctx, ctx.directory, device, prompts, timing)
     except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
         # the canary is an optimisation: if this transformers/torch cannot run it, build the model
         new = _logits(build_model(ctx.directory, device), prompts, device)
+        extremes = [(float(lo), float(hi)) for lo, hi in (torch.aminmax(logits) for logits in new)]
         weights_from = f"whole model built (canary failed: {type(exc).__name__}: {str(exc)[:160]})"
     max_abs = 0.0
-    for i, logits in enumerate(new):
-        # min and max, in one pass with no temporaries, are finite only when every element is (torch
-        # propagates NaN through both); the exact scan (temporaries the size of the logits: ~100 ms
-        # on the CPU for three prompts of a 128k vocabulary) runs only to name the position
-        low, high = (float(v) for v in torch.aminmax(logits))
+    for i, (logits, (low, high)) in enumerate(zip(new, extremes, strict=True)):
+        # min and max are finite only when every element is (torch propagates NaN through both);
+        # the exact scan (temporaries the size of the logits: ~100 ms on the CPU for three prompts
+        # of a 128k vocabulary) runs only to name the position
         if math.isfinite(low) and math.isfinite(high):
             max_abs = max(max_abs, high, -low)
             continue

@@ -289,7 +289,7 @@ def test_if_the_staged_paths_cannot_run_here_the_checks_fall_back_and_still_reje
     def broken(*_a: Any, **_k: Any) -> Any:
         raise RuntimeError("not supported by this torch")
 
-    monkeypatch.setattr(forward, "run", broken)
+    monkeypatch.setattr(forward, "run_scanned", broken)
     monkeypatch.setattr(finite, "scan_staged", broken)
     good = published(tmp_path / "good", seed=1)
     report = run_checks(good, CheckSettings(isolate_checks=False))
