@@ -202,8 +202,8 @@ def run_scanned(
     right-padded with token 0: a causal model's logits at a prompt's own positions never see the
     padding after them, so each prompt's logits are its own; one copy to the host at the end. The
     extremes are taken where the logits are: on the H100 host the same scan of the host copy took
-    2 ms a prompt unloaded and ~28 ms for three under serving load (CPU threads shared with the
-    workers; bench/forward_probe.py)."""
+    ~2 ms a prompt unloaded, and the check's part after the run, mostly that scan, ~28 ms under
+    serving load (CPU threads shared with the workers; bench/RESULTS.md 2026-12-07)."""
     if not prompts:
         return [], []
     lens = [len(p) for p in prompts]
