@@ -17,6 +17,7 @@
 #       $(.venv/bin/pip list --format=freeze | grep -iE '^(fastapi|starlette|pydantic|pydantic.core|uvicorn)==')
 #   dry run here on the CPU, small layouts:   DRY=1 OUT=.bench-out/h200-dry bash bench/h200_session.sh
 #
+# REBUILD=1 times the 8B delta rebuild into fresh files and over a stale version's (bench/delta_rebuild_ab.py).
 # ONE_READ=1 first times the verify pass's one read alone over a sweep of threads x chunk (bench/one_read.py).
 # TRANSPORTS=ipc (default ipc,disk) runs the end-to-end step on one transport only. UPDATE_MODE=swap runs
 # it in swap mode (the workers point at the loader's buffers: 8B needs more than an H100's 80 GB).
@@ -81,6 +82,14 @@ rm -rf /tmp/hotswap-ipc-bench  # its two 16 GB versions: the delta step needs th
 # ours from host memory (page cache) into the GPU: no checks, and with the digests checked
 step disk_reload_check 65 $PY -m bench.disk_reload --layout "$LAYOUT" --device "$DEV" --check both --repeats 3 \
     --sweep '' --skip-cold --check-sweep 16x32x3x4 --worker-path --out "$OUT/disk_reload_check.json"
+# issue 38 on the same host, when asked (REBUILD=1): the 8B rebuild of one 1 %-density delta, into fresh
+# files and over a stale rebuilt version's files (`[daemon] recycle_rebuilt`), alternating, each + verify
+if [ "${REBUILD:-0}" = "1" ]; then
+    RBW_ROOT=/tmp/rbw RBW_DEVICE="$( [ "$DEV" = cpu ] && echo cpu || echo cuda )" step delta_rebuild "${REBUILD_CAP:-150}" \
+        $PY -m bench.delta_rebuild_ab "$LAYOUT" "${REBUILD_PAIRS:-3}" --recycle \
+        --json "$OUT/recycle-ab-$LAYOUT.json"
+    rm -rf /tmp/rbw
+fi
 # issue 38 on the same host, when asked (DELTA_LAYOUT=1): the 8B layout's deltas, 1 % density first
 # (saved after each density: the cap keeps what was measured)
 if [ "${DELTA_LAYOUT:-0}" = "1" ]; then
