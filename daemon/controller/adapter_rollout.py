@@ -16,7 +16,7 @@ with `load_inplace`; SGLang by unload then load). Workers are moved one at a tim
 
     rollout = AdapterRollout(journal, adapters_journal, fleet, stager)
     result = rollout.deploy(version, trigger=..., previous=...)      # daemon.rollout.engine.RolloutResult
-    verdict = rollout.watch(version, settings, interrupted)          # the health window of that adapter
+    window = rollout.window(version, settings, interrupted)          # the health window of that adapter
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ from daemon.registry import (
     RolloutOutcome,
     RolloutTrigger,
 )
-from daemon.rollout import RolloutResult, WorkerHandle, WorkerSet, health, registry_expect
+from daemon.rollout import HealthWatch, RolloutResult, WorkerHandle, WorkerSet, health, registry_expect
 
 log = get_logger(__name__)
 TRANSPORT = "adapter"  # `rollouts.transport` of an adapter rollout (crash recovery leaves them to the reconcile)
@@ -191,12 +191,12 @@ class AdapterRollout:
             self.adapters.worker_loaded(h.name, name, None, rid, {"back": True})
 
     # -- the health window of one adapter --------------------------------------------------
-    def watch(self, av: AdapterVersion, settings: RolloutSettings, interrupted: Callable[[], bool]) -> health.WindowVerdict:
+    def window(self, av: AdapterVersion, settings: RolloutSettings, interrupted: Callable[[], bool]) -> HealthWatch:
         """daemon.rollout.health over this adapter's requests: its error rate on each worker (where
         the engine counts per adapter) and its greedy probes (finite, the recorded tokens)."""
         views = [WorkerHandle(spec=h.spec, client=cast(WorkerClient, _AdapterView(h, av, self._tokens)), url=h.url)
                  for h in self.workers()]  # fmt: skip
-        return health.watch(WorkerSet(views), settings, interrupted, av.version)
+        return health.HealthWatch(WorkerSet(views), settings, interrupted, av.version)
 
 
 @dataclass

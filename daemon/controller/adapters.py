@@ -44,7 +44,7 @@ from daemon.registry import (
     RolloutOutcome,
     RolloutTrigger,
 )
-from daemon.rollout import WindowVerdict, newer
+from daemon.rollout import Stepped, WindowVerdict, newer
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
@@ -259,8 +259,8 @@ class _AdapterWindow:
     def __post_init__(self) -> None:
         self.checkpoint, self.about = self.av.checkpoint, {"adapter": self.av.name, "version": self.av.version}
 
-    def watch(self, interrupted: Callable[[], bool]) -> WindowVerdict:
-        return self.of.rollout.watch(self.av, self.of.settings, interrupted)
+    def start(self, interrupted: Callable[[], bool]) -> Stepped:
+        return self.of.rollout.window(self.av, self.of.settings, interrupted)
 
     def passed(self) -> None:
         self.of.served.mark_adapter_last_good(self.av.name, self.av)

@@ -22,6 +22,7 @@ from typing import Any, ClassVar, Protocol
 from daemon.registry import CheckpointRef
 
 Result = dict[str, Any]  # what the API answers
+OPEN = "open"  # a result's `health_window` while its window is open: the verdict replaces it (`settled`)
 
 
 class BaseSteps(Protocol):  # daemon.controller.decisions.RolloutDecisions
@@ -71,9 +72,17 @@ class Command:
         """For logs and status's `current` ("pin v3"; daemon.fleet.behind reads "converge VERSION")."""
         raise NotImplementedError
 
+    def settled(self, on: Steps, out: Result) -> Result:
+        """The rest of a job whose `run` left a health window open (`out["health_window"] == OPEN`),
+        once the runner has its verdict in `out`."""
+        return out
+
 
 def _adapters_follow(on: Steps, out: Result) -> Result:
-    """A base job done: each served adapter held to the serving base (daemon.controller.adapter_base)."""
+    """A base job done: each served adapter held to the serving base (daemon.controller.adapter_base);
+    after its health window's verdict when one is open."""
+    if out.get("health_window") == OPEN:
+        return out
     rebased = on.adapters.binding.rebase() if out.get("outcome") != "waiting" else {}
     return {**out, "adapters_rebased": rebased} if rebased else out
 
@@ -85,6 +94,9 @@ class Deploy(Command):  # the waiting checkpoint: the queue hands it out when no
 
     def run(self, on: Steps) -> Result:
         return _adapters_follow(on, on.decisions.deploy_new(self.checkpoint))
+
+    def settled(self, on: Steps, out: Result) -> Result:
+        return _adapters_follow(on, out)
 
     def describe(self) -> str:
         return f"deploy {self.checkpoint.version}"
@@ -132,6 +144,9 @@ class Converge(Command):  # fleet mode: onto the fleet target `version` (daemon.
 
     def run(self, on: Steps) -> Result:
         return _adapters_follow(on, on.decisions.converge(self.version))
+
+    def settled(self, on: Steps, out: Result) -> Result:
+        return _adapters_follow(on, out)
 
     def describe(self) -> str:
         return f"converge {self.version}"

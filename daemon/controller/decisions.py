@@ -26,9 +26,9 @@ from typing import Any, TypeVar
 
 from daemon.common import get_logger
 from daemon.config import RolloutSettings
-from daemon.controller.commands import Command, Pin, Reconcile, Rollback
+from daemon.controller.commands import OPEN, Command, Pin, Reconcile, Rollback
 from daemon.controller.desired import Facts, desired, lookahead
-from daemon.controller.health_window import BaseWindow
+from daemon.controller.health_window import BaseWindow, OpenWindow
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.engines import WorkerError
@@ -101,6 +101,7 @@ class RolloutDecisions:
             self.health_window.gates, self.health_window.gate_runner = gates, GateRunner(journal.registry, gates)
         # fleet mode: a converge to a staged rollout's version gets a health window (daemon.fleet.stages)
         self.watch_fleet: Callable[[CheckpointRef], bool] = lambda _ckpt: False
+        self.window: OpenWindow | None = None  # a new version's health window, open: the runner steps it (settle)
         self._fallback_to: str | None = None  # a managed worker fell back to it; made serving by reconcile
         self._waiting: tuple[int, float] | None = None  # (checkpoint id, since): it waits for newer ones
 
@@ -324,7 +325,9 @@ class RolloutDecisions:
         if result.outcome == RolloutOutcome.SUCCEEDED:
             self.served.mark_serving(ckpt, previous, f"serving on every worker (rollout {result.rollout_id})")
             if (trigger == T.NEW or (trigger == T.FLEET and self.watch_fleet(ckpt))) and self.health_window.wanted(ckpt):
-                out.update(self.health_window.watch(ckpt, result.rollout_id, fallback))
+                # a condition the runner evaluates on its passes (settle), not a wait here
+                self.window = self.health_window.open(ckpt, result.rollout_id, fallback)
+                out["health_window"] = OPEN
             else:
                 self.served.mark_last_good(ckpt)
         elif result.outcome == RolloutOutcome.FAILED and trigger == T.NEW:
@@ -356,6 +359,23 @@ class RolloutDecisions:
             else:
                 why = "the daemon shutting down (resumed on its next start)" if self.stopping.is_set() else "an operator command"
                 self.journal.note(ckpt.id, f"rollout {result.rollout_id} stopped for {why}")
+        return out
+
+    def settle(self) -> dict[str, Any] | None:
+        """One step of the open health window (when due); None while it stays open, else what its
+        verdict did (last_good, or rejected or retried and rolled back), and the window is closed."""
+        window = self.window
+        assert window is not None
+        out = self.recorded(lambda: self.health_window.sequence.settle(window))
+        if out is not None:
+            self.window = None
+        return out
+
+    def finish_window(self) -> dict[str, Any]:
+        """Step the open health window to its verdict here (start-up, before the runner's passes)."""
+        while (out := self.settle()) is None:
+            assert self.window is not None
+            time.sleep(max(0.0, min(self.window.due - time.monotonic(), 1.0)))
         return out
 
     def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:

@@ -17,6 +17,7 @@ a window (daemon.controller.startup).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, NamedTuple, Protocol
@@ -35,7 +36,7 @@ from daemon.registry import (
     RolloutOutcome,
     RolloutTrigger,
 )
-from daemon.rollout import RolloutEngine, WindowVerdict, WorkerSet, attribute, fleet_version
+from daemon.rollout import RolloutEngine, Stepped, WindowVerdict, WorkerSet, attribute, fleet_version
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
@@ -52,7 +53,7 @@ class Watched(Protocol):
     def checkpoint(self) -> CheckpointRef: ...  # the version watched
     @property
     def about(self) -> dict[str, str]: ...  # who it is, in the log
-    def watch(self, interrupted: Callable[[], bool]) -> WindowVerdict: ...
+    def start(self, interrupted: Callable[[], bool]) -> Stepped: ...  # the window opened, stepped to its verdict
     def passed(self) -> None: ...  # the version is last_good
     def fallback(self) -> Fallback | None: ...  # where a failed version goes back to; None: nowhere
     def reject(self, verdict: WindowVerdict, why: str) -> None: ...  # the version's status after a failed window
@@ -77,6 +78,20 @@ def reject_or_retry(journal: Journal, settings: RolloutSettings, checkpoint_id: 
 
 
 @dataclass
+class OpenWindow:
+    """A window opened over one served name's version: a condition its owner steps (`settle`) on
+    each pass until the verdict, not a wait; `due` is when a step has something to do (monotonic)."""
+
+    name: Watched
+    rid: int
+    stepped: Stepped
+
+    @property
+    def due(self) -> float:
+        return self.stepped.due
+
+
+@dataclass
 class HealthWindow:
     """The one window sequence, for every served name (see the module docstring)."""
 
@@ -84,8 +99,24 @@ class HealthWindow:
     settings: RolloutSettings
     interrupted: Callable[[], bool]  # a command that moves every worker is waiting, or shutdown
 
+    def open(self, name: Watched, rid: int) -> OpenWindow:
+        return OpenWindow(name, rid, name.start(self.interrupted))
+
+    def settle(self, window: OpenWindow) -> dict[str, Any] | None:
+        """One step of `window`; None while it is open, else what its verdict did. Called again
+        after a failure (the database out, say), it applies the same verdict again."""
+        verdict = window.stepped.step()
+        return None if verdict is None else self._decided(window.name, window.rid, verdict)
+
     def watch(self, name: Watched, rid: int) -> dict[str, Any]:
-        verdict, ckpt = name.watch(self.interrupted), name.checkpoint
+        """Open a window and step it to its verdict here (an adapter's job, start-up)."""
+        window = self.open(name, rid)
+        while (out := self.settle(window)) is None:
+            time.sleep(max(0.0, min(window.due - time.monotonic(), 1.0)))
+        return out
+
+    def _decided(self, name: Watched, rid: int, verdict: WindowVerdict) -> dict[str, Any]:
+        ckpt = name.checkpoint
         window = {"seconds": self.settings.health_window_s, "workers": verdict.workers}
         if verdict.aborted:
             self.journal.amend_rollout(rid, detail={"health_window": {**window, "aborted": True}})
@@ -132,8 +163,15 @@ class BaseWindow:
         return self.settings.health_window_s > 0 or bool(trial.trial_of(self.journal, self.fleet, ckpt, self.gates,
                                                                           self.gate_runner)[1])  # fmt: skip
 
+    @property
+    def sequence(self) -> HealthWindow:
+        return HealthWindow(self.journal, self.settings, self.interrupted)
+
+    def open(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> OpenWindow:
+        return self.sequence.open(_BaseVersion(self, ckpt, fallback), rid)
+
     def watch(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        return HealthWindow(self.journal, self.settings, self.interrupted).watch(_BaseVersion(self, ckpt, fallback), rid)
+        return self.sequence.watch(_BaseVersion(self, ckpt, fallback), rid)
 
 
 @dataclass
@@ -149,9 +187,9 @@ class _BaseVersion:
     def about(self) -> dict[str, str]:
         return {"version": self.checkpoint.version}
 
-    def watch(self, interrupted: Callable[[], bool]) -> WindowVerdict:
+    def start(self, interrupted: Callable[[], bool]) -> Stepped:
         o = self.of
-        return trial.watch(o.journal, o.fleet, o.settings, o.gates, o.gate_runner, interrupted, self.checkpoint)
+        return trial.TrialWatch(o.journal, o.fleet, o.settings, o.gates, o.gate_runner, interrupted, self.checkpoint)
 
     def passed(self) -> None:
         self.of.served.mark_last_good(self.checkpoint)

@@ -33,8 +33,9 @@ import httpx
 from prometheus_client.core import CounterMetricFamily
 
 from daemon.common import WARNING, Problem, get_logger
+from daemon.engines import WeightInfo, WorkerError
 from daemon.registry import Journal
-from daemon.rollout import WorkerHandle
+from daemon.rollout import WorkerDriver, WorkerHandle, WorkerState, parse_state
 
 log = get_logger(__name__)
 
@@ -146,3 +147,23 @@ class PollCollector:
                                   "Health poll passes skipped because the previous one still ran", value=self.poll.skipped)  # fmt: skip
         yield CounterMetricFamily("hotswap_hung_workers_killed",
                                   "Managed workers killed after missing health polls in a row", value=self.poll.killed)  # fmt: skip
+
+
+def back_in_rotation(driver: WorkerDriver, h: WorkerHandle, info: WeightInfo | None = None) -> WeightInfo | None:
+    """A worker that reports DRAINING or PAUSED while nothing moves it (a rollout that died on an
+    error, a daemon restarted mid-step) is resumed: its weights are whole (an update that fails
+    mid-write reports UNHEALTHY), and out of rotation it serves nobody. Its report, None when it
+    does not answer."""
+    try:
+        info = info or h.client.weight_info()
+        if parse_state(info.state) not in (WorkerState.DRAINING, WorkerState.PAUSED):
+            return info
+        log.warning("worker_resumed", worker=h.name, was=info.state, version=info.version,
+                    reason="left out of rotation with no rollout moving it")  # fmt: skip
+        h.client.resume()
+        info = h.client.weight_info()
+    except WorkerError as exc:
+        log.warning("worker_resume_failed", worker=h.name, error=str(exc))
+        return None
+    driver.observed(h, parse_state(info.state), None, version=info.version, why="back in rotation")
+    return info

@@ -18,6 +18,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,6 +81,11 @@ class RolloutQueue:
 
     def _deployable(self, deploy_allowed: bool) -> bool:
         return deploy_allowed and self._pending is not None and time.monotonic() >= self._held_until
+
+    def wait(self, until: float, unless: Callable[[], bool]) -> None:
+        """Sleep until `until` (monotonic), or sooner once `unless()` holds (checked as commands arrive)."""
+        with self._cond:
+            self._cond.wait_for(lambda: unless() or time.monotonic() >= until, max(0.0, until - time.monotonic()))
 
     def wake(self) -> None:
         with self._cond:

@@ -2,26 +2,25 @@
 
 One runner thread does everything that moves workers, in order: start-up (launch managed
 workers, then crash recovery), then jobs from the queue: operator commands first (rollback,
-pin, unpin, reconcile), then the newest waiting checkpoint. A periodic health poll (on the
-daemon's scheduler) keeps `workers` current. What the runner decided (serving, pinned, the job
-in progress, a version held back for unavailable workers) is one `RolloutState`, guarded by a
-lock, read by the API and the poll threads.
+pin, unpin, reconcile), then the newest waiting checkpoint. A new version's health window is a
+condition the runner steps on its passes, not a wait inside the job. A periodic health poll (on
+the daemon's scheduler) keeps `workers` current. What the runner decided (serving, pinned, the
+job in progress, a version held back for unavailable workers) is one `RolloutState`, guarded by
+a lock, read by the API and the poll threads.
 
     service = RolloutService.from_config(config, registry)
     service.start(scheduler)
     coordinator.on_verified = service.submit
 
-This module is the runner: its inputs, its thread (each job a command that runs itself:
-daemon.controller.commands), status and the poll. What each job does and what its result means
-for the registry is daemon.controller.decisions (the health window after a new version:
-daemon.controller.health_window), start-up and crash recovery is daemon.controller.startup.
-Each is handed what it needs here, and none imports this module back.
+What each job does and what its result means for the registry is daemon.controller.decisions
+(the health window: daemon.controller.health_window), start-up and crash recovery is
+daemon.controller.startup. Each is handed what it needs here, and none imports this module back.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
@@ -49,12 +48,12 @@ from daemon.controller.commands import (
     Unpin,
 )
 from daemon.controller.decisions import RolloutDecisions
-from daemon.controller.poll import BoundedPoll, Unanswered, serving_port_problem
+from daemon.controller.poll import BoundedPoll, Unanswered, back_in_rotation, serving_port_problem
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
 from daemon.controller.startup import Startup
 from daemon.controller.supervise import Supervisor
-from daemon.engines import Timeouts, WeightInfo, WorkerError, make_client
+from daemon.engines import Timeouts, WorkerError, make_client
 from daemon.fleet import FleetAgent, FleetLeases, FleetSettings, leased
 from daemon.gates import GateSettings
 from daemon.registry import WORKER_STATES, AdapterJournal, Journal, Registry, unreachable
@@ -278,21 +277,49 @@ class RolloutService:
             log.exception("rollout_bootstrap_failed")
         finally:
             self._ready.set()
-        while not self._stopping.is_set():
+        held: tuple[Command, dict[str, Any]] | None = None  # a job whose health window is open
+        while not self._stopping.is_set() or held is not None:
+            if held is not None:  # the window is a condition: one step of it when due, then look again
+                held = self._step_window(*held)
+                continue
             job = self.queue.take(0.5, deploy_allowed=self.state.pinned is None)
             if job is None:
                 continue
             self.state.set_current_job(job.describe())
-            try:
-                job.future.set_result(self._execute_through_outage(job))
-            except CommandError as exc:
+            held = self._finish(job, partial(self._execute_through_outage, job))
+
+    def _finish(self, job: Command, step: Callable[[], dict[str, Any]]) -> tuple[Command, dict[str, Any]] | None:
+        """Run `step` (the job, or a step of its open health window) and answer the job's Future;
+        the job and its result so far while its window is open (it ends with the window's verdict,
+        and status's `current` names it until then)."""
+        try:
+            out = step()
+            if self.decisions.window is not None:
+                return job, out
+            job.future.set_result(out)
+        except Exception as exc:
+            self.decisions.window = None  # decides nothing: not last_good (start-up watches it again)
+            if isinstance(exc, CommandError):
                 log.warning("command_refused", job=job.describe(), reason=str(exc))
-                job.future.set_exception(exc)
-            except Exception as exc:
+            else:
                 log.exception("rollout_job_failed", job=job.describe())
-                job.future.set_exception(exc)
-            finally:
-                self.state.set_current_job(None)
+            job.future.set_exception(exc)
+        self.state.set_current_job(None)
+        return None
+
+    def _step_window(self, job: Command, out: dict[str, Any]) -> tuple[Command, dict[str, Any]] | None:
+        """A step of the held job's window; then sleep until the next is due (sooner when a command
+        that ends the window arrives, or on shutdown). With the verdict, the job's rest runs."""
+        window = self.decisions.window
+        assert window is not None
+
+        def step() -> dict[str, Any]:
+            verdict = self.decisions.settle()
+            return out if verdict is None else job.settled(self, {**out, **verdict})
+
+        if (held := self._finish(job, step)) is not None:
+            self.queue.wait(window.due, unless=self.decisions.health_window.interrupted)
+        return held
 
     def _execute_through_outage(self, job: Command) -> dict[str, Any]:
         """A job the database cut short (a read it needed failed) runs again once the database
@@ -313,27 +340,9 @@ class RolloutService:
         for h in self.fleet:
             if h.busy.acquire(blocking=False):
                 try:
-                    self._back_in_rotation(h)
+                    back_in_rotation(self.driver, h)
                 finally:
                     h.busy.release()
-
-    def _back_in_rotation(self, h: WorkerHandle, info: WeightInfo | None = None) -> WeightInfo | None:
-        """A worker that reports DRAINING or PAUSED while nothing moves it (a rollout that died on
-        an error, a daemon restarted mid-step) is resumed: its weights are whole (an update that
-        fails mid-write reports UNHEALTHY), and out of rotation it serves nobody."""
-        try:
-            info = info or h.client.weight_info()
-            if parse_state(info.state) not in (WorkerState.DRAINING, WorkerState.PAUSED):
-                return info
-            log.warning("worker_resumed", worker=h.name, was=info.state, version=info.version,
-                        reason="left out of rotation with no rollout moving it")  # fmt: skip
-            h.client.resume()
-            info = h.client.weight_info()
-        except WorkerError as exc:
-            log.warning("worker_resume_failed", worker=h.name, error=str(exc))
-            return None
-        self.driver.observed(h, parse_state(info.state), None, version=info.version, why="back in rotation")
-        return info
 
     def gate_problems(self) -> list[tuple[str, str]]:
         """Gates of a trial that cannot run now, with why (the problem gate_cannot_run)."""
@@ -408,7 +417,7 @@ class RolloutService:
             self.journal.observe(h.name, state="UNREACHABLE", weight_version=None, error=str(exc))
             h.observed(None)
             raise Unanswered(str(exc)) from None
-        info = self._back_in_rotation(h, info) or info
+        info = back_in_rotation(self.driver, h, info) or info
         if check_worker(self.journal, self.driver, h, info) is not None:  # reports what the registry does not
             self.journal.observe(h.name, state=WorkerState.UNCERTAIN.value, weight_version=info.version,
                                  error="its report does not match the registry", device=info.device)  # fmt: skip

@@ -152,6 +152,8 @@ class Startup:
             self.journal.finish_rollout(rollout.id, RolloutOutcome.SUCCEEDED, detail)
             self.decisions.conclude(ckpt, RolloutResult(rollout.id, RolloutOutcome.SUCCEEDED), serving, fallback,
                                     trigger=rollout.trigger)  # fmt: skip
+            if self.decisions.window is not None:  # before the first job, as a window resumed below
+                self.decisions.finish_window()
             if rollout.trigger != T.NEW:
                 self.decisions.served.mark_last_good(ckpt)
         else:

@@ -37,36 +37,56 @@ def trial_of(journal: Journal, fleet: WorkerSet, ckpt: CheckpointRef, gates: Gat
     return trial, gates.named(names)
 
 
-def watch(journal: Journal, fleet: WorkerSet, settings: RolloutSettings, gates: GateSettings,
-          runner: GateRunner | None, interrupted: Callable[[], bool], ckpt: CheckpointRef) -> WindowVerdict:  # fmt: skip
-    trial, specs = trial_of(journal, fleet, ckpt, gates, runner)
-    verdicts: list[GateVerdict] = []
-    cut = threading.Event()
-    thread = None
-    if specs and runner is not None:
-        rejected = _rejected_meanwhile(journal, ckpt.id)
+class TrialWatch:
+    """A trial as a condition its owner steps (daemon.rollout.health.Stepped): the built-in checks
+    sampled when due, the gates on their own thread; the verdict once both are done."""
 
-        def run() -> None:
-            verdicts.extend(runner.run(specs, trial, lambda: cut.is_set() or interrupted() or rejected()))
+    GATES_POLL_S = 0.05  # how often a finished health window looks whether its gates are done
 
-        thread = threading.Thread(target=run, name="trial-gates", daemon=True)
-        thread.start()
-    started = time.time()
-    verdict = health.watch(fleet, settings, interrupted, ckpt.version)
-    if not verdict.aborted:
-        _record_builtin(journal, trial, settings, verdict, started)
-    if not verdict.ok:
-        cut.set()  # the window failed already: its gates need not finish
-    if thread is not None:
-        thread.join()
-    if verdict.aborted or not verdict.ok:
+    def __init__(self, journal: Journal, fleet: WorkerSet, settings: RolloutSettings, gates: GateSettings,
+                 runner: GateRunner | None, interrupted: Callable[[], bool], ckpt: CheckpointRef) -> None:  # fmt: skip
+        self.journal, self.settings = journal, settings
+        self.trial, specs = trial_of(journal, fleet, ckpt, gates, runner)
+        self.verdicts: list[GateVerdict] = []
+        self.cut = threading.Event()
+        self.thread: threading.Thread | None = None
+        if specs and runner is not None:
+            rejected = _rejected_meanwhile(journal, ckpt.id)
+
+            def run() -> None:
+                self.verdicts.extend(runner.run(specs, self.trial, lambda: self.cut.is_set() or interrupted() or rejected()))
+
+            self.thread = threading.Thread(target=run, name="trial-gates", daemon=True)
+            self.thread.start()
+        self.started = time.time()
+        self.health = health.HealthWatch(fleet, settings, interrupted, ckpt.version)
+        self.window: WindowVerdict | None = None  # the built-in checks' verdict, once given
+
+    @property
+    def due(self) -> float:
+        return self.health.due if self.window is None else time.monotonic() + self.GATES_POLL_S
+
+    def step(self) -> WindowVerdict | None:
+        if self.window is None:
+            verdict = self.health.step()
+            if verdict is None:
+                return None
+            if not verdict.aborted:
+                _record_builtin(self.journal, self.trial, self.settings, verdict, self.started)
+            if not verdict.ok:
+                self.cut.set()  # the window failed already: its gates need not finish
+            self.window = verdict
+        if self.thread is not None and self.thread.is_alive():
+            return None
+        verdict = self.window
+        if verdict.aborted or not verdict.ok:
+            return verdict
+        failed = [v for v in self.verdicts if v.verdict == "failed"]
+        if failed:  # before an abort: a failing gate stops the others
+            return replace(verdict, ok=False, reason="; ".join(v.reason for v in failed), check=failed[0].gate)
+        if any(v.verdict == "aborted" for v in self.verdicts):
+            return replace(verdict, ok=False, aborted=True)
         return verdict
-    failed = [v for v in verdicts if v.verdict == "failed"]
-    if failed:  # before an abort: a failing gate stops the others
-        return replace(verdict, ok=False, reason="; ".join(v.reason for v in failed), check=failed[0].gate)
-    if any(v.verdict == "aborted" for v in verdicts):
-        return replace(verdict, ok=False, aborted=True)
-    return verdict
 
 
 def _rejected_meanwhile(journal: Journal, checkpoint_id: int, every_s: float = 2.0) -> Callable[[], bool]:

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 from daemon.common import get_logger
 from daemon.config import RolloutSettings
@@ -108,56 +108,103 @@ def _probe(h: WorkerHandle, version: str | None, tally: _Tally) -> tuple[str, st
     return None
 
 
-def watch(
-    fleet: WorkerSet, settings: RolloutSettings, should_abort: Callable[[], bool], version: str | None = None
-) -> WindowVerdict:
-    """Watch the fleet for `health_window_s`; `version` is what the probes must be served by."""
-    window = settings.health_window_s
-    tallies: dict[str, _Tally] = {}
-    for h in fleet:
-        try:
-            c = h.client.counters()
-        except WorkerError as exc:
-            return WindowVerdict(False, f"worker {h.name} did not answer at the start of the health window: {exc}",
-                                 infra=True)  # fmt: skip
-        tallies[h.name] = _Tally(c.get("requests_total", 0), c.get("requests_failed", 0))
-    deadline = time.monotonic() + window
-    next_probe = time.monotonic() if settings.health_probe_s > 0 else float("inf")
-    unreachable: dict[str, int] = {}
-    while True:
-        remaining = deadline - time.monotonic()
-        if remaining <= 0:
-            break
-        if should_abort():
-            return WindowVerdict(True, None, aborted=True, workers=_summary(tallies))
-        time.sleep(min(settings.health_sample_s, remaining))
+class HealthWatch:
+    """The window as a condition: opened once, then stepped by its owner until it gives a verdict.
+    `step()` samples the workers' counters (and probes) when `due` (monotonic) has come, and returns
+    None while the window is still open; `should_abort` (an operator command, shutdown) cuts it short."""
+
+    def __init__(self, fleet: WorkerSet, settings: RolloutSettings, should_abort: Callable[[], bool],
+                 version: str | None = None) -> None:  # fmt: skip
+        self.fleet, self.settings, self.should_abort, self.version = fleet, settings, should_abort, version
+        self.tallies: dict[str, _Tally] = {}
+        self.unreachable: dict[str, int] = {}
+        self.verdict: WindowVerdict | None = None
         for h in fleet:
             try:
                 c = h.client.counters()
             except WorkerError as exc:
-                unreachable[h.name] = unreachable.get(h.name, 0) + 1
-                if unreachable[h.name] >= 2:  # one lost sample is noise; two are an outage
+                self.verdict = WindowVerdict(False, f"worker {h.name} did not answer at the start of the health "
+                                             f"window: {exc}", infra=True)  # fmt: skip
+                break
+            self.tallies[h.name] = _Tally(c.get("requests_total", 0), c.get("requests_failed", 0))
+        now = time.monotonic()
+        self.deadline = now + settings.health_window_s
+        self.next_sample = min(now + settings.health_sample_s, self.deadline)
+        self.next_probe = now if settings.health_probe_s > 0 else float("inf")
+
+    @property
+    def due(self) -> float:
+        """When `step` has something to do next (monotonic)."""
+        return self.next_sample if self.verdict is None else 0.0
+
+    def step(self) -> WindowVerdict | None:
+        if self.verdict is None:
+            self.verdict = self._step()
+        return self.verdict
+
+    def _step(self) -> WindowVerdict | None:
+        if self.settings.health_window_s <= 0:
+            return self._final()  # no window: nothing sampled (a trial of gates alone)
+        if self.should_abort():
+            return WindowVerdict(True, None, aborted=True, workers=_summary(self.tallies))
+        now = time.monotonic()
+        if now < self.next_sample:
+            return None
+        for h in self.fleet:
+            try:
+                c = h.client.counters()
+            except WorkerError as exc:
+                self.unreachable[h.name] = self.unreachable.get(h.name, 0) + 1
+                if self.unreachable[h.name] >= 2:  # one lost sample is noise; two are an outage
                     return WindowVerdict(
                         False, f"worker {h.name} stopped answering during the health window: {exc}",
-                        workers=_summary(tallies), infra=True,
+                        workers=_summary(self.tallies), infra=True,
                     )  # fmt: skip
                 continue
-            unreachable.pop(h.name, None)
-            tallies[h.name].add(c.get("requests_total", 0), c.get("requests_failed", 0))
-        if time.monotonic() >= next_probe:
-            next_probe = time.monotonic() + settings.health_probe_s
-            for h in fleet:
-                decisive = _probe(h, version, tallies[h.name])
+            self.unreachable.pop(h.name, None)
+            self.tallies[h.name].add(c.get("requests_total", 0), c.get("requests_failed", 0))
+        if time.monotonic() >= self.next_probe:
+            self.next_probe = time.monotonic() + self.settings.health_probe_s
+            for h in self.fleet:
+                decisive = _probe(h, self.version, self.tallies[h.name])
                 if decisive is not None:
-                    return WindowVerdict(False, f"{decisive[1]} during the health window", workers=_summary(tallies),
-                                         check=decisive[0])  # fmt: skip
-    summary = _summary(tallies)
-    for name, t in tallies.items():
-        if t.requests >= settings.min_window_requests and t.rate > settings.max_error_rate:
-            reason = (f"worker {name} error rate {t.rate:.1%} ({t.counts()}) "
-                      f"> {settings.max_error_rate:.1%} over {window:g} s after deploy")  # fmt: skip
-            return WindowVerdict(False, reason, workers=summary, check="error_rate")
-    return WindowVerdict(True, None, workers=summary)
+                    return WindowVerdict(False, f"{decisive[1]} during the health window",
+                                         workers=_summary(self.tallies), check=decisive[0])  # fmt: skip
+        if time.monotonic() >= self.deadline:
+            return self._final()
+        self.next_sample = min(time.monotonic() + self.settings.health_sample_s, self.deadline)
+        return None
+
+    def _final(self) -> WindowVerdict:
+        settings, summary = self.settings, _summary(self.tallies)
+        for name, t in self.tallies.items():
+            if t.requests >= settings.min_window_requests and t.rate > settings.max_error_rate:
+                reason = (f"worker {name} error rate {t.rate:.1%} ({t.counts()}) "
+                          f"> {settings.max_error_rate:.1%} over {settings.health_window_s:g} s after deploy")  # fmt: skip
+                return WindowVerdict(False, reason, workers=summary, check="error_rate")
+        return WindowVerdict(True, None, workers=summary)
+
+
+class Stepped(Protocol):
+    """A window stepped to its verdict: HealthWatch, or a trial of it with gates (daemon.controller.trial)."""
+
+    @property
+    def due(self) -> float: ...
+    def step(self) -> WindowVerdict | None: ...
+
+
+def run_to_verdict(window: Stepped) -> WindowVerdict:
+    """Step `window` until it gives its verdict, sleeping until each step is due."""
+    while (verdict := window.step()) is None:
+        time.sleep(max(0.0, min(window.due - time.monotonic(), 1.0)))
+    return verdict
+
+
+def watch(
+    fleet: WorkerSet, settings: RolloutSettings, should_abort: Callable[[], bool], version: str | None = None
+) -> WindowVerdict:
+    """Watch the fleet for `health_window_s`; `version` is what the probes must be served by."""
+    return run_to_verdict(HealthWatch(fleet, settings, should_abort, version))
 
 
 def _summary(tallies: dict[str, _Tally]) -> dict[str, dict[str, Any]]:

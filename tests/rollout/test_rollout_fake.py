@@ -501,6 +501,33 @@ def test_health_window_one_bad_request_cannot_trip_it_and_probes_count(reg: Regi
     assert err.ok and err.workers["w0"]["probes_failed"] == 1
 
 
+def test_the_health_window_is_a_condition_stepped_to_its_verdict_without_sleeping(
+    reg: Registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """HealthWatch samples only when due and gives its verdict at the deadline; a step never waits
+    (the runner steps it between its passes: daemon.controller.service)."""
+    w0 = FakeWorkerClient("w0")
+    r = rig(reg, tmp_path, w0)
+    now = [100.0]
+    monkeypatch.setattr(health.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(health.time, "sleep", lambda _s: pytest.fail("a step slept"))
+    settings = RolloutSettings(health_window_s=1.0, health_sample_s=0.25, max_error_rate=0.01, min_window_requests=5,
+                               health_probe_s=0)  # fmt: skip
+    window = health.HealthWatch(r.fleet, settings, lambda: False, "v0")
+    assert window.due == 100.25 and window.step() is None  # not due yet: nothing sampled
+    w0.traffic(10, failed=3)
+    now[0] = 100.25
+    assert window.step() is None and window.tallies["w0"].failed == 3 and window.due == 100.5
+    now[0] = 100.9
+    assert window.step() is None and window.due == 101.0  # the last sample is at the deadline
+    now[0] = 101.0
+    verdict = window.step()
+    assert verdict is not None and not verdict.ok and "worker w0 error rate 30.0%" in (verdict.reason or "")
+    assert window.step() is verdict  # decided: asked again, the same verdict
+    stopped = health.HealthWatch(r.fleet, settings, lambda: True)
+    assert (v := stopped.step()) is not None and v.aborted
+
+
 # -- the service over fakes: a whole new-checkpoint job, through the kind registry ---------------
 
 
@@ -701,6 +728,32 @@ def test_service_never_deploys_a_lower_step_over_the_serving_one(reg: Registry, 
 
 
 WINDOW = {"health_window_s": 0.05, "health_sample_s": 0.01, "health_probe_s": 0.0}
+
+
+def test_the_runner_steps_an_open_window_and_the_job_ends_with_its_verdict(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """A new version's window is a condition the runner steps, not a wait inside the job: while it
+    is open the job is `current` and its Future waits; an operator's rollback queued meanwhile ends
+    it (aborted: v1 not last_good) and runs next; the job's answer carries the window's verdict."""
+    from daemon.controller.commands import Deploy, Rollback
+
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), health_window_s=60.0, health_sample_s=0.05,
+                   health_probe_s=0.0)  # fmt: skip
+    try:
+        v0 = verified(reg, "v0")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        job = Deploy(verified(reg, "v1"))
+        deployed = svc.queue.command(job)
+        wait_until(lambda: svc.decisions.window is not None, 20, what="v1's window open")
+        assert svc.status()["current"] == "deploy v1" and svc.status()["serving"] == "v1" and not deployed.done()
+        back = svc.queue.command(Rollback(to="v0"))
+        assert deployed.result(20)["health_window"] == "aborted"
+        assert back.result(20)["outcome"] == "succeeded" and FAKES["w0"].version == "v0"
+        assert svc.journal.alias("last_good") == svc.journal.checkpoint(v0.id) and svc.decisions.window is None
+    finally:
+        svc.stop()
 
 
 def test_a_worker_dying_in_the_health_window_rolls_back_and_retries_the_version(
