@@ -30,7 +30,8 @@ from daemon.common import get_logger
 from daemon.config import RolloutSettings
 from daemon.controller.adapter_base import BaseBinding
 from daemon.controller.adapter_rollout import AdapterRollout
-from daemon.controller.health_window import Fallback, HealthWindow, reject_or_retry
+from daemon.controller.commands import OPEN
+from daemon.controller.health_window import Fallback, HealthWindow, OpenWindow, reject_or_retry
 from daemon.controller.queue import CommandError
 from daemon.controller.served import ServedVersions
 from daemon.registry import (
@@ -58,14 +59,17 @@ class AdapterDecisions:
         self.adapters = adapters
         self.rollout = rollout
         self.settings = settings
-        self.window = HealthWindow(journal, settings, interrupted)  # shutdown: a health window decides nothing
+        self.health_window = HealthWindow(journal, settings, interrupted)  # shutdown: a health window decides nothing
+        self.window: OpenWindow | None = None  # a deploy's health window, open: the runner steps it (settle)
         self.served = served  # the one writer of each name's serving and last_good
         self.submit = submit  # the service's: a version to deploy (again)
         # each served adapter held to the serving base (daemon/controller/adapter_base.py)
         self.binding = BaseBinding(journal, adapters, rollout, checks or CheckSettings(), served)
 
     # -- jobs ------------------------------------------------------------------------------
-    def deploy_new(self, checkpoint_id: int) -> dict[str, Any]:
+    def deploy_new(self, checkpoint_id: int, hold: bool = False) -> dict[str, Any]:
+        """`hold`: a health window is left open (`window`) for the runner to step (`settle`);
+        else it is stepped to its verdict here (an unpin's or a reconcile's deploy)."""
         av = self.adapters.adapter_of(checkpoint_id)
         if av is None:
             return {"outcome": "skipped", "reason": "not an adapter with a name"}
@@ -93,8 +97,11 @@ class AdapterDecisions:
             self.mark_serving(av, serving, f"adapter {av.name}: serving on every worker (rollout {result.rollout_id})")
             if self.settings.health_window_s <= 0:
                 self.served.mark_adapter_last_good(av.name, av)
+            elif hold:
+                self.window = self.health_window.open(_AdapterWindow(self, av, serving), result.rollout_id)
+                out["health_window"] = OPEN
             else:
-                out.update(self.window.watch(_AdapterWindow(self, av, serving), result.rollout_id))
+                out.update(self.health_window.watch(_AdapterWindow(self, av, serving), result.rollout_id))
         elif result.kind == FailureKind.UNREACHABLE:
             self.journal.note(av.checkpoint.id, f"rollout {result.rollout_id}: {result.reason}; tried again when the "
                                                 "worker is back")  # fmt: skip
@@ -225,7 +232,7 @@ class AdapterDecisions:
                 continue  # rejected (its rollback failed: said where it failed) or never rolled out here
             log.info("adapter_health_window_resumed", adapter=name, version=serving.version,
                      last_good=last_good.version if last_good else None)  # fmt: skip
-            out[name] = self.window.watch(_AdapterWindow(self, serving, last_good), rid)["health_window"]
+            out[name] = self.health_window.watch(_AdapterWindow(self, serving, last_good), rid)["health_window"]
         return out
 
     def drifted(self) -> bool:
@@ -241,6 +248,14 @@ class AdapterDecisions:
                 except Exception:  # noqa: BLE001 - not answering: the base's poll reports it
                     continue
         return False
+
+    def settle(self) -> dict[str, Any] | None:
+        """One step of the open health window; None while it stays open, else its verdict's result."""
+        assert self.window is not None
+        out = self.health_window.settle(self.window)
+        if out is not None:
+            self.window = None
+        return out
 
     # -- registry ----------------------------------------------------------------------------
     def mark_serving(self, av: AdapterVersion, previous: AdapterVersion | None, message: str) -> None:

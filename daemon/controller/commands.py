@@ -39,7 +39,7 @@ class Rebase(Protocol):  # daemon.controller.adapter_base.BaseBinding
 
 
 class AdapterSteps(Protocol):  # daemon.controller.adapters.AdapterDecisions
-    def deploy_new(self, checkpoint_id: int) -> Result: ...
+    def deploy_new(self, checkpoint_id: int, hold: bool = False) -> Result: ...
     def rollback(self, name: str | None, to: str | None, by: str) -> Result: ...
     def pin(self, version: str, force: bool, by: str) -> Result: ...
     def unpin(self, name: str, by: str) -> Result: ...
@@ -169,7 +169,7 @@ class AdapterDeploy(Command):
     checkpoint: CheckpointRef
 
     def run(self, on: Steps) -> Result:
-        return on.adapters.deploy_new(self.checkpoint.id)
+        return on.adapters.deploy_new(self.checkpoint.id, hold=True)
 
     def describe(self) -> str:
         return f"adapter {self.checkpoint.version}"

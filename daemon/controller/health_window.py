@@ -85,6 +85,7 @@ class OpenWindow:
     name: Watched
     rid: int
     stepped: Stepped
+    interrupted: Callable[[], bool]  # a command that ends it is waiting, or shutdown
 
     @property
     def due(self) -> float:
@@ -100,7 +101,7 @@ class HealthWindow:
     interrupted: Callable[[], bool]  # a command that moves every worker is waiting, or shutdown
 
     def open(self, name: Watched, rid: int) -> OpenWindow:
-        return OpenWindow(name, rid, name.start(self.interrupted))
+        return OpenWindow(name, rid, name.start(self.interrupted), self.interrupted)
 
     def settle(self, window: OpenWindow) -> dict[str, Any] | None:
         """One step of `window`; None while it is open, else what its verdict did. Called again

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES
 from apscheduler.schedulers.base import BaseScheduler
@@ -48,6 +48,7 @@ from daemon.controller.commands import (
     Unpin,
 )
 from daemon.controller.decisions import RolloutDecisions
+from daemon.controller.health_window import OpenWindow
 from daemon.controller.poll import BoundedPoll, Unanswered, back_in_rotation, serving_port_problem
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
@@ -75,6 +76,14 @@ from daemon.rollout import (
 from daemon.transport import SenderOptions
 
 log = get_logger(__name__)
+
+
+class Windowed(Protocol):
+    """A decider whose job may leave a health window open for the runner to step."""
+
+    window: OpenWindow | None
+
+    def settle(self) -> dict[str, Any] | None: ...
 
 
 class RolloutService:
@@ -294,11 +303,11 @@ class RolloutService:
         and status's `current` names it until then)."""
         try:
             out = step()
-            if self.decisions.window is not None:
+            if self._windowed() is not None:
                 return job, out
             job.future.set_result(out)
         except Exception as exc:
-            self.decisions.window = None  # decides nothing: not last_good (start-up watches it again)
+            self.decisions.window = self.adapters.window = None  # decides nothing: not last_good (watched again at start)
             if isinstance(exc, CommandError):
                 log.warning("command_refused", job=job.describe(), reason=str(exc))
             else:
@@ -310,16 +319,21 @@ class RolloutService:
     def _step_window(self, job: Command, out: dict[str, Any]) -> tuple[Command, dict[str, Any]] | None:
         """A step of the held job's window; then sleep until the next is due (sooner when a command
         that ends the window arrives, or on shutdown). With the verdict, the job's rest runs."""
-        window = self.decisions.window
-        assert window is not None
+        owner = self._windowed()
+        assert owner is not None and owner.window is not None
+        window = owner.window
 
         def step() -> dict[str, Any]:
-            verdict = self.decisions.settle()
+            verdict = owner.settle()
             return out if verdict is None else job.settled(self, {**out, **verdict})
 
         if (held := self._finish(job, step)) is not None:
-            self.queue.wait(window.due, unless=self.decisions.health_window.interrupted)
+            self.queue.wait(window.due, unless=window.interrupted)
         return held
+
+    def _windowed(self) -> Windowed | None:
+        """The decider whose job left a health window open (the base's or an adapter name's)."""
+        return next((d for d in (self.decisions, self.adapters) if d.window is not None), None)
 
     def _execute_through_outage(self, job: Command) -> dict[str, Any]:
         """A job the database cut short (a read it needed failed) runs again once the database

@@ -10,6 +10,7 @@ worker did not answer (then it stays verified, to be tried again).
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -184,6 +185,24 @@ def test_the_health_window_of_the_adapter_rolls_it_back_on_its_error_rate(reg: R
     assert aj.aliases()["sql"]["serving"] == "sql@1" == aj.aliases()["sql"]["last_good"]
 
 
+def test_a_deploy_that_holds_its_window_leaves_it_open_for_the_runner_to_step(reg: Registry, tmp_path: Path) -> None:
+    """The runner's adapter deploy (AdapterDeploy) returns with the window open; each `settle` is a
+    step, and the version is last_good (or rolled back) only at the verdict."""
+    w0, w1 = FakeAdapterWorker("w0"), FakeAdapterWorker("w1")
+    d, aj = rig(reg, w0, w1, **WINDOW)
+    assert d.deploy_new(adapter(reg, tmp_path, "sql@1"))["health_window"] == "ok"
+    w1.bad = "sql@2"
+    out = d.deploy_new(adapter(reg, tmp_path, "sql@2"), hold=True)
+    assert out["health_window"] == "open" and d.window is not None
+    assert aj.aliases()["sql"] == {"serving": "sql@2", "last_good": "sql@1"}  # served, not trusted yet
+    steps = 1
+    while (verdict := d.settle()) is None:
+        steps += 1
+        time.sleep(0.01)
+    assert steps > 1 and verdict["health_window"] == "failed" and "worker w1 error rate" in verdict["reason"], verdict
+    assert d.window is None and served(w0, w1) == {"sql@1"} and aj.aliases()["sql"]["serving"] == "sql@1"
+
+
 @pytest.mark.parametrize("bad", [True, False])
 def test_an_adapter_window_cut_short_is_watched_again_by_the_next_reconcile(reg: Registry, tmp_path: Path,
                                                                             bad: bool) -> None:  # fmt: skip
@@ -196,7 +215,7 @@ def test_an_adapter_window_cut_short_is_watched_again_by_the_next_reconcile(reg:
     if bad:
         w1.bad = "sql@2"
     cut = [True]
-    d.window.interrupted = lambda: cut[0]
+    d.health_window.interrupted = lambda: cut[0]
     v2 = adapter(reg, tmp_path, "sql@2")
     assert d.deploy_new(v2)["health_window"] == "aborted"
     assert aj.aliases()["sql"] == {"serving": "sql@2", "last_good": "sql@1"}
