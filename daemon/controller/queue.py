@@ -83,8 +83,13 @@ class RolloutQueue:
         return deploy_allowed and self._pending is not None and time.monotonic() >= self._held_until
 
     def wait(self, until: float, unless: Callable[[], bool]) -> None:
-        """Sleep until `until` (monotonic), or sooner once `unless()` holds (checked as commands arrive)."""
+        """Sleep until `until` (monotonic), or sooner once `unless()` comes to hold (checked as
+        commands arrive). Holding already, it wakes nothing: the sleep is whole (no spinning while,
+        say, a window's gates finish after a command ended it)."""
         with self._cond:
+            if unless():
+                self._cond.wait(max(0.0, until - time.monotonic()))
+                return
             self._cond.wait_for(lambda: unless() or time.monotonic() >= until, max(0.0, until - time.monotonic()))
 
     def wake(self) -> None:

@@ -77,6 +77,21 @@ def test_nothing_is_deployed_while_pinned_held_or_not() -> None:
     assert q.take(0.01, deploy_allowed=False) is None and q.pending == ref(1)
 
 
+def test_a_wait_ends_when_a_command_it_waits_for_arrives_and_sleeps_whole_when_it_already_holds() -> None:
+    """The runner's sleep between a window's steps: cut short by a command that ends the window,
+    but never a spin when that already holds (a window whose gates are still finishing)."""
+    import threading
+
+    q = RolloutQueue()
+    t0 = time.monotonic()
+    threading.Timer(0.1, lambda: q.command(Rollback())).start()
+    q.wait(t0 + 30, unless=lambda: q.has_command((Rollback,)))
+    assert time.monotonic() - t0 < 20  # woken by the rollback, long before the step was due
+    t0 = time.monotonic()
+    q.wait(t0 + 0.2, unless=lambda: True)  # holds already: the whole sleep, not a return at once
+    assert time.monotonic() - t0 >= 0.19
+
+
 def test_each_command_says_what_it_is_for_logs_and_status() -> None:
     # status's "current" and the fleet agent's "busy with ..." show these; daemon.fleet.behind
     # tells its own converge apart by "converge VERSION"
