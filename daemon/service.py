@@ -235,7 +235,8 @@ class Daemon:
         state = ApiState(self.registry, self.metrics, sources=[s.describe() for s in self.sources],
                          describe_sources=lambda: [s.describe() for s in self.sources],
                          queue_depth=self.coordinator.queue_depth, problems=self.health_problems,
-                         guard=self.guard, webhooks=self.config.webhooks)  # fmt: skip
+                         guard=self.guard, webhooks=self.config.webhooks,
+                         window=self.rollout.window if self.rollout is not None else None)  # fmt: skip
         self.api_state = state
         app = create_app(state)
         app.include_router(reverify.router(self.coordinator, self.guard))

@@ -86,6 +86,7 @@ class ApiState:
     problems: Callable[[], list[Problem]] | None = None  # what is wrong now (daemon.process.health)
     guard: ControlGuard | None = None  # the control token check; every state-changing route needs it
     webhooks: list[WebhookSettings] = field(default_factory=list)  # [[webhooks]]: their deliveries in /status
+    window: Callable[[], dict[str, Any] | None] | None = None  # the health window open now (the rollout service)
 
 
 def create_app(state: ApiState) -> FastAPI:
@@ -194,6 +195,7 @@ def status_document(state: ApiState) -> dict[str, Any]:
             "uptime_s": round(time.time() - state.started_at, 1),
             "database": redact_url(state.registry.url),
             "queue_depth": state.queue_depth() if state.queue_depth is not None else None,
+            "window": state.window() if state.window is not None else None,
             "problems": [p.doc() for p in (state.problems() if state.problems is not None else [])],
         },
         "sources": redact_doc(state.describe_sources() if state.describe_sources is not None else state.sources),

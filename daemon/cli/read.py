@@ -303,6 +303,10 @@ def status_lines(doc: dict[str, Any], config: Config) -> list[str]:
         pin = f", pinned {safe(a['pinned'])}" if a.get("pinned") else ""
         out.append(f"adapter:     {safe(name)} serving {safe(a.get('serving') or '-')}, "
                    f"last good {safe(a.get('last_good') or '-')}{pin}")  # fmt: skip
+    if (w := dd.get("window")) is not None:  # a version on trial: last_good moves only at its verdict
+        who = f"adapter {safe(w['adapter'])} {safe(w.get('version'))}" if w.get("adapter") else safe(w.get("version"))
+        out.append(f"trial:       {who} in its health window, about {w.get('left_s')} s of {w.get('seconds')} s "
+                   f"left (rollout {w.get('rollout_id')})")  # fmt: skip
     depth = dd.get("queue_depth")
     out.append(f"queue:       {depth if depth is not None else '- (daemon not running)'}")
     counts = ", ".join(f"{safe(k)} {v}" for k, v in sorted(doc.get("checkpoints", {}).items())) or "none"

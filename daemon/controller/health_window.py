@@ -86,10 +86,26 @@ class OpenWindow:
     rid: int
     stepped: Stepped
     interrupted: Callable[[], bool]  # a command that ends it is waiting, or shutdown
+    seconds: float = 0.0  # [rollout] health_window_s (its gates may take longer)
+    opened: float = field(default_factory=time.time)
 
     @property
     def due(self) -> float:
         return self.stepped.due
+
+    def describe(self) -> dict[str, Any]:
+        """What status says of it: whose window, since when, and about how long is left."""
+        left = max(0.0, self.opened + self.seconds - time.time())
+        return {**self.name.about, "rollout_id": self.rid, "seconds": self.seconds, "left_s": round(left, 1)}
+
+
+class Windowed(Protocol):
+    """A decider whose job may leave a health window open for the runner to step (the base's
+    daemon.controller.decisions, the adapters' daemon.controller.adapters)."""
+
+    window: OpenWindow | None
+
+    def settle(self) -> dict[str, Any] | None: ...
 
 
 @dataclass
@@ -101,7 +117,7 @@ class HealthWindow:
     interrupted: Callable[[], bool]  # a command that moves every worker is waiting, or shutdown
 
     def open(self, name: Watched, rid: int) -> OpenWindow:
-        return OpenWindow(name, rid, name.start(self.interrupted), self.interrupted)
+        return OpenWindow(name, rid, name.start(self.interrupted), self.interrupted, self.settings.health_window_s)
 
     def settle(self, window: OpenWindow) -> dict[str, Any] | None:
         """One step of `window`; None while it is open, else what its verdict did. Called again

@@ -24,7 +24,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Future
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from apscheduler.events import EVENT_JOB_MAX_INSTANCES
 from apscheduler.schedulers.base import BaseScheduler
@@ -48,7 +48,7 @@ from daemon.controller.commands import (
     Unpin,
 )
 from daemon.controller.decisions import RolloutDecisions
-from daemon.controller.health_window import OpenWindow
+from daemon.controller.health_window import Windowed
 from daemon.controller.poll import BoundedPoll, Unanswered, back_in_rotation, serving_port_problem
 from daemon.controller.queue import CommandError, RolloutQueue, RolloutState
 from daemon.controller.served import ServedVersions
@@ -76,14 +76,6 @@ from daemon.rollout import (
 from daemon.transport import SenderOptions
 
 log = get_logger(__name__)
-
-
-class Windowed(Protocol):
-    """A decider whose job may leave a health window open for the runner to step."""
-
-    window: OpenWindow | None
-
-    def settle(self) -> dict[str, Any] | None: ...
 
 
 class RolloutService:
@@ -268,6 +260,7 @@ class RolloutService:
             "serving": self.state.serving,
             "last_good": last_good.version if last_good else None,
             "transport": self.settings.transport,
+            "window": self.window(),
             "adapters": self.adapter_journal.aliases(),  # adapter name -> serving, last_good, pinned
             "passes": {"health_poll": self.polls, "supervisor": self.supervisor.passes,  # the loops are alive
                        **({"fleet_agent": self.fleet_agent.looks} if self.fleet_agent is not None else {})},  # fmt: skip
@@ -330,6 +323,12 @@ class RolloutService:
         if (held := self._finish(job, step)) is not None:
             self.queue.wait(window.due, unless=window.interrupted)
         return held
+
+    def window(self) -> dict[str, Any] | None:
+        """The health window the runner steps now, if any: whose, and about how long is left."""
+        owner = self._windowed()
+        window = owner.window if owner is not None else None
+        return window.describe() if window is not None else None
 
     def _windowed(self) -> Windowed | None:
         """The decider whose job left a health window open (the base's or an adapter name's)."""

@@ -101,13 +101,13 @@ def test_control_routes_refuse_without_the_token(daemon: DaemonProcess, route: s
     assert rebound.status_code == 403 and "loopback" in rebound.json()["error"]
     # nothing happened: no rollout, nothing pinned
     doc = daemon.get("/v1/rollout").json()
-    assert doc["pinned"] is None and doc["current"] is None
+    assert doc["pinned"] is None and doc["current"] is None and doc["window"] is None
     from support_rollout import rollouts
 
     assert rollouts(daemon.registry) == []
     # read-only routes stay open; /health answers truthfully (its one worker was never started:
     # a host that does not serve is never green)
-    assert daemon.get("/status").status_code == 200
+    assert daemon.get("/status").status_code == 200 and daemon.get("/status").json()["daemon"]["window"] is None
     health = daemon.get("/health")
     assert health.status_code == 503 and health.json()["problems"][0]["kind"] == "no_worker_serving", health.text
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from conftest import hotswap_cli
@@ -109,6 +110,21 @@ def test_status_shows_aliases_workers_and_queue(state: Path) -> None:
     assert worker.split()[1:] == ["w0", "RUNNING", "step-000100", "http://127.0.0.1:8123"]
     doc = json.loads(hotswap_cli("status", "--json", "--state-dir", str(state)).stdout)
     assert doc["aliases"] == {"serving": "step-000100", "last_good": "[/bold].txt", "pinned": ":joy:"}
+
+
+def test_status_names_a_version_on_trial_in_its_health_window() -> None:
+    """While a health window is open `hotswap status` says whose and about how long is left: why
+    last_good has not moved yet."""
+    from daemon.cli.read import status_lines
+    from daemon.config import Config
+
+    doc: dict[str, Any] = {"daemon": {"running": True, "pid": 1, "api_url": "http://x", "queue_depth": 0,
+                                      "window": {"version": "v3", "rollout_id": 7, "seconds": 30.0, "left_s": 12.5}}}  # fmt: skip
+    assert "trial:       v3 in its health window, about 12.5 s of 30.0 s left (rollout 7)" in status_lines(doc, Config())
+    doc["daemon"]["window"] = {"adapter": "sql", "version": "sql@2", "rollout_id": 8, "seconds": 30.0, "left_s": 1.0}
+    assert any(line.startswith("trial:       adapter sql sql@2 in its health window") for line in status_lines(doc, Config()))
+    doc["daemon"]["window"] = None
+    assert not [line for line in status_lines(doc, Config()) if line.startswith("trial:")]
 
 
 @pytest.mark.parametrize("command", [["history"], ["status"], ["history", "--json"], ["db", "current"]])

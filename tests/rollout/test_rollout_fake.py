@@ -748,10 +748,12 @@ def test_the_runner_steps_an_open_window_and_the_job_ends_with_its_verdict(
         deployed = svc.queue.command(job)
         wait_until(lambda: svc.decisions.window is not None, 20, what="v1's window open")
         assert svc.status()["current"] == "deploy v1" and svc.status()["serving"] == "v1" and not deployed.done()
+        window = svc.status()["window"]
+        assert window["version"] == "v1" and window["seconds"] == 60.0 and 0 < window["left_s"] <= 60, window
         back = svc.queue.command(Rollback(to="v0"))
         assert deployed.result(20)["health_window"] == "aborted"
         assert back.result(20)["outcome"] == "succeeded" and FAKES["w0"].version == "v0"
-        assert svc.journal.alias("last_good") == svc.journal.checkpoint(v0.id) and svc.decisions.window is None
+        assert svc.journal.alias("last_good") == svc.journal.checkpoint(v0.id) and svc.status()["window"] is None
     finally:
         svc.stop()
 
