@@ -32,6 +32,7 @@ class BaseSteps(Protocol):  # daemon.controller.decisions.RolloutDecisions
     def unpin(self, by: str) -> Result: ...
     def converge(self, version: str) -> Result: ...
     def reconcile(self) -> Result: ...
+    def resume_window(self, ckpt: CheckpointRef, rollout_id: int, fallback: CheckpointRef | None) -> Result: ...
 
 
 class Rebase(Protocol):  # daemon.controller.adapter_base.BaseBinding
@@ -112,6 +113,19 @@ class Rollback(Command):  # back to the version before serving, or to `to`
 
     def describe(self) -> str:
         return f"rollback {self.to}" if self.to else "rollback"
+
+
+@dataclass
+class ResumeWindow(Command):  # the daemon stopped inside `checkpoint`'s health window: it is watched again
+    checkpoint: CheckpointRef
+    rollout_id: int
+    fallback: CheckpointRef | None  # where a failed window goes back to (last_good)
+
+    def run(self, on: Steps) -> Result:
+        return on.decisions.resume_window(self.checkpoint, self.rollout_id, self.fallback)
+
+    def describe(self) -> str:
+        return f"health window {self.checkpoint.version}"
 
 
 @dataclass

@@ -361,6 +361,12 @@ class RolloutDecisions:
                 self.journal.note(ckpt.id, f"rollout {result.rollout_id} stopped for {why}")
         return out
 
+    def resume_window(self, ckpt: CheckpointRef, rollout_id: int, fallback: CheckpointRef | None) -> dict[str, Any]:
+        """The health window of a serving version never trusted (the daemon stopped inside it),
+        open again for the runner to step."""
+        self.window = self.health_window.open(ckpt, rollout_id, fallback)
+        return {"version": ckpt.version, "rollout_id": rollout_id, "health_window": OPEN}
+
     def settle(self) -> dict[str, Any] | None:
         """One step of the open health window (when due); None while it stays open, else what its
         verdict did (last_good, or rejected or retried and rolled back), and the window is closed."""

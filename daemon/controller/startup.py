@@ -19,7 +19,7 @@ from pathlib import Path
 
 from daemon.common import get_logger
 from daemon.config import RolloutSettings
-from daemon.controller.commands import AdapterReconcile, Reconcile
+from daemon.controller.commands import AdapterReconcile, Reconcile, ResumeWindow
 from daemon.controller.decisions import RolloutDecisions
 from daemon.controller.queue import RolloutQueue, RolloutState
 from daemon.controller.supervise import Supervisor
@@ -73,8 +73,8 @@ class Startup:
 
     def run(self) -> None:
         """First on the runner's thread, before any queued checkpoint: unfinished rollouts are
-        finished or undone, an interrupted health window is watched again, drifted workers are
-        reconciled and a waiting version is resumed."""
+        finished or undone, an interrupted health window is watched again (the first job),
+        drifted workers are reconciled and a waiting version is resumed."""
         pinned = self.journal.alias("pinned")
         self.state.set_pinned(pinned.version if pinned else None)
         serving = self._launch_managed()
@@ -100,9 +100,10 @@ class Startup:
             last_good = self.journal.alias("last_good")
             rid = self.journal.last_rollout_of(serving.id) if serving else None
             if serving is not None and rid is not None and (last_good is None or last_good.id != serving.id):
-                # The daemon stopped inside a health window: watch again before trusting the version.
+                # The daemon stopped inside a health window: watched again before trusting the
+                # version, as the first job (an operator's rollback or pin may cut it short)
                 log.info("health_window_resumed", version=serving.version)
-                self.decisions.health_window.watch(serving, rid, last_good)
+                self.queue.command(ResumeWindow(serving, rid, last_good))
         self.queue.command(Reconcile())
         self.queue.command(AdapterReconcile())  # every worker onto each adapter's serving version
         serving = self.journal.alias("serving")

@@ -17,6 +17,7 @@ from daemon.controller.commands import (
     Deploy,
     Pin,
     Reconcile,
+    ResumeWindow,
     Rollback,
     Unpin,
 )
@@ -97,7 +98,7 @@ def test_each_command_says_what_it_is_for_logs_and_status() -> None:
     # tells its own converge apart by "converge VERSION"
     said = [Deploy(ref(3)), Rollback(), Rollback("v1"), Pin("v2", force=True), Unpin(), Converge("v4"), Reconcile(),
             AdapterDeploy(ref(5)), AdapterRollback("x"), AdapterRollback("x", "x-v1"), AdapterPin("x-v2"),
-            AdapterUnpin("x"), AdapterReconcile()]  # fmt: skip
+            AdapterUnpin("x"), AdapterReconcile(), ResumeWindow(ref(6), 9, None)]  # fmt: skip
     assert [c.describe() for c in said] == [
         "deploy v3", "rollback", "rollback v1", "pin v2", "unpin", "converge v4", "reconcile", "adapter v5",
-        "adapter_rollback x", "adapter_rollback x-v1", "adapter_pin x-v2", "adapter_unpin x", "adapter_reconcile"]
+        "adapter_rollback x", "adapter_rollback x-v1", "adapter_pin x-v2", "adapter_unpin x", "adapter_reconcile", "health window v6"]

@@ -758,6 +758,40 @@ def test_the_runner_steps_an_open_window_and_the_job_ends_with_its_verdict(
         svc.stop()
 
 
+def _stopped_inside_v1s_window(reg: Registry) -> tuple[CheckpointRef, CheckpointRef]:
+    """The registry of a daemon that stopped inside v1's health window: v1 serves, v0 is last_good."""
+    v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+    j = Journal(reg)
+    j.serve(v1.id, [(v1.id, C.DEPLOYED, "serving on every worker")])
+    j.set_alias("last_good", v0.id)
+    rid = j.start_rollout(v1.id, trigger=RolloutTrigger.NEW, transport="disk", mode="drain", detail={})
+    j.finish_rollout(rid, RolloutOutcome.SUCCEEDED)
+    return v0, v1
+
+
+@pytest.mark.parametrize("operator", [False, True])
+def test_a_window_the_daemon_stopped_inside_is_watched_again_as_its_first_job(
+    reg: Registry, tmp_path: Path, fake_kind: None, operator: bool
+) -> None:
+    """Start-up queues the interrupted window as the first job instead of watching it before the
+    daemon is ready: it passes (v1 last_good), or an operator's rollback, taken at once, ends it."""
+    v0, v1 = _stopped_inside_v1s_window(reg)
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0", version="v1"), health_window_s=60.0 if operator else 0.3,
+                   health_sample_s=0.05, health_probe_s=0.0)  # ready at once, not after the window  # fmt: skip
+    try:
+        if not operator:
+            wait_until(lambda: svc.journal.alias("last_good") == svc.journal.checkpoint(v1.id), 20, what="v1 last good")
+            assert svc.journal.alias("serving") == svc.journal.checkpoint(v1.id)
+            return
+        wait_until(lambda: svc.status()["window"] is not None, 20, what="v1's window open again")
+        assert svc.status()["current"] == "health window v1" and svc.status()["window"]["version"] == "v1"
+        assert svc.rollback(to="v0").result(20)["outcome"] == "succeeded"
+        assert FAKES["w0"].version == "v0" and svc.journal.alias("last_good") == svc.journal.checkpoint(v0.id)
+        assert svc.status()["window"] is None
+    finally:
+        svc.stop()
+
+
 def test_a_worker_dying_in_the_health_window_rolls_back_and_retries_the_version(
     reg: Registry, tmp_path: Path, fake_kind: None
 ) -> None:
