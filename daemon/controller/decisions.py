@@ -228,6 +228,11 @@ class RolloutDecisions:
 
     def converge(self, version: str) -> dict[str, Any]:
         target = self._deployable(version)
+        if target.status == C.REJECTED:
+            # rejected since the fleet agent asked (its window here failed, a stage halted): only an
+            # operator's `pin --force` deploys a rejected version, never the fleet's converge
+            raise CommandError(f"version {version!r} was rejected (see `hotswap show {version}`): a fleet converge "
+                               "does not deploy it")  # fmt: skip
         serving = self.journal.alias("serving")
         if self.state.pinned is not None or (serving is not None and serving.id == target.id):
             return {"version": version, "outcome": "skipped", "pinned": self.state.pinned}

@@ -758,6 +758,28 @@ def test_the_runner_steps_an_open_window_and_the_job_ends_with_its_verdict(
         svc.stop()
 
 
+def test_a_fleet_converge_never_deploys_a_version_rejected_since_it_was_asked(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """The fleet agent asked to converge to v1 while this host's own deploy of v1 ran; v1's window
+    then failed here (rejected, the stage halted). The queued converge must not put v1 back (seen
+    in CI: the canary redeployed it and the other hosts followed). An operator's pin --force may."""
+    from daemon.controller.queue import CommandError
+
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0", version="v0"))
+    try:
+        v0, v1 = verified(reg, "v0"), verified(reg, "v1")
+        svc.journal.set_alias("serving", v0.id)
+        svc.journal.set_alias("last_good", v0.id)
+        svc.journal.move_status(v1.id, C.REJECTED, "rolled back to v0 after deploy: gate worker-5xx failed")
+        with pytest.raises(CommandError, match="was rejected .* a fleet converge does not deploy it"):
+            svc.converge("v1").result(20)
+        assert FAKES["w0"].version == "v0" and svc.journal.alias("serving") == svc.journal.checkpoint(v0.id)
+        assert svc.pin("v1", force=True).result(20)["outcome"] == "succeeded" and FAKES["w0"].version == "v1"
+    finally:
+        svc.stop()
+
+
 def _stopped_inside_v1s_window(reg: Registry) -> tuple[CheckpointRef, CheckpointRef]:
     """The registry of a daemon that stopped inside v1's health window: v1 serves, v0 is last_good."""
     v0, v1 = verified(reg, "v0"), verified(reg, "v1")
