@@ -53,6 +53,7 @@ from daemon.rollout import (
     attribute,
     newer,
     recover_uncertain,
+    step_until_done,
 )
 
 log = get_logger(__name__)
@@ -384,10 +385,9 @@ class RolloutDecisions:
 
     def finish_window(self) -> dict[str, Any]:
         """Step the open health window to its verdict here (start-up, before the runner's passes)."""
-        while (out := self.settle()) is None:
-            assert self.window is not None
-            time.sleep(max(0.0, min(self.window.due - time.monotonic(), 1.0)))
-        return out
+        window = self.window
+        assert window is not None
+        return step_until_done(self.settle, lambda: window.due)
 
     def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
         fresh = self.journal.checkpoint(ckpt.id)

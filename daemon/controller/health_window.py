@@ -8,11 +8,12 @@ decides nothing. How a name is watched, made last_good, rejected and rolled back
 `Watched`: the base model's here (health and gates: daemon.controller.trial), an adapter's in
 daemon.controller.adapters.
 
-    BaseWindow(journal, fleet, settings, engine, state, interrupted=..., served=..., submit=...).watch(ckpt, rid, fallback)
-    HealthWindow(journal, settings, interrupted).watch(watched, rid)   # any served name
+    window = BaseWindow(journal, fleet, settings, engine, state, interrupted=..., served=..., submit=...).open(ckpt, rid, fallback)
+    HealthWindow(journal, settings, interrupted).settle(window)   # one step; None while it is open
+    HealthWindow(journal, settings, interrupted).watch(watched, rid)   # opened and stepped to its verdict here
 
-Run on the service's runner thread after a rollout, and at start-up when the daemon stopped inside
-a window (daemon.controller.startup).
+Stepped by the service's runner between its passes (daemon.controller.service); an adapter
+reconcile's window, and one after a rollout recovered at start-up, are stepped to the verdict in place.
 """
 
 from __future__ import annotations
@@ -36,7 +37,15 @@ from daemon.registry import (
     RolloutOutcome,
     RolloutTrigger,
 )
-from daemon.rollout import RolloutEngine, Stepped, WindowVerdict, WorkerSet, attribute, fleet_version
+from daemon.rollout import (
+    RolloutEngine,
+    Stepped,
+    WindowVerdict,
+    WorkerSet,
+    attribute,
+    fleet_version,
+    step_until_done,
+)
 
 log = get_logger(__name__)
 C, T = CheckpointStatus, RolloutTrigger
@@ -128,9 +137,7 @@ class HealthWindow:
     def watch(self, name: Watched, rid: int) -> dict[str, Any]:
         """Open a window and step it to its verdict here (an adapter's job, start-up)."""
         window = self.open(name, rid)
-        while (out := self.settle(window)) is None:
-            time.sleep(max(0.0, min(window.due - time.monotonic(), 1.0)))
-        return out
+        return step_until_done(lambda: self.settle(window), lambda: window.due)
 
     def _decided(self, name: Watched, rid: int, verdict: WindowVerdict) -> dict[str, Any]:
         ckpt = name.checkpoint
@@ -186,9 +193,6 @@ class BaseWindow:
 
     def open(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> OpenWindow:
         return self.sequence.open(_BaseVersion(self, ckpt, fallback), rid)
-
-    def watch(self, ckpt: CheckpointRef, rid: int, fallback: CheckpointRef | None) -> dict[str, Any]:
-        return self.sequence.watch(_BaseVersion(self, ckpt, fallback), rid)
 
 
 @dataclass

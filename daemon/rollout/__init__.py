@@ -32,7 +32,7 @@ if TYPE_CHECKING:
     from daemon.rollout.driver import StepFailed, WorkerDriver
     from daemon.rollout.engine import RolloutEngine, RolloutResult
     from daemon.rollout.failure import FailurePath
-    from daemon.rollout.health import HealthWatch, Stepped, WindowVerdict
+    from daemon.rollout.health import HealthWatch, Stepped, WindowVerdict, step_until_done
     from daemon.rollout.managed import ManagedWorker, PortTaken, Restarter, ensure_seed, target_problem
     from daemon.rollout.planner import newer, newest
     from daemon.rollout.recovery import Recovery, check_worker, fleet_version, recover_uncertain
@@ -59,7 +59,7 @@ __all__ = [
     "RolloutResult", "Stager", "StepFailed", "Stepped", "Target", "WorkerAsks", "ask_to_map_ahead", "ask_to_read_ahead", "Transition", "TransitionObserver",
     "WindowVerdict", "WorkerDriver", "WorkerHandle", "WorkerSet", "WorkerState", "attribute",
     "check_worker", "ensure_seed", "fleet_version", "health", "newer", "newest", "parse_state",
-    "recover_uncertain", "registry_expect", "target_problem"
+    "recover_uncertain", "registry_expect", "step_until_done", "target_problem"
 ]
 
 __getattr__ = public_face(__name__)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar
 
 from daemon.common import get_logger
 from daemon.config import RolloutSettings
@@ -32,6 +32,7 @@ from daemon.engines import NonFiniteOutput, WorkerError, WorkerUnreachable
 from daemon.rollout.states import WorkerHandle, WorkerSet
 
 log = get_logger(__name__)
+T = TypeVar("T")
 
 
 @dataclass
@@ -193,18 +194,20 @@ class Stepped(Protocol):
     def step(self) -> WindowVerdict | None: ...
 
 
-def run_to_verdict(window: Stepped) -> WindowVerdict:
-    """Step `window` until it gives its verdict, sleeping until each step is due."""
-    while (verdict := window.step()) is None:
-        time.sleep(max(0.0, min(window.due - time.monotonic(), 1.0)))
-    return verdict
+def step_until_done(step: Callable[[], T | None], due: Callable[[], float]) -> T:
+    """Call `step` until it gives an answer, sleeping until `due()` (monotonic) between calls: a
+    window stepped to its verdict in place, where nothing else waits on the thread."""
+    while (answer := step()) is None:
+        time.sleep(max(0.0, min(due() - time.monotonic(), 1.0)))
+    return answer
 
 
 def watch(
     fleet: WorkerSet, settings: RolloutSettings, should_abort: Callable[[], bool], version: str | None = None
 ) -> WindowVerdict:
     """Watch the fleet for `health_window_s`; `version` is what the probes must be served by."""
-    return run_to_verdict(HealthWatch(fleet, settings, should_abort, version))
+    window = HealthWatch(fleet, settings, should_abort, version)
+    return step_until_done(window.step, lambda: window.due)
 
 
 def _summary(tallies: dict[str, _Tally]) -> dict[str, dict[str, Any]]:
