@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
+import stat
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -194,6 +196,28 @@ class CommitDetector:
             self._quiet[directory] = _Quiet(snap, now)
             return 0.0
         return now - q.since
+
+
+def natural(name: str) -> tuple[tuple[int, int, str], ...]:
+    """A name's sort key with digit runs compared as numbers: "s2" before "s10"."""
+    return tuple((0, int(part), "") if part.isdigit() else (1, 0, part) for part in re.split(r"(\d+)", name) if part)
+
+
+def commit_order(root: Path) -> list[str]:
+    """The directories directly in `root`, oldest change first: by ctime (a rename into place or
+    the last file written in it sets it), then by name with numbers read as numbers (ctimes tie
+    at the kernel clock's tick). A scan registers checkpoints in this order, so a version's id
+    (its arrival, what orders versions without a step: daemon.rollout.planner.newer) follows
+    when it was committed, not the filesystem's listing order (a hash on ext4)."""
+    found: list[tuple[int, tuple[tuple[int, int, str], ...], str]] = []
+    for path in root.iterdir():
+        try:
+            st = path.stat()
+        except OSError:
+            continue  # removed since the listing
+        if stat.S_ISDIR(st.st_mode):
+            found.append((st.st_ctime_ns, natural(path.name), path.name))
+    return [name for _ctime, _key, name in sorted(found)]
 
 
 def snapshot(directory: Path) -> Snapshot:

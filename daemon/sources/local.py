@@ -36,7 +36,7 @@ from watchdog.observers.api import BaseObserver
 from daemon.common import get_logger
 from daemon.manifest import version_problem
 from daemon.sources.base import Emit, FetchError, FetchItem, Progress, SourceType
-from daemon.sources.commit import CommitDetector, Snapshot, discovered, escapes, snapshot
+from daemon.sources.commit import CommitDetector, Snapshot, commit_order, discovered, escapes, snapshot
 from daemon.sources.settings import LocalSourceConfig
 
 SETTLE_S = 0.05  # a directory that changed during its check is looked at again this much later
@@ -204,12 +204,12 @@ class LocalSource:
                 self._observer = None
         self._start_observer()
         try:
-            names = [p.name for p in self.root.iterdir() if p.is_dir()]
+            names = commit_order(self.root)
         except OSError as exc:
             log.warning("cannot list watched folder", source=self.label, path=str(self.root), error=str(exc))
             return
-        for name in names:
-            self.mark_dirty(name)
+        for i, name in enumerate(names):  # looked at (and registered) in the order they were committed
+            self.mark_dirty(name, i * 1e-6)  # distinct due times: the heap breaks ties by name
 
     # -- checker thread -------------------------------------------------------------------
 

@@ -45,6 +45,7 @@ from daemon.formats import MANIFEST_NAME
 from daemon.manifest import version_problem
 from daemon.sources.base import DiscoveredCheckpoint, Emit, FetchError, FetchItem, Progress, SourceType
 from daemon.sources.cache import prune_cache
+from daemon.sources.commit import natural
 from daemon.sources.s3fetch import FetchStats, fetch_checkpoint, read_manifest
 from daemon.sources.settings import S3SourceConfig
 
@@ -144,7 +145,7 @@ class S3Source:
         """One listing: emit every checkpoint that became committed; return what was emitted."""
         with self._scan_lock:
             try:
-                groups = self._list()
+                groups, committed_at = self._list()
             except (BotoCoreError, ClientError) as exc:
                 self.errors_total += 1
                 self._failing = ((self._failing[0] if self._failing else 0) + 1, " ".join(str(exc).split()))
@@ -156,7 +157,9 @@ class S3Source:
             out: list[DiscoveredCheckpoint] = []
             for name in [n for n in self._refused if MANIFEST_NAME not in groups.get(n, {})]:
                 del self._refused[name]  # its manifest is gone: a new one is judged afresh
-            for name, objects in sorted(groups.items()):
+            # oldest manifest first (then s2 before s10): the arrival order that orders versions without a step
+            for name in sorted(groups, key=lambda n: (committed_at.get(n, 0.0), natural(n))):
+                objects = groups[name]
                 if name in self._emitted or MANIFEST_NAME not in objects:
                     continue
                 if self._refused.get(name, ("", ""))[0] == objects[MANIFEST_NAME][1]:
@@ -175,15 +178,19 @@ class S3Source:
                 out.append(item)
             return out
 
-    def _list(self) -> dict[str, dict[str, tuple[int, str]]]:
-        """name -> {relative key: (size, ETag)} for every object under the prefix."""
+    def _list(self) -> tuple[dict[str, dict[str, tuple[int, str]]], dict[str, float]]:
+        """name -> {relative key: (size, ETag)} for every object under the prefix, and name ->
+        when its manifest was written (LastModified, epoch seconds)."""
         groups: dict[str, dict[str, tuple[int, str]]] = {}
+        committed_at: dict[str, float] = {}
         for page in self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.prefix):
             for obj in page.get("Contents", []):
                 name, _, rel = obj["Key"][len(self.prefix):].partition("/")
                 if name and rel and not name.startswith("."):
                     groups.setdefault(name, {})[rel] = (int(obj["Size"]), str(obj.get("ETag", "")))
-        return groups
+                    if rel == MANIFEST_NAME and isinstance(obj.get("LastModified"), datetime):
+                        committed_at[name] = obj["LastModified"].timestamp()
+        return groups, committed_at
 
     def _committed(self, name: str, objects: dict[str, tuple[int, str]]) -> DiscoveredCheckpoint | None:
         key = f"{self.prefix}{name}/{MANIFEST_NAME}"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import queue
+import random
 import shutil
 from collections.abc import Callable
 from pathlib import Path
@@ -13,7 +14,7 @@ import pytest
 from conftest import publish_tiny, wait_until
 
 from daemon.formats.checkpoint import INDEX_NAME, MANIFEST_NAME
-from daemon.sources.commit import CommitDetector
+from daemon.sources.commit import CommitDetector, natural
 from daemon.sources.local import LocalSource
 from daemon.sources.local import LocalSourceConfig as SourceConfig
 from daemon.tinymodel import make_tiny_checkpoint
@@ -228,6 +229,26 @@ def test_rescan_finds_what_events_missed(source, tmp_path):
     src._observer.join()
     publish_tiny(watch / "missed", seed=5)
     assert got.items.get(timeout=5).version == "missed"
+
+
+def test_a_scan_emits_checkpoints_in_the_order_they_were_committed(source, tmp_path):
+    """CI: ten checkpoints renamed into place within a second, and a rescan that ran before
+    their events arrived emitted them in the folder listing's order (a hash on ext4). A version
+    without a step is ordered by arrival, so s3 was deployed as the newest instead of s10. A
+    scan now emits the oldest change first (ctime, then the name with numbers as numbers)."""
+    watch = tmp_path / "watch"
+    committed = [f"s{i}" for i in range(1, 13)]
+    random.Random(7).shuffle(committed)  # neither name order nor numeric order
+    last = 0
+    for name in committed:
+        publish_tiny(watch / f".build-{name}", seed=len(name), version=name)
+        os.rename(watch / f".build-{name}", watch / name)
+        while (ctime := (watch / name).stat().st_ctime_ns) <= last:  # a later kernel tick than the one before
+            os.utime(watch / name)
+        last = ctime
+    src, got = source()  # its first scan finds all twelve at once
+    assert [got.items.get(timeout=10).version for _ in committed] == committed
+    assert sorted(["s10", "s2", "s1", "a"], key=natural) == ["a", "s1", "s2", "s10"]
 
 
 def test_watch_folder_created_later(tmp_path):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import time
 from pathlib import Path
 from typing import Any
@@ -282,3 +283,23 @@ def test_a_delta_s_compacted_files_and_its_own_share_the_cache_folder_in_turn(mo
     with pytest.raises(FetchError, match="not in the store"):  # named; the delta's own copy stays
         src.fetch(replace(plain, compacted=True), lambda done, total: None)
     assert held(d) == [f"{DELTA_DIR}/{hsd}", MANIFEST_NAME]
+
+
+def test_one_listing_emits_checkpoints_in_the_order_their_manifests_were_written(moto_server, tmp_path):
+    """A listing comes back in key order ("s10" before "s2"), and a version without a step is
+    ordered by arrival: one listing that finds several committed checkpoints emits them oldest
+    manifest first, so the newest written is the newest registered."""
+    s3 = moto_server.client()
+    s3.create_bucket(Bucket=BUCKET)
+    committed = [f"s{i}" for i in range(1, 13)]
+    random.Random(11).shuffle(committed)
+    last = None
+    for name in committed:
+        publish_tiny(tmp_path / name, seed=len(name), version=name)
+        upload_dir(s3, BUCKET, f"run-1/{name}/", tmp_path / name)
+        key = f"run-1/{name}/{MANIFEST_NAME}"
+        while last is not None and s3.head_object(Bucket=BUCKET, Key=key)["LastModified"] <= last:
+            put_file(s3, BUCKET, key, tmp_path / name / MANIFEST_NAME)  # a later clock tick than the one before
+        last = s3.head_object(Bucket=BUCKET, Key=key)["LastModified"]
+    src, rec = make_source(moto_server, tmp_path)
+    assert [i.version for i in src.scan()] == committed
