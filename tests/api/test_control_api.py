@@ -8,7 +8,6 @@ refused request is also checked not to have changed anything (nothing pinned, no
 from __future__ import annotations
 
 import os
-import socket
 import stat
 from collections.abc import Iterator
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 from conftest import DaemonProcess, hotswap_cli, make_config_file, wait_until
+from support_wait import free_port
 
 from daemon.registry import status as st
 from daemon.registry.models import CheckpointStatus as C
@@ -24,12 +24,6 @@ from daemon.registry.models import CheckpointStatus as C
 pytestmark = pytest.mark.timeout(300)
 
 ROUTES = ["/v1/rollout/rollback", "/v1/rollout/pin", "/v1/rollout/unpin", "/v1/checkpoints/reverify"]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="module")

@@ -27,17 +27,12 @@ from conftest import (
     make_config_file,
     wait_until,
 )
+from support_wait import free_port
 
 from daemon.common.redact import redact_doc, redact_url
 from daemon.config import ConfigError, parse_config
 
 pytestmark = pytest.mark.timeout(300)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def daemon_at(root: Path, listen: str, db_url: str | None = None, api: dict[str, Any] | None = None,

@@ -10,7 +10,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -19,15 +18,10 @@ from pathlib import Path
 import httpx
 import pytest
 from conftest import REPO, hotswap_cli, make_config_file, publish_tiny, wait_until
+from support_wait import free_port
 
 from daemon.cli.main import _parser
 from daemon.cli.publish import publish_parser
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Daemon:

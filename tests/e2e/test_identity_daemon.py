@@ -20,6 +20,7 @@ import httpx
 import pytest
 from conftest import DaemonProcess, make_config_file, wait_until
 from support_rollout import REPO, WorkerPool, build_checkpoint, start_fleet, worker_events, worker_row
+from support_wait import free_port
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -46,14 +47,6 @@ def squatter(port: int, log: Path, free_the_port: Callable[[], None] | None = No
     finally:
         proc.kill()
         proc.wait(10)
-
-
-def free_port_number() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def seen_by(log: Path) -> list[dict[str, Any]]:
@@ -200,7 +193,7 @@ def test_a_managed_worker_whose_port_is_taken_before_launch_is_not_launched_and_
     launched there, is never shown RUNNING, and the daemon never speaks to the squatter."""
     watch, state = tmp_path / "checkpoints", tmp_path / "state"
     log = tmp_path / "squatter.jsonl"
-    port = free_port_number()
+    port = free_port()
     with squatter(port, log):
         cfg = make_config_file(
             tmp_path / "config.toml",

@@ -46,3 +46,30 @@ def test_the_groups_and_the_order_name_existing_modules_or_groups() -> None:
     assert sorted(m.removesuffix(".py") for m in XDIST_GROUPS if m.removesuffix(".py") not in MODULES) == []
     groups = set(XDIST_GROUPS.values())
     assert sorted(g for g in LONGEST_FIRST if g not in groups and g.removesuffix(".py") not in MODULES) == []
+
+
+
+HELPERS = {"wait_until": "support_wait.py", "free_port": "support_wait.py", "free_ports": "support_wait.py",
+           "moto_server": "conftest.py"}  # fmt: skip
+
+
+def defined_helpers(root: Path) -> list[str]:
+    """`path: name` for each top-level function under `root` named like a shared helper
+    (`free_port_number` too) outside the helper's home module."""
+    out = []
+    for p in sorted(root.rglob("*.py")):
+        for node in ast.parse(p.read_text()).body:
+            if isinstance(node, ast.FunctionDef) and node.name.startswith(tuple(HELPERS)) and \
+                    HELPERS.get(node.name, "") != p.name:
+                out.append(f"{p.relative_to(root)}: {node.name}")
+    return out
+
+
+def test_waiting_ports_and_moto_have_one_helper_each() -> None:
+    """One helper each (issue 35): a test that needs a port, a wait or an S3 server imports it."""
+    assert defined_helpers(TESTS) == []
+
+
+def test_the_helper_check_finds_a_second_definition(tmp_path: Path) -> None:
+    (tmp_path / "test_b.py").write_text("def free_port_number() -> int:\n    return 1\n\n\ndef wait_until():\n    pass\n")
+    assert defined_helpers(tmp_path) == ["test_b.py: free_port_number", "test_b.py: wait_until"]
