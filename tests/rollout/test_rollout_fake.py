@@ -615,12 +615,19 @@ def _left_open(reg: Registry, trigger: RolloutTrigger) -> int:
 
 
 def test_a_fleet_rollout_that_moved_no_worker_is_closed_at_start(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
+    """Closed, not finished: no worker moves under the old rollout row. This daemon has no fleet
+    agent to hold v1 back, so v1, still verified, then deploys in a rollout of its own (CI: the
+    test once read the workers while that new rollout moved them)."""
     rid = _left_open(reg, RolloutTrigger.FLEET)
     svc = _service(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"))
     try:
         row = next(r for r in rollouts(reg) if r["id"] == rid)
         assert row["outcome"] == "superseded" and row["detail"]["reason"] == NEVER_MOVED
-        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+        after = wait_until(lambda: [r for r in rollouts(reg) if r["id"] > rid and r["outcome"]], 30,
+                           what="v1's own rollout")  # fmt: skip
+        assert [(r["version"], r["trigger"], r["outcome"]) for r in after] == [("v1", "new", "succeeded")]
+        assert worker_events(reg, rid) == []  # the closed row moved nobody
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v1")}
     finally:
         svc.stop()
 
