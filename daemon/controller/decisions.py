@@ -53,7 +53,6 @@ from daemon.rollout import (
     attribute,
     newer,
     recover_uncertain,
-    step_until_done,
 )
 
 log = get_logger(__name__)
@@ -369,8 +368,9 @@ class RolloutDecisions:
 
     def resume_window(self, ckpt: CheckpointRef, rollout_id: int, fallback: CheckpointRef | None) -> dict[str, Any]:
         """The health window of a serving version never trusted (the daemon stopped inside it),
-        open again for the runner to step."""
-        self.window = self.health_window.open(ckpt, rollout_id, fallback)
+        open again for the runner to step; one start-up's recovery opened already is taken as is."""
+        if self.window is None or self.window.rid != rollout_id:
+            self.window = self.health_window.open(ckpt, rollout_id, fallback)
         return {"version": ckpt.version, "rollout_id": rollout_id, "health_window": OPEN}
 
     def settle(self) -> dict[str, Any] | None:
@@ -382,12 +382,6 @@ class RolloutDecisions:
         if out is not None:
             self.window = None
         return out
-
-    def finish_window(self) -> dict[str, Any]:
-        """Step the open health window to its verdict here (start-up, before the runner's passes)."""
-        window = self.window
-        assert window is not None
-        return step_until_done(self.settle, lambda: window.due)
 
     def supersede(self, ckpt: CheckpointRef, by: CheckpointRef | None, rollout_id: int | None = None) -> None:
         fresh = self.journal.checkpoint(ckpt.id)

@@ -4,7 +4,8 @@
 only, with nothing deployed yet, serves the tiny seed. `run` (first on the runner's thread):
 managed workers adopted or launched, unfinished rollouts finished or undone (a fleet rollout that
 had not moved a worker yet is closed: the fleet agent decides again), an interrupted health window
-watched again, a reconcile queued and a waiting version resumed.
+(or the window of a rollout finished here) queued as the first job, a reconcile queued and a
+waiting version resumed.
 
     startup = Startup(journal, fleet, settings, state_dir, state, queue, supervisor, leases,
                       stopping, engine, driver, decisions, submit=service.submit)
@@ -153,10 +154,10 @@ class Startup:
             self.journal.finish_rollout(rollout.id, RolloutOutcome.SUCCEEDED, detail)
             self.decisions.conclude(ckpt, RolloutResult(rollout.id, RolloutOutcome.SUCCEEDED), serving, fallback,
                                     trigger=rollout.trigger)  # fmt: skip
-            if self.decisions.window is not None:  # before the first job, as a window resumed below
-                self.decisions.finish_window()
-            if rollout.trigger != T.NEW:
-                self.decisions.served.mark_last_good(ckpt)
+            if self.decisions.window is not None:
+                # the window conclude opened is the first job's (it holds the runner): the daemon is
+                # ready meanwhile, and an operator's rollback or pin ends it
+                self.queue.command(ResumeWindow(ckpt, rollout.id, fallback))
         else:
             reason = "daemon restarted after the rollout had failed; undone" if not rec.finished else "not every worker recovered"
             self.journal.finish_rollout(rollout.id, RolloutOutcome.FAILED, {**detail, "reason": reason})

@@ -632,6 +632,29 @@ def test_a_fleet_rollout_that_moved_no_worker_is_closed_at_start(reg: Registry, 
         svc.stop()
 
 
+
+def test_a_rollout_finished_at_start_has_its_window_watched_as_the_first_job(
+    reg: Registry, tmp_path: Path, fake_kind: None
+) -> None:
+    """Crash recovery finishes v1's rollout at start. Its health window is then the first job, not
+    a wait before the daemon is ready (the API answered 503 "still starting" for the whole window):
+    ready at once, status names the window, and an operator's rollback, taken at once, ends it."""
+    rid = _left_open(reg, RolloutTrigger.NEW)
+    svc = _service(reg, tmp_path, FakeWorkerClient("w0"), FakeWorkerClient("w1"), health_window_s=60.0,
+                   health_sample_s=0.05, health_probe_s=0.0)  # ready within 10 s, not after the window  # fmt: skip
+    try:
+        row = next(r for r in rollouts(reg) if r["id"] == rid)
+        assert row["outcome"] == "succeeded" and row["detail"].get("recovered") is True
+        wait_until(lambda: svc.status()["current"] == "health window v1", 20, what="v1's window held by the runner")
+        window = svc.status()["window"]
+        assert (window["version"], window["rollout_id"]) == ("v1", rid)
+        assert svc.journal.alias("last_good") == svc.journal.checkpoint_by_version("v0")  # not trusted yet
+        assert svc.rollback(to="v0").result(20)["outcome"] == "succeeded"
+        assert {(f.state, f.version) for f in FAKES.values()} == {("RUNNING", "v0")}
+        assert svc.status()["window"] is None and svc.journal.alias("last_good") == svc.journal.checkpoint_by_version("v0")
+    finally:
+        svc.stop()
+
 def test_a_new_versions_rollout_that_moved_no_worker_is_still_finished_at_start(
     reg: Registry, tmp_path: Path, fake_kind: None
 ) -> None:
