@@ -12,8 +12,8 @@ daemon.controller.adapters.
     HealthWindow(journal, settings, interrupted).settle(window)   # one step; None while it is open
     HealthWindow(journal, settings, interrupted).watch(watched, rid)   # opened and stepped to its verdict here
 
-Stepped by the service's runner between its passes (daemon.controller.service); an adapter
-reconcile's window, and one after a rollout recovered at start-up, are stepped to the verdict in place.
+Stepped by the service's runner between its passes (daemon.controller.service), start-up's too
+(queued as the first job); an adapter reconcile's windows are stepped to the verdict in place.
 """
 
 from __future__ import annotations
@@ -135,7 +135,7 @@ class HealthWindow:
         return None if verdict is None else self._decided(window.name, window.rid, verdict)
 
     def watch(self, name: Watched, rid: int) -> dict[str, Any]:
-        """Open a window and step it to its verdict here (an adapter's job, start-up)."""
+        """Open a window and step it to its verdict here (an adapter reconcile, or a deploy it makes)."""
         window = self.open(name, rid)
         return step_until_done(lambda: self.settle(window), lambda: window.due)
 
