@@ -9,6 +9,7 @@ The argv starts with `env PYTHONPATH=...`, so the same list serves as a daemon r
 
 from __future__ import annotations
 
+import fcntl
 import subprocess
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,8 +38,15 @@ START_S = 420.0
 
 def install_extension(python: str, target: Path) -> Path:
     """hotswap's wheel without dependencies into `target` (vLLM's venv has torch; the extension
-    needs nothing else), exactly the docs' `pip install --no-deps --target`."""
-    if not (target / "daemon" / "engines" / "vllm_extension.py").is_file():
+    needs nothing else), exactly the docs' `pip install --no-deps --target`.
+
+    One install at a time per checkout: setuptools builds in the repository's `build/`, and two
+    xdist workers building there at once failed with "File exists: build/bdist...dist-info"."""
+    if (target / "daemon" / "engines" / "vllm_extension.py").is_file():
+        return target
+    (REPO / "build").mkdir(exist_ok=True)  # gitignored; the lock lives beside what it guards
+    with open(REPO / "build" / ".install.lock", "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
         proc = subprocess.run(
             [python, "-m", "pip", "install", "--quiet", "--no-deps", "--no-build-isolation", "--no-index",
              "--target", str(target), str(REPO)],
