@@ -1,9 +1,14 @@
-"""The verify stage: run the enabled checks in order, stop at the first failure."""
+"""The verify stage: run the enabled checks in order, stop at the first failure.
+
+With the checks isolated (the default), the forward canary runs in the check process while
+finite scans here; the results are still reported in order and end at the first failure."""
 
 from __future__ import annotations
 
+import copy
 import time
 from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -90,6 +95,56 @@ def _run_one(name: str, adapter: bool, ctx: CheckContext, settings: CheckSetting
     return resolve(name, adapter)(ctx)
 
 
+def _attempt(name: str, adapter: bool, ctx: CheckContext, settings: CheckSettings, passed: set[str]) -> CheckResult:
+    """Run one check; its result, whatever it raised."""
+    started = datetime.now(UTC)
+    t0 = time.perf_counter()
+    deferred = skipped = False
+    try:
+        missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
+        if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
+            raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
+        detail = _run_one(name, adapter, ctx, settings)
+        ok = True
+    except CheckSkipped as exc:
+        detail = {"skipped": exc.reason, **exc.detail}
+        ok, skipped = True, True
+    except CheckFailed as exc:
+        detail = {"reason": exc.reason, **exc.detail}
+        ok, deferred = False, exc.deferred
+    except Exception as exc:  # a bug or an OS fault in a check must still reject, with the cause
+        detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
+        ok = False
+    return CheckResult(name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred, skipped)
+
+
+OVERLAPPED = ("finite", "headroom", "forward")  # the forward runs beside finite (see _overlapped)
+
+
+def _overlaps(settings: CheckSettings) -> bool:
+    return settings.isolate_checks and "forward" in ISOLATED and all(n in settings.enabled for n in OVERLAPPED)
+
+
+def _overlapped(adapter: bool, ctx: CheckContext, settings: CheckSettings, passed: set[str]) -> list[CheckResult]:
+    """finite, headroom, forward, with the forward canary (in the check process) running while
+    finite scans in this one: on a GPU each is a few tens of ms of a different resource (issue 41).
+
+    The outcome is what running them in order gives: the results come in that order and end at
+    the first failure, and a forward whose result would not have been reached is not reported.
+    Headroom is decided first, since the forward must not build a model on a host it says is
+    short of memory: when it fails, the forward does not start. The forward is always waited
+    for before this returns, so the staged copy it reads is released only after it."""
+    headroom = _attempt("headroom", adapter, ctx, settings, passed)
+    with ThreadPoolExecutor(1, thread_name_prefix="forward-check") as pool:
+        # its own context: the check process writes back the header table, which finite reads
+        forward = pool.submit(_attempt, "forward", adapter, copy.copy(ctx), settings, passed) if headroom.ok else None
+        finite = _attempt("finite", adapter, ctx, settings, passed)
+        done = forward.result() if forward is not None else None  # waited for even when finite failed
+    if not finite.ok:
+        return [finite]
+    return [finite, headroom] if done is None else [finite, headroom, done]
+
+
 def _run_all(
     ctx: CheckContext,
     settings: CheckSettings,
@@ -98,35 +153,20 @@ def _run_all(
 ) -> CheckResult | None:
     passed: set[str] = set()
     adapter = is_adapter(ctx.directory)
+    overlap = _overlaps(settings)
     for name in CHECK_NAMES:
-        if name not in settings.enabled:
+        if name not in settings.enabled or (overlap and name in OVERLAPPED[1:]):
             continue
-        started = datetime.now(UTC)
-        t0 = time.perf_counter()
-        deferred = skipped = False
-        try:
-            missing = [n for n in REQUIRES.get(name, ()) if n not in passed]
-            if missing:  # settings refuse this; a caller that changed `enabled` later still gets no pass
-                raise CheckFailed(f"needs the {missing[0]!r} check, which did not run")
-            detail = _run_one(name, adapter, ctx, settings)
-            ok = True
-        except CheckSkipped as exc:
-            detail = {"skipped": exc.reason, **exc.detail}
-            ok, skipped = True, True
-        except CheckFailed as exc:
-            detail = {"reason": exc.reason, **exc.detail}
-            ok, deferred = False, exc.deferred
-        except Exception as exc:  # a bug or an OS fault in a check must still reject, with the cause
-            detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
-            ok = False
-        result = CheckResult(
-            name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred, skipped
-        )
-        if ok and not skipped:
-            passed.add(name)
-        results.append(result)
-        if on_result is not None:
-            on_result(result)
-        if not ok:
-            return result
+        if overlap and name == OVERLAPPED[0]:
+            found: Iterable[CheckResult] = _overlapped(adapter, ctx, settings, passed)
+        else:
+            found = (_attempt(name, adapter, ctx, settings, passed),)
+        for result in found:
+            if result.ok and not result.skipped:
+                passed.add(result.name)
+            results.append(result)
+            if on_result is not None:
+                on_result(result)
+            if not result.ok:
+                return result
     return None
