@@ -6,11 +6,14 @@ RUNNING on the version, in order; the phases add up to commit -> fleet:
   detect      commit -> `discovered` event
   fetch       discovered -> `verifying` (fetching / queueing; ~0 for a local folder)
   <check>     each check's own duration (crc32c = the one read: hash + stage)
+  overlap     minus the time checks ran at once (the forward canary beside finite), so the
+              phases still add up
   verify_rest verifying -> verified minus the checks (recording, scheduling)
   stage       verified -> `staged` (ipc: the loader stages it; disk: none)
   start       staged (or verified) -> the first worker's pause call begins
   wN_pause / wN_update / wN_post   each worker's pause call, update call, post-check + resume
-  wN_gap      the previous worker RUNNING -> this worker's pause call (max_unavailable = 1)
+  wN_gap      the previous worker RUNNING -> this worker's pause call (max_unavailable = 1; with
+              workers updated at once, negative: the phases then overlap)
   observed    the last worker RUNNING -> the bench's poll saw every worker on it (can be a few ms
               negative: the worker serves as soon as it resumes, the event is written after)
 """
@@ -32,12 +35,25 @@ def _ms(a: datetime, b: datetime) -> float:
     return (b - a).total_seconds() * 1000.0
 
 
+def _covered(spans: list[tuple[datetime, float]]) -> float:
+    """Milliseconds of wall time the checks' spans (start, duration) cover, overlaps counted once."""
+    total, end = 0.0, None
+    for start, d in sorted(spans):
+        stop = start + timedelta(milliseconds=d)
+        if end is None or start >= end:
+            total, end = total + d, stop
+        elif stop > end:
+            total, end = total + _ms(end, stop), stop
+    return total
+
+
 def phases(db: sqlite3.Connection, version: str, committed: datetime, fleet_s: float) -> dict[str, float]:
     """Milliseconds per phase (see the module docstring) for `version`, committed at `committed`."""
     (cid,) = db.execute("SELECT id FROM checkpoints WHERE version = ?", (version,)).fetchone()
     own = {s: _at(at) for s, at in db.execute(
         "SELECT to_state, MIN(at) FROM events WHERE checkpoint_id = ? AND worker IS NULL GROUP BY to_state", (cid,))}  # fmt: skip
-    checks = {n: d for n, d in db.execute("SELECT name, duration_ms FROM checks WHERE checkpoint_id = ?", (cid,))}
+    rows_c = db.execute("SELECT name, duration_ms, started_at FROM checks WHERE checkpoint_id = ?", (cid,)).fetchall()
+    checks = {n: d for n, d, _s in rows_c}
     out: dict[str, float] = {}
     t = committed
     for state, name in (("discovered", "detect"), ("verifying", "fetch")):
@@ -45,8 +61,11 @@ def phases(db: sqlite3.Connection, version: str, committed: datetime, fleet_s: f
             out[name], t = _ms(t, own[state]), own[state]
     for n in sorted(checks, key=lambda n: CHECK_ORDER.index(n) if n in CHECK_ORDER else 99):
         out[n] = checks[n]
+    covered = _covered([(_at(s), d) for _n, d, s in rows_c])
+    if sum(checks.values()) - covered > 0.05:  # the forward ran beside finite: its time counted once
+        out["overlap"] = covered - sum(checks.values())
     if "verified" in own:
-        out["verify_rest"] = _ms(t, own["verified"]) - sum(checks.values())
+        out["verify_rest"] = _ms(t, own["verified"]) - covered
         t = own["verified"]
     if "staged" in own and own["staged"] >= t:
         out["stage"], t = _ms(t, own["staged"]), own["staged"]

@@ -218,7 +218,7 @@ class Run:
             f'forward_device = "{a.forward_device if a.forward_device != "off" else "cpu"}"',
             f'staging_gpu = "{a.device if a.device.startswith("cuda") else "cuda:0"}"',
             "[rollout]", f'transport = "{self.transport}"', f'update_mode = "{a.update_mode}"', 'mode = "pause"',
-            f"health_window_s = {a.health_window}", "max_unavailable = 1",
+            f"health_window_s = {a.health_window}", f"max_unavailable = {a.max_unavailable}",
         ]  # fmt: skip
         if self.transport == "ipc":
             lines += ["[loader]", f'socket = "{self.loader_socket}"']
@@ -438,6 +438,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="the workers' --stage-disk (default: theirs, auto); 'on' reads ahead on the CPU too")
     ap.add_argument("--clients", type=int, default=4, help="concurrent completion clients")
     ap.add_argument("--max-tokens", type=int, default=4)
+    ap.add_argument("--max-unavailable", type=int, default=1,
+                    help="[rollout] max_unavailable: 1 (the default) updates the workers one after another, "
+                         "2 both at once (each paused for its own window)")  # fmt: skip
     ap.add_argument("--health-window", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument(

@@ -19,6 +19,7 @@
 #
 # REBUILD=1 times the 8B delta rebuild into fresh files and over a stale version's (bench/delta_rebuild_ab.py).
 # ONE_READ=1 first times the verify pass's one read alone over a sweep of threads x chunk (bench/one_read.py).
+# ALL_AT_ONCE=1 runs the end-to-end step again with both workers in one batch (max_unavailable = 2).
 # TRANSPORTS=ipc (default ipc,disk) runs the end-to-end step on one transport only. UPDATE_MODE=swap runs
 # it in swap mode (the workers point at the loader's buffers: 8B needs more than an H100's 80 GB).
 # Writes under $OUT: versions.txt, gpu.txt, wheels.txt (what was installed, or why not), a NAME.log per
@@ -75,6 +76,14 @@ TAIL=45 step gpu_e2e "${E2E_CAP:-310}" $PY -m bench.gpu_e2e --model "$MODEL" --d
     --updates "$UPDATES" --warmup 1 --health-window 0.5 --budget-s "${E2E_BUDGET:-140}" --start-timeout 150 --update-timeout 60 \
     --flip-back 3 --keep-logs --out "$OUT" --delta-updates "${DELTA_UPDATES:-0}" --delta-in ipc \
     --update-mode "${UPDATE_MODE:-copy}"
+# ALL_AT_ONCE=1: the same, both workers in one batch ([rollout] max_unavailable = 2), no bad versions
+if [ "${ALL_AT_ONCE:-0}" = "1" ]; then
+    mkdir -p "$OUT/all-at-once"
+    TAIL=30 step gpu_e2e_all_at_once "${E2E2_CAP:-200}" $PY -m bench.gpu_e2e --model "$MODEL" --device "$DEV" \
+        --transports "${TRANSPORTS:-ipc,disk}" --updates "$UPDATES" --warmup 1 --health-window 0.5 \
+        --budget-s "${E2E2_BUDGET:-100}" --start-timeout 150 --update-timeout 60 --reject '' --flip-back 0 \
+        --max-unavailable 2 --out "$OUT/all-at-once" --update-mode "${UPDATE_MODE:-copy}"
+fi
 # micro-benchmarks on the same machine: ipc copy and swap, and the anchors in the same process:
 # checkpoint-engine's update() from host memory into the GPU (register_checkpoint not counted)
 step ipc_update "${IPC_CAP:-130}" $PY -m bench.ipc_update --layout "$LAYOUT" --device "$DEV" --updates "$MICRO" --check off --out "$OUT"
@@ -97,6 +106,9 @@ if [ "${DELTA_LAYOUT:-0}" = "1" ]; then
         --densities 0.01,0.001,0.05,0.3,1.0 --out "$OUT/delta-$LAYOUT.json"
 fi
 $PY -m bench.h200_table "$OUT" > "$OUT/table.md" 2>&1
+if [ -d "$OUT/all-at-once" ]; then
+    { echo; echo "#### both workers at once (max_unavailable = 2)"; $PY -m bench.h200_table "$OUT/all-at-once"; } >> "$OUT/table.md" 2>&1
+fi
 cat "$OUT/table.md"
 echo "== all steps done in $(( $(date +%s) - START )) s"
 # pack: at most 8 files come back from the device machine

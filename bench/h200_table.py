@@ -3,7 +3,8 @@
     python -m bench.h200_table $OUT > $OUT/table.md
 
 Phases (medians over the measured versions, bench/e2e_phases.py): detect + fetch + manifest +
-headers; the one read (crc32c: hashed and staged); finite; forward canary; verify_rest + compat +
+headers; the one read (crc32c: hashed and staged); finite; forward canary; minus the time the
+forward ran beside finite (counted once); verify_rest + compat +
 headroom + stage; start (staged -> first pause call); the pause window per worker (the worker's
 own when it resumed itself: pause asked -> scheduler running again); commit -> both serving.
 Then the micro figures (ipc copy, swap flip, flip-back after a failed probe) and the anchors
@@ -48,6 +49,7 @@ def phase_rows(result: dict[str, Any], delta: bool = False) -> dict[str, Any]:
         "the one read (crc32c: hash + stage)": ph("crc32c"),
         "finite": ph("finite"),
         "forward canary": ph("forward"),
+        "minus the forward's time beside finite": ph("overlap"),
         "verify_rest + compat + headroom + stage": ph("verify_rest", "compat", "headroom", "stage"),
         "start (staged -> first pause)": ph("start"),
         "pause window per worker (median)": _med([w for w in windows if w is not None]),
