@@ -122,7 +122,7 @@ OVERLAPPED = ("finite", "headroom", "forward")  # the forward runs beside finite
 
 
 def _overlaps(settings: CheckSettings) -> bool:
-    return settings.isolate_checks and "forward" in ISOLATED and all(n in settings.enabled for n in OVERLAPPED)
+    return settings.isolate_checks and "forward" in ISOLATED and {"finite", "forward"} <= set(settings.enabled)
 
 
 def _overlapped(adapter: bool, ctx: CheckContext, settings: CheckSettings, passed: set[str]) -> list[CheckResult]:
@@ -134,15 +134,17 @@ def _overlapped(adapter: bool, ctx: CheckContext, settings: CheckSettings, passe
     Headroom is decided first, since the forward must not build a model on a host it says is
     short of memory: when it fails, the forward does not start. The forward is always waited
     for before this returns, so the staged copy it reads is released only after it."""
-    headroom = _attempt("headroom", adapter, ctx, settings, passed)
+    headroom = _attempt("headroom", adapter, ctx, settings, passed) if "headroom" in settings.enabled else None
     with ThreadPoolExecutor(1, thread_name_prefix="forward-check") as pool:
         # its own context: the check process writes back the header table, which finite reads
-        forward = pool.submit(_attempt, "forward", adapter, copy.copy(ctx), settings, passed) if headroom.ok else None
+        forward = None
+        if headroom is None or headroom.ok:
+            forward = pool.submit(_attempt, "forward", adapter, copy.copy(ctx), settings, passed)
         finite = _attempt("finite", adapter, ctx, settings, passed)
         done = forward.result() if forward is not None else None  # waited for even when finite failed
     if not finite.ok:
         return [finite]
-    return [finite, headroom] if done is None else [finite, headroom, done]
+    return [r for r in (finite, headroom, done) if r is not None]
 
 
 def _run_all(

@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 from support_checks import published
 
-from daemon.checks import CheckFailed, CheckResult, CheckSettings, run_checks
+from daemon.checks import CHECK_NAMES, CheckFailed, CheckResult, CheckSettings, run_checks
 from daemon.checks import runner as runner_module
 
 pytestmark = pytest.mark.quick
@@ -64,7 +64,7 @@ def _run(d: Path) -> tuple[Any, list[CheckResult]]:
     return run_checks(d, CheckSettings(), on_result=seen.append), seen
 
 
-def test_the_forward_runs_while_finite_scans_and_results_come_in_check_order(tmp_path: Path, monkeypatch):
+def test_the_forward_runs_while_finite_scans_and_results_come_in_check_order(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checks = Checks(monkeypatch)
     report, seen = _run(published(tmp_path / "v"))
     assert report.ok, report.reason
@@ -74,9 +74,18 @@ def test_the_forward_runs_while_finite_scans_and_results_come_in_check_order(tmp
     assert checks.ran.index("headroom") < checks.ran.index("forward")  # decided before the forward starts
 
 
+def test_with_headroom_off_the_forward_still_runs_beside_finite(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    checks = Checks(monkeypatch)
+    enabled = tuple(n for n in CHECK_NAMES if n != "headroom")
+    seen: list[CheckResult] = []
+    report = run_checks(published(tmp_path / "v"), CheckSettings(enabled=enabled), on_result=seen.append)
+    assert report.ok, report.reason
+    assert [r.name for r in seen][-2:] == ["finite", "forward"] and "headroom" not in checks.ran
+
+
 def test_a_failing_finite_rejects_and_the_forward_it_overlapped_is_waited_for_not_reported(
-    tmp_path: Path, monkeypatch
-):
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     checks = Checks(monkeypatch, finite="nan")
     report, seen = _run(published(tmp_path / "v"))
     assert not report.ok and not report.deferred
@@ -86,7 +95,7 @@ def test_a_failing_finite_rejects_and_the_forward_it_overlapped_is_waited_for_no
     assert checks.forward_done.is_set()  # finished before run_checks released what it read
 
 
-def test_short_headroom_defers_and_no_forward_starts(tmp_path: Path, monkeypatch):
+def test_short_headroom_defers_and_no_forward_starts(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checks = Checks(monkeypatch, headroom="short")
     checks.forward_started.set()  # finite must not wait for a forward that is rightly not started
     report, seen = _run(published(tmp_path / "v"))
@@ -95,7 +104,7 @@ def test_short_headroom_defers_and_no_forward_starts(tmp_path: Path, monkeypatch
     assert "forward" not in checks.ran
 
 
-def test_a_nan_version_after_a_short_headroom_is_still_rejected_not_deferred(tmp_path: Path, monkeypatch):
+def test_a_nan_version_after_a_short_headroom_is_still_rejected_not_deferred(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checks = Checks(monkeypatch, finite="nan", headroom="short")
     checks.forward_started.set()
     report, _ = _run(published(tmp_path / "v"))
@@ -103,7 +112,7 @@ def test_a_nan_version_after_a_short_headroom_is_still_rejected_not_deferred(tmp
     assert "forward" not in checks.ran
 
 
-def test_without_the_check_process_the_checks_run_one_after_another(tmp_path: Path, monkeypatch):
+def test_without_the_check_process_the_checks_run_one_after_another(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     checks = Checks(monkeypatch, wait_s=0.2)  # one after another, no forward can have started: no race
     seen: list[CheckResult] = []
     report = run_checks(published(tmp_path / "v"), CheckSettings(isolate_checks=False), on_result=seen.append)
