@@ -150,45 +150,39 @@ class RolloutEngine:
 
     def _move(self, rid: int, ckpt: CheckpointRef, fallback: CheckpointRef | None, batches: list[Batch],
               target: Target, early: Target | None, should_yield: Callable[[], bool]) -> Outcome:  # fmt: skip
-        """Preflight, then the batches: the result and its `rollouts.detail`, not yet recorded.
-        Every worker is prepared from the start, the first batch's while the preflight asks (its
-        source opened before its turn, not inside it: issue 41)."""
-        with PreparedAhead(self.driver, self.fleet, batches, target) as ahead:
-            unavailable = self._preflight(rid, ckpt, fallback, [w for b in batches for w in b.workers])
-            if unavailable:
-                reason = f"worker {', '.join(unavailable)} not available before the rollout and could not be restored"
-                detail = {"reason": reason, "kind": FailureKind.UNAVAILABLE.value, "step": "preflight",
-                          "unrecovered": unavailable}  # fmt: skip
-                return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable,
-                                     kind=FailureKind.UNAVAILABLE), detail  # fmt: skip
-            if self.before_workers is not None:
-                try:
-                    self.before_workers(ckpt)
-                except Exception as exc:  # noqa: BLE001 - the rebase after the rollout holds adapters to the base too
-                    log.error("before_workers_failed", rollout=rid, version=ckpt.version, error=str(exc))
-            return self._batches(rid, ckpt, fallback, batches, target, early, should_yield, ahead)
+        """Preflight, then the batches: the result and its `rollouts.detail`, not yet recorded."""
+        unavailable = self._preflight(rid, ckpt, fallback, [w for b in batches for w in b.workers])
+        if unavailable:
+            reason = f"worker {', '.join(unavailable)} not available before the rollout and could not be restored"
+            detail = {"reason": reason, "kind": FailureKind.UNAVAILABLE.value, "step": "preflight",
+                      "unrecovered": unavailable}  # fmt: skip
+            return RolloutResult(rid, RolloutOutcome.FAILED, reason, unrecovered=unavailable,
+                                 kind=FailureKind.UNAVAILABLE), detail  # fmt: skip
+        if self.before_workers is not None:
+            try:
+                self.before_workers(ckpt)
+            except Exception as exc:  # noqa: BLE001 - the rebase after the rollout holds adapters to the base too
+                log.error("before_workers_failed", rollout=rid, version=ckpt.version, error=str(exc))
 
-    def _batches(self, rid: int, ckpt: CheckpointRef, fallback: CheckpointRef | None, batches: list[Batch],
-                 target: Target, early: Target | None, should_yield: Callable[[], bool],
-                 ahead: PreparedAhead) -> Outcome:  # fmt: skip
         moved: list[tuple[WorkerHandle, RolloutMode]] = []
         drained_last = False  # the previous batch took a worker out of a load balancer's rotation
-        for batch in batches:
-            if drained_last and batch.mode == "drain":
-                # the workers just resumed are ready, but a load balancer sees that only at its
-                # next health check: draining the next batch now could leave it none to send to
-                time.sleep(self.settings.rejoin_s)
-            if should_yield():
-                names = [h.name for h, _ in moved]
-                return RolloutResult(rid, RolloutOutcome.SUPERSEDED, "stopped at a batch boundary for newer work",
-                                     moved=names), {"moved": names}  # fmt: skip
-            outcomes = self._run_batch(batch, rid, target, ahead)
-            moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
-            drained_last = batch.mode == "drain" and any(changed for _, changed, _ in outcomes)
-            failures = [(h, f) for h, _, f in outcomes if f is not None]
-            if failures:
-                ahead.close()  # no preparation lands after the failure path has begun
-                return self._fail(rid, ckpt, fallback, failures, moved, batch, early)
+        with PreparedAhead(self.driver, self.fleet, batches[1:], target) as ahead:
+            for batch in batches:
+                if drained_last and batch.mode == "drain":
+                    # the workers just resumed are ready, but a load balancer sees that only at its
+                    # next health check: draining the next batch now could leave it none to send to
+                    time.sleep(self.settings.rejoin_s)
+                if should_yield():
+                    names = [h.name for h, _ in moved]
+                    return RolloutResult(rid, RolloutOutcome.SUPERSEDED, "stopped at a batch boundary for newer work",
+                                         moved=names), {"moved": names}  # fmt: skip
+                outcomes = self._run_batch(batch, rid, target, ahead)
+                moved += [(h, batch.mode) for h, changed, failure in outcomes if failure is None and changed]
+                drained_last = batch.mode == "drain" and any(changed for _, changed, _ in outcomes)
+                failures = [(h, f) for h, _, f in outcomes if f is not None]
+                if failures:
+                    ahead.close()  # no preparation lands after the failure path has begun
+                    return self._fail(rid, ckpt, fallback, failures, moved, batch, early)
         names = [h.name for h, _ in moved]
         return RolloutResult(rid, RolloutOutcome.SUCCEEDED, moved=names), {"moved": names}
 
@@ -355,16 +349,15 @@ class RolloutEngine:
 
 
 class PreparedAhead:
-    """Prepare (open, read ahead and check) every worker of the rollout from its start, the first
-    batch's during the preflight and the later ones' while the first batch updates, so each
-    worker's turn starts with its source already open: on the disk
+    """Prepare (open, read ahead and check) the workers of the later batches while the first
+    batch updates, so each later worker's turn starts with its source already open: on the disk
     transport a prepare reads and hashes the whole version (~1.1 s for 8B on an H200), which was
     paid once per worker, one after the other (issue 15). A worker already on the target, or
     not RUNNING, is left to its own turn (which checks and prepares it as before)."""
 
-    def __init__(self, driver: WorkerDriver, fleet: WorkerSet, batches: list[Batch], target: Target) -> None:
+    def __init__(self, driver: WorkerDriver, fleet: WorkerSet, later: list[Batch], target: Target) -> None:
         self.driver, self.fleet, self.target = driver, fleet, target
-        names = [n for b in batches for n in b.workers if isinstance(fleet[n].client, PreparesUpdates)]
+        names = [n for b in later for n in b.workers if isinstance(fleet[n].client, PreparesUpdates)]
         self._pool = ThreadPoolExecutor(max_workers=len(names), thread_name_prefix="prepare") if names else None
         self._futures: dict[str, Future[bool]] = {}
         if self._pool is not None:

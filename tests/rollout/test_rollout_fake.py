@@ -953,43 +953,6 @@ def test_later_workers_are_prepared_while_the_first_updates_and_each_is_prepared
         svc.stop()
 
 
-def test_the_first_worker_is_prepared_while_the_preflight_still_asks(
-    reg: Registry, tmp_path: Path, fake_kind: None
-) -> None:
-    """issue 41: the first batch's source is opened beside the preflight, not after it. w1's
-    first weight_info (the preflight's) answers only once w0 was prepared, or after 10 s."""
-    import threading
-
-    log: list[str] = []
-    w0, w1 = PreparingFake("w0", log), PreparingFake("w1", log)
-    prepared = threading.Event()
-    orig_prepare, orig_info = w0.prepare, w1.weight_info
-    armed, asked = threading.Event(), []  # armed once the service is up: its start asks too
-
-    def prepare(request: Any) -> None:
-        orig_prepare(request)
-        prepared.set()
-
-    def weight_info() -> Any:
-        if armed.is_set() and not asked:
-            asked.append(prepared.wait(10))
-        return orig_info()
-
-    w0.prepare = prepare  # type: ignore[method-assign]
-    w1.weight_info = weight_info  # type: ignore[method-assign]
-    svc = _service(reg, tmp_path, w0, w1, max_unavailable=1)
-    try:
-        v0 = verified(reg, "v0")
-        svc.journal.set_alias("serving", v0.id)
-        svc.journal.set_alias("last_good", v0.id)
-        armed.set()
-        assert svc.decisions.deploy_new(verified(reg, "v1"))["outcome"] == "succeeded"
-        assert asked == [True], log
-        assert log.count("w0.prepare v1") == 1 and "w0.update v1 prepared=True" in log, log
-    finally:
-        svc.stop()
-
-
 def test_a_worker_already_on_the_target_is_not_prepared_ahead(reg: Registry, tmp_path: Path, fake_kind: None) -> None:
     log: list[str] = []
     w0, w1 = PreparingFake("w0", log), PreparingFake("w1", log, version="v1")
