@@ -419,7 +419,10 @@ def test_dead_worker_is_marked_by_the_poll_and_restarted_before_the_next_rollout
     d = start_fleet(daemon_factory, sqlite_url, pool, rollout={**FAST, "health_poll_s": 0.5}, checks=FEW_CHECKS)
     w0, w1 = pool.workers
     old_pid = w1.kill()
-    wait_until(lambda: worker_row(d.registry, "w1")["state"] == "UNREACHABLE", 60, what="the poll to mark w1")
+    # a kill between the poll's admin answer and its serving-port probe is first recorded by the
+    # probe ("did not answer /health", also true); the next pass asks the admin API: no answer
+    wait_until(lambda: worker_row(d.registry, "w1")["state"] == "UNREACHABLE"
+               and "no answer" in (worker_row(d.registry, "w1")["last_error"] or ""), 60, what="the poll to mark w1")  # fmt: skip
     assert "no answer" in worker_row(d.registry, "w1")["last_error"]
     assert worker_row(d.registry, "w0")["state"] == "RUNNING"
 
