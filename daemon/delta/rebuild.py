@@ -2,13 +2,17 @@
 
     rebuild_delta(delta_dir, manifest, spec, base_dir, base_files, out_dir)
 
-Every delta file is hashed against the signed `delta` section before it is used. Each base file
-the result needs is re-hashed (in a thread beside the decoding) against the digests the base was
-verified with: with the strong hash alone where it has one (equal bytes hash equal: the CRC32C
-would prove nothing more), else with CRC32C; a base changed on disk since is refused. Each rebuilt
+Every delta file is hashed against the signed `delta` section before it is used. Each rebuilt
 file is hashed in memory as its chunks are decoded (CRC32C per chunk, the strong hash in file
 order: daemon.bytepipe.sinks), so the result is checked against the manifest with no second read
-of 16 GB. The result is assembled in a hidden temporary folder beside `out_dir` and renamed into
+of 16 GB. That check is also what proves the base bytes a rebuilt file was decoded from: a base
+changed on disk since it was verified decodes to a result that does not match, so the bases of
+rebuilt files are not re-hashed on the way (16 GB of hashing beside the decoding, for the 8B
+layout); only when a result does not match is its base hashed, to say which was wrong. Each base
+file the result copies unchanged is re-hashed (in a thread beside the decoding) against the
+digests the base was verified with: with the strong hash alone where it has one (equal bytes hash
+equal: the CRC32C would prove nothing more), else with CRC32C; a base changed on disk since is
+refused. The result is assembled in a hidden temporary folder beside `out_dir` and renamed into
 place only when everything held, so `out_dir` is either whole or absent; any failure removes the
 temporary folder and raises `DeltaError` naming the problem. The result is then verified like any
 full checkpoint (the manifest copied in is the delta's own, signature and all).
@@ -48,7 +52,7 @@ class Rebuilt:
     directory: Path
     delta_bytes: int  # the delta files read (what a host fetches)
     result_bytes: int
-    base_bytes: int  # base bytes re-hashed
+    base_bytes: int  # base bytes the result was made from (read; re-hashed only where copied unchanged)
     recycled_bytes: int | None = None  # bytes written over `recycle`'s files; None: no directory was taken
 
 
@@ -130,11 +134,8 @@ def rebuild_delta(
         with ThreadPoolExecutor(n, thread_name_prefix="delta-dec") as pool, \
                 ThreadPoolExecutor(1, thread_name_prefix="delta-base") as hasher, \
                 ThreadPoolExecutor(max(1, len(rebuilt)), thread_name_prefix="delta-file") as files:  # fmt: skip
-            # a base verified with a strong hash is re-hashed with it alone: equal bytes hash equal,
-            # so its CRC32C adds no proof (a base listed with a CRC alone keeps its CRC check)
-            strong_only = all(base_files[r].hash and base_files[r].hash_alg == alg for r in needed)
-            base_hashes = hasher.submit(hash_files, [base_dir / r for r in needed], alg=alg, crc=not strong_only,
-                                        threads=n)  # fmt: skip
+            copied = [r for r in needed if r not in by_target]  # the rebuilt ones are proven by their result
+            base_hashes = hasher.submit(_base_digests, base_dir, copied, base_files, alg, n)
             maps: dict[str, np.ndarray] = {r: map_file(base_dir / r) for r in needed}
             buffers = ChunkBuffers()  # shared by the files: about the chunks being decoded, not one per chunk
             for f in manifest.files:
@@ -146,7 +147,12 @@ def rebuild_delta(
                 target = tmp / f.path
                 size = rebuild_file(delta_dir / d.path, maps.get(f.path), target, pool, d.path,
                                     on_chunk=in_memory.taker(target), window=2 * n, buffers=buffers)  # fmt: skip
-                _check(in_memory.digest(target, size), f, f"result file {f.path} (rebuilt from {d.path})")
+                try:
+                    _check(in_memory.digest(target, size), f, f"result file {f.path} (rebuilt from {d.path})")
+                except DeltaError:
+                    if f.path in base_files:  # say so when it is the base that changed, not the delta
+                        _check_bases(_base_digests(base_dir, [f.path], base_files, alg, n))
+                    raise
                 return size
 
             jobs = [files.submit(one, f, d) for f, d in rebuilt]
@@ -155,15 +161,29 @@ def rebuild_delta(
             except BaseException:
                 in_memory.strong.abort()
                 raise
-            for rel, digest in zip(needed, base_hashes.result(), strict=True):
-                want = replace(base_files[rel], crc32c="") if strong_only else base_files[rel]
-                _check(digest, want, f"base file {rel} (changed on this host since it was verified)")
+            _check_bases(base_hashes.result())
         shutil.copyfile(delta_dir / MANIFEST_NAME, tmp / MANIFEST_NAME)
         _replace(tmp, out_dir)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return Rebuilt(out_dir, spec.delta_bytes, result, sum(base_files[r].bytes for r in needed), recycled)
+
+
+def _base_digests(base_dir: Path, rels: list[str], base_files: Mapping[str, ManifestFile], alg: str,
+                  threads: int) -> list[tuple[str, FileDigest, ManifestFile]]:  # fmt: skip
+    """Each base file's digest now, beside what it was verified with. A base verified with a strong
+    hash is re-hashed with it alone: equal bytes hash equal, so its CRC32C adds no proof (a base
+    listed with a CRC alone keeps its CRC check)."""
+    strong_only = all(base_files[r].hash and base_files[r].hash_alg == alg for r in rels)
+    digests = hash_files([base_dir / r for r in rels], alg=alg, crc=not strong_only, threads=threads)
+    return [(r, d, replace(base_files[r], crc32c="") if strong_only else base_files[r])
+            for r, d in zip(rels, digests, strict=True)]  # fmt: skip
+
+
+def _check_bases(digests: list[tuple[str, FileDigest, ManifestFile]]) -> None:
+    for rel, digest, want in digests:
+        _check(digest, want, f"base file {rel} (changed on this host since it was verified)")
 
 
 def _recycle(stale: Path, tmp: Path, want: Mapping[str, int]) -> int | None:

@@ -82,3 +82,46 @@ def test_a_base_changed_on_disk_since_it_was_verified_is_refused(tmp_path: Path,
         rebuild_delta(out, m, spec, base, files, dest)
     assert not dest.exists()
     assert [p.name for p in dest.parent.iterdir()] == []
+
+
+def test_a_rebuilt_files_base_changed_on_disk_is_refused_and_named(tmp_path: Path) -> None:
+    """The base of a shard the delta rebuilds, edited on this host after it was verified: the result
+    decoded from it does not match the manifest, and the base's own hash then names the cause."""
+    base, _new, out = _delta(tmp_path)
+    m = load_manifest(out)
+    spec = parse(m, "t")
+    assert spec is not None
+    rebuilt = spec.files[0].target
+    raw = bytearray((base / rebuilt).read_bytes())
+    raw[len(raw) // 2] ^= 1  # inside a tensor the delta decodes against (a sparse step changes few elements)
+    (base / rebuilt).write_bytes(bytes(raw))
+    dest = tmp_path / "rebuilt" / "v2"
+    with pytest.raises(DeltaError, match=f"base file {rebuilt} \\(changed on this host since it was verified\\)"):
+        rebuild_delta(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, dest)
+    assert not dest.exists()
+    assert [p.name for p in dest.parent.iterdir()] == []
+
+
+def test_only_the_bases_copied_unchanged_are_re_hashed_when_every_result_matches(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A rebuilt file's result hash proves the base bytes it was decoded from, so the rebuild does
+    not hash those bases again (16 GB beside the decoding, for the 8B layout)."""
+    import daemon.delta.rebuild as rebuild_module
+
+    base, _new, out = _delta(tmp_path)
+    m = load_manifest(out)
+    spec = parse(m, "t")
+    assert spec is not None
+    hashed: list[str] = []
+    real = rebuild_module.hash_files
+
+    def recording(paths: list[Path], **kw: object) -> object:
+        hashed.extend(p.relative_to(base).as_posix() for p in paths if p.is_relative_to(base))
+        return real(paths, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(rebuild_module, "hash_files", recording)
+    rebuild_delta(out, m, spec, base, {f.path: f for f in load_manifest(base).files}, tmp_path / "r")
+    targets = {d.target for d in spec.files}
+    copied = {f.path for f in m.files if f.path not in targets}
+    assert copied and set(hashed) == copied, (hashed, copied)
