@@ -285,6 +285,19 @@ class CheckFailed(Exception):
         self.deferred = deferred
 
 
+def memory_short(exc: BaseException) -> bool:
+    """The host or a device ran out of memory (torch's OutOfMemoryError, CUDA's "out of memory",
+    Python's MemoryError): the host's state, not the version's fault."""
+    return isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc)
+
+
+def deferred_for_memory(name: str, exc: BaseException) -> CheckFailed:
+    """A check that ran out of memory defers the version (retried once headroom passes) instead of
+    rejecting it: a good version must not be refused for what else holds the GPU at the moment."""
+    return CheckFailed(f"{name} check ran out of memory ({type(exc).__name__}: {str(exc)[:200]}); "
+                       "deferred until memory frees", {"out_of_memory": True}, deferred=True)  # fmt: skip
+
+
 @dataclass(slots=True)
 class CheckContext:
     """State one check leaves for the next (file list, tensor table, ...)."""

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from daemon.bytepipe import StagedTensors, stage_files
-from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed
+from daemon.checks.base import DEFAULT_TEXTS, CheckContext, CheckFailed, deferred_for_memory, memory_short
 from daemon.checks.canary import CANARIES, REFERENCES, bind, model_config, run_scanned, weights_identity
 from daemon.checks.headers import load_table
 from daemon.formats import HeaderError, LayoutError, read_config, tensor_table, weight_files
@@ -203,6 +203,8 @@ def check_forward(ctx: CheckContext) -> dict[str, Any]:
     try:
         new, extremes, weights_from = _canary_logits(ctx, ctx.directory, device, prompts, timing)
     except (RuntimeError, TypeError, AttributeError, NotImplementedError) as exc:
+        if memory_short(exc):  # the whole model would need more: the version is deferred, not rejected
+            raise deferred_for_memory("forward", exc) from None
         # the canary is an optimisation: if this transformers/torch cannot run it, build the model
         new = _logits(build_model(ctx.directory, device), prompts, device)
         extremes = [(float(lo), float(hi)) for lo, hi in (torch.aminmax(logits) for logits in new)]

@@ -35,7 +35,7 @@ from multiprocessing.connection import Connection
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
-from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped
+from daemon.checks.base import CheckContext, CheckFailed, CheckSkipped, deferred_for_memory, memory_short
 
 ISOLATED: tuple[str, ...] = ("headers", "compat", "forward")
 START_LIMIT_S = 600.0  # the child's start and imports (torch: half a minute or more on a busy host)
@@ -254,8 +254,8 @@ def main(fd: int) -> None:
             answer = ("failed", (exc.reason, exc.detail, exc.deferred))
         except CheckSkipped as exc:
             answer = ("skipped", (exc.reason, exc.detail))
-        except Exception as exc:  # the runner records it as a crash, with the cause
-            answer = ("crashed", f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # noqa: BLE001  (answered: see crash_answer)
+            answer = crash_answer(name, exc)
         finally:
             # the parent's own copy is let go before answering (the parent frees it next); a view of
             # the loader's buffer closes after it (the loader frees on its own accounting): its
@@ -285,3 +285,12 @@ def _ms_since(t0: float) -> float:
 def _release(staged: Any, how: str = "release") -> None:
     with contextlib.suppress(Exception):
         getattr(staged, how)()
+
+
+def crash_answer(name: str, exc: Exception) -> tuple[str, Any]:
+    """The child's answer for a check that raised: the runner records it as a crash, with the cause,
+    except a host or device short of memory, which defers the version (daemon.checks.base)."""
+    if memory_short(exc):
+        failed = deferred_for_memory(name, exc)
+        return "failed", (failed.reason, failed.detail, True)
+    return "crashed", f"{type(exc).__name__}: {exc}"

@@ -23,6 +23,8 @@ from daemon.checks.base import (
     CheckSkipped,
     VerifyReport,
     VerifyStager,
+    deferred_for_memory,
+    memory_short,
 )
 from daemon.checks.isolation import CHECK_PROCESS, ISOLATED
 from daemon.checks.lookup import resolve
@@ -113,7 +115,11 @@ def _attempt(name: str, adapter: bool, ctx: CheckContext, settings: CheckSetting
         detail = {"reason": exc.reason, **exc.detail}
         ok, deferred = False, exc.deferred
     except Exception as exc:  # a bug or an OS fault in a check must still reject, with the cause
-        detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
+        if memory_short(exc):  # but not a host or GPU short of memory: that defers
+            failed = deferred_for_memory(name, exc)
+            detail, deferred = {"reason": failed.reason, **failed.detail}, True
+        else:
+            detail = {"reason": f"{name} check crashed: {type(exc).__name__}: {exc}", "internal_error": True}
         ok = False
     return CheckResult(name, ok, detail, started, (time.perf_counter() - t0) * 1000.0, deferred, skipped)
 
