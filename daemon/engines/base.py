@@ -152,11 +152,12 @@ class MapsAhead(Protocol):
 @runtime_checkable
 class ReadsAhead(Protocol):
     """Optional: the worker can read a disk version into a buffer of its own while the daemon
-    still verifies it, hashing each file with `alg` (`read_ahead(version, path, alg)`, answered
-    at once); its prepare takes that buffer when the digests are the verified ones.
+    still verifies it, hashing each file with `alg` (`read_ahead(version, path, alg, reserve)`,
+    answered at once), only when its device keeps `reserve` bytes free beside the buffer; its
+    prepare takes that buffer when the digests are the verified ones.
     `read_ahead(None, None, None)` lets go of it (the version failed its checks)."""
 
-    def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None: ...
+    def read_ahead(self, version: str | None, path: str | None, alg: str | None, reserve: int = 0) -> None: ...
 
 
 @runtime_checkable

@@ -226,9 +226,9 @@ class BuiltinWorkerClient:
         """`POST /admin/map_ahead`: open `version`'s loader buffer now (MapsAhead); answered at once."""
         self._admin("/admin/map_ahead", "map_ahead", {"version": version, "loader": loader})
 
-    def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None:
+    def read_ahead(self, version: str | None, path: str | None, alg: str | None, reserve: int = 0) -> None:
         """`POST /admin/read_ahead`: read `version`'s files at `path` now (ReadsAhead); answered at once."""
-        self._admin("/admin/read_ahead", "read_ahead", {"version": version, "path": path, "alg": alg})
+        self._admin("/admin/read_ahead", "read_ahead", {"version": version, "path": path, "alg": alg, "reserve": reserve})
 
     def rollback(self, request: UpdateRequest) -> UpdateResult:
         """Back to an earlier version: the same in-place update, from the request the daemon kept."""

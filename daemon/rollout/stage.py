@@ -77,8 +77,14 @@ class WorkerAsks:
     def map_ahead(self, version: str | None, loader: str | None) -> None:
         self._each(MapsAhead, "map_ahead", version, lambda c: c.map_ahead(version, loader))
 
-    def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None:
-        self._each(ReadsAhead, "read_ahead", version, lambda c: c.read_ahead(version, path, alg))
+    def read_ahead(self, version: str | None, path: str | None, alg: str | None, nbytes: int = 0) -> None:
+        """Each worker's read-ahead buffer leaves room (`reserve`) for the other workers' buffers
+        and for the checks' staged copy, all of `nbytes`, as if they were on its device: the asks
+        go out at once, so no worker can count on seeing the others' allocations (issue 41: on an
+        80 GB H100 two read-aheads took the memory the forward check needed)."""
+        asked = sum(isinstance(h.client, ReadsAhead) for h in self.fleet)
+        reserve = nbytes * asked  # (asked - 1) other workers + the checks' copy
+        self._each(ReadsAhead, "read_ahead", version, lambda c: c.read_ahead(version, path, alg, reserve))
 
     def settle(self, timeout: float) -> bool:
         """Wait until every ask made so far was answered (or failed); False after `timeout`."""
@@ -115,7 +121,7 @@ def ask_to_map_ahead(fleet: WorkerSet) -> Callable[[str | None, str | None], Non
     return WorkerAsks(fleet).map_ahead
 
 
-def ask_to_read_ahead(fleet: WorkerSet) -> Callable[[str | None, str | None, str | None], None]:
+def ask_to_read_ahead(fleet: WorkerSet) -> Callable[[str | None, str | None, str | None, int], None]:
     return WorkerAsks(fleet).read_ahead
 
 

@@ -155,11 +155,11 @@ class Outgoing:
 class WorkersAhead:
     """How a sender's verify stager reaches this host's workers while a version is verified, so
     they start on it before the rollout: `map` (ipc: open the loader's buffer; (version, loader))
-    and `read` (disk: read and hash the files; (version, path, alg)); None: no worker asked.
-    Called with a version of None, each lets go of what it took (the version failed)."""
+    and `read` (disk: read and hash the files; (version, path, alg, the version's bytes)); None:
+    no worker asked. Called with a version of None, each lets go of what it took (the version failed)."""
 
     map: Callable[[str | None, str | None], None] | None = None
-    read: Callable[[str | None, str | None, str | None], None] | None = None
+    read: Callable[[str | None, str | None, str | None, int], None] | None = None
 
 
 @dataclass(frozen=True, slots=True)

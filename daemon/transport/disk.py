@@ -108,18 +108,19 @@ class ReadAheadAsk:
 
     holds_bytes = False  # asked with checks.stage_device "off" too: the workers read, not the checks
 
-    def __init__(self, version: str, read: Callable[[str | None, str | None, str | None], None]) -> None:
+    def __init__(self, version: str, read: Callable[[str | None, str | None, str | None, int], None]) -> None:
         self.version, self.read = version, read
         self.asked = False
 
     def stage(self, root: Path, rels: list[str], alg: str, on_mapped: Any = None) -> None:
         if alg != "crc32c":  # a read ahead is vouched for by a strong hash only
-            self.read(self.version, str(root), alg)
+            nbytes = sum((root / r).stat().st_size for r in rels)  # the workers keep room for copies of it
+            self.read(self.version, str(root), alg, nbytes)
             self.asked = True
 
     def finish(self, ok: bool, files: list[Any], digest: str | None) -> None:
         if self.asked and not ok:
-            self.read(None, None, None)
+            self.read(None, None, None, 0)
 
 
 def open_update(request: UpdateRequest, store: object) -> DiskTransport:
@@ -176,6 +177,7 @@ class DiskTransport:
         self.flat: torch.Tensor | None = None
         self.ahead: Any = None  # a daemon.transport.ahead.Ahead (imported with torch, worker side only)
         self.ahead_note: str | None = None  # why a stage() read nothing ahead
+        self.reserve_bytes = 0  # what the device must keep free beside the buffer (a read-ahead's ask)
         self.ahead_seconds = 0.0
 
     # -- WeightTransport -------------------------------------------------------------------
@@ -207,7 +209,7 @@ class DiskTransport:
         if device.type != "cuda" and self.stage_ahead != "on":
             return
         need = layout_like(params, self.flat)[1]
-        self.ahead_note = room_for(device, need)
+        self.ahead_note = room_for(device, need + self.reserve_bytes)
         if self.ahead_note is not None:
             return
         ahead = Ahead(params, self.flat)

@@ -179,8 +179,8 @@ class Controller:
 
     def read_ahead(self, raw: Any) -> dict[str, Any]:
         """Read a disk version ahead of its verification (daemon.worker.read_ahead); answers at once."""
-        version, path, alg = updates.parse_read_ahead(raw)
-        self.disk_ahead.want(version, path, alg)
+        version, path, alg, reserve = updates.parse_read_ahead(raw)
+        self.disk_ahead.want(version, path, alg, reserve)
         return {"version": version, "state": self.state.value}
 
     def _prepared_version(self) -> str | None:

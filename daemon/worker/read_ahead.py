@@ -40,9 +40,11 @@ class ReadAhead:
         self._reading: tuple[int, str, str, threading.Event] | None = None  # (ticket, version, path, done)
         self._held: tuple[str, str, Opened, float] | None = None  # (version, path, opened, since)
 
-    def want(self, version: str | None, path: str | None, alg: str | None) -> None:
+    def want(self, version: str | None, path: str | None, alg: str | None, reserve: int = 0) -> None:
         """Read `version` from directory `path`, hashed with `alg`, on a thread of its own (the
-        daemon does not wait for it); None: let go of what is held."""
+        daemon does not wait for it), only when the device keeps `reserve` bytes free beside the
+        buffer (room for the other workers' read-aheads and the checks' copy); None: let go of
+        what is held."""
         with self._lock:
             self._wanted += 1
             ticket, held, self._held = self._wanted, self._held, None
@@ -53,15 +55,15 @@ class ReadAhead:
             self.event("read_ahead_skipped", version=version, why="serving it already")
             return
         if version is not None and path is not None and alg is not None:
-            threading.Thread(target=self._read, args=(ticket, version, path, alg, done), name=f"read-ahead-{version}",
+            threading.Thread(target=self._read, args=(ticket, version, path, alg, reserve, done), name=f"read-ahead-{version}",
                              daemon=True).start()  # fmt: skip
 
-    def _read(self, ticket: int, version: str, path: str, alg: str, done: threading.Event) -> None:
+    def _read(self, ticket: int, version: str, path: str, alg: str, reserve: int, done: threading.Event) -> None:
         t0 = time.perf_counter()
         opened: Opened | None = None
         try:
             opened = open_and_validate(UpdateRequest(version, "disk", {"path": path}, "copy", Expect()), self.store,
-                                       open_transport=lambda _r, store: _transport(path, alg, store))  # fmt: skip
+                                       open_transport=lambda _r, store: _transport(path, alg, store, reserve))  # fmt: skip
             transport = opened.transport
             assert isinstance(transport, DiskTransport)
             transport.stage(self.store.params)
@@ -134,8 +136,9 @@ class ReadAhead:
         self.event("read_ahead_released", version=held[0], why=why)
 
 
-def _transport(path: str, alg: str, store: Any) -> DiskTransport:
+def _transport(path: str, alg: str, store: Any, reserve: int = 0) -> DiskTransport:
     tr = DiskTransport(path, compute_alg=alg)
+    tr.reserve_bytes = reserve
     tr.stage_ahead = getattr(store, "stage_disk", "auto")
     tr.flat = getattr(store, "flat", None)
     return tr

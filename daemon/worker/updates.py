@@ -104,21 +104,25 @@ def parse_request(raw: Any) -> UpdateRequest:
     return request
 
 
-def parse_read_ahead(raw: Any) -> tuple[str | None, str | None, str | None]:
+def parse_read_ahead(raw: Any) -> tuple[str | None, str | None, str | None, int]:
     """The body of `POST /admin/read_ahead`: {"version": str | null, "path": absolute checkpoint
-    directory, "alg": the strong hash its files are verified with}."""
-    if not isinstance(raw, dict) or set(raw) - {"version", "path", "alg"}:
-        raise BadRequest("read_ahead takes {'version': str or null, 'path': a checkpoint directory, 'alg': blake3|sha256}")
-    version, path, alg = raw.get("version"), raw.get("path"), raw.get("alg")
+    directory, "alg": the strong hash its files are verified with, "reserve": bytes the device must
+    keep free beside the buffer (optional, default 0)}."""
+    if not isinstance(raw, dict) or set(raw) - {"version", "path", "alg", "reserve"}:
+        raise BadRequest("read_ahead takes {'version': str or null, 'path': a checkpoint directory, "
+                         "'alg': blake3|sha256, 'reserve': bytes}")  # fmt: skip
+    version, path, alg, reserve = raw.get("version"), raw.get("path"), raw.get("alg"), raw.get("reserve", 0)
+    if not isinstance(reserve, int) or isinstance(reserve, bool) or not 0 <= reserve < 1 << 60:
+        raise BadRequest("'reserve' must be a whole number of bytes, 0 or more")
     if version is None:
-        return None, None, None
+        return None, None, None, 0
     if not isinstance(version, str) or not 0 < len(version) <= MAX_VERSION_CHARS or "\x00" in version:
         raise BadRequest(f"'version' must be a version label of 1 to {MAX_VERSION_CHARS} characters")
     if not isinstance(path, str) or not path.startswith("/") or len(path) > 4096 or "\x00" in path:
         raise BadRequest("'path' must be the absolute path of the checkpoint directory")
     if alg not in STRONG_ALGS:
         raise BadRequest(f"'alg' must be one of {', '.join(STRONG_ALGS)} (a strong hash: the read is vouched for by it)")
-    return version, path, alg
+    return version, path, alg, reserve
 
 
 def parse_map_ahead(raw: Any) -> tuple[str | None, str | None]:

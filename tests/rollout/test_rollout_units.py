@@ -260,20 +260,44 @@ def test_a_let_go_never_overtakes_the_ask_it_answers_on_one_worker_and_reads_ahe
         def __init__(self) -> None:
             self.asked: list[tuple[str | None, str | None, str | None]] = []
 
-        def read_ahead(self, version: str | None, path: str | None, alg: str | None) -> None:
+        def read_ahead(self, version: str | None, path: str | None, alg: str | None, reserve: int = 0) -> None:
             if version is not None:  # the ask is slow; the let-go that follows is not
                 assert gate.wait(30)
             self.asked.append((version, path, alg))
 
     r = Reader()
     ask = ask_to_read_ahead(WorkerSet([WorkerHandle(WorkerSpec(name="slow", url="http://fake/slow", kind="fake"), r, "http://fake/slow")]))  # type: ignore[arg-type]
-    ask("v7", "/ckpt/v7", "blake3")
-    ask(None, None, None)  # the version failed its checks while the worker was still being asked
+    ask("v7", "/ckpt/v7", "blake3", 100)
+    ask(None, None, None, 0)  # the version failed its checks while the worker was still being asked
     gate.set()
     deadline = time.monotonic() + 30
     while len(r.asked) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert r.asked == [("v7", "/ckpt/v7", "blake3"), (None, None, None)]
+
+
+def test_each_read_ahead_leaves_room_for_the_other_workers_buffers_and_the_checks_copy() -> None:
+    """Seen on an 80 GB H100: two workers' read-aheads (16 GB each, asked at once) took the memory
+    the forward check needed. Each worker is asked to keep free, beside its own buffer, a copy of
+    the version for every other worker asked and one for the checks: race-free, since the asks go
+    out at once and no worker can count on seeing the others' allocations."""
+    from daemon.rollout.stage import WorkerAsks
+    from daemon.rollout.states import WorkerHandle, WorkerSet
+
+    class Reader:
+        def __init__(self, name: str) -> None:
+            self.name, self.reserves = name, []
+
+        def read_ahead(self, version: str | None, path: str | None, alg: str | None, reserve: int = 0) -> None:
+            self.reserves.append(reserve)
+
+    readers = [Reader("w0"), Reader("w1")]
+    handles = [WorkerHandle(WorkerSpec(name=r.name, url=f"http://fake/{r.name}", kind="fake"), r, f"http://fake/{r.name}")
+               for r in readers]  # type: ignore[arg-type]  # fmt: skip
+    asks = WorkerAsks(WorkerSet(handles))
+    asks.read_ahead("v7", "/ckpt/v7", "blake3", 16 << 30)
+    assert asks.settle(30)
+    assert [r.reserves for r in readers] == [[32 << 30], [32 << 30]]  # the other worker's copy + the checks'
 
 
 def test_worker_asks_settle_once_every_ask_was_answered_and_say_so_when_one_hangs() -> None:

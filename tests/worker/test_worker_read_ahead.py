@@ -120,9 +120,47 @@ def test_a_read_ahead_is_let_go_when_the_version_fails_and_not_taken_for_another
     {"version": "v9", "path": "/abs", "alg": "crc32c"},
     {"version": "v9", "path": "/abs", "alg": "blake3", "extra": 1},
     {"version": "", "path": "/abs", "alg": "blake3"},
+    {"version": "v9", "path": "/abs", "alg": "blake3", "reserve": -1},
+    {"version": "v9", "path": "/abs", "alg": "blake3", "reserve": "16G"},
+    {"version": "v9", "path": "/abs", "alg": "blake3", "reserve": True},
     [1, 2],
 ])  # fmt: skip
 def test_a_read_ahead_body_that_is_not_one_is_refused_by_name(w: WorkerProcess, body: Any) -> None:
     r = w.post("/admin/read_ahead", body, admin=True)
     assert r.status_code in (400, 422) and r.json()["error"], r.text
     assert w.info()["read_ahead"] is None
+
+
+def test_a_read_ahead_keeps_the_reserve_it_was_asked_for_free_or_reads_nothing_ahead(
+    root: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The device must hold the buffer and the `reserve` the daemon asked for (the other workers'
+    read-aheads and the checks' copy), else nothing is read ahead and the prepare reads as before.
+    The room is the device's (CUDA): here a device with 1 GiB free is stood in for."""
+    import torch
+
+    from daemon.transport import ahead as ahead_module
+    from daemon.transport.disk import DiskTransport
+    from daemon.worker.updates import parse_read_ahead
+
+    assert parse_read_ahead({"version": "v2", "path": "/abs", "alg": "blake3", "reserve": 5})[3] == 5
+    assert parse_read_ahead({"version": "v2", "path": "/abs", "alg": "blake3"})[3] == 0
+    asked: list[int] = []
+
+    def room_for(device: torch.device, nbytes: int) -> str | None:
+        asked.append(nbytes)
+        return None if nbytes <= 1 << 30 else f"{nbytes} needed, 1 GiB free"
+
+    monkeypatch.setattr(ahead_module, "room_for", room_for)
+    params = {n: torch.zeros(loc.entry.shape, dtype=torch.float32)
+              for n, loc in tensor_table(root / "v2")[0].items()}  # fmt: skip
+    need = sum(int(p.numel() * p.element_size()) for p in params.values())
+    for reserve, read in ((0, True), (2 << 30, False)):
+        tr = DiskTransport(str(root / "v2"))
+        tr.stage_ahead, tr.reserve_bytes = "on", reserve
+        try:
+            tr.stage(params)
+            assert (tr.ahead is not None) is read, tr.ahead_note
+            assert asked[-1] >= need + reserve and asked[-1] - reserve < need + 4096, asked
+        finally:
+            tr.close()
