@@ -114,7 +114,10 @@ class ReadAheadAsk:
 
     def stage(self, root: Path, rels: list[str], alg: str, on_mapped: Any = None) -> None:
         if alg != "crc32c":  # a read ahead is vouched for by a strong hash only
-            nbytes = sum((root / r).stat().st_size for r in rels)  # the workers keep room for copies of it
+            try:
+                nbytes = sum((root / r).stat().st_size for r in rels)  # the workers keep room for copies of it
+            except OSError:
+                return  # a file gone: the crc32c pass itself says so; nobody reads ahead
             self.read(self.version, str(root), alg, nbytes)
             self.asked = True
 
