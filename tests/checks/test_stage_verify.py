@@ -98,7 +98,7 @@ def test_stage_device_off_keeps_the_file_reading_checks(tmp_path: Path) -> None:
 def test_stage_device_off_still_asks_the_disk_workers_to_read_ahead_but_stages_nothing(tmp_path: Path) -> None:
     """"off" turns down a copy of the bytes (the loader's), not the disk workers' read ahead."""
     d = published(tmp_path / "v")
-    reads: list[tuple[str | None, str | None, str | None]] = []
+    reads: list[tuple[str | None, str | None, str | None, int]] = []
     sender = daemon_transport("disk", SenderOptions(state_dir=tmp_path))
     ask = sender.verify_stager("v1", "cpu", WorkersAhead(read=lambda *a: reads.append(a)))
     assert ask is not None and not ask.holds_bytes
@@ -115,7 +115,9 @@ def test_stage_device_off_still_asks_the_disk_workers_to_read_ahead_but_stages_n
 
     off = CheckSettings(isolate_checks=False, stage_device="off", hash_alg="blake3")
     assert run_checks(d, off, stager=ask).ok
-    assert reads == [("v1", str(d), "blake3")]  # asked once, never let go (the version passed)
+    weights = sum(f.stat().st_size for f in d.glob("*.safetensors"))
+    assert [r[:3] for r in reads] == [("v1", str(d), "blake3")]  # asked once, never let go (the version passed)
+    assert reads[0][3] >= weights  # the version's bytes: what each worker keeps room for, per copy
     copies = Copies()
     assert run_checks(d, off, stager=copies).ok and copies.staged == []
     on = CheckSettings(isolate_checks=False, hash_alg="blake3")
