@@ -23,17 +23,23 @@ def _status(registry, version: str) -> tuple[str, str | None]:
         return ckpt.status, ckpt.status_message
 
 
-def test_deferred_checkpoint_is_verified_once_memory_frees(registry, tmp_path: Path) -> None:
+def _processed(registry, tmp_path: Path, settings: CheckSettings) -> Coordinator:
+    """step-1 published, registered and through the checks once."""
     ckpt_dir = tmp_path / "step-1"
     publish_tiny(ckpt_dir, seed=1, version="step-1")
-    # a factor no host can satisfy stands in for "not enough RAM right now"
-    settings = CheckSettings(enabled=("manifest", "headers", "headroom"), headroom_factor=1e15)
     coordinator = Coordinator(registry, settings)
     ckpt_id = coordinator.register(
         DiscoveredCheckpoint("test", ckpt_dir, "step-1", "manifest", str(ckpt_dir), datetime.now(UTC))
     )
     assert ckpt_id is not None
     coordinator.process(ckpt_id)
+    return coordinator
+
+
+def test_deferred_checkpoint_is_verified_once_memory_frees(registry, tmp_path: Path) -> None:
+    # a factor no host can satisfy stands in for "not enough RAM right now"
+    settings = CheckSettings(enabled=("manifest", "headers", "headroom"), headroom_factor=1e15)
+    coordinator = _processed(registry, tmp_path, settings)
     status, message = _status(registry, "step-1")
     assert status == "deferred"
     assert message is not None and "host RAM available" in message
@@ -74,15 +80,8 @@ def test_a_check_that_runs_out_of_gpu_memory_defers_the_version_instead_of_rejec
 
     monkeypatch.setattr(forward, "_canary_logits", canary)
     monkeypatch.setattr(forward, "build_model", build)
-    ckpt_dir = tmp_path / "step-1"
-    publish_tiny(ckpt_dir, seed=1, version="step-1")
     settings = CheckSettings(enabled=("manifest", "headers", "crc32c", "headroom", "forward"), isolate_checks=False)
-    coordinator = Coordinator(registry, settings)
-    ckpt_id = coordinator.register(
-        DiscoveredCheckpoint("test", ckpt_dir, "step-1", "manifest", str(ckpt_dir), datetime.now(UTC))
-    )
-    assert ckpt_id is not None
-    coordinator.process(ckpt_id)
+    coordinator = _processed(registry, tmp_path, settings)
     status, message = _status(registry, "step-1")
     assert status == "deferred", (status, message)
     assert message is not None and "forward check ran out of memory (OutOfMemoryError: CUDA out of memory" in message
