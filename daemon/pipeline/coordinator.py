@@ -32,6 +32,7 @@ from structlog.stdlib import BoundLogger
 from daemon.checks import CHECK_PROCESS, CheckResult, CheckSettings, VerifyReport, VerifyStager, run_checks
 from daemon.common import DaemonMetrics, bind_version, get_logger
 from daemon.pipeline import deltas, rediscovery
+from daemon.pipeline.deferrals import MemoryDeferrals
 from daemon.pipeline.kinds import record_kind
 from daemon.pipeline.warmup import warm_up
 from daemon.registry import UNFINISHED, CheckpointStatus, Registry, hosts, status, unreachable
@@ -64,6 +65,7 @@ class Coordinator:
         self.sources: dict[str, Source] = dict(sources or {})  # by label, for the fetch step
         self.on_verified = on_verified  # the step after verify (stage + roll out); None: verify only
         self.observers = list(observers)
+        self.memory_deferrals = MemoryDeferrals()  # out of memory defers a version, a few times in a row
         self._queue: queue.Queue[int | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._stopping = threading.Event()
@@ -414,10 +416,11 @@ class Coordinator:
                     hashes={f.path: (f.hash_alg, f.hash) for f in report.files if f.hash and f.hash_alg},
                 )
             if not report.ok:
-                failed = C.DEFERRED if report.deferred else C.REJECTED
-                status.move(s, ckpt, failed, report.reason, duration_ms=duration_ms)
-                vlog.warning(failed.value, reason=report.reason, ms=round(duration_ms, 1))
+                failed, reason = self.memory_deferrals.verdict(checkpoint_id, report)
+                status.move(s, ckpt, failed, reason, duration_ms=duration_ms)
+                vlog.warning(failed.value, reason=reason, ms=round(duration_ms, 1))
                 return failed
+            self.memory_deferrals.forget(checkpoint_id)
             same = q.find_same_digest(s, report.digest, ckpt.id) if report.digest else None
             if same is not None:
                 status.move(

@@ -124,3 +124,36 @@ def test_any_check_out_of_memory_in_the_daemon_defers(tmp_path: Path, monkeypatc
     assert not report.ok and report.deferred
     assert report.results[-1].status == "deferred"
     assert report.reason is not None and report.reason.startswith("finite: finite check ran out of memory")
+
+
+def test_a_version_out_of_memory_three_times_in_a_row_is_rejected_and_reverify_starts_the_count_over(
+    registry, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A version whose own config asks the forward check for more memory than the device has would
+    otherwise be deferred for ever, read and hashed again every `deferred_retry_s`."""
+    import torch
+
+    from daemon.checks import forward
+    from daemon.pipeline.deferrals import OUT_OF_MEMORY_ATTEMPTS
+
+    def canary(*a: object, **kw: object) -> object:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 900.00 GiB")
+
+    monkeypatch.setattr(forward, "_canary_logits", canary)
+    settings = CheckSettings(enabled=("manifest", "headers", "crc32c", "headroom", "forward"), isolate_checks=False)
+    coordinator = _processed(registry, tmp_path, settings)
+    for _ in range(OUT_OF_MEMORY_ATTEMPTS - 2):
+        assert _status(registry, "step-1")[0] == "deferred"
+        assert coordinator.retry_deferred() == ["step-1"]
+        coordinator.process(coordinator._queue.get_nowait())
+    assert _status(registry, "step-1")[0] == "deferred"  # the second in a row
+    assert coordinator.retry_deferred() == ["step-1"]
+    coordinator.process(coordinator._queue.get_nowait())
+    status, message = _status(registry, "step-1")
+    assert status == "rejected" and message is not None, (status, message)
+    assert f"out of memory on {OUT_OF_MEMORY_ATTEMPTS} attempts in a row: rejected" in message
+    assert coordinator.retry_deferred() == []  # rejected: no longer retried
+
+    coordinator.reverify("step-1")  # an operator's retry: a fresh count
+    coordinator.process(coordinator._queue.get_nowait())
+    assert _status(registry, "step-1")[0] == "deferred"
